@@ -1,0 +1,36 @@
+// Non-owning views of tensors stored in ggml's layout.
+//
+// Shapes follow ggml/GGUF: ne[0] is the contiguous axis (the length of a row), ne[1] counts
+// rows, ne[2] and ne[3] stack matrices (e.g. experts). A GGUF weight of a linear layer that maps
+// n_in -> n_out is stored as ne = {n_in, n_out}: one row of n_in elements per output.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "berth/core/types.h"
+
+namespace berth {
+
+/// A read-only view of a tensor's bytes (e.g. inside a memory-mapped GGUF file).
+struct TensorView {
+  std::string name;                    ///< GGUF tensor name, for error messages
+  GgmlType type = GgmlType::F32;       ///< element / block type
+  std::array<int64_t, 4> ne{1, 1, 1, 1};  ///< elements per axis; ne[0] contiguous
+  int n_dims = 0;                      ///< dimensions as stored in the file (1..4; 0 = scalar)
+  const void* data = nullptr;          ///< first byte of row 0
+  size_t n_bytes = 0;                  ///< total bytes of the tensor
+
+  int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
+  /// Rows of ne[0] elements across all higher axes.
+  int64_t n_rows() const { return ne[1] * ne[2] * ne[3]; }
+  /// Bytes of one row along ne[0].
+  size_t row_bytes() const { return berth::row_bytes(type, ne[0]); }
+  const uint8_t* row(int64_t i) const {
+    return static_cast<const uint8_t*>(data) + static_cast<size_t>(i) * row_bytes();
+  }
+};
+
+}  // namespace berth

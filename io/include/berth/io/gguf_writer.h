@@ -1,0 +1,65 @@
+// GGUF writer (version 3 by default; version 2 on request). Used by tests, `berth quantize`
+// and the synthetic-model generator. Tensor data may be given as bytes or produced by a
+// callback at write time, so a multi-GB file is streamed to disk without being held in RAM.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "berth/io/gguf.h"
+
+namespace berth::gguf {
+
+class Writer {
+ public:
+  /// Fills `dst` (exactly the tensor's n_bytes) with the tensor's data.
+  using Producer = std::function<void(std::span<uint8_t> dst)>;
+
+  explicit Writer(uint32_t version = 3, uint64_t alignment = 32);
+
+  // Metadata, kept in insertion order. Setting an existing key replaces its value in place.
+  void set(std::string key, Value value);
+  void set_u32(std::string key, uint32_t v);
+  void set_i32(std::string key, int32_t v);
+  void set_u64(std::string key, uint64_t v);
+  void set_f32(std::string key, float v);
+  void set_bool(std::string key, bool v);
+  void set_string(std::string key, std::string v);
+  void set_string_array(std::string key, std::vector<std::string> v);
+  void set_f32_array(std::string key, std::vector<float> v);
+  void set_i32_array(std::string key, std::vector<int32_t> v);
+
+  /// Adds a tensor with its bytes copied now. `ne` has 1..4 entries, ne[0] contiguous.
+  /// Throws Error(invalid_argument) for a bad name (empty, >= 64 bytes, duplicate), shape or
+  /// a byte count that does not match type and shape.
+  void add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne,
+                  std::span<const uint8_t> bytes);
+  /// Adds a tensor whose bytes `produce` writes when the file is written.
+  void add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne, Producer produce);
+
+  /// Writes the file (streaming tensor data). Throws Error(io) naming the path on failure.
+  void write(const std::string& path) const;
+  /// The whole file as bytes (tests).
+  std::vector<uint8_t> to_bytes() const;
+
+ private:
+  struct PendingTensor {
+    std::string name;
+    GgmlType type;
+    std::vector<int64_t> ne;
+    uint64_t n_bytes;
+    std::vector<uint8_t> bytes;  // empty when produce is set
+    Producer produce;
+  };
+  void write_to(const std::function<void(const void*, size_t)>& sink) const;
+
+  uint32_t version_;
+  uint64_t alignment_;
+  std::vector<KeyValue> kvs_;
+  std::vector<PendingTensor> tensors_;
+};
+
+}  // namespace berth::gguf

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs berth's build dependencies from Debian/Ubuntu packages. Idempotent: packages that are
+# already installed are skipped, so a second run does nothing and needs no network.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build pkg-config ccache
+      libtbb-dev libhwloc-dev liburing-dev libhwy-dev libspdlog-dev libfmt-dev
+      doctest-dev libcli11-dev nlohmann-json3-dev libpcre2-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo_cmd=""
+  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all build dependencies are installed"
+fi
