@@ -21,3 +21,69 @@ inline std::filesystem::path temp_dir(const std::string& tag) {
 }
 
 }  // namespace berth::test
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <sys/wait.h>
+
+namespace berth::test {
+
+/// What a child process did: exit code (or the signal that killed it) and its output.
+struct CommandResult {
+  int exit_code = -1;     ///< valid when !signaled
+  bool signaled = false;  ///< killed by a signal (a crash)
+  int signal = 0;
+  std::string out, err;
+};
+
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/// Runs `args` (already shell-quoted where needed) through /bin/sh, capturing stdout/stderr.
+inline CommandResult run_command(const std::string& args) {
+  static int counter = 0;
+  const auto dir = temp_dir("cmd");
+  const auto out = dir / ("out" + std::to_string(counter));
+  const auto err = dir / ("err" + std::to_string(counter++));
+  const std::string cmd = args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  CommandResult r;
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+    // sh reports a child killed by signal N as exit code 128 + N.
+    if (r.exit_code > 128 && r.exit_code < 160) {
+      r.signaled = true;
+      r.signal = r.exit_code - 128;
+    }
+  } else if (WIFSIGNALED(status)) {
+    r.signaled = true;
+    r.signal = WTERMSIG(status);
+  }
+  r.out = read_file(out);
+  r.err = read_file(err);
+  return r;
+}
+
+/// Single-quotes `s` for /bin/sh.
+inline std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += (c == '\'') ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+/// The berth executable under test.
+inline std::string berth_bin() { return BERTH_BIN; }
+
+/// The 64 greedy tokens stories260K generates after "Once upon a time" (with BOS), as text
+/// (../shared/models/README.md).
+inline const std::string kStoriesContinuation =
+    ", there was a little girl named Lily. She loved to play outside in the park. One day, she "
+    "saw a big, red ball. She wanted to play with it, but it was too high.\nLily's mom said";
+
+}  // namespace berth::test

@@ -1,0 +1,120 @@
+// `berth run`: generate text from a prompt, streaming it to stdout.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <unistd.h>
+
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/model.h"
+#include "berth/models/tokenizer.h"
+#include "berth/runtime/sampler.h"
+#include "berth/runtime/session.h"
+#include "commands.h"
+
+namespace berth::cli {
+
+bool write_stdout(std::string_view s) {
+  if (s.empty()) return true;
+  if (std::fwrite(s.data(), 1, s.size(), stdout) != s.size()) return false;
+  return std::fflush(stdout) == 0;
+}
+
+namespace {
+
+struct RunOptions {
+  std::string model;
+  std::string prompt;
+  std::string prompt_file;
+  int32_t n_predict = -1;
+  SessionParams session;
+  SamplerParams sampling;
+  bool display_prompt = false;
+  bool no_bos = false;
+};
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCategory::io, fmt::format("cannot read prompt file '{}'", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int run(const RunOptions& o) {
+  gguf::File file = gguf::File::open(o.model);
+  std::unique_ptr<Model> model = load_model(file);
+  std::unique_ptr<Tokenizer> tok = Tokenizer::from_gguf(file);
+  if (tok->n_vocab() != model->hparams().n_vocab)
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: the vocabulary has {} tokens but token_embd.weight has {} rows",
+                            o.model, tok->n_vocab(), model->hparams().n_vocab));
+
+  const std::string prompt = o.prompt_file.empty() ? o.prompt : read_text_file(o.prompt_file);
+  std::vector<int32_t> ids = tok->encode(prompt, !o.no_bos);
+  if (ids.empty())
+    throw Error(ErrorCategory::invalid_argument,
+                "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
+
+  Session session(*model, o.session);
+  Sampler sampler(o.sampling, static_cast<int32_t>(model->hparams().n_vocab));
+  if (o.display_prompt && !write_stdout(prompt)) return 1;
+
+  bool out_ok = true;
+  GenerateStats st = generate(session, *tok, sampler, ids, o.n_predict,
+                              [&](int32_t, std::string_view text) {
+                                out_ok = write_stdout(text);
+                                return out_ok;
+                              });
+  // A terminal gets a final newline; a pipe gets exactly the generated text.
+  if (isatty(fileno(stdout))) write_stdout("\n");
+  auto rate = [](double n, double s) { return s > 0 ? n / s : 0.0; };
+  std::fprintf(stderr,
+               "berth: prompt %lld tokens in %.1f ms (%.1f tok/s) | decode %lld tokens in %.1f ms "
+               "(%.1f tok/s) | %d threads\n",
+               static_cast<long long>(st.n_prompt), st.prompt_seconds * 1e3,
+               rate(static_cast<double>(st.n_prompt), st.prompt_seconds),
+               static_cast<long long>(st.n_decode_steps), st.decode_seconds * 1e3,
+               rate(static_cast<double>(st.n_decode_steps), st.decode_seconds),
+               session.pool().n_threads());
+  if (st.stop == StopReason::context_full)
+    std::fprintf(stderr, "berth: stopped: the context of %lld tokens is full (raise -c)\n",
+                 static_cast<long long>(session.n_ctx()));
+  return out_ok ? 0 : 1;
+}
+
+}  // namespace
+
+Runner add_run(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  CLI::App* sub = app.add_subcommand("run", "generate text from a prompt");
+  sub->add_option("-m,--model", o->model, "GGUF model file")->required();
+  auto* p = sub->add_option("-p,--prompt", o->prompt, "prompt text");
+  auto* f = sub->add_option("-f,--file", o->prompt_file, "read the prompt from a file");
+  p->excludes(f);
+  sub->add_option("-n,--n-predict", o->n_predict, "tokens to generate (-1: until EOS or the context is full)")
+      ->capture_default_str();
+  sub->add_option("-t,--threads", o->session.n_threads, "CPU threads (0: all physical cores)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub->add_option("-c,--ctx-size", o->session.n_ctx, "context size in tokens (0: min(4096, model's))")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
+  sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
+  sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();
+  sub->add_option("--min-p", o->sampling.min_p, "min-p sampling (0: off)")->capture_default_str();
+  sub->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repetition penalty (1: off)")
+      ->capture_default_str();
+  sub->add_option("--repeat-last-n", o->sampling.repeat_last_n, "tokens the penalty looks back over")
+      ->capture_default_str();
+  sub->add_option("-s,--seed", o->sampling.seed, "RNG seed (4294967295: random)")->capture_default_str();
+  sub->add_flag("--display-prompt", o->display_prompt, "print the prompt before the generated text");
+  sub->add_flag("--no-bos", o->no_bos, "do not prepend the BOS token");
+  return [o] { return run(*o); };
+}
+
+}  // namespace berth::cli

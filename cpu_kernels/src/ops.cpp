@@ -1,0 +1,119 @@
+#include "berth/cpu_kernels/ops.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "berth/core/error.h"
+#include "berth/core/fp16.h"
+#include "berth/cpu_kernels/quants_ref.h"
+
+namespace berth::cpu {
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+void get_row(const TensorView& w, int64_t row, float* dst) {
+  const int64_t n = w.ne[0];
+  const uint8_t* src = w.row(row);
+  switch (w.type) {
+    case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case GgmlType::F16: {
+      const auto* h = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(h[i]);
+      return;
+    }
+    case GgmlType::BF16: {
+      const auto* h = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
+      return;
+    }
+    default:
+      if (!traits(w.type).computable)
+        throw Error(ErrorCategory::unsupported,
+                    fmt::format("tensor '{}' has type {}, which berth cannot compute with", w.name,
+                                type_name(w.type)));
+      ref::dequantize_row(w.type, src, dst, n);
+  }
+}
+
+void matmul_rows(const TensorView& w, int64_t row_begin, int64_t row_end, const float* x,
+                 int64_t x_stride, int64_t n_tokens, float* y, int64_t y_stride, float* scratch) {
+  const int64_t n = w.ne[0];
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    const float* wr;
+    if (w.type == GgmlType::F32) {
+      wr = reinterpret_cast<const float*>(w.row(o));
+    } else {
+      get_row(w, o, scratch);
+      wr = scratch;
+    }
+    for (int64_t t = 0; t < n_tokens; ++t) y[t * y_stride + o] = dot_f32(wr, x + t * x_stride, n);
+  }
+}
+
+void rms_norm(const float* x, const float* weight, float* y, int64_t n, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+  if (weight) {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale * weight[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale;
+  }
+}
+
+void rope_inplace(float* x, int32_t n_head, int32_t head_dim, int32_t n_rot, const float* cos_theta,
+                  const float* sin_theta, bool adjacent) {
+  const int32_t half = n_rot / 2;
+  for (int32_t h = 0; h < n_head; ++h) {
+    float* xh = x + static_cast<int64_t>(h) * head_dim;
+    for (int32_t i = 0; i < half; ++i) {
+      const int32_t i0 = adjacent ? 2 * i : i;
+      const int32_t i1 = adjacent ? 2 * i + 1 : i + half;
+      const float a = xh[i0], b = xh[i1];
+      xh[i0] = a * cos_theta[i] - b * sin_theta[i];
+      xh[i1] = a * sin_theta[i] + b * cos_theta[i];
+    }
+  }
+}
+
+void attention_head(const float* q, const float* k, int64_t k_stride, const float* v,
+                    int64_t v_stride, int64_t n_kv, int32_t head_dim, float scale, float* out,
+                    float* scores) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    scores[j] = scale * dot_f32(q, k + j * k_stride, head_dim);
+    mx = std::max(mx, scores[j]);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int32_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float p = scores[j] * inv;
+    const float* vj = v + j * v_stride;
+    for (int32_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
+  }
+}
+
+void swiglu(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+}  // namespace berth::cpu

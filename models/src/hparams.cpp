@@ -1,0 +1,69 @@
+#include <fmt/format.h>
+
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/model.h"
+
+namespace berth {
+
+Hparams read_hparams(const gguf::File& f) {
+  Hparams hp;
+  hp.arch = f.architecture();
+  const std::string p = hp.arch + ".";
+  auto req = [&](const char* k) { return f.get_int(p + k); };
+  auto opt = [&](const char* k) { return f.get_int_opt(p + k); };
+
+  hp.n_embd = req("embedding_length");
+  hp.n_layer = req("block_count");
+  hp.n_head = req("attention.head_count");
+  hp.n_head_kv = opt("attention.head_count_kv").value_or(hp.n_head);
+  hp.n_ff = req("feed_forward_length");
+  hp.n_ctx_train = req("context_length");
+  hp.rms_eps = static_cast<float>(f.get_float(p + "attention.layer_norm_rms_epsilon"));
+  hp.rope_freq_base = static_cast<float>(f.get_float_opt(p + "rope.freq_base").value_or(10000.0));
+
+  auto positive = [&](int64_t v, const char* key) {
+    if (v <= 0 || v > (int64_t{1} << 32))
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: {}{} = {} is out of range", f.path(), p, key, v));
+  };
+  positive(hp.n_embd, "embedding_length");
+  positive(hp.n_layer, "block_count");
+  positive(hp.n_head, "attention.head_count");
+  positive(hp.n_head_kv, "attention.head_count_kv");
+  positive(hp.n_ff, "feed_forward_length");
+  positive(hp.n_ctx_train, "context_length");
+  if (hp.n_head % hp.n_head_kv != 0)
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}attention.head_count ({}) is not a multiple of "
+                            "{}attention.head_count_kv ({})",
+                            f.path(), p, hp.n_head, p, hp.n_head_kv));
+  if (auto kl = opt("attention.key_length")) {
+    hp.head_dim = *kl;
+  } else {
+    if (hp.n_embd % hp.n_head != 0)
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: {}embedding_length ({}) is not a multiple of "
+                              "{}attention.head_count ({})",
+                              f.path(), p, hp.n_embd, p, hp.n_head));
+    hp.head_dim = hp.n_embd / hp.n_head;
+  }
+  positive(hp.head_dim, "attention.key_length");
+  if (auto vl = opt("attention.value_length"); vl && *vl != hp.head_dim)
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("{}: {}attention.value_length ({}) differs from key_length ({})",
+                            f.path(), p, *vl, hp.head_dim));
+  hp.n_rot = opt("rope.dimension_count").value_or(hp.head_dim);
+  if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}rope.dimension_count = {} must be even and in 1..{} (head_dim)",
+                            f.path(), p, hp.n_rot, hp.head_dim));
+  if (!(hp.rms_eps > 0.0f) || !(hp.rope_freq_base > 0.0f))
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}attention.layer_norm_rms_epsilon and {}rope.freq_base must be "
+                            "positive",
+                            f.path(), p, p));
+  return hp;
+}
+
+}  // namespace berth

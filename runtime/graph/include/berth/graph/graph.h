@@ -1,0 +1,144 @@
+// The step graph: the op IR that models emit and executors run.
+//
+// A graph describes one forward step over a ubatch of `n_tokens` tokens (prefill: many,
+// decode: one). It names no device: every op names the weights it reads (by index into the
+// model's WeightTable) and placement/executors decide where each op runs. Activations are
+// f32 matrices of shape [rows, cols], row-major (cols contiguous), where a row is one token.
+//
+// Inputs at run time: the token ids and positions of the ubatch (n_tokens int32 each).
+// The graph's output value holds the logits, [n_out, n_vocab], one row per requested token.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "berth/core/tensor.h"
+
+namespace berth::graph {
+
+using ValueId = int32_t;
+using WeightId = int32_t;
+inline constexpr ValueId kNoValue = -1;
+inline constexpr WeightId kNoWeight = -1;
+
+/// The weights a model reads, in a fixed order; ops refer to them by index.
+/// Each entry is a view of the weight as stored (type, shape, bytes in host memory).
+struct WeightTable {
+  std::vector<TensorView> tensors;
+  WeightId add(TensorView t) {
+    tensors.push_back(std::move(t));
+    return static_cast<WeightId>(tensors.size() - 1);
+  }
+  const TensorView& operator[](WeightId id) const { return tensors.at(static_cast<size_t>(id)); }
+  size_t size() const { return tensors.size(); }
+};
+
+/// Rotary embedding layouts. `adjacent`: pairs (x[2i], x[2i+1]) — GGUF `llama` files.
+/// `neox`: pairs (x[i], x[i + n_rot/2]) — GPT-NeoX / Qwen files. (RoFormer, arXiv:2104.09864.)
+enum class RopeMode { adjacent, neox };
+
+enum class OpKind {
+  /// out[t] = row tokens[t] of weight (ne = {n_embd, n_vocab}), dequantized. out [n_tokens, n_embd]
+  embed,
+  /// out = in / sqrt(mean(in^2) + eps) * weight (per row; weight ne = {cols}).
+  rms_norm,
+  /// out[t, o] = sum_i weight[o, i] * in[t, i]; weight ne = {n_in, n_out}. out [rows, n_out]
+  matmul,
+  /// out = in0 + in1 (same shape)
+  add,
+  /// out = silu(in0) * in1, silu(z) = z / (1 + exp(-z)) (SwiGLU, arXiv:2002.05202)
+  swiglu,
+  /// Rotary position embedding of each head of `in` ([rows, n_head * head_dim]) at the
+  /// ubatch's positions; the first n_rot dims of each head rotate, theta_i = pos * base^(-2i/n_rot).
+  rope,
+  /// Causal grouped-query attention. in0 = q [n_tokens, n_head*head_dim], in1 = k,
+  /// in2 = v ([n_tokens, n_head_kv*head_dim]). Appends k, v to the KV cache of `layer` at the
+  /// ubatch's positions, then each token attends to cache positions 0..its own position.
+  /// out [n_tokens, n_head*head_dim].
+  attention,
+  /// out = the last `n_out` rows of in0 (selects the tokens whose logits are wanted).
+  take_last_rows,
+};
+
+std::string_view op_name(OpKind k);
+
+struct RopeParams {
+  int32_t n_head = 0;
+  int32_t head_dim = 0;
+  int32_t n_rot = 0;
+  float freq_base = 10000.0f;
+  RopeMode mode = RopeMode::adjacent;
+};
+
+struct AttentionParams {
+  int32_t layer = 0;  ///< KV cache slot
+  int32_t n_head = 0;
+  int32_t n_head_kv = 0;
+  int32_t head_dim = 0;
+  float scale = 1.0f;  ///< applied to q.k, usually 1/sqrt(head_dim)
+};
+
+struct Op {
+  OpKind kind;
+  std::vector<ValueId> inputs;
+  ValueId output = kNoValue;
+  WeightId weight = kNoWeight;
+  float eps = 0.0f;          ///< rms_norm
+  int32_t n_out = 0;         ///< take_last_rows
+  RopeParams rope;           ///< rope
+  AttentionParams attn;      ///< attention
+  std::string name;          ///< for traces, e.g. "blk.3.attn_q"
+};
+
+/// Shape of an activation value: rows x cols f32, cols contiguous.
+struct ValueInfo {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::string name;
+};
+
+/// One forward step. Values are written exactly once, by the op that outputs them, and ops are
+/// in a valid execution order (each op's inputs were produced by earlier ops).
+struct Graph {
+  int32_t n_tokens = 0;
+  std::vector<ValueInfo> values;
+  std::vector<Op> ops;
+  ValueId output = kNoValue;  ///< logits [n_out, n_vocab]
+
+  /// Adds an activation value; returns its id.
+  ValueId add_value(int64_t rows, int64_t cols, std::string name);
+  /// Appends `op` (whose output must be a value of this graph); returns op.output.
+  ValueId add_op(Op op);
+
+  /// Checks ids, shapes and order; throws Error(internal) describing the first violation.
+  void validate(const WeightTable& weights) const;
+  /// A human-readable listing, one op per line.
+  std::string to_string(const WeightTable& weights) const;
+};
+
+/// Convenience builder used by models: each method adds the op and its output value.
+class Builder {
+ public:
+  Builder(const WeightTable& weights, int32_t n_tokens);
+
+  ValueId embed(WeightId w, std::string name);
+  ValueId rms_norm(ValueId x, WeightId w, float eps, std::string name);
+  ValueId matmul(ValueId x, WeightId w, std::string name);
+  ValueId add(ValueId a, ValueId b, std::string name);
+  ValueId swiglu(ValueId gate, ValueId up, std::string name);
+  ValueId rope(ValueId x, const RopeParams& p, std::string name);
+  ValueId attention(ValueId q, ValueId k, ValueId v, const AttentionParams& p, std::string name);
+  ValueId take_last_rows(ValueId x, int32_t n_out, std::string name);
+
+  const ValueInfo& info(ValueId v) const { return g_.values.at(static_cast<size_t>(v)); }
+  /// Sets the output and returns the finished, validated graph.
+  Graph finish(ValueId logits);
+
+ private:
+  const WeightTable& weights_;
+  Graph g_;
+};
+
+}  // namespace berth::graph

@@ -1,0 +1,225 @@
+#include "berth/graph/graph.h"
+
+#include <fmt/format.h>
+
+#include "berth/core/error.h"
+
+namespace berth::graph {
+
+std::string_view op_name(OpKind k) {
+  switch (k) {
+    case OpKind::embed: return "embed";
+    case OpKind::rms_norm: return "rms_norm";
+    case OpKind::matmul: return "matmul";
+    case OpKind::add: return "add";
+    case OpKind::swiglu: return "swiglu";
+    case OpKind::rope: return "rope";
+    case OpKind::attention: return "attention";
+    case OpKind::take_last_rows: return "take_last_rows";
+  }
+  return "?";
+}
+
+ValueId Graph::add_value(int64_t rows, int64_t cols, std::string name) {
+  values.push_back(ValueInfo{rows, cols, std::move(name)});
+  return static_cast<ValueId>(values.size() - 1);
+}
+
+ValueId Graph::add_op(Op op) {
+  BERTH_CHECK(op.output >= 0 && op.output < static_cast<ValueId>(values.size()));
+  ops.push_back(std::move(op));
+  return ops.back().output;
+}
+
+namespace {
+
+[[noreturn]] void bad(const Op& op, const std::string& what) {
+  throw Error(ErrorCategory::internal,
+              fmt::format("invalid graph: op '{}' ({}): {}", op.name, op_name(op.kind), what));
+}
+
+}  // namespace
+
+void Graph::validate(const WeightTable& weights) const {
+  std::vector<bool> written(values.size(), false);
+  auto val = [&](const Op& op, ValueId id) -> const ValueInfo& {
+    if (id < 0 || id >= static_cast<ValueId>(values.size()))
+      bad(op, fmt::format("value id {} out of range", id));
+    return values[static_cast<size_t>(id)];
+  };
+  for (const Op& op : ops) {
+    for (ValueId in : op.inputs) {
+      val(op, in);
+      if (!written[static_cast<size_t>(in)])
+        bad(op, fmt::format("reads value '{}' before it is written", values[in].name));
+    }
+    const ValueInfo& out = val(op, op.output);
+    if (written[static_cast<size_t>(op.output)]) bad(op, "writes a value twice");
+    written[static_cast<size_t>(op.output)] = true;
+    const TensorView* w = nullptr;
+    if (op.weight != kNoWeight) {
+      if (op.weight < 0 || op.weight >= static_cast<WeightId>(weights.size()))
+        bad(op, fmt::format("weight id {} out of range", op.weight));
+      w = &weights[op.weight];
+    }
+    auto need_inputs = [&](size_t n) {
+      if (op.inputs.size() != n) bad(op, fmt::format("needs {} inputs, has {}", n, op.inputs.size()));
+    };
+    auto need_weight = [&] {
+      if (!w) bad(op, "needs a weight");
+    };
+    switch (op.kind) {
+      case OpKind::embed:
+        need_inputs(0);
+        need_weight();
+        if (out.rows != n_tokens || out.cols != w->ne[0]) bad(op, "output shape");
+        break;
+      case OpKind::rms_norm: {
+        need_inputs(1);
+        const ValueInfo& x = values[op.inputs[0]];
+        if (w && w->ne[0] != x.cols) bad(op, "norm weight length differs from the row length");
+        if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::matmul: {
+        need_inputs(1);
+        need_weight();
+        const ValueInfo& x = values[op.inputs[0]];
+        if (w->ne[0] != x.cols)
+          bad(op, fmt::format("weight '{}' rows have {} elements, input has {} columns", w->name,
+                              w->ne[0], x.cols));
+        if (out.rows != x.rows || out.cols != w->n_rows()) bad(op, "output shape");
+        break;
+      }
+      case OpKind::add:
+      case OpKind::swiglu: {
+        need_inputs(2);
+        const ValueInfo& a = values[op.inputs[0]];
+        const ValueInfo& b = values[op.inputs[1]];
+        if (a.rows != b.rows || a.cols != b.cols || out.rows != a.rows || out.cols != a.cols)
+          bad(op, "shape mismatch");
+        break;
+      }
+      case OpKind::rope: {
+        need_inputs(1);
+        const ValueInfo& x = values[op.inputs[0]];
+        const RopeParams& p = op.rope;
+        if (x.rows != n_tokens) bad(op, "rope input must have one row per token");
+        if (p.n_head <= 0 || p.head_dim <= 0 || int64_t{p.n_head} * p.head_dim != x.cols)
+          bad(op, "n_head * head_dim differs from the input's columns");
+        if (p.n_rot <= 0 || p.n_rot > p.head_dim || p.n_rot % 2 != 0) bad(op, "bad n_rot");
+        if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::attention: {
+        need_inputs(3);
+        const AttentionParams& p = op.attn;
+        const ValueInfo& q = values[op.inputs[0]];
+        const ValueInfo& k = values[op.inputs[1]];
+        const ValueInfo& v = values[op.inputs[2]];
+        if (p.n_head <= 0 || p.n_head_kv <= 0 || p.n_head % p.n_head_kv != 0)
+          bad(op, "n_head must be a positive multiple of n_head_kv");
+        if (q.rows != n_tokens || k.rows != n_tokens || v.rows != n_tokens)
+          bad(op, "q, k, v need one row per token");
+        if (q.cols != int64_t{p.n_head} * p.head_dim) bad(op, "q columns");
+        if (k.cols != int64_t{p.n_head_kv} * p.head_dim || v.cols != k.cols)
+          bad(op, "k/v columns");
+        if (out.rows != q.rows || out.cols != q.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::take_last_rows: {
+        need_inputs(1);
+        const ValueInfo& x = values[op.inputs[0]];
+        if (op.n_out <= 0 || op.n_out > x.rows) bad(op, "n_out out of range");
+        if (out.rows != op.n_out || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
+    }
+  }
+  if (output == kNoValue || !written.at(static_cast<size_t>(output)))
+    throw Error(ErrorCategory::internal, "invalid graph: no output value");
+}
+
+std::string Graph::to_string(const WeightTable& weights) const {
+  std::string s = fmt::format("graph: {} tokens, {} ops, {} values\n", n_tokens, ops.size(),
+                              values.size());
+  for (const Op& op : ops) {
+    const ValueInfo& out = values[op.output];
+    s += fmt::format("  {:<16} {:<22} -> [{} x {}]", op_name(op.kind), op.name, out.rows, out.cols);
+    if (op.weight != kNoWeight)
+      s += fmt::format("  w={} ({})", weights[op.weight].name, type_name(weights[op.weight].type));
+    s += '\n';
+  }
+  return s;
+}
+
+Builder::Builder(const WeightTable& weights, int32_t n_tokens) : weights_(weights) {
+  BERTH_CHECK(n_tokens > 0);
+  g_.n_tokens = n_tokens;
+}
+
+ValueId Builder::embed(WeightId w, std::string name) {
+  ValueId out = g_.add_value(g_.n_tokens, weights_[w].ne[0], name);
+  return g_.add_op(Op{.kind = OpKind::embed, .output = out, .weight = w, .name = std::move(name)});
+}
+
+ValueId Builder::rms_norm(ValueId x, WeightId w, float eps, std::string name) {
+  const ValueInfo& in = info(x);
+  ValueId out = g_.add_value(in.rows, in.cols, name);
+  return g_.add_op(Op{.kind = OpKind::rms_norm,
+                      .inputs = {x},
+                      .output = out,
+                      .weight = w,
+                      .eps = eps,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::matmul(ValueId x, WeightId w, std::string name) {
+  ValueId out = g_.add_value(info(x).rows, weights_[w].n_rows(), name);
+  return g_.add_op(
+      Op{.kind = OpKind::matmul, .inputs = {x}, .output = out, .weight = w, .name = std::move(name)});
+}
+
+ValueId Builder::add(ValueId a, ValueId b, std::string name) {
+  ValueId out = g_.add_value(info(a).rows, info(a).cols, name);
+  return g_.add_op(Op{.kind = OpKind::add, .inputs = {a, b}, .output = out, .name = std::move(name)});
+}
+
+ValueId Builder::swiglu(ValueId gate, ValueId up, std::string name) {
+  ValueId out = g_.add_value(info(gate).rows, info(gate).cols, name);
+  return g_.add_op(
+      Op{.kind = OpKind::swiglu, .inputs = {gate, up}, .output = out, .name = std::move(name)});
+}
+
+ValueId Builder::rope(ValueId x, const RopeParams& p, std::string name) {
+  ValueId out = g_.add_value(info(x).rows, info(x).cols, name);
+  return g_.add_op(
+      Op{.kind = OpKind::rope, .inputs = {x}, .output = out, .rope = p, .name = std::move(name)});
+}
+
+ValueId Builder::attention(ValueId q, ValueId k, ValueId v, const AttentionParams& p,
+                           std::string name) {
+  ValueId out = g_.add_value(info(q).rows, info(q).cols, name);
+  return g_.add_op(Op{.kind = OpKind::attention,
+                      .inputs = {q, k, v},
+                      .output = out,
+                      .attn = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::take_last_rows(ValueId x, int32_t n_out, std::string name) {
+  ValueId out = g_.add_value(n_out, info(x).cols, name);
+  return g_.add_op(Op{.kind = OpKind::take_last_rows,
+                      .inputs = {x},
+                      .output = out,
+                      .n_out = n_out,
+                      .name = std::move(name)});
+}
+
+Graph Builder::finish(ValueId logits) {
+  g_.output = logits;
+  g_.validate(weights_);
+  return std::move(g_);
+}
+
+}  // namespace berth::graph

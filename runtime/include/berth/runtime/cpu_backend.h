@@ -1,0 +1,42 @@
+// Executes step graphs on the CPU worker pool.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "berth/graph/graph.h"
+#include "berth/runtime/kv_cache.h"
+#include "berth/runtime/thread_pool.h"
+
+namespace berth {
+
+/// Runs graphs op by op, each op split across the pool (matmul by output rows, attention by
+/// (token, head), norms and rope by token). Activation buffers are kept between runs and only
+/// grow. Weights are read in place (host memory, e.g. the GGUF mapping).
+class CpuExecutor {
+ public:
+  CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& kv);
+
+  /// Runs `g` on the ubatch `tokens` at `positions` (both n_tokens long; positions must be the
+  /// consecutive positions n_past .. n_past + n_tokens - 1, all < kv.n_ctx()). Returns the output
+  /// value, [rows, n_vocab] row-major, valid until the next run. Throws Error(invalid_argument)
+  /// for a token id outside the vocabulary or a position outside the context.
+  std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
+                             std::span<const int32_t> positions);
+
+ private:
+  void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
+              std::span<const int32_t> positions);
+  float* buf(graph::ValueId v) { return bufs_[static_cast<size_t>(v)].data(); }
+  float* worker_scratch(size_t floats);
+
+  ThreadPool& pool_;
+  const graph::WeightTable& weights_;
+  KvCache& kv_;
+  std::vector<std::vector<float>> bufs_;
+  std::vector<std::vector<float>> scratch_;  // one per worker
+  std::vector<float> small_weight_;  // decoded norm weights
+};
+
+}  // namespace berth

@@ -1,0 +1,100 @@
+// A session: one sequence's state (KV cache, position) over a loaded model, and the
+// prefill/decode loop that turns a prompt into generated tokens.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "berth/models/model.h"
+#include "berth/models/tokenizer.h"
+#include "berth/runtime/cpu_backend.h"
+#include "berth/runtime/kv_cache.h"
+#include "berth/runtime/sampler.h"
+#include "berth/runtime/thread_pool.h"
+
+namespace berth {
+
+struct SessionParams {
+  int32_t n_threads = 0;   ///< -t: workers; 0 = all physical cores
+  int64_t n_ctx = 0;       ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
+  int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
+};
+
+/// Default context when -c is 0: as llama.cpp, 4096 unless the model was trained on fewer.
+int64_t default_n_ctx(const Hparams& hp);
+
+class Session {
+ public:
+  /// Allocates the KV cache and the worker pool. `model` must outlive the session.
+  /// Throws Error(invalid_argument) for n_ubatch < 1 or n_ctx < 1, Error(out_of_memory) when the
+  /// KV cache cannot be allocated.
+  Session(const Model& model, SessionParams params);
+
+  /// Evaluates `tokens` at positions n_past() .. n_past() + size - 1, in ubatches of at most
+  /// n_ubatch tokens. Returns the logits of the last token (n_vocab floats) or, with
+  /// `all_logits`, of every token ([tokens.size(), n_vocab], row-major). The span is valid until
+  /// the next call. Throws Error(invalid_argument) when the tokens do not fit in the context
+  /// (naming both numbers) or an id is outside the vocabulary; on error n_past() is unchanged.
+  std::span<const float> eval(std::span<const int32_t> tokens, bool all_logits = false);
+
+  int64_t n_past() const { return n_past_; }
+  int64_t n_ctx() const { return kv_.n_ctx(); }
+  int64_t n_vocab() const { return model_.hparams().n_vocab; }
+  /// Forgets positions >= n (0 <= n <= n_past()): later evals overwrite them. reset() == truncate(0).
+  void truncate(int64_t n);
+  void reset() { truncate(0); }
+
+  /// Tokens evaluated so far in steps of more than one token (prefill) and one token (decode).
+  int64_t n_prefill_tokens() const { return n_prefill_tokens_; }
+  int64_t n_decode_tokens() const { return n_decode_tokens_; }
+  ThreadPool& pool() { return *pool_; }
+  size_t kv_bytes() const { return kv_.bytes(); }
+
+ private:
+  const graph::Graph& graph_for(int32_t n_tokens, int32_t n_outputs);
+
+  const Model& model_;
+  SessionParams params_;
+  std::unique_ptr<ThreadPool> pool_;
+  KvCache kv_;
+  CpuExecutor exec_;
+  int64_t n_past_ = 0;
+  int64_t n_prefill_tokens_ = 0, n_decode_tokens_ = 0;
+  std::vector<float> logits_;
+  std::vector<int32_t> positions_;
+  struct CachedGraph {
+    int32_t n_tokens, n_outputs;
+    graph::Graph g;
+  };
+  std::vector<CachedGraph> graphs_;
+};
+
+/// Why generation stopped.
+enum class StopReason { eos, n_predict, context_full, callback };
+
+struct GenerateStats {
+  int64_t n_prompt = 0;        ///< prompt tokens evaluated (prefill)
+  double prompt_seconds = 0;   ///< wall time of the prefill
+  int64_t n_generated = 0;     ///< tokens sampled
+  int64_t n_decode_steps = 0;  ///< single-token forward steps
+  double decode_seconds = 0;   ///< wall time of the decode steps (forward + sampling)
+  StopReason stop = StopReason::n_predict;
+};
+
+/// Called with each generated token and the text it completes (valid UTF-8, possibly empty);
+/// return false to stop.
+using TokenCallback = std::function<bool(int32_t token, std::string_view text)>;
+
+/// Prefills `prompt` (after what the session already holds), then samples up to `n_predict`
+/// tokens (< 0: until EOS or the context is full), streaming them to `on_token`. Stops at a
+/// token the tokenizer marks end-of-generation (not passed to on_token). Throws
+/// Error(invalid_argument) when the prompt alone does not fit in the context.
+GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
+                       std::span<const int32_t> prompt, int32_t n_predict,
+                       const TokenCallback& on_token);
+
+}  // namespace berth

@@ -1,0 +1,43 @@
+// The CPU worker pool: a oneTBB task arena whose threads are pinned to physical cores with hwloc.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace berth {
+
+/// Physical cores this process may run on (hwloc; falls back to hardware_concurrency()).
+int physical_core_count();
+
+/// A fixed-size pool of `n_threads` workers (the calling thread counts as one). Each worker is
+/// pinned to its own physical core (worker i to the i-th allowed core) when there are at least
+/// as many cores as threads; otherwise threads float and a warning is logged.
+/// Throws Error(invalid_argument) for n_threads < 1.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int n_threads() const { return n_threads_; }
+  /// True when every worker was bound to a core.
+  bool pinned() const;
+
+  /// Calls fn(begin, end) on disjoint chunks covering [0, n), in parallel on the pool, and returns
+  /// when all are done. Chunks hold at least `grain` items (except the last). Exceptions thrown
+  /// by fn propagate to the caller.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+  /// Index of the calling worker in [0, n_threads) while inside parallel_for (scratch slots).
+  static int worker_index();
+
+ private:
+  struct Impl;
+  int n_threads_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace berth

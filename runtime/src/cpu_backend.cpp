@@ -1,0 +1,178 @@
+#include "berth/runtime/cpu_backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "berth/core/error.h"
+#include "berth/cpu_kernels/ops.h"
+
+namespace berth {
+
+using graph::Op;
+using graph::OpKind;
+
+CpuExecutor::CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& kv)
+    : pool_(pool), weights_(weights), kv_(kv), scratch_(static_cast<size_t>(pool.n_threads())) {}
+
+float* CpuExecutor::worker_scratch(size_t floats) {
+  auto& s = scratch_[static_cast<size_t>(ThreadPool::worker_index())];
+  if (s.size() < floats) s.resize(floats);
+  return s.data();
+}
+
+std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
+                                        std::span<const int32_t> positions) {
+  if (tokens.size() != static_cast<size_t>(g.n_tokens) || positions.size() != tokens.size())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("graph of {} tokens run with {} tokens and {} positions", g.n_tokens,
+                            tokens.size(), positions.size()));
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] < 0 || positions[i] >= kv_.n_ctx())
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("position {} is outside the context of {} tokens", positions[i],
+                              kv_.n_ctx()));
+    if (i > 0 && positions[i] != positions[i - 1] + 1)
+      throw Error(ErrorCategory::invalid_argument, "ubatch positions must be consecutive");
+  }
+  if (bufs_.size() < g.values.size()) bufs_.resize(g.values.size());
+  for (size_t i = 0; i < g.values.size(); ++i) {
+    const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
+    if (bufs_[i].size() < n) bufs_[i].resize(n);
+  }
+  for (const Op& op : g.ops) run_op(g, op, tokens, positions);
+  const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
+  return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
+}
+
+void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const int32_t> tokens,
+                         std::span<const int32_t> positions) {
+  const graph::ValueInfo& out_info = g.values[static_cast<size_t>(op.output)];
+  float* out = buf(op.output);
+  const int64_t rows = out_info.rows, cols = out_info.cols;
+  const int n_threads = pool_.n_threads();
+
+  switch (op.kind) {
+    case OpKind::embed: {
+      const TensorView& w = weights_[op.weight];
+      for (int64_t t = 0; t < rows; ++t) {
+        const int32_t id = tokens[static_cast<size_t>(t)];
+        if (id < 0 || id >= w.ne[1])
+          throw Error(ErrorCategory::invalid_argument,
+                      fmt::format("token id {} is outside the vocabulary of {} tokens", id, w.ne[1]));
+        cpu::get_row(w, id, out + t * cols);
+      }
+      return;
+    }
+    case OpKind::rms_norm: {
+      const float* x = buf(op.inputs[0]);
+      const float* wp = nullptr;
+      if (op.weight != graph::kNoWeight) {
+        const TensorView& w = weights_[op.weight];
+        if (w.type == GgmlType::F32) {
+          wp = static_cast<const float*>(w.data);
+        } else {
+          small_weight_.resize(static_cast<size_t>(w.ne[0]));
+          cpu::get_row(w, 0, small_weight_.data());
+          wp = small_weight_.data();
+        }
+      }
+      pool_.parallel_for(rows, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) cpu::rms_norm(x + r * cols, wp, out + r * cols, cols, op.eps);
+      });
+      return;
+    }
+    case OpKind::matmul: {
+      const TensorView& w = weights_[op.weight];
+      const float* x = buf(op.inputs[0]);
+      const int64_t n_in = w.ne[0];
+      const int64_t n_out = cols;
+      // Enough chunks for load balance, each at least a few rows.
+      const int64_t grain = std::max<int64_t>(1, n_out / (static_cast<int64_t>(n_threads) * 8));
+      pool_.parallel_for(n_out, grain, [&](int64_t o0, int64_t o1) {
+        float* scratch = worker_scratch(static_cast<size_t>(n_in));
+        cpu::matmul_rows(w, o0, o1, x, n_in, rows, out, n_out, scratch);
+      });
+      return;
+    }
+    case OpKind::add: {
+      const float* a = buf(op.inputs[0]);
+      const float* b = buf(op.inputs[1]);
+      cpu::add(a, b, out, rows * cols);
+      return;
+    }
+    case OpKind::swiglu: {
+      const float* a = buf(op.inputs[0]);
+      const float* b = buf(op.inputs[1]);
+      const int64_t n = rows * cols;
+      const int64_t grain = std::max<int64_t>(4096, n / n_threads);
+      pool_.parallel_for(n, grain, [&](int64_t i0, int64_t i1) {
+        cpu::swiglu(a + i0, b + i0, out + i0, i1 - i0);
+      });
+      return;
+    }
+    case OpKind::rope: {
+      const graph::RopeParams& p = op.rope;
+      const float* x = buf(op.inputs[0]);
+      std::memcpy(out, x, static_cast<size_t>(rows * cols) * sizeof(float));
+      const int32_t half = p.n_rot / 2;
+      pool_.parallel_for(rows, 1, [&](int64_t r0, int64_t r1) {
+        float* cs = worker_scratch(static_cast<size_t>(2 * half));
+        for (int64_t r = r0; r < r1; ++r) {
+          const double pos = positions[static_cast<size_t>(r)];
+          for (int32_t i = 0; i < half; ++i) {
+            // theta_i = pos * base^(-2i / n_rot), computed in double (RoFormer, eq. 15).
+            const double theta =
+                pos * std::pow(static_cast<double>(p.freq_base), -2.0 * i / p.n_rot);
+            cs[i] = static_cast<float>(std::cos(theta));
+            cs[half + i] = static_cast<float>(std::sin(theta));
+          }
+          cpu::rope_inplace(out + r * cols, p.n_head, p.head_dim, p.n_rot, cs, cs + half,
+                            p.mode == graph::RopeMode::adjacent);
+        }
+      });
+      return;
+    }
+    case OpKind::attention: {
+      const graph::AttentionParams& p = op.attn;
+      const float* q = buf(op.inputs[0]);
+      const float* k = buf(op.inputs[1]);
+      const float* v = buf(op.inputs[2]);
+      const KvLayer& kl = kv_.layer(p.layer);
+      float* kc = kv_.k(p.layer);
+      float* vc = kv_.v(p.layer);
+      const int64_t n_tok = rows;
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const int64_t pos = positions[static_cast<size_t>(t)];
+        std::memcpy(kc + pos * kl.k_dim, k + t * kl.k_dim, static_cast<size_t>(kl.k_dim) * 4);
+        std::memcpy(vc + pos * kl.v_dim, v + t * kl.v_dim, static_cast<size_t>(kl.v_dim) * 4);
+      }
+      const int32_t group = p.n_head / p.n_head_kv;
+      pool_.parallel_for(n_tok * p.n_head, 1, [&](int64_t i0, int64_t i1) {
+        float* scores = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = i / p.n_head;
+          const int32_t h = static_cast<int32_t>(i % p.n_head);
+          const int32_t hk = h / group;
+          const int64_t n_kv = positions[static_cast<size_t>(t)] + 1;
+          cpu::attention_head(q + t * cols + int64_t{h} * p.head_dim,
+                              kc + int64_t{hk} * p.head_dim, kl.k_dim,
+                              vc + int64_t{hk} * p.head_dim, kl.v_dim, n_kv, p.head_dim, p.scale,
+                              out + t * cols + int64_t{h} * p.head_dim, scores);
+        }
+      });
+      return;
+    }
+    case OpKind::take_last_rows: {
+      const graph::ValueInfo& in = g.values[static_cast<size_t>(op.inputs[0])];
+      const float* x = buf(op.inputs[0]) + (in.rows - rows) * cols;
+      std::memcpy(out, x, static_cast<size_t>(rows * cols) * sizeof(float));
+      return;
+    }
+  }
+  throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+}  // namespace berth

@@ -1,0 +1,134 @@
+#include "berth/runtime/session.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "berth/core/error.h"
+
+namespace berth {
+
+int64_t default_n_ctx(const Hparams& hp) { return std::min<int64_t>(4096, hp.n_ctx_train); }
+
+namespace {
+int resolve_threads(int32_t n) { return n > 0 ? n : physical_core_count(); }
+int64_t resolve_ctx(int64_t n, const Hparams& hp) { return n > 0 ? n : default_n_ctx(hp); }
+}  // namespace
+
+Session::Session(const Model& model, SessionParams params)
+    : model_(model),
+      params_(params),
+      pool_(std::make_unique<ThreadPool>(resolve_threads(params.n_threads))),
+      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams())),
+      exec_(*pool_, model.weights(), kv_) {
+  if (params_.n_ubatch < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));
+}
+
+const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs) {
+  for (const CachedGraph& c : graphs_)
+    if (c.n_tokens == n_tokens && c.n_outputs == n_outputs) return c.g;
+  // Keep a handful of shapes: decode (1,1) and the full-ubatch prefill shape recur.
+  if (graphs_.size() >= 8) graphs_.erase(graphs_.begin() + 2);
+  graphs_.push_back(CachedGraph{n_tokens, n_outputs, model_.build_step(n_tokens, n_outputs)});
+  return graphs_.back().g;
+}
+
+std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_logits) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n == 0) throw Error(ErrorCategory::invalid_argument, "eval: no tokens");
+  if (n_past_ + n > kv_.n_ctx())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("{} tokens after {} already in the context exceed the context size of "
+                            "{} (raise -c)",
+                            n, n_past_, kv_.n_ctx()));
+  const int64_t n_vocab = model_.hparams().n_vocab;
+  for (int32_t id : tokens)
+    if (id < 0 || id >= n_vocab)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("token id {} is outside the vocabulary of {} tokens", id, n_vocab));
+  logits_.resize(static_cast<size_t>((all_logits ? n : 1) * n_vocab));
+  const int64_t start = n_past_;
+  for (int64_t done = 0; done < n;) {
+    const int32_t nt = static_cast<int32_t>(std::min<int64_t>(params_.n_ubatch, n - done));
+    const bool last = done + nt == n;
+    const int32_t n_out = all_logits ? nt : (last ? 1 : 0);
+    positions_.resize(static_cast<size_t>(nt));
+    for (int32_t i = 0; i < nt; ++i) positions_[static_cast<size_t>(i)] = static_cast<int32_t>(start + done + i);
+    // A ubatch whose logits nobody wants still needs one output row to make a valid graph.
+    const graph::Graph& g = graph_for(nt, std::max(n_out, 1));
+    std::span<const float> out = exec_.run(g, tokens.subspan(static_cast<size_t>(done), nt), positions_);
+    if (all_logits) {
+      std::memcpy(logits_.data() + done * n_vocab, out.data(), out.size_bytes());
+    } else if (last) {
+      std::memcpy(logits_.data(), out.data(), out.size_bytes());
+    }
+    n_past_ = start + done + nt;
+    done += nt;
+  }
+  (n > 1 ? n_prefill_tokens_ : n_decode_tokens_) += n;
+  return logits_;
+}
+
+void Session::truncate(int64_t n) {
+  if (n < 0 || n > n_past_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("truncate({}) outside 0..{}", n, n_past_));
+  n_past_ = n;
+}
+
+GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
+                       std::span<const int32_t> prompt, int32_t n_predict,
+                       const TokenCallback& on_token) {
+  using clock = std::chrono::steady_clock;
+  auto secs = [](clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  GenerateStats st;
+  if (prompt.empty()) throw Error(ErrorCategory::invalid_argument, "the prompt has no tokens");
+  for (int32_t t : prompt) sampler.accept(t);
+
+  auto t0 = clock::now();
+  std::span<const float> logits = session.eval(prompt);
+  st.prompt_seconds = secs(clock::now() - t0);
+  st.n_prompt = static_cast<int64_t>(prompt.size());
+
+  StreamDecoder dec(tok);
+  auto t1 = clock::now();
+  while (true) {
+    if (n_predict >= 0 && st.n_generated >= n_predict) {
+      st.stop = StopReason::n_predict;
+      break;
+    }
+    const int32_t id = sampler.sample(logits);
+    ++st.n_generated;
+    sampler.accept(id);
+    if (tok.is_eog(id)) {
+      st.stop = StopReason::eos;
+      break;
+    }
+    std::string text = dec.push(id);
+    if (on_token && !on_token(id, text)) {
+      st.stop = StopReason::callback;
+      break;
+    }
+    if (n_predict >= 0 && st.n_generated >= n_predict) {
+      st.stop = StopReason::n_predict;
+      break;
+    }
+    if (session.n_past() >= session.n_ctx()) {
+      st.stop = StopReason::context_full;
+      break;
+    }
+    const int32_t one[1] = {id};
+    logits = session.eval(one);
+    ++st.n_decode_steps;
+  }
+  std::string rest = dec.flush();
+  if (!rest.empty() && on_token) on_token(-1, rest);
+  st.decode_seconds = secs(clock::now() - t1);
+  return st;
+}
+
+}  // namespace berth

@@ -1,0 +1,131 @@
+#include "berth/runtime/thread_pool.h"
+
+#include <hwloc.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+#include <oneapi/tbb/task_scheduler_observer.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+
+namespace berth {
+namespace {
+
+// One hwloc topology for the process (loading it costs milliseconds).
+struct Topology {
+  hwloc_topology_t topo = nullptr;
+  Topology() {
+    if (hwloc_topology_init(&topo) != 0 || hwloc_topology_load(topo) != 0) {
+      if (topo) hwloc_topology_destroy(topo);
+      topo = nullptr;
+    }
+  }
+  ~Topology() {
+    if (topo) hwloc_topology_destroy(topo);
+  }
+  int n_cores() const {
+    if (!topo) return 0;
+    return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+  }
+  // Binds the calling thread to the PUs of core `i`; returns false on failure.
+  bool bind_current_thread(int i) const {
+    if (!topo) return false;
+    hwloc_obj_t core = hwloc_get_obj_by_type(topo, HWLOC_OBJ_CORE, static_cast<unsigned>(i));
+    if (!core || !core->cpuset) return false;
+    return hwloc_set_cpubind(topo, core->cpuset, HWLOC_CPUBIND_THREAD) == 0;
+  }
+};
+
+const Topology& topology() {
+  static Topology t;
+  return t;
+}
+
+}  // namespace
+
+int physical_core_count() {
+  int n = topology().n_cores();
+  if (n > 0) return n;
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc > 0 ? static_cast<int>(hc) : 1;
+}
+
+// Pins each thread that enters the arena to the core of its arena slot.
+class PinningObserver : public oneapi::tbb::task_scheduler_observer {
+ public:
+  PinningObserver(oneapi::tbb::task_arena& arena, int n_threads)
+      : task_scheduler_observer(arena), n_threads_(n_threads) {}
+
+  void on_scheduler_entry(bool /*is_worker*/) override {
+    const int slot = oneapi::tbb::this_task_arena::current_thread_index();
+    if (slot < 0 || slot >= n_threads_) return;
+    const bool ok = topology().bind_current_thread(slot);
+    if (!ok) failed_.store(true);
+    bound_.fetch_add(ok ? 1 : 0);
+  }
+  bool failed() const { return failed_.load(); }
+
+ private:
+  int n_threads_;
+  std::atomic<bool> failed_{false};
+  std::atomic<int> bound_{0};
+};
+
+struct ThreadPool::Impl {
+  oneapi::tbb::task_arena arena;
+  std::unique_ptr<PinningObserver> observer;
+  bool pin = false;
+  explicit Impl(int n) : arena(n, /*reserved_for_masters=*/1) {}
+};
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
+  if (n_threads < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("the number of threads must be at least 1, got {}", n_threads));
+  impl_ = std::make_unique<Impl>(n_threads);
+  impl_->arena.initialize();
+  const int cores = topology().n_cores();
+  impl_->pin = cores >= n_threads;
+  if (impl_->pin) {
+    impl_->observer = std::make_unique<PinningObserver>(impl_->arena, n_threads);
+    impl_->observer->observe(true);
+  } else {
+    log::warn("{} threads requested but only {} physical cores are available; threads are not pinned",
+              n_threads, cores);
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  if (impl_ && impl_->observer) impl_->observer->observe(false);
+}
+
+bool ThreadPool::pinned() const { return impl_->pin && !(impl_->observer && impl_->observer->failed()); }
+
+int ThreadPool::worker_index() {
+  const int i = oneapi::tbb::this_task_arena::current_thread_index();
+  return i < 0 ? 0 : i;
+}
+
+void ThreadPool::parallel_for(int64_t n, int64_t grain,
+                              const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  if (n_threads_ == 1 || n <= grain) {
+    impl_->arena.execute([&] { fn(0, n); });
+    return;
+  }
+  impl_->arena.execute([&] {
+    oneapi::tbb::parallel_for(
+        oneapi::tbb::blocked_range<int64_t>(0, n, static_cast<size_t>(grain)),
+        [&](const oneapi::tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); },
+        oneapi::tbb::simple_partitioner());
+  });
+}
+
+}  // namespace berth
