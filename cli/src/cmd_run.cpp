@@ -98,11 +98,11 @@ Runner add_run(CLI::App& app) {
   sub->add_option("-n,--n-predict", o->n_predict, "tokens to generate (-1: until EOS or the context is full)")
       ->capture_default_str();
   sub->add_option("-t,--threads", o->session.n_threads, "CPU threads (0: all physical cores)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(CLI::Range(0, 4096));
   sub->add_option("-c,--ctx-size", o->session.n_ctx, "context size in tokens (0: min(4096, model's))")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();

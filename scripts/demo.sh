@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: install dependencies, build, and generate a story with the shared stories260K model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh
+model=../shared/models/stories260K.gguf
+if [[ ! -f $model ]]; then
+  echo "demo: $model not found (get tinyllamas/stories260K.gguf from the Hugging Face repository ggml-org/models)" >&2
+  exit 1
+fi
+./build/bin/berth run -m "$model" -p "Once upon a time" -n 64 --temp 0
+echo

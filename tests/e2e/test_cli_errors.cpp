@@ -1,0 +1,106 @@
+// The CLI on missing, unreadable, empty, truncated and garbage files, and on bad flags: one clear
+// line on stderr and a non-zero exit, never a crash.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using berth::test::CommandResult;
+using berth::test::run_command;
+using berth::test::shell_quote;
+
+namespace {
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Runs each subcommand that opens a model on `path` and checks the clean failure.
+void expect_clean_failure(const fs::path& path, const std::string& must_mention) {
+  for (const std::string& cmd :
+       {std::string(" run -n 4 --temp 0 -p hi -m "), std::string(" inspect "),
+        std::string(" tokenize -p hi -m ")}) {
+    CAPTURE(cmd);
+    CommandResult r = run_command(berth::test::berth_bin() + cmd + shell_quote(path.string()));
+    CHECK_FALSE(r.signaled);
+    CHECK(r.exit_code == 1);
+    CHECK(r.out.empty());
+    CHECK(r.err.rfind("berth: error: ", 0) == 0);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.find(must_mention) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("missing, empty, directory and garbage files fail cleanly") {
+  const fs::path dir = berth::test::temp_dir("cli-errors");
+  expect_clean_failure(dir / "does-not-exist.gguf", "does-not-exist.gguf");
+  write_bytes(dir / "empty.gguf", "");
+  expect_clean_failure(dir / "empty.gguf", "empty.gguf");
+  expect_clean_failure(dir, dir.filename().string());
+  std::mt19937 rng(42);
+  std::string garbage(4096, '\0');
+  for (char& c : garbage) c = static_cast<char>(rng());
+  write_bytes(dir / "garbage.gguf", garbage);
+  expect_clean_failure(dir / "garbage.gguf", "garbage.gguf");
+  // A file with the right magic and version but garbage after it.
+  write_bytes(dir / "header-only.gguf", std::string("GGUF\x03\0\0\0", 8) + garbage);
+  expect_clean_failure(dir / "header-only.gguf", "header-only.gguf");
+}
+
+TEST_CASE("a truncated download of the real model fails cleanly at every cut") {
+  const fs::path dir = berth::test::temp_dir("cli-trunc");
+  const std::string full = berth::test::read_file(berth::test::stories260k());
+  REQUIRE(full.size() == 1185376);
+  // Cuts inside the header, the vocabulary, the tensor infos and the tensor data.
+  for (size_t cut : {size_t{3}, size_t{20}, size_t{1000}, size_t{9000}, size_t{14160},
+                     size_t{600000}, full.size() - 1}) {
+    CAPTURE(cut);
+    const fs::path p = dir / ("cut" + std::to_string(cut) + ".gguf");
+    write_bytes(p, full.substr(0, cut));
+    expect_clean_failure(p, p.filename().string());
+  }
+}
+
+TEST_CASE("bad flags are usage errors with exit code 2") {
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  CommandResult r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi -t -3");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("berth: error:") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " run -p hi");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--model") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " frobnicate");
+  CHECK(r.exit_code == 2);
+  r = run_command(berth::test::berth_bin());
+  CHECK(r.exit_code == 2);
+}
+
+TEST_CASE("bad values fail with one clear line") {
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  CommandResult r =
+      run_command(berth::test::berth_bin() + " run -m " + model + " -p hi --top-p 1.5");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("top_p") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " run -m " + model + " -p 'Once upon a time' -c 3");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("context") != std::string::npos);
+}
+
+TEST_CASE("berth inspect lists metadata and tensors with totals") {
+  CommandResult r = run_command(berth::test::berth_bin() + " inspect " +
+                                shell_quote(berth::test::stories260k().string()));
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("GGUF version 3") != std::string::npos);
+  CHECK(r.out.find("llama.embedding_length") != std::string::npos);
+  CHECK(r.out.find("blk.4.ffn_up.weight") != std::string::npos);
+  CHECK(r.out.find("[64, 512]") != std::string::npos);
+  CHECK(r.out.find("48 tensors") != std::string::npos);
+}
