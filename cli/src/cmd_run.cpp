@@ -60,7 +60,9 @@ int run(const RunOptions& o) {
                 "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
 
   Session session(*model, o.session);
-  Sampler sampler(o.sampling, static_cast<int32_t>(model->hparams().n_vocab));
+  SamplerParams sp = o.sampling;
+  if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(session.n_ctx());  // as llama.cpp
+  Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
   if (o.display_prompt && !write_stdout(prompt)) return 1;
 
   bool out_ok = true;
@@ -109,7 +111,7 @@ Runner add_run(CLI::App& app) {
   sub->add_option("--min-p", o->sampling.min_p, "min-p sampling (0: off)")->capture_default_str();
   sub->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repetition penalty (1: off)")
       ->capture_default_str();
-  sub->add_option("--repeat-last-n", o->sampling.repeat_last_n, "tokens the penalty looks back over")
+  sub->add_option("--repeat-last-n", o->sampling.repeat_last_n, "tokens the penalty looks back over (0: off, -1: the context size)")
       ->capture_default_str();
   sub->add_option("-s,--seed", o->sampling.seed, "RNG seed (4294967295: random)")->capture_default_str();
   sub->add_flag("--display-prompt", o->display_prompt, "print the prompt before the generated text");
