@@ -12,6 +12,7 @@ namespace {
 struct InspectOptions {
   std::string file;
   size_t max_array_items = 8;
+  size_t max_value_chars = 160;
 };
 
 std::string shape_str(const gguf::TensorInfo& t) {
@@ -31,9 +32,18 @@ int inspect(const InspectOptions& o) {
                      f.version(), f.kvs().size(), f.tensors().size(), f.alignment(),
                      f.data_offset(), static_cast<double>(f.file_size()) / kMiB);
   out += "metadata:\n";
-  for (const gguf::KeyValue& kv : f.kvs())
-    out += fmt::format("  {:<44} {:<8} {}\n", kv.key, gguf::value_type_name(kv.value.type()),
-                       kv.value.to_string(o.max_array_items));
+  for (const gguf::KeyValue& kv : f.kvs()) {
+    std::string v = kv.value.to_string(o.max_array_items);
+    // Long strings (chat templates) are cut to one readable line unless asked otherwise.
+    if (o.max_value_chars > 0 && v.size() > o.max_value_chars) {
+      size_t cut = o.max_value_chars;
+      while (cut > 0 && (static_cast<unsigned char>(v[cut]) & 0xC0) == 0x80) --cut;  // UTF-8 boundary
+      v = v.substr(0, cut) + fmt::format("... ({} bytes)", v.size());
+    }
+    for (char& c : v)
+      if (c == '\n') c = ' ';
+    out += fmt::format("  {:<44} {:<8} {}\n", kv.key, gguf::value_type_name(kv.value.type()), v);
+  }
 
   size_t name_w = 4;
   for (const gguf::TensorInfo& t : f.tensors()) name_w = std::max(name_w, t.name.size());
@@ -65,6 +75,9 @@ Runner add_inspect(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("inspect", "print a GGUF file's metadata and tensors");
   sub->add_option("file", o->file, "GGUF file")->required();
   sub->add_option("--max-array-items", o->max_array_items, "array elements shown per key")
+      ->capture_default_str();
+  sub->add_option("--max-value-chars", o->max_value_chars,
+                  "characters shown per metadata value (0: all)")
       ->capture_default_str();
   return [o] { return inspect(*o); };
 }

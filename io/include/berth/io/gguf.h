@@ -68,6 +68,7 @@ enum class Errc {
   misaligned_tensor,      ///< offset not a multiple of general.alignment
   overlapping_tensors,    ///< two tensors' byte ranges overlap
   tensor_out_of_bounds,   ///< a tensor's bytes run past the end of the file (truncated download)
+                          ///< or its byte count overflows uint64
   missing_key,            ///< a required key is absent (category missing)
   wrong_type,             ///< a key has another type than the caller needs
   missing_tensor,         ///< a required tensor is absent (category missing)
@@ -118,7 +119,7 @@ struct KeyValue {
 struct TensorInfo {
   std::string name;
   GgmlType type = GgmlType::F32;
-  uint32_t n_dims = 0;
+  uint32_t n_dims = 0;  ///< 0..4 as stored; 0 is a scalar (one element)
   std::array<int64_t, 4> ne{1, 1, 1, 1};  ///< ne[0] contiguous; unused axes are 1
   uint64_t offset = 0;   ///< relative to the data section, as stored
   uint64_t n_bytes = 0;  ///< bytes its type and shape need
@@ -130,6 +131,17 @@ struct TensorInfo {
 
 /// A parsed, validated GGUF file. Holds the mapping (or the in-memory bytes) alive; tensor data
 /// pointers stay valid as long as the File lives. Move-only.
+///
+/// Validation (each failure is a GgufError with its Errc, the file name, what and the byte
+/// offset of the offending field): magic, version 2 or 3 (a byte-swapped 1..3 is big_endian),
+/// tensor and key counts bounded by the bytes left (a KV takes >= 14 bytes, a tensor info >= 25),
+/// every string/array length checked against the bytes left before it is allocated, keys
+/// non-empty and unique, value type ids 0..12, no arrays of arrays, `general.alignment` a uint32
+/// power of two; tensor names 1..63 bytes and unique, n_dims <= 4, no negative dims, element
+/// count within int64, a known ggml type, ne[0] a multiple of the block size; offsets multiples
+/// of the alignment, non-empty byte ranges disjoint and inside the file. The data section starts
+/// at the end of the tensor infos rounded up to the alignment; the file may end right after the
+/// last tensor's bytes (no trailing padding). A tensor with a zero dimension has 0 bytes.
 class File {
  public:
   /// Maps and parses `path`. Throws GgufError (see Errc) for every malformed input; never
@@ -145,7 +157,9 @@ class File {
   const std::string& path() const;
   uint32_t version() const;
   uint64_t alignment() const;    ///< general.alignment or 32
-  uint64_t data_offset() const;  ///< absolute offset of the data section
+  /// Absolute offset of the data section (end of the tensor infos rounded up to alignment()).
+  /// May exceed file_size() only in a file without tensors.
+  uint64_t data_offset() const;
   uint64_t file_size() const;
 
   const std::vector<KeyValue>& kvs() const;  ///< in file order

@@ -18,9 +18,14 @@ class Writer {
   /// Fills `dst` (exactly the tensor's n_bytes) with the tensor's data.
   using Producer = std::function<void(std::span<uint8_t> dst)>;
 
+  /// Throws Error(invalid_argument) unless version is 2 or 3 and alignment a power of two that
+  /// fits in uint32. An alignment other than 32 is recorded as `general.alignment` (uint32),
+  /// written after the caller's keys unless the caller set it.
   explicit Writer(uint32_t version = 3, uint64_t alignment = 32);
 
   // Metadata, kept in insertion order. Setting an existing key replaces its value in place.
+  // Throws Error(invalid_argument) for an empty key, or a `general.alignment` that is not the
+  // uint32 alignment given to the constructor.
   void set(std::string key, Value value);
   void set_u32(std::string key, uint32_t v);
   void set_i32(std::string key, int32_t v);
@@ -37,10 +42,15 @@ class Writer {
   /// a byte count that does not match type and shape.
   void add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne,
                   std::span<const uint8_t> bytes);
-  /// Adds a tensor whose bytes `produce` writes when the file is written.
+  /// Adds a tensor whose bytes `produce` writes when the file is written (called once per
+  /// write() or to_bytes(), with a zero-filled buffer; only one tensor is in memory at a time).
+  /// Throws Error(invalid_argument) as above, and for an empty `produce`.
   void add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne, Producer produce);
 
-  /// Writes the file (streaming tensor data). Throws Error(io) naming the path on failure.
+  /// Writes the file (streaming tensor data through a 4 MiB buffer). Layout: header, keys,
+  /// tensor infos, zero padding to the alignment, then each tensor at its aligned offset
+  /// followed by zero padding to the alignment. Throws Error(io) naming the path on failure;
+  /// a failed write (I/O or a producer's exception, rethrown) removes the partial file.
   void write(const std::string& path) const;
   /// The whole file as bytes (tests).
   std::vector<uint8_t> to_bytes() const;

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace berth::gguf {
@@ -31,6 +33,22 @@ enum class TokenType : int32_t {
   byte = 6,
 };
 
+/// A vocabulary as the GGUF tokenizer.ggml.* keys describe it, for building a tokenizer without
+/// a file (tests, synthetic models). Arrays are indexed by token id.
+struct VocabData {
+  std::vector<std::string> tokens;     ///< tokenizer.ggml.tokens (SPM: "▁" stands for a space)
+  std::vector<float> scores;           ///< tokenizer.ggml.scores; empty: all 0
+  std::vector<TokenType> types;        ///< tokenizer.ggml.token_type; empty: all normal
+  int32_t bos_id = -1;                 ///< tokenizer.ggml.bos_token_id; -1: none
+  int32_t eos_id = -1;                 ///< tokenizer.ggml.eos_token_id; -1: none
+  int32_t unk_id = -1;                 ///< tokenizer.ggml.unknown_token_id; -1: none
+  std::vector<int32_t> extra_eog_ids;  ///< end-of-generation ids besides EOS (eot, eom)
+  bool add_bos = true;                 ///< tokenizer.ggml.add_bos_token
+  bool add_eos = false;                ///< tokenizer.ggml.add_eos_token
+  bool add_space_prefix = true;        ///< tokenizer.ggml.add_space_prefix (SPM)
+  std::string source = "<memory>";     ///< names the vocabulary (file path) in error messages
+};
+
 /// A vocabulary plus its encoding algorithm. Thread-safe for concurrent const use.
 class Tokenizer {
  public:
@@ -39,42 +57,72 @@ class Tokenizer {
   /// out of range, Error(unsupported) for an unknown tokenizer.ggml.model.
   static std::unique_ptr<Tokenizer> from_gguf(const gguf::File& file);
 
+  /// SentencePiece-style tokenizer (tokenizer.ggml.model "llama") from arrays. Throws
+  /// Error(format), naming the tokenizer.ggml.* key and `vocab.source`, when scores/types
+  /// differ in length from tokens, the vocabulary is empty, a special id is outside
+  /// [-1, n_vocab), or a byte-type token is not spelled "<0xNN>".
+  static std::unique_ptr<Tokenizer> make_spm(VocabData vocab);
+
+  Tokenizer() = default;
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
   virtual ~Tokenizer() = default;
 
-  /// Text -> token ids. `add_bos`: prepend BOS when the vocabulary asks for it
-  /// (tokenizer.ggml.add_bos_token, default true for "llama"). `parse_special`: when true,
-  /// control/user-defined token texts in `text` (e.g. "<s>", "<|im_end|>") become those tokens;
-  /// when false (user text) they are tokenized as plain characters.
+  /// Text -> token ids. `add_bos`: add the special tokens the vocabulary asks for: BOS in front
+  /// (tokenizer.ggml.add_bos_token, default true for "llama") and EOS at the end
+  /// (tokenizer.ggml.add_eos_token, default false). `parse_special`: when true, control and
+  /// unknown token texts in `text` (e.g. "<s>", "<|im_end|>") become those tokens (leftmost,
+  /// longest match); when false (user text) they are tokenized as plain characters.
+  /// User-defined tokens are always matched, as in SentencePiece and llama.cpp. Throws
+  /// Error(unsupported) only when a character has no token, no byte tokens and no unknown id.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_bos,
                                       bool parse_special = false) const = 0;
 
   /// The bytes token `id` stands for: byte tokens "<0xNN>" give the raw byte, "▁" becomes a
-  /// space; control tokens give "" unless `render_special`. May be an incomplete UTF-8
+  /// space; control tokens give "" and the unknown token U+FFFD unless `render_special` (then
+  /// their text); user-defined tokens give their text as is. May be an incomplete UTF-8
   /// sequence. Throws Error(invalid_argument) for an id outside [0, n_vocab()).
   virtual std::string token_to_piece(int32_t id, bool render_special = false) const = 0;
 
   /// Concatenated pieces of `ids` (control tokens omitted). Invalid UTF-8 is kept as bytes.
+  /// When the vocabulary adds a dummy space prefix (SPM), the leading space of the first
+  /// visible piece is removed, so decode(encode(text)) == text for text without "▁".
+  /// Throws Error(invalid_argument) for an id outside [0, n_vocab()).
   std::string decode(std::span<const int32_t> ids) const;
 
   int32_t n_vocab() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t bos_id() const { return bos_id_; }  ///< -1 when the vocabulary has none
   int32_t eos_id() const { return eos_id_; }  ///< -1 when the vocabulary has none
+  int32_t unk_id() const { return unk_id_; }  ///< -1 when the vocabulary has none
   bool add_bos() const { return add_bos_; }
   /// True for tokens that end generation (EOS, and EOT-like ids when known).
   bool is_eog(int32_t id) const;
   const std::string& token_text(int32_t id) const;
   TokenType token_type(int32_t id) const;
-  /// Id of the exact token text, or -1.
+  /// Id of the exact token text (the lowest id when a text repeats), or -1.
   int32_t find_token(std::string_view text) const;
 
  protected:
+  /// Fills token_ids_ from tokens_; call once tokens_ is final.
+  void build_token_index();
+
+  struct StringHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using TokenIndex = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
   std::vector<std::string> tokens_;
   std::vector<TokenType> types_;
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;
   int32_t unk_id_ = -1;
   bool add_bos_ = true;
+  bool add_eos_ = false;
+  bool add_space_prefix_ = false;
   std::vector<int32_t> eog_ids_;
+  TokenIndex token_ids_;
 };
 
 /// Turns a stream of token ids into text that is always valid UTF-8: bytes of a multi-byte

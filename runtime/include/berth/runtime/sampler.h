@@ -29,14 +29,20 @@ struct SamplerParams {
 /// library's distributions).
 class Sampler {
  public:
-  /// Throws Error(invalid_argument) naming the field for out-of-range params (e.g. top_p < 0).
+  /// Throws Error(invalid_argument) naming the field for out-of-range params: n_vocab <= 0,
+  /// temp NaN, top_p or min_p outside [0, 1], repeat_penalty not finite and > 0,
+  /// repeat_last_n < 0.
   Sampler(SamplerParams params, int32_t n_vocab);
 
-  /// Picks a token from `logits` (n_vocab floats). Does not modify `logits` and does not
-  /// record the token: call accept() with the token that is actually used.
+  /// Picks a token from `logits` (n_vocab floats, indexed by token id). Does not modify
+  /// `logits` and does not record the token: call accept() with the token that is actually
+  /// used. NaN logits count as -inf. Top-p is measured on the softmax before temperature (as
+  /// llama.cpp's chain does). Throws Error(invalid_argument) when logits.size() != n_vocab.
   int32_t sample(std::span<const float> logits);
-  /// Records a token of the sequence (prompt tokens too) for the repetition penalty.
+  /// Records a token of the sequence (prompt tokens too) for the repetition penalty. Throws
+  /// Error(invalid_argument) for a token outside [0, n_vocab).
   void accept(int32_t token);
+  /// Forgets the accepted tokens and restarts the random stream from seed().
   void reset();
 
   uint64_t seed() const { return seed_; }  ///< the seed in use (the random one when asked)

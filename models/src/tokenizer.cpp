@@ -1,0 +1,167 @@
+#include "berth/models/tokenizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/utf8.h"
+#include "tokenizer_spm.h"
+
+namespace berth {
+namespace {
+
+constexpr int64_t kNoToken32 = 0xFFFFFFFF;  // converters write "none" as uint32 -1
+
+/// A special token id from `key`: absent -> `fallback`; negative or 0xFFFFFFFF -> -1;
+/// otherwise it must lie in [0, n_vocab).
+int32_t read_special_id(const gguf::File& file, std::string_view key, int32_t fallback,
+                        size_t n_vocab) {
+  const std::optional<int64_t> v = file.get_int_opt(key);
+  if (!v) return fallback < static_cast<int64_t>(n_vocab) ? fallback : -1;
+  if (*v < 0 || *v == kNoToken32) return -1;
+  if (*v >= static_cast<int64_t>(n_vocab)) {
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", file.path(), key,
+                            *v, n_vocab));
+  }
+  return static_cast<int32_t>(*v);
+}
+
+bool read_bool(const gguf::File& file, std::string_view key, bool fallback) {
+  return file.has(key) ? file.get_bool(key) : fallback;
+}
+
+// Texts of control tokens that end a turn in common chat formats (Llama 3, ChatML, Phi-3,
+// Gemma, CodeLlama infill); they count as end-of-generation when the vocabulary has them.
+constexpr std::string_view kEogTexts[] = {"<|eot_id|>",    "<|eom_id|>",    "<|im_end|>", "<|end|>",
+                                          "<end_of_turn>", "<|endoftext|>", "<EOT>"};
+
+std::unique_ptr<Tokenizer> spm_from_gguf(const gguf::File& file) {
+  VocabData v;
+  v.source = file.path();
+  v.tokens = file.get_string_array("tokenizer.ggml.tokens");
+  const size_t n = v.tokens.size();
+  if (file.has("tokenizer.ggml.scores")) v.scores = file.get_float_array("tokenizer.ggml.scores");
+  if (file.has("tokenizer.ggml.token_type")) {
+    const std::vector<int64_t> types = file.get_int_array("tokenizer.ggml.token_type");
+    v.types.reserve(types.size());
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (types[i] < 0 || types[i] > static_cast<int64_t>(TokenType::byte)) {
+        throw Error(ErrorCategory::format,
+                    fmt::format("{}: tokenizer.ggml.token_type[{}] = {} is outside 0..6",
+                                file.path(), i, types[i]));
+      }
+      v.types.push_back(static_cast<TokenType>(types[i]));
+    }
+  }
+  // SentencePiece llama vocabularies put <unk>, <s>, </s> at 0, 1, 2 (llama.cpp's defaults).
+  v.bos_id = read_special_id(file, "tokenizer.ggml.bos_token_id", 1, n);
+  v.eos_id = read_special_id(file, "tokenizer.ggml.eos_token_id", 2, n);
+  v.unk_id = read_special_id(file, "tokenizer.ggml.unknown_token_id", 0, n);
+  for (std::string_view key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {
+    const int32_t id = read_special_id(file, key, -1, n);
+    if (id >= 0) v.extra_eog_ids.push_back(id);
+  }
+  if (v.types.size() == n) {
+    for (std::string_view text : kEogTexts) {
+      const auto it = std::find(v.tokens.begin(), v.tokens.end(), text);
+      if (it != v.tokens.end()) {
+        const auto id = static_cast<int32_t>(it - v.tokens.begin());
+        if (v.types[id] == TokenType::control) v.extra_eog_ids.push_back(id);
+      }
+    }
+  }
+  v.add_bos = read_bool(file, "tokenizer.ggml.add_bos_token", true);
+  v.add_eos = read_bool(file, "tokenizer.ggml.add_eos_token", false);
+  v.add_space_prefix = read_bool(file, "tokenizer.ggml.add_space_prefix", true);
+  return Tokenizer::make_spm(std::move(v));
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& file) {
+  const std::string& model = file.get_string("tokenizer.ggml.model");
+  if (model == "llama") return spm_from_gguf(file);
+  throw Error(ErrorCategory::unsupported,
+              fmt::format("{}: tokenizer.ggml.model '{}' is not supported (supported: llama)",
+                          file.path(), model));
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::make_spm(VocabData vocab) {
+  return std::make_unique<SpmTokenizer>(std::move(vocab));
+}
+
+void Tokenizer::build_token_index() {
+  token_ids_.clear();
+  token_ids_.reserve(tokens_.size());
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    token_ids_.emplace(tokens_[i], static_cast<int32_t>(i));  // keeps the first (lowest) id
+  }
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  std::string out;
+  bool strip_space = add_space_prefix_;
+  for (int32_t id : ids) {
+    std::string piece = token_to_piece(id);
+    if (piece.empty()) continue;
+    if (strip_space && piece[0] == ' ') piece.erase(0, 1);
+    strip_space = false;
+    out += piece;
+  }
+  return out;
+}
+
+bool Tokenizer::is_eog(int32_t id) const {
+  return id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) != eog_ids_.end();
+}
+
+const std::string& Tokenizer::token_text(int32_t id) const {
+  if (id < 0 || id >= n_vocab()) {
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("token_text: token id {} is outside [0, {})", id, n_vocab()));
+  }
+  return tokens_[id];
+}
+
+TokenType Tokenizer::token_type(int32_t id) const {
+  if (id < 0 || id >= n_vocab()) {
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("token_type: token id {} is outside [0, {})", id, n_vocab()));
+  }
+  return types_[id];
+}
+
+int32_t Tokenizer::find_token(std::string_view text) const {
+  const auto it = token_ids_.find(text);
+  return it == token_ids_.end() ? -1 : it->second;
+}
+
+std::string StreamDecoder::push(int32_t id) {
+  pending_ += tok_.token_to_piece(id);
+  std::string out;
+  size_t pos = 0;
+  while (pos < pending_.size()) {
+    const utf8::Unit u = utf8::next_unit(pending_, pos);
+    if (u.status == utf8::Status::incomplete) break;  // wait for the rest of the character
+    if (u.status == utf8::Status::ok) {
+      out.append(pending_, pos, u.length);
+    } else {
+      out.append(utf8::kReplacement);
+    }
+    pos += u.length;
+  }
+  pending_.erase(0, pos);
+  return out;
+}
+
+std::string StreamDecoder::flush() {
+  std::string out = utf8::sanitize(pending_);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace berth
