@@ -22,8 +22,10 @@ Hparams read_hparams(const gguf::File& f) {
   hp.rms_eps = static_cast<float>(f.get_float(p + "attention.layer_norm_rms_epsilon"));
   hp.rope_freq_base = static_cast<float>(f.get_float_opt(p + "rope.freq_base").value_or(10000.0));
 
+  // Bounds keep later arithmetic (n_head * head_dim, KV sizes) far from overflow; real models
+  // are orders of magnitude below them.
   auto positive = [&](int64_t v, const char* key) {
-    if (v <= 0 || v > (int64_t{1} << 32))
+    if (v <= 0 || v > (int64_t{1} << 24))
       throw Error(ErrorCategory::format,
                   fmt::format("{}: {}{} = {} is out of range", f.path(), p, key, v));
   };
@@ -33,6 +35,11 @@ Hparams read_hparams(const gguf::File& f) {
   positive(hp.n_head_kv, "attention.head_count_kv");
   positive(hp.n_ff, "feed_forward_length");
   positive(hp.n_ctx_train, "context_length");
+  // Every layer needs tensors of its own, so a file cannot have more layers than tensors.
+  if (hp.n_layer > static_cast<int64_t>(f.tensors().size()))
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}block_count = {} but the file has only {} tensors", f.path(), p,
+                            hp.n_layer, f.tensors().size()));
   if (hp.n_head % hp.n_head_kv != 0)
     throw Error(ErrorCategory::format,
                 fmt::format("{}: {}attention.head_count ({}) is not a multiple of "

@@ -30,10 +30,13 @@ int main(int argc, char** argv) {
     tokens.push_back(buf);
     types.push_back(6);
   }
-  for (const char* t : {"\xe2\x96\x81", "O", "n", "c", "e", "\xe2\x96\x81O", "on", "ce", "a", "t",
-                        "i", "m", "u", "p", "\xe2\x96\x81t", "im", "\xe2\x96\x81a", "\xe2\x96\x81u", "up",
-                        "me", "\xc3\xa9"})
-  {
+  const std::string sp = "\xe2\x96\x81";  // U+2581, SentencePiece's space
+  for (const std::string& t : {sp, std::string("O"), std::string("n"), std::string("c"),
+                               std::string("e"), sp + "O", std::string("on"), std::string("ce"),
+                               std::string("a"), std::string("t"), std::string("i"),
+                               std::string("m"), std::string("u"), std::string("p"), sp + "t",
+                               std::string("im"), sp + "a", sp + "u", std::string("up"),
+                               std::string("me"), std::string("\xc3\xa9")}) {
     tokens.push_back(t);
     types.push_back(1);
   }
