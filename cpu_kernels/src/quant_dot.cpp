@@ -1,0 +1,70 @@
+#include "berth/cpu_kernels/quant_dot.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "berth/core/error.h"
+
+namespace berth::cpu {
+
+GgmlType activation_type(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q8_0: return GgmlType::Q8_0;
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: return GgmlType::Q8_K;
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16: return GgmlType::F32;
+    default:
+      throw Error(ErrorCategory::unsupported,
+                  fmt::format("no dot product for weights of type {}", type_name(t)));
+  }
+}
+
+size_t activation_row_bytes(GgmlType t, int64_t n) { return row_bytes(activation_type(t), n); }
+
+void quantize_activation(GgmlType t, const float* x, void* dst, int64_t n) {
+  switch (activation_type(t)) {
+    case GgmlType::Q8_0: detail::quantize_q8_0(x, dst, n); return;
+    case GgmlType::Q8_K: detail::quantize_q8_K(x, dst, n); return;
+    default: std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float)); return;
+  }
+}
+
+void dot_tile(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
+              int64_t n_tok, int64_t n, float* out, int64_t out_stride) {
+  switch (t) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q8_0:
+      detail::dot_tile_legacy(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
+      return;
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+      detail::dot_tile_k(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
+      return;
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+      detail::dot_tile_float(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
+      return;
+    default:
+      throw Error(ErrorCategory::unsupported,
+                  fmt::format("no dot product for weights of type {}", type_name(t)));
+  }
+}
+
+}  // namespace berth::cpu

@@ -1,0 +1,65 @@
+// The kernel oracle harness: helpers to run a SIMD kernel on every Highway target compiled into
+// the binary and supported by this CPU, and to compare it with its scalar twin by NMSE.
+//
+// Rules every oracle test follows: inputs come fresh from a seeded generator (never zeros);
+// outputs are poisoned with NaN before each run so an element the kernel did not write fails;
+// the tolerance of each op is written next to the op in the test.
+#pragma once
+
+#include <doctest/doctest.h>
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace berth::test {
+
+/// Calls fn(target_name) once per Highway target that is both compiled in and supported by the
+/// CPU, with dynamic dispatch forced to that target; restores normal dispatch afterwards.
+template <class Fn>
+void for_each_simd_target(Fn&& fn) {
+  const int64_t targets = hwy::SupportedAndGeneratedTargets();
+  int n = 0;
+  for (int64_t bit = 1; bit != 0 && bit <= targets; bit <<= 1) {
+    if (!(targets & bit)) continue;
+    hwy::SetSupportedTargetsForTest(static_cast<uint32_t>(bit));
+    const std::string name = hwy::TargetName(static_cast<uint32_t>(bit));
+    CAPTURE(name);
+    fn(name);
+    ++n;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  CHECK(n >= 1);
+}
+
+/// Normalised mean squared error sum((got-ref)^2) / sum(ref^2); a NaN anywhere gives +inf.
+inline double nmse(const float* ref, const float* got, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(got[i]) || !std::isfinite(ref[i])) return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Fills with NaN so unwritten outputs fail the comparison.
+inline void poison(std::vector<float>& v) {
+  std::fill(v.begin(), v.end(), std::numeric_limits<float>::quiet_NaN());
+}
+
+/// n draws of N(mean, sd) from a generator seeded with `seed`.
+inline std::vector<float> gaussian(size_t n, uint64_t seed, float sd = 1.0f, float mean = 0.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(mean, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+}  // namespace berth::test
