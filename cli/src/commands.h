@@ -13,6 +13,8 @@ using Runner = std::function<int()>;
 Runner add_run(CLI::App& app);
 Runner add_inspect(CLI::App& app);
 Runner add_tokenize(CLI::App& app);
+Runner add_quantize(CLI::App& app);
+Runner add_bench(CLI::App& app);
 
 /// Writes all of `s` to stdout and flushes; returns false when stdout is closed (e.g. a pipe
 /// whose reader exited), so commands can stop instead of dying of SIGPIPE.

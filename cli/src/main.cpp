@@ -48,6 +48,8 @@ int main(int argc, char** argv) {
   berth::cli::Runner run = berth::cli::add_run(app);
   berth::cli::Runner inspect = berth::cli::add_inspect(app);
   berth::cli::Runner tokenize = berth::cli::add_tokenize(app);
+  berth::cli::Runner quantize = berth::cli::add_quantize(app);
+  berth::cli::Runner bench = berth::cli::add_bench(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -70,6 +72,8 @@ int main(int argc, char** argv) {
       if (name == "run") return run();
       if (name == "inspect") return inspect();
       if (name == "tokenize") return tokenize();
+      if (name == "quantize") return quantize();
+      if (name == "bench") return bench();
     }
     return 2;
   } catch (const berth::Error& e) {

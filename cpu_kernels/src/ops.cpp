@@ -1,7 +1,10 @@
+// Plain C++ kernels: get_row, matmul_rows and dot_f32 (berth::cpu), and the scalar twins of the
+// SIMD kernels in ops_simd.cc (berth::ref), kept as the plain formulas the oracle tests trust.
 #include "berth/cpu_kernels/ops.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -25,7 +28,9 @@ void get_row(const TensorView& w, int64_t row, float* dst) {
   const int64_t n = w.ne[0];
   const uint8_t* src = w.row(row);
   switch (w.type) {
-    case GgmlType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case GgmlType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
     case GgmlType::F16: {
       const auto* h = reinterpret_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(h[i]);
@@ -60,6 +65,10 @@ void matmul_rows(const TensorView& w, int64_t row_begin, int64_t row_end, const 
   }
 }
 
+}  // namespace berth::cpu
+
+namespace berth::ref {
+
 void rms_norm(const float* x, const float* weight, float* y, int64_t n, float eps) {
   double ss = 0.0;
   for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
@@ -89,23 +98,54 @@ void rope_inplace(float* x, int32_t n_head, int32_t head_dim, int32_t n_rot, con
 void attention_head(const float* q, const float* k, int64_t k_stride, const float* v,
                     int64_t v_stride, int64_t n_kv, int32_t head_dim, float scale, float* out,
                     float* scores) {
+  // Scores and weights are kept in float; every sum accumulates in double, so this oracle's
+  // own rounding stays far below the SIMD kernel's over long contexts.
   float mx = -INFINITY;
   for (int64_t j = 0; j < n_kv; ++j) {
-    scores[j] = scale * dot_f32(q, k + j * k_stride, head_dim);
+    const float* kj = k + j * k_stride;
+    double dot = 0.0;
+    for (int32_t d = 0; d < head_dim; ++d) dot += static_cast<double>(q[d]) * kj[d];
+    scores[j] = scale * static_cast<float>(dot);
     mx = std::max(mx, scores[j]);
   }
-  float sum = 0.0f;
+  double sum = 0.0;
   for (int64_t j = 0; j < n_kv; ++j) {
     scores[j] = std::exp(scores[j] - mx);
     sum += scores[j];
   }
-  const float inv = 1.0f / sum;
-  for (int32_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
-  for (int64_t j = 0; j < n_kv; ++j) {
-    const float p = scores[j] * inv;
-    const float* vj = v + j * v_stride;
-    for (int32_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
+  for (int32_t d = 0; d < head_dim; ++d) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < n_kv; ++j) acc += static_cast<double>(scores[j]) * v[j * v_stride + d];
+    out[d] = static_cast<float>(acc / sum);
   }
+}
+
+void softmax(const float* x, float* y, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  double sum = 0.0;  // double: the oracle's rounding stays below the SIMD kernel's
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] = std::exp(x[i] - mx);
+    sum += y[i];
+  }
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(y[i] / sum);
+}
+
+void attention_causal_tile(const float* q, int64_t q_stride, int64_t n_q, int64_t q_pos0,
+                           const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                           int32_t head_dim, float scale, float* out, int64_t out_stride,
+                           float* scratch) {
+  for (int64_t i = 0; i < n_q; ++i)
+    attention_head(q + i * q_stride, k, k_stride, v, v_stride, q_pos0 + i + 1, head_dim, scale,
+                   out + i * out_stride, scratch);
+}
+
+void attention_group(const float* q, int64_t q_stride, int64_t n_q, int64_t n_kv, const float* k,
+                     int64_t k_stride, const float* v, int64_t v_stride, int32_t head_dim,
+                     float scale, float* out, int64_t out_stride, float* scratch) {
+  for (int64_t i = 0; i < n_q; ++i)
+    attention_head(q + i * q_stride, k, k_stride, v, v_stride, n_kv, head_dim, scale,
+                   out + i * out_stride, scratch);
 }
 
 void swiglu(const float* gate, const float* up, float* out, int64_t n) {
@@ -116,4 +156,4 @@ void add(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
-}  // namespace berth::cpu
+}  // namespace berth::ref

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "berth/core/error.h"
@@ -64,6 +65,25 @@ void dot_tile(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t
     default:
       throw Error(ErrorCategory::unsupported,
                   fmt::format("no dot product for weights of type {}", type_name(t)));
+  }
+}
+
+void gemm_rows(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
+               int64_t n_tok, int64_t n, float* out, int64_t out_stride) {
+  if (n_tok <= 1) {  // decode GEMV: stream the rows once, no tiling needed
+    dot_tile(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
+    return;
+  }
+  const size_t wrb = row_bytes(t, n);
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* ab = static_cast<const uint8_t*>(act);
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kGemmRowTile) {
+    const int64_t nr = std::min(kGemmRowTile, n_rows - r0);
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kGemmTokTile) {
+      const int64_t nt = std::min(kGemmTokTile, n_tok - t0);
+      dot_tile(t, wb + static_cast<size_t>(r0) * wrb, nr, ab + static_cast<size_t>(t0) * act_stride,
+               act_stride, nt, n, out + t0 * out_stride + r0, out_stride);
+    }
   }
 }
 

@@ -1,0 +1,818 @@
+// Highway SIMD kernels of the K-quant family: Q8_K activation quantization and the dot-product
+// tiles of Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights against Q8_K activations (quant_dot.h).
+// Scalar twins: quant_dot_k_ref.cpp (dot) and quants_ref.cpp (Q8_K quantizer).
+//
+// Integer form used by every path. A weight super-block is decoded to
+//   q[256]   unsigned quants in element order (the format's quant plus a bias: 0 for Q2_K,
+//            Q4_K, Q5_K; 4 for Q3_K; 32 for Q6_K),
+//   sc[16]   the integer scale of each 16-element group,
+//   off[16]  the integer coefficient of each group's activation sum (Q8_K bsums): the minimum
+//            for Q2_K/Q4_K/Q5_K (scaled by dmin), bias * sc for Q3_K/Q6_K (scaled by d),
+// so that, with a the activation quants and bsum the activation block's group sums,
+//   block = (d * da) * (sum_g sc_g * (q . a)_g - [bias] sum_g off_g * bsum_g)
+//           - (dmin * da) * [min] sum_g off_g * bsum_g,
+// which is the reference formula (quant_dot_k_ref.cpp) with the same exact integers.
+//
+// x86 (AVX2, AVX3, AVX3_DL targets): q (unsigned, <= 63) times a (signed) by
+// _mm256_maddubs_epi16 (pairs, |sum| <= 2 * 63 * 128, no saturation), times the group scales by
+// _mm256_madd_epi16 into int32 lanes; per block the 8 int32 lanes go to float and one FMA per
+// block and token accumulates them into 8 float lanes; the lanes are summed at the end of the
+// row. The decode GEMV decodes each block in registers and prefetches 16 blocks ahead; Q4_K's
+// GEMV uses 512-bit vectors on the AVX-512 targets (same int32 lanes after folding the halves).
+// The GEMM tile decodes each block once per 64-token chunk and applies it 4 tokens at a time.
+// Other targets (NEON, SVE, EMU128, SCALAR): q * sc pre-multiplied into int16
+// (|q * sc| <= 63 * 128), ReorderWidenMulAccumulate against the widened activations, the block
+// integer reduced exactly and the float part computed as in the reference (bit-identical to
+// it).
+//
+// Determinism: each output's float operations depend only on its weight row and activation
+// row (the token loop is the innermost one and touches only that token's accumulator), so a
+// value never depends on the tile shape or its position in it.
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "quant_dot_k.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+// clang-format on
+
+#ifndef BERTH_CPU_KERNELS_QUANT_DOT_K_COMMON_
+#define BERTH_CPU_KERNELS_QUANT_DOT_K_COMMON_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "berth/core/error.h"
+#include "berth/core/fp16.h"
+#include "berth/cpu_kernels/quant_dot.h"
+#include "berth/cpu_kernels/quants_ref.h"
+
+namespace berth::cpu::kquant {
+
+/// A decoded weight super-block (integer form at the top of this file), as the portable path
+/// holds it.
+struct alignas(64) DecodedK {
+  uint8_t q[kQK_K];   ///< unsigned quants, element order
+  int16_t sc[16];     ///< scale of each 16-element group
+  int16_t off[16];    ///< coefficient of each group's activation sum
+  float d = 0.0f;     ///< weight super-block scale (f16 decoded)
+  float dmin = 0.0f;  ///< weight super-block min scale (0 for Q3_K/Q6_K)
+};
+
+/// Whether off[] is a bias folded into the d term (Q3_K, Q6_K) or a min scaled by dmin.
+inline bool off_is_bias(GgmlType t) { return t == GgmlType::Q3_K || t == GgmlType::Q6_K; }
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+/// The eight 6-bit scales and mins of Q4_K/Q5_K (quants_ref.h, BlockQ4_K), from the 12 packed
+/// bytes, as bytes: sc[j] = byte j of (sc_lo | sc_hi << 32), likewise mn.
+inline void unpack_scales_k4(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  const uint32_t sc_lo = a & 0x3f3f3f3fu;
+  const uint32_t mn_lo = b & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+  sc = sc_lo | (static_cast<uint64_t>(sc_hi) << 32);
+  mn = mn_lo | (static_cast<uint64_t>(mn_hi) << 32);
+}
+
+/// The sixteen 6-bit scales of Q3_K (quants_ref.h, BlockQ3_K), unbiased (0..63, the format
+/// subtracts 32): byte j of w[k] is the scale of group 4k + j.
+struct ScalesQ3K {
+  uint32_t w[4];
+};
+inline ScalesQ3K unpack_scales_q3k(const uint8_t* s) {
+  const uint32_t a0 = load_u32(s), a1 = load_u32(s + 4), hi = load_u32(s + 8);
+  return {{(a0 & 0x0f0f0f0fu) | ((hi & 0x03030303u) << 4),
+           (a1 & 0x0f0f0f0fu) | (((hi >> 2) & 0x03030303u) << 4),
+           ((a0 >> 4) & 0x0f0f0f0fu) | (((hi >> 4) & 0x03030303u) << 4),
+           ((a1 >> 4) & 0x0f0f0f0fu) | (((hi >> 6) & 0x03030303u) << 4)}};
+}
+
+template <class B>
+inline const B* block_at(const void* p, int64_t i) {
+  return reinterpret_cast<const B*>(static_cast<const uint8_t*>(p)) + i;
+}
+
+}  // namespace berth::cpu::kquant
+
+#endif  // BERTH_CPU_KERNELS_QUANT_DOT_K_COMMON_
+
+HWY_BEFORE_NAMESPACE();
+namespace berth::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using kquant::DecodedK;
+
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define BERTH_QDK_X86 1
+#else
+#define BERTH_QDK_X86 0
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Q8_K activation quantization (ggml's quantize_row_q8_K_ref, as ref::quantize_row): the
+// element of largest magnitude (the first one on ties) maps to -127, d = 1 / iscale, quants
+// round half to even and are capped at 127. Bit-identical to the reference: the same float
+// product iscale * x and the same round-to-nearest-even trick (add 1.5 * 2^23).
+// ---------------------------------------------------------------------------------------------
+
+void QuantizeQ8K(const float* HWY_RESTRICT x, void* HWY_RESTRICT dst, int64_t n) {
+  const hn::CappedTag<float, 16> df;  // at most 16 lanes: divides a 16-element group
+  const hn::Rebind<int32_t, decltype(df)> di;
+  const hn::Rebind<int8_t, decltype(df)> d8;
+  const size_t L = hn::Lanes(df);
+  auto* out = static_cast<BlockQ8_K*>(dst);
+  for (int64_t ib = 0; ib < n / kQK_K; ++ib, x += kQK_K) {
+    auto vmax = hn::Zero(df);
+    for (size_t i = 0; i < kQK_K; i += L) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, x + i)));
+    const float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
+    BlockQ8_K b;
+    if (!(amax > 0.0f)) {
+      std::memset(&b, 0, sizeof(b));
+      std::memcpy(out + ib, &b, sizeof(b));
+      continue;
+    }
+    // The first element whose magnitude is amax (the reference keeps the first strict max).
+    float xmax = 0.0f;
+    const auto va = hn::Set(df, amax);
+    for (size_t i = 0; i < kQK_K; i += L) {
+      const intptr_t k = hn::FindFirstTrue(df, hn::Eq(hn::Abs(hn::LoadU(df, x + i)), va));
+      if (k >= 0) {
+        xmax = x[i + static_cast<size_t>(k)];
+        break;
+      }
+    }
+    const float iscale = -127.0f / xmax;
+    const auto vis = hn::Set(df, iscale);
+    const auto magic = hn::Set(df, 12582912.0f);  // 1.5 * 2^23
+    const auto mant = hn::Set(di, 0x007fffff);
+    const auto bias = hn::Set(di, 0x00400000);
+    const auto hi = hn::Set(di, 127);
+    for (size_t g = 0; g < kQK_K / 16; ++g) {
+      auto gsum = hn::Zero(di);
+      for (size_t i = 16 * g; i < 16 * g + 16; i += L) {
+        const auto v = hn::Add(hn::Mul(hn::LoadU(df, x + i), vis), magic);
+        const auto q = hn::Min(hn::Sub(hn::And(hn::BitCast(di, v), mant), bias), hi);
+        gsum = hn::Add(gsum, q);
+        hn::StoreU(hn::DemoteTo(d8, q), d8, b.qs + i);
+      }
+      b.bsums[g] = static_cast<int16_t>(hn::GetLane(hn::SumOfLanes(di, gsum)));
+    }
+    b.d = 1.0f / iscale;
+    std::memcpy(out + ib, &b, sizeof(b));
+  }
+}
+
+// Tokens per pass over one decoded block, and tokens whose accumulators live on the stack
+// (a chunk: its activation rows, 64 * 292 bytes per super-block, stay in L2 across the rows).
+constexpr int kTokGroup = 4;
+constexpr int64_t kTokChunk = 64;
+
+#if BERTH_QDK_X86
+// ---------------------------------------------------------------------------------------------
+// x86: maddubs + madd (AVX2 encoding; also used by the AVX-512 targets, whose wider vectors
+// bring nothing to a loop bound by memory bandwidth or by the multiply ports). Each block is
+// decoded into registers (DecX86); the GEMV uses them at once, the GEMM for every token.
+// ---------------------------------------------------------------------------------------------
+
+// A decoded super-block: q[p] the 32 unsigned quants of elements 32p..32p+31; s[p] the int16
+// scales of their maddubs products (lanes 0-7: group 2p, lanes 8-15: group 2p + 1); off the 16
+// group coefficients of the activation bsums (top of this file).
+struct DecX86 {
+  __m256i q[8];
+  __m256i s[8];
+  __m256i off;
+  float d;
+  float dmin;
+};
+
+// f16 -> f32 by F16C (exact, as fp16_to_f32).
+HWY_INLINE float H2F(uint16_t h) { return _cvtsh_ss(h); }
+
+HWY_INLINE __m256i LoadU256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Shuffle masks: within each 128-bit lane, repeat the two bytes of int16 element e.
+// kPairMask[k]: lane 0 repeats element 2k, lane 1 element 2k + 1 (of an 8-element half).
+alignas(32) constexpr int8_t kPairMask[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+     6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,
+     10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+     14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15}};
+
+// s[] from 16 int16 group scales given as two 8-element halves (xmm).
+HWY_INLINE void PairScales(__m128i lo8, __m128i hi8, DecX86& o) {
+  const __m256i h[2] = {_mm256_broadcastsi128_si256(lo8), _mm256_broadcastsi128_si256(hi8)};
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p)
+    o.s[p] = _mm256_shuffle_epi8(
+        h[p / 4], _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairMask[p % 4])));
+}
+
+// s[] and off for Q4_K/Q5_K: one 6-bit scale and min per 32 elements (two groups).
+HWY_INLINE void ScalesK4(const uint8_t* packed, DecX86& o) {
+  uint64_t sc, mn;
+  kquant::unpack_scales_k4(packed, sc, mn);
+  const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc)));
+  const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn)));
+  // Sub-block j covers groups 2j and 2j + 1: duplicate each scale and min.
+  const __m128i sc_lo = _mm_unpacklo_epi16(sc16, sc16), sc_hi = _mm_unpackhi_epi16(sc16, sc16);
+  PairScales(sc_lo, sc_hi, o);
+  o.off = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
+}
+
+HWY_INLINE void DecodeX86(const BlockQ4_K* b, DecX86& o) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m256i raw = LoadU256(b->qs + 32 * c);
+    o.q[2 * c] = _mm256_and_si256(raw, m4);
+    o.q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  }
+  ScalesK4(b->scales, o);
+  o.d = H2F(b->d);
+  o.dmin = H2F(b->dmin);
+}
+
+HWY_INLINE void DecodeX86(const BlockQ5_K* b, DecX86& o) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m10 = _mm256_set1_epi8(0x10);
+  // hb: qh >> 2c (16-bit shifts; bits 0 and 1 of each byte stay within the byte for c < 4).
+  __m256i hb = LoadU256(b->qh);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m256i raw = LoadU256(b->qs + 32 * c);
+    o.q[2 * c] =
+        _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));
+    o.q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                     _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));
+    hb = _mm256_srli_epi16(hb, 2);
+  }
+  ScalesK4(b->scales, o);
+  o.d = H2F(b->d);
+  o.dmin = H2F(b->dmin);
+}
+
+HWY_INLINE void DecodeX86(const BlockQ6_K* b, DecX86& o) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = LoadU256(b->ql + 64 * h);
+    const __m256i ql1 = LoadU256(b->ql + 64 * h + 32);
+    const __m256i qh = LoadU256(b->qh + 32 * h);
+    o.q[4 * h] =
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+    o.q[4 * h + 1] =
+        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    o.q[4 * h + 2] =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+    o.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+  }
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+  const __m128i lo = _mm_cvtepi8_epi16(sc8), hi = _mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8));
+  PairScales(lo, hi, o);
+  o.off = _mm256_slli_epi16(_mm256_set_m128i(hi, lo), 5);  // bias 32 * scale
+  o.d = H2F(b->d);
+  o.dmin = 0.0f;
+}
+
+HWY_INLINE void DecodeX86(const BlockQ2_K* b, DecX86& o) {
+  const __m256i m3 = _mm256_set1_epi8(0x03);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = LoadU256(b->qs + 32 * h);
+    o.q[4 * h] = _mm256_and_si256(v, m3);
+    o.q[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+    o.q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+    o.q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+  }
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i sc = _mm_and_si128(s8, m4);
+  const __m128i mn = _mm_and_si128(_mm_srli_epi16(s8, 4), m4);
+  PairScales(_mm_cvtepu8_epi16(sc), _mm_cvtepu8_epi16(_mm_srli_si128(sc, 8)), o);
+  o.off = _mm256_cvtepu8_epi16(mn);
+  o.d = H2F(b->d);
+  o.dmin = H2F(b->dmin);
+}
+
+HWY_INLINE void DecodeX86(const BlockQ3_K* b, DecX86& o) {
+  const __m256i m3 = _mm256_set1_epi8(0x03);
+  const __m256i m04 = _mm256_set1_epi8(0x04);
+  const __m256i hm = LoadU256(b->hmask);
+  // q + 4 = low | high << 2 with high = bit 4h + k of hmask[l], moved to bit 2 by a 16-bit
+  // shift that keeps it inside its byte.
+  const __m256i high[8] = {
+      _mm256_slli_epi16(hm, 2), _mm256_slli_epi16(hm, 1), hm,
+      _mm256_srli_epi16(hm, 1), _mm256_srli_epi16(hm, 2), _mm256_srli_epi16(hm, 3),
+      _mm256_srli_epi16(hm, 4), _mm256_srli_epi16(hm, 5)};
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = LoadU256(b->qs + 32 * h);
+    const __m256i low[4] = {v, _mm256_srli_epi16(v, 2), _mm256_srli_epi16(v, 4),
+                            _mm256_srli_epi16(v, 6)};
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k)
+      o.q[4 * h + k] =
+          _mm256_or_si256(_mm256_and_si256(low[k], m3), _mm256_and_si256(high[4 * h + k], m04));
+  }
+  const kquant::ScalesQ3K sc6 = kquant::unpack_scales_q3k(b->scales);
+  const __m128i raw = _mm_set_epi32(static_cast<int>(sc6.w[3]), static_cast<int>(sc6.w[2]),
+                                    static_cast<int>(sc6.w[1]), static_cast<int>(sc6.w[0]));
+  const __m128i b32 = _mm_set1_epi16(32);
+  const __m128i lo = _mm_sub_epi16(_mm_cvtepu8_epi16(raw), b32);
+  const __m128i hi = _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(raw, 8)), b32);
+  PairScales(lo, hi, o);
+  o.off = _mm256_slli_epi16(_mm256_set_m128i(hi, lo), 2);  // bias 4 * scale
+  o.d = H2F(b->d);
+  o.dmin = 0.0f;
+}
+
+// GEMV software prefetch distance in super-blocks (2.3 KiB ahead for Q4_K). Measured on the
+// 16-core Xeon: one thread 7.7 -> 13 GB/s, 16 threads 86 -> 109 GB/s against 4 and 8 blocks
+// (7.6 / 9.6 GB/s, 92 / 100 GB/s): the hardware prefetcher alone keeps too few lines in flight
+// while a core also decodes.
+constexpr int kPrefetchBlocks = 16;
+
+HWY_INLINE float HSum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NT tokens (activation blocks a[t]) against one decoded block: the block integer in 8 int32
+// lanes, then its float part into acc[t].
+template <int NT, bool kBias>
+HWY_INLINE void BlockTokens(const DecX86& kb, const BlockQ8_K* const* a, __m256* acc) {
+  __m256i isum[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) isum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256i x = LoadU256(a[t]->qs + 32 * p);
+      isum[t] =
+          _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(kb.q[p], x), kb.s[p]));
+      // Keep the running sum in a register: without this GCC reassociates the integer adds
+      // into a tree, keeping every product alive and spilling them to the stack.
+      asm("" : "+x"(isum[t]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) {
+    const __m256i o = _mm256_madd_epi16(LoadU256(a[t]->bsums), kb.off);
+    if constexpr (kBias) {
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], o)),
+                               _mm256_set1_ps(kb.d * a[t]->d), acc[t]);
+    } else {
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_set1_ps(kb.d * a[t]->d), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(kb.dmin * a[t]->d), acc[t]);
+    }
+  }
+}
+
+// Decode GEMV: one token, rows streamed once, each block decoded in registers and used at once.
+template <class B, bool kBias>
+void GemvX86(const B* HWY_RESTRICT w, int64_t n_rows, const BlockQ8_K* HWY_RESTRICT act, int64_t nb,
+             float* HWY_RESTRICT out) {
+  DecX86 kb;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const B* wr = w + r * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < nb; ++ib) {
+      {
+        const char* pf = reinterpret_cast<const char*>(wr + ib + kPrefetchBlocks);
+        for (size_t off = 0; off < sizeof(B); off += 64) _mm_prefetch(pf + off, _MM_HINT_T0);
+      }
+      DecodeX86(wr + ib, kb);
+      const BlockQ8_K* a = act + ib;
+      BlockTokens<1, kBias>(kb, &a, &acc);
+    }
+    out[r] = HSum8(acc);
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// Q4_K decode GEMV with 512-bit vectors (half the instructions of the 256-bit loop; +5% on the
+// Xeon when compute-bound). Sub-blocks 2c and 2c + 1 share one vector: the 32 packed
+// bytes broadcast to both halves, the upper half shifted to its high nibbles, against the 64
+// contiguous activations. The two 256-bit halves of the sum are added before the float part,
+// which gives the same 8 int32 lanes as BlockTokens<1, false> on a DecodeX86 block (each lane
+// sums the same products), so the result is identical to the 256-bit tile's.
+void GemvQ4KAvx512(const BlockQ4_K* HWY_RESTRICT w, int64_t n_rows,
+                   const BlockQ8_K* HWY_RESTRICT act, int64_t nb, float* HWY_RESTRICT out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  // vpermw indices: lanes 0-15 take scale 2c, lanes 16-31 scale 2c + 1.
+  __m512i idx[4];
+  for (int c = 0; c < 4; ++c)
+    idx[c] =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(2 * c))),
+                           _mm256_set1_epi16(static_cast<short>(2 * c + 1)), 1);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const BlockQ4_K* wr = w + r * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < nb; ++ib) {
+      const BlockQ4_K* b = wr + ib;
+      const BlockQ8_K* a = act + ib;
+      {
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBlocks), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBlocks) + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBlocks) + 128, _MM_HINT_T0);
+      }
+      uint64_t sc, mn;
+      kquant::unpack_scales_k4(b->scales, sc, mn);
+      const __m512i sc16 =
+          _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn)));
+      __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_broadcast_i64x4(LoadU256(b->qs + 32 * c));
+        const __m512i q = _mm512_and_si512(
+            _mm512_mask_srli_epi16(raw, static_cast<__mmask32>(0xFFFF0000u), raw, 4), m4);
+        const __m512i x = _mm512_loadu_si512(a->qs + 64 * c);
+        const __m512i s = _mm512_permutexvar_epi16(idx[c], sc16);
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), s));
+        asm("" : "+v"(isum));
+      }
+      const __m256i isum8 =
+          _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+      const __m256i off =
+          _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
+      const __m256i o = _mm256_madd_epi16(LoadU256(a->bsums), off);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8), _mm256_set1_ps(H2F(b->d) * a->d), acc);
+      acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(H2F(b->dmin) * a->d), acc);
+    }
+    out[r] = HSum8(acc);
+  }
+}
+#endif
+
+// GEMM tile: tokens in chunks of kTokChunk (their activation rows stay in L2 while the tile's
+// weight rows go by); each block decoded once per chunk and applied to the chunk's tokens
+// kTokGroup at a time.
+template <class B, bool kBias>
+void TileX86(const B* HWY_RESTRICT w, int64_t n_rows, const uint8_t* act, size_t act_stride,
+             int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
+  DecX86 kb;
+  __m256 acc[kTokChunk];
+  const BlockQ8_K* ap[kTokChunk];
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kTokChunk) {
+    const int64_t nt = std::min<int64_t>(kTokChunk, n_tok - t0);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const B* wr = w + r * nb;
+      for (int64_t k = 0; k < nt; ++k) {
+        acc[k] = _mm256_setzero_ps();
+        ap[k] = reinterpret_cast<const BlockQ8_K*>(act + static_cast<size_t>(t0 + k) * act_stride);
+      }
+      for (int64_t ib = 0; ib < nb; ++ib) {
+        DecodeX86(wr + ib, kb);
+        int64_t k = 0;
+        for (; k + kTokGroup <= nt; k += kTokGroup) {
+          const BlockQ8_K* a[kTokGroup] = {ap[k] + ib, ap[k + 1] + ib, ap[k + 2] + ib,
+                                           ap[k + 3] + ib};
+          BlockTokens<kTokGroup, kBias>(kb, a, acc + k);
+        }
+        for (; k < nt; ++k) {
+          const BlockQ8_K* a = ap[k] + ib;
+          BlockTokens<1, kBias>(kb, &a, acc + k);
+        }
+      }
+      for (int64_t k = 0; k < nt; ++k) out[(t0 + k) * out_stride + r] = HSum8(acc[k]);
+    }
+  }
+}
+
+template <class B, bool kBias>
+void DotTileX86(const void* w, int64_t n_rows, const void* act, size_t act_stride, int64_t n_tok,
+                int64_t nb, float* out, int64_t out_stride) {
+  const B* wb = static_cast<const B*>(w);
+  if (n_tok == 1) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    if constexpr (std::is_same_v<B, BlockQ4_K>) {
+      GemvQ4KAvx512(wb, n_rows, static_cast<const BlockQ8_K*>(act), nb, out);
+      return;
+    }
+#endif
+    GemvX86<B, kBias>(wb, n_rows, static_cast<const BlockQ8_K*>(act), nb, out);
+  } else {
+    TileX86<B, kBias>(wb, n_rows, static_cast<const uint8_t*>(act), act_stride, n_tok, nb, out,
+                      out_stride);
+  }
+}
+
+#else   // !BERTH_QDK_X86
+// ---------------------------------------------------------------------------------------------
+// Decoding of weight super-blocks into DecodedK (128-bit Highway ops: every target has them).
+// ---------------------------------------------------------------------------------------------
+
+// At most 16 lanes (one lane on HWY_SCALAR); the loops below step by Lanes(D8()).
+using D8 = hn::CappedTag<uint8_t, 16>;
+
+void DecodeQ4K(const BlockQ4_K* HWY_RESTRICT b, DecodedK& o) {
+  const D8 d8;
+  const auto m4 = hn::Set(d8, uint8_t{0x0F});
+  const size_t N = hn::Lanes(d8);
+  for (int c = 0; c < 4; ++c)
+    for (size_t l = 0; l < 32; l += N) {
+      const auto v = hn::LoadU(d8, b->qs + 32 * c + l);
+      hn::StoreU(hn::And(v, m4), d8, o.q + 64 * c + l);
+      hn::StoreU(hn::ShiftRight<4>(v), d8, o.q + 64 * c + 32 + l);
+    }
+  uint64_t sc, mn;
+  kquant::unpack_scales_k4(b->scales, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    o.sc[2 * j] = o.sc[2 * j + 1] = static_cast<int16_t>((sc >> (8 * j)) & 0xFF);
+    o.off[2 * j] = o.off[2 * j + 1] = static_cast<int16_t>((mn >> (8 * j)) & 0xFF);
+  }
+  o.d = fp16_to_f32(b->d);
+  o.dmin = fp16_to_f32(b->dmin);
+}
+
+void DecodeQ5K(const BlockQ5_K* HWY_RESTRICT b, DecodedK& o) {
+  const D8 d8;
+  const auto m4 = hn::Set(d8, uint8_t{0x0F});
+  const auto b4 = hn::Set(d8, uint8_t{0x10});
+  const size_t N = hn::Lanes(d8);
+  for (size_t l = 0; l < 32; l += N) {
+    const auto qh = hn::LoadU(d8, b->qh + l);
+    for (int c = 0; c < 4; ++c) {
+      const auto v = hn::LoadU(d8, b->qs + 32 * c + l);
+      const auto h0 = hn::VecFromMask(d8, hn::TestBit(qh, hn::Set(d8, uint8_t(1u << (2 * c)))));
+      const auto h1 = hn::VecFromMask(d8, hn::TestBit(qh, hn::Set(d8, uint8_t(1u << (2 * c + 1)))));
+      hn::StoreU(hn::Or(hn::And(v, m4), hn::And(h0, b4)), d8, o.q + 64 * c + l);
+      hn::StoreU(hn::Or(hn::ShiftRight<4>(v), hn::And(h1, b4)), d8, o.q + 64 * c + 32 + l);
+    }
+  }
+  uint64_t sc, mn;
+  kquant::unpack_scales_k4(b->scales, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    o.sc[2 * j] = o.sc[2 * j + 1] = static_cast<int16_t>((sc >> (8 * j)) & 0xFF);
+    o.off[2 * j] = o.off[2 * j + 1] = static_cast<int16_t>((mn >> (8 * j)) & 0xFF);
+  }
+  o.d = fp16_to_f32(b->d);
+  o.dmin = fp16_to_f32(b->dmin);
+}
+
+void DecodeQ6K(const BlockQ6_K* HWY_RESTRICT b, DecodedK& o) {
+  const D8 d8;
+  const auto m4 = hn::Set(d8, uint8_t{0x0F});
+  const auto m30 = hn::Set(d8, uint8_t{0x30});
+  const size_t N = hn::Lanes(d8);
+  for (int h = 0; h < 2; ++h)
+    for (size_t l = 0; l < 32; l += N) {
+      const auto ql0 = hn::LoadU(d8, b->ql + 64 * h + l);
+      const auto ql1 = hn::LoadU(d8, b->ql + 64 * h + 32 + l);
+      const auto qh = hn::LoadU(d8, b->qh + 32 * h + l);
+      uint8_t* q = o.q + 128 * h + l;
+      hn::StoreU(hn::Or(hn::And(ql0, m4), hn::And(hn::ShiftLeft<4>(qh), m30)), d8, q);
+      hn::StoreU(hn::Or(hn::And(ql1, m4), hn::And(hn::ShiftLeft<2>(qh), m30)), d8, q + 32);
+      hn::StoreU(hn::Or(hn::ShiftRight<4>(ql0), hn::And(qh, m30)), d8, q + 64);
+      hn::StoreU(hn::Or(hn::ShiftRight<4>(ql1), hn::And(hn::ShiftRight<2>(qh), m30)), d8, q + 96);
+    }
+  for (int g = 0; g < 16; ++g) {
+    o.sc[g] = b->scales[g];
+    o.off[g] = static_cast<int16_t>(32 * b->scales[g]);
+  }
+  o.d = fp16_to_f32(b->d);
+  o.dmin = 0.0f;
+}
+
+void DecodeQ2K(const BlockQ2_K* HWY_RESTRICT b, DecodedK& o) {
+  const D8 d8;
+  const auto m2 = hn::Set(d8, uint8_t{0x03});
+  const size_t N = hn::Lanes(d8);
+  for (int h = 0; h < 2; ++h)
+    for (size_t l = 0; l < 32; l += N) {
+      const auto v = hn::LoadU(d8, b->qs + 32 * h + l);
+      uint8_t* q = o.q + 128 * h + l;
+      hn::StoreU(hn::And(v, m2), d8, q);
+      hn::StoreU(hn::And(hn::ShiftRight<2>(v), m2), d8, q + 32);
+      hn::StoreU(hn::And(hn::ShiftRight<4>(v), m2), d8, q + 64);
+      hn::StoreU(hn::ShiftRight<6>(v), d8, q + 96);
+    }
+  for (int g = 0; g < 16; ++g) {
+    o.sc[g] = static_cast<int16_t>(b->scales[g] & 0xF);
+    o.off[g] = static_cast<int16_t>(b->scales[g] >> 4);
+  }
+  o.d = fp16_to_f32(b->d);
+  o.dmin = fp16_to_f32(b->dmin);
+}
+
+void DecodeQ3K(const BlockQ3_K* HWY_RESTRICT b, DecodedK& o) {
+  const D8 d8;
+  const auto m2 = hn::Set(d8, uint8_t{0x03});
+  const auto b2 = hn::Set(d8, uint8_t{0x04});
+  const size_t N = hn::Lanes(d8);
+  for (size_t l = 0; l < 32; l += N) {
+    const auto hm = hn::LoadU(d8, b->hmask + l);
+    for (int h = 0; h < 2; ++h) {
+      const auto v = hn::LoadU(d8, b->qs + 32 * h + l);
+      uint8_t* q = o.q + 128 * h + l;
+      // q + 4 = low | high << 2, in [0, 7].
+      for (int k = 0; k < 4; ++k) {
+        const auto low = hn::And(hn::ShiftRightSame(v, 2 * k), m2);
+        const auto hb =
+            hn::VecFromMask(d8, hn::TestBit(hm, hn::Set(d8, uint8_t(1u << (4 * h + k)))));
+        hn::StoreU(hn::Or(low, hn::And(hb, b2)), d8, q + 32 * k);
+      }
+    }
+  }
+  const kquant::ScalesQ3K sc6 = kquant::unpack_scales_q3k(b->scales);
+  for (int g = 0; g < 16; ++g) {
+    const int s = static_cast<int>((sc6.w[g / 4] >> (8 * (g % 4))) & 0xFF) - 32;
+    o.sc[g] = static_cast<int16_t>(s);
+    o.off[g] = static_cast<int16_t>(4 * s);
+  }
+  o.d = fp16_to_f32(b->d);
+  o.dmin = 0.0f;
+}
+
+void DecodeBlock(GgmlType t, const void* w, int64_t ib, DecodedK& o) {
+  switch (t) {
+    case GgmlType::Q2_K:
+      DecodeQ2K(kquant::block_at<BlockQ2_K>(w, ib), o);
+      return;
+    case GgmlType::Q3_K:
+      DecodeQ3K(kquant::block_at<BlockQ3_K>(w, ib), o);
+      return;
+    case GgmlType::Q4_K:
+      DecodeQ4K(kquant::block_at<BlockQ4_K>(w, ib), o);
+      return;
+    case GgmlType::Q5_K:
+      DecodeQ5K(kquant::block_at<BlockQ5_K>(w, ib), o);
+      return;
+    default:
+      DecodeQ6K(kquant::block_at<BlockQ6_K>(w, ib), o);
+      return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable path: int16 pre-scaled weights, ReorderWidenMulAccumulate, exact block integer.
+// ---------------------------------------------------------------------------------------------
+
+using D16 = hn::CappedTag<int16_t, 8>;  // one lane on HWY_SCALAR
+
+struct alignas(64) ScaledK {
+  int16_t w[kQK_K];  ///< q * sc of each element
+};
+
+void ScaleBlock(const DecodedK& kb, ScaledK& o) {
+  const D16 d16;
+  const hn::Rebind<uint8_t, D16> du8;
+  for (int g = 0; g < 16; ++g) {
+    const auto s = hn::Set(d16, kb.sc[g]);
+    for (size_t h = 0; h < 16; h += hn::Lanes(d16)) {
+      const auto q = hn::BitCast(
+          d16, hn::PromoteTo(hn::Rebind<uint16_t, D16>(), hn::LoadU(du8, kb.q + 16 * g + h)));
+      hn::StoreU(hn::Mul(q, s), d16, o.w + 16 * g + h);
+    }
+  }
+}
+
+// One token (activation block a) against a decoded, pre-scaled block: the exact block integer,
+// then the reference's float formula into acc. (One token per call: SVE vectors cannot be
+// held in arrays; the pre-scaled weights are re-read from L1 for each token.)
+HWY_INLINE void BlockTokenPortable(const DecodedK& kb, const ScaledK& sw, bool bias,
+                                   const BlockQ8_K* a, float& acc) {
+  const D16 d16;
+  const hn::Rebind<int8_t, D16> di8;
+  const hn::Repartition<int32_t, D16> d32;
+  const size_t L = hn::Lanes(d16);
+  auto s0 = hn::Zero(d32), s1 = hn::Zero(d32);
+  for (size_t i = 0; i < kQK_K; i += L) {
+    const auto x = hn::PromoteTo(d16, hn::LoadU(di8, a->qs + i));
+    s0 = hn::ReorderWidenMulAccumulate(d32, hn::LoadU(d16, sw.w + i), x, s0, s1);
+  }
+  int32_t sumi = hn::GetLane(hn::SumOfLanes(d32, hn::Add(s0, s1)));
+  int32_t so = 0;
+  for (int g = 0; g < 16; ++g) so += kb.off[g] * a->bsums[g];
+  int32_t summ = 0;
+  if (bias)
+    sumi -= so;
+  else
+    summ = so;
+  acc += (kb.d * a->d) * static_cast<float>(sumi) - (kb.dmin * a->d) * static_cast<float>(summ);
+}
+
+void TilePortable(GgmlType t, const void* w, int64_t n_rows, const uint8_t* act, size_t act_stride,
+                  int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
+  const size_t wrb = row_bytes(t, nb * kQK_K);
+  const bool bias = kquant::off_is_bias(t);
+  DecodedK kb;
+  ScaledK sw;
+  float acc[kTokChunk];
+  const BlockQ8_K* ap[kTokChunk];
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kTokChunk) {
+    const int64_t nt = std::min<int64_t>(kTokChunk, n_tok - t0);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const uint8_t* wr = static_cast<const uint8_t*>(w) + static_cast<size_t>(r) * wrb;
+      for (int64_t k = 0; k < nt; ++k) acc[k] = 0.0f;
+      for (int64_t ib = 0; ib < nb; ++ib) {
+        DecodeBlock(t, wr, ib, kb);
+        ScaleBlock(kb, sw);
+        for (int64_t k = 0; k < nt; ++k)
+          ap[k] =
+              reinterpret_cast<const BlockQ8_K*>(act + static_cast<size_t>(t0 + k) * act_stride) +
+              ib;
+        for (int64_t k = 0; k < nt; ++k) BlockTokenPortable(kb, sw, bias, ap[k], acc[k]);
+      }
+      for (int64_t k = 0; k < nt; ++k) out[(t0 + k) * out_stride + r] = acc[k];
+    }
+  }
+}
+#endif  // BERTH_QDK_X86
+
+void DotTileK(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
+              int64_t n_tok, int64_t n, float* out, int64_t out_stride) {
+  const int64_t nb = n / kQK_K;
+#if BERTH_QDK_X86
+  switch (t) {
+    case GgmlType::Q2_K:
+      DotTileX86<BlockQ2_K, false>(w, n_rows, act, act_stride, n_tok, nb, out, out_stride);
+      return;
+    case GgmlType::Q3_K:
+      DotTileX86<BlockQ3_K, true>(w, n_rows, act, act_stride, n_tok, nb, out, out_stride);
+      return;
+    case GgmlType::Q4_K:
+      DotTileX86<BlockQ4_K, false>(w, n_rows, act, act_stride, n_tok, nb, out, out_stride);
+      return;
+    case GgmlType::Q5_K:
+      DotTileX86<BlockQ5_K, false>(w, n_rows, act, act_stride, n_tok, nb, out, out_stride);
+      return;
+    default:
+      DotTileX86<BlockQ6_K, true>(w, n_rows, act, act_stride, n_tok, nb, out, out_stride);
+      return;
+  }
+#else
+  TilePortable(t, w, n_rows, static_cast<const uint8_t*>(act), act_stride, n_tok, nb, out,
+               out_stride);
+#endif
+}
+
+#undef BERTH_QDK_X86
+
+}  // namespace berth::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace berth::cpu {
+HWY_EXPORT(QuantizeQ8K);
+HWY_EXPORT(DotTileK);
+
+namespace detail {
+
+/// Q8_K activation quantization of n floats (n a multiple of 256) into n / 256 BlockQ8_K at
+/// dst. Bit-identical to ref::quantize_row(Q8_K) for finite inputs.
+void quantize_q8_K(const float* x, void* dst, int64_t n) {
+  if (n < 0 || n % kQK_K != 0)
+    throw Error(ErrorCategory::invalid_argument,
+                "quantize_q8_K: n = " + std::to_string(n) + " is not a multiple of 256");
+  HWY_DYNAMIC_DISPATCH(QuantizeQ8K)(x, dst, n);
+}
+
+/// K-quant dot-product tile (quant_dot.h, cpu::dot_tile) for t in Q2_K..Q6_K.
+/// Throws Error(invalid_argument) when n is not a positive multiple of 256 or a count is
+/// negative, Error(internal) when t is not a K-quant.
+void dot_tile_k(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
+                int64_t n_tok, int64_t n, float* out, int64_t out_stride) {
+  switch (t) {
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+      break;
+    default:
+      throw Error(ErrorCategory::internal,
+                  "dot_tile_k: weight type " + std::string(type_name(t)) + " is not a K-quant");
+  }
+  if (n <= 0 || n % kQK_K != 0 || n_rows < 0 || n_tok < 0)
+    throw Error(ErrorCategory::invalid_argument,
+                "dot_tile_k(" + std::string(type_name(t)) + "): n = " + std::to_string(n) +
+                    " (must be a positive multiple of 256), n_rows = " + std::to_string(n_rows) +
+                    ", n_tok = " + std::to_string(n_tok));
+  if (n_rows == 0 || n_tok == 0) return;
+  HWY_DYNAMIC_DISPATCH(DotTileK)(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
+}
+
+}  // namespace detail
+}  // namespace berth::cpu
+#endif  // HWY_ONCE

@@ -8,6 +8,7 @@
 
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
+#include "berth/cpu_kernels/quant_dot.h"
 
 namespace berth {
 
@@ -85,16 +86,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       return;
     }
     case OpKind::matmul: {
-      const TensorView& w = weights_[op.weight];
-      const float* x = buf(op.inputs[0]);
-      const int64_t n_in = w.ne[0];
-      const int64_t n_out = cols;
-      // Enough chunks for load balance, each at least a few rows.
-      const int64_t grain = std::max<int64_t>(1, n_out / (static_cast<int64_t>(n_threads) * 8));
-      pool_.parallel_for(n_out, grain, [&](int64_t o0, int64_t o1) {
-        float* scratch = worker_scratch(static_cast<size_t>(n_in));
-        cpu::matmul_rows(w, o0, o1, x, n_in, rows, out, n_out, scratch);
-      });
+      matmul(weights_[op.weight], buf(op.inputs[0]), rows, out);
       return;
     }
     case OpKind::add: {
@@ -173,6 +165,27 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
     }
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+void CpuExecutor::matmul(const TensorView& w, const float* x, int64_t n_tok, float* out) {
+  const int64_t n_in = w.ne[0];
+  const int64_t n_out = w.n_rows();
+  // Quantize the activations once, in the format the weight type's dot product takes.
+  const size_t arb = cpu::activation_row_bytes(w.type, n_in);
+  if (act_.size() < arb * static_cast<size_t>(n_tok)) act_.resize(arb * static_cast<size_t>(n_tok));
+  uint8_t* act = act_.data();
+  pool_.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      cpu::quantize_activation(w.type, x + t * n_in, act + static_cast<size_t>(t) * arb, n_in);
+  });
+  // Split the rows across the pool: about 4 chunks per thread for balance, in whole row tiles.
+  const int64_t n_threads = pool_.n_threads();
+  int64_t grain = (n_out + n_threads * 4 - 1) / (n_threads * 4);
+  grain = std::max<int64_t>(cpu::kGemmRowTile, (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile *
+                                                   cpu::kGemmRowTile);
+  pool_.parallel_for(n_out, grain, [&](int64_t r0, int64_t r1) {
+    cpu::gemm_rows(w.type, w.row(r0), r1 - r0, act, arb, n_tok, n_in, out + r0, n_out);
+  });
 }
 
 }  // namespace berth

@@ -56,25 +56,51 @@ int physical_core_count() {
   return hc > 0 ? static_cast<int>(hc) : 1;
 }
 
-// Pins each thread that enters the arena to the core of its arena slot.
+// Pins each thread that enters the arena to the core of its arena slot. The calling (master)
+// thread is pinned too while the pool lives; its previous binding is saved and restored by
+// ~ThreadPool, so a process that later starts children (which inherit the binding) or other
+// pools is not left confined to one core.
 class PinningObserver : public oneapi::tbb::task_scheduler_observer {
  public:
   PinningObserver(oneapi::tbb::task_arena& arena, int n_threads)
       : task_scheduler_observer(arena), n_threads_(n_threads) {}
+  ~PinningObserver() override {
+    if (saved_) hwloc_bitmap_free(saved_);
+  }
 
-  void on_scheduler_entry(bool /*is_worker*/) override {
+  void on_scheduler_entry(bool is_worker) override {
     const int slot = oneapi::tbb::this_task_arena::current_thread_index();
     if (slot < 0 || slot >= n_threads_) return;
-    const bool ok = topology().bind_current_thread(slot);
-    if (!ok) failed_.store(true);
-    bound_.fetch_add(ok ? 1 : 0);
+    if (!is_worker) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (master_pinned_) return;  // pinned on an earlier entry
+      master_pinned_ = true;
+      master_ = std::this_thread::get_id();
+      saved_ = hwloc_bitmap_alloc();
+      if (!topology().topo || hwloc_get_cpubind(topology().topo, saved_, HWLOC_CPUBIND_THREAD) != 0) {
+        hwloc_bitmap_free(saved_);
+        saved_ = nullptr;
+      }
+    }
+    if (!topology().bind_current_thread(slot)) failed_.store(true);
+  }
+
+  /// Restores the master thread's binding; call on the thread that created the pool.
+  void restore_master() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (master_pinned_ && saved_ && std::this_thread::get_id() == master_)
+      hwloc_set_cpubind(topology().topo, saved_, HWLOC_CPUBIND_THREAD);
+    master_pinned_ = false;
   }
   bool failed() const { return failed_.load(); }
 
  private:
   int n_threads_;
   std::atomic<bool> failed_{false};
-  std::atomic<int> bound_{0};
+  std::mutex mu_;
+  bool master_pinned_ = false;
+  std::thread::id master_;
+  hwloc_bitmap_t saved_ = nullptr;
 };
 
 struct ThreadPool::Impl {
@@ -102,7 +128,10 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
 }
 
 ThreadPool::~ThreadPool() {
-  if (impl_ && impl_->observer) impl_->observer->observe(false);
+  if (impl_ && impl_->observer) {
+    impl_->observer->observe(false);
+    impl_->observer->restore_master();
+  }
 }
 
 bool ThreadPool::pinned() const { return impl_->pin && !(impl_->observer && impl_->observer->failed()); }

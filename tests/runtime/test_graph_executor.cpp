@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <map>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -215,4 +216,52 @@ TEST_CASE("executor rejects out-of-vocabulary tokens and positions outside the c
   CHECK_THROWS_WITH_AS(ex.run(g, bad_tok, p0), doctest::Contains("outside the vocabulary"), Error);
   CHECK_THROWS_WITH_AS(ex.run(g, ok_tok, p9), doctest::Contains("outside the context"), Error);
   CHECK_NOTHROW(ex.run(g, ok_tok, p0));
+}
+
+#include <sched.h>
+
+#include <mutex>
+#include <set>
+
+TEST_CASE("pinned workers each run on their own core") {
+  const int cores = physical_core_count();
+  REQUIRE(cores >= 1);
+  const int threads = std::min(cores, 2);
+  ThreadPool pool(threads);
+  if (!pool.pinned()) {
+    MESSAGE("hwloc could not bind threads here; pinning not checked");
+    return;
+  }
+  std::mutex mu;
+  std::map<int, std::set<int>> cpus_of_worker;
+  pool.parallel_for(threads * 64, 1, [&](int64_t, int64_t) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+    std::set<int> cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.insert(c);
+    std::lock_guard<std::mutex> lock(mu);
+    cpus_of_worker[ThreadPool::worker_index()] = cpus;
+  });
+  std::set<int> seen;
+  for (const auto& [worker, cpus] : cpus_of_worker) {
+    CAPTURE(worker);
+    CHECK(cpus.size() >= 1);
+    CHECK(cpus.size() <= 4);  // the hardware threads of one core
+    for (int c : cpus) CHECK(seen.insert(c).second);  // no CPU shared between workers
+  }
+}
+
+TEST_CASE("the calling thread's CPU binding is restored when the pool goes away") {
+  cpu_set_t before, after;
+  CPU_ZERO(&before);
+  CPU_ZERO(&after);
+  REQUIRE(sched_getaffinity(0, sizeof before, &before) == 0);
+  {
+    ThreadPool pool(std::min(physical_core_count(), 2));
+    pool.parallel_for(100, 1, [](int64_t, int64_t) {});
+  }
+  REQUIRE(sched_getaffinity(0, sizeof after, &after) == 0);
+  CHECK(CPU_EQUAL(&before, &after));
 }

@@ -11,7 +11,7 @@
 
 namespace berth {
 
-/// Runs graphs op by op, each op split across the pool (matmul by output rows, attention by
+/// Runs graphs op by op, each op split across the pool (matmul by output row tiles, attention by
 /// (token, head), norms and rope by token). Activation buffers are kept between runs and only
 /// grow. Weights are read in place (host memory, e.g. the GGUF mapping).
 class CpuExecutor {
@@ -30,6 +30,9 @@ class CpuExecutor {
               std::span<const int32_t> positions);
   float* buf(graph::ValueId v) { return bufs_[static_cast<size_t>(v)].data(); }
   float* worker_scratch(size_t floats);
+  /// out [n_tok, n_rows(w)] = x [n_tok, ne0(w)] times w's rows: activations quantized once to the
+  /// weight type's partner format, rows split across the pool, cache-tiled gemm_rows per chunk.
+  void matmul(const TensorView& w, const float* x, int64_t n_tok, float* out);
 
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
@@ -37,6 +40,7 @@ class CpuExecutor {
   std::vector<std::vector<float>> bufs_;
   std::vector<std::vector<float>> scratch_;  // one per worker
   std::vector<float> small_weight_;  // decoded norm weights
+  std::vector<uint8_t> act_;         // quantized activations of the current matmul
 };
 
 }  // namespace berth

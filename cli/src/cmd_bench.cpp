@@ -1,0 +1,84 @@
+// `berth bench kernels`: CPU kernel throughput against the measured DRAM bandwidth
+// (bench/include/berth/bench/kernel_bench.h says what is measured and how).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "berth/bench/kernel_bench.h"
+#include "berth/core/error.h"
+#include "commands.h"
+
+namespace berth::cli {
+namespace {
+
+struct BenchOptions {
+  std::string types, threads, json_path;
+  bool quick = false;
+  int repetitions = 0;
+  size_t gemv_mib = 0, dram_mib = 0;
+  bool quiet = false;
+  CLI::App* kernels = nullptr;
+};
+
+int bench_kernels(const BenchOptions& o) {
+  bench::KernelBenchOptions k;
+  if (!o.types.empty()) k.types = bench::parse_type_list(o.types);
+  if (!o.threads.empty()) k.threads = bench::parse_thread_list(o.threads);
+  k.quick = o.quick;
+  k.repetitions = o.repetitions;
+  k.gemv_bytes = o.gemv_mib * 1024 * 1024;
+  k.dram_bytes = o.dram_mib * 1024 * 1024;
+  // Open the JSON file first, so a bad path fails before minutes of measuring.
+  std::ofstream json_out;
+  if (!o.json_path.empty()) {
+    json_out.open(o.json_path, std::ios::binary | std::ios::trunc);
+    if (!json_out)
+      throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", o.json_path));
+  }
+  if (!o.quiet)
+    k.progress = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+
+  bench::KernelBenchResult r = bench::run_kernel_bench(k);
+  if (json_out.is_open()) {
+    json_out << bench::to_json(r).dump(2) << "\n";
+    json_out.close();
+    if (!json_out)
+      throw Error(ErrorCategory::io, fmt::format("writing the JSON file '{}' failed", o.json_path));
+  }
+  return write_stdout(bench::format_text(r)) ? 0 : 1;
+}
+
+}  // namespace
+
+Runner add_bench(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* sub = app.add_subcommand("bench", "benchmarks");
+  sub->require_subcommand(1);
+  CLI::App* k = sub->add_subcommand(
+      "kernels",
+      "CPU kernels: DRAM read bandwidth, decode GEMV GB/s per weight type, GEMM tok/s at ubatch "
+      "32/128/512, single-thread GFLOP/s in L2");
+  o->kernels = k;
+  k->add_option("--types", o->types,
+                "comma-separated weight types (default: q4_0,q4_1,q5_0,q5_1,q8_0,q2_K,q3_K,q4_K,"
+                "q5_K,q6_K,f16,bf16,f32)");
+  k->add_option("--threads", o->threads,
+                "comma-separated thread counts (default: 1,2,4,... up to the physical cores)");
+  k->add_option("--json", o->json_path, "also write every number as JSON to this file");
+  k->add_flag("--quick", o->quick, "small sizes: a smoke test, numbers not meaningful");
+  k->add_option("--reps", o->repetitions, "timed runs per measurement after a warm-up (default 5)");
+  k->add_option("--gemv-mib", o->gemv_mib, "MiB of weights in the decode GEMV (default 1024)");
+  k->add_option("--dram-mib", o->dram_mib,
+                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
+  k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  return [o] {
+    if (o->kernels->parsed()) return bench_kernels(*o);
+    return 2;
+  };
+}
+
+}  // namespace berth::cli

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# ARM64 check on an x86-64 Debian host: cross-compiles core, io, cpu_kernels and their doctest
+# suites (test_core, test_io) for aarch64 with cmake/toolchain-aarch64.cmake into ./build-arm64,
+# then runs them under qemu-user on several emulated CPUs so that every Highway ARM target the
+# kernels are compiled for runs the kernel oracle (test_core):
+#   max                              SVE2 + SVE at 512-bit vectors, and NEON
+#   max,sve-default-vector-length=16 adds SVE2_128 (128-bit SVE2, as on Neoverse N2)
+#   max,sve-default-vector-length=32 adds SVE_256 (256-bit SVE, as on Neoverse V1)
+#   cortex-a72                       no SVE: NEON is the best target
+# Each run prints the Highway targets the emulated CPU supports (and fails if they are not the
+# expected ones, so a silent fall-back to NEON cannot pass as an SVE run), then, from qemu's
+# translation log (-d in_asm), how many functions of each target's code test_core executed; it
+# fails if test_core has code for a supported target that never ran. test_io runs on max and
+# cortex-a72 only (it has no SIMD code). Runs go in parallel; logs: build-arm64/arm64-logs.
+# Idempotent: installs its Debian packages (arm64 multiarch, cross g++, qemu-user) only when
+# missing, and rebuilds incrementally.
+# usage: scripts/test-arm64.sh
+#   env ARM64_JOBS=N   how many qemu runs at once (default: nproc)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+build=$root/build-arm64
+triple=aarch64-linux-gnu
+t_start=$SECONDS
+
+# --- 1. packages ---------------------------------------------------------------------------------
+sudo_cmd=""
+[[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+host_pkgs=(cmake ninja-build pkg-config ccache doctest-dev g++-$triple qemu-user)
+arm64_pkgs=(libhwy-dev:arm64 libfmt-dev:arm64 libspdlog-dev:arm64 liburing-dev:arm64)
+need_update=0
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  echo "arm64: adding the arm64 dpkg architecture"
+  $sudo_cmd dpkg --add-architecture arm64
+  need_update=1
+fi
+missing=()
+for p in "${host_pkgs[@]}" "${arm64_pkgs[@]}"; do
+  if [[ $p == qemu-user ]] && command -v qemu-aarch64-static >/dev/null; then continue; fi
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "arm64: installing ${missing[*]}"
+  # The :arm64 packages need the same versions as their :amd64 twins (Multi-Arch: same); apt
+  # upgrades the amd64 ones in lockstep where needed.
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+elif ((need_update)); then
+  $sudo_cmd apt-get update -qq
+fi
+qemu=$(command -v qemu-aarch64 || command -v qemu-aarch64-static)
+t_install=$SECONDS
+
+# --- 2. configure and build ----------------------------------------------------------------------
+cmake -S . -B "$build" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$root/cmake/toolchain-aarch64.cmake" \
+  -DCMAKE_BUILD_TYPE=Release -DBERTH_KERNELS_ONLY=ON -DBERTH_CUDA=OFF >/dev/null
+cmake --build "$build" -j"$(nproc)" --target test_core test_io
+# A tiny probe, compiled like the kernels (same compiler, same Highway), that prints the targets
+# Highway's dynamic dispatch can pick on the emulated CPU: compiled in and supported.
+mkdir -p "$build/arm64-probe"
+cat >"$build/arm64-probe/hwy_targets.cc.new" <<'EOF'
+#include <hwy/targets.h>
+#include <cstdio>
+int main() {
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) std::printf("%s ", hwy::TargetName(t));
+  std::printf("\n");
+}
+EOF
+if ! cmp -s "$build/arm64-probe/hwy_targets.cc.new" "$build/arm64-probe/hwy_targets.cc" ||
+   [[ ! -x $build/arm64-probe/hwy_targets ]]; then
+  mv "$build/arm64-probe/hwy_targets.cc.new" "$build/arm64-probe/hwy_targets.cc"
+  $triple-g++ -std=c++20 -O1 "$build/arm64-probe/hwy_targets.cc" \
+    -o "$build/arm64-probe/hwy_targets" -lhwy
+fi
+rm -f "$build/arm64-probe/hwy_targets.cc.new"
+t_build=$SECONDS
+
+# --- 3. run under qemu-user ----------------------------------------------------------------------
+# The guest's loader and C/C++ runtime come from the cross toolchain (QEMU_LD_PREFIX); the :arm64
+# libraries (libhwy, libfmt, libspdlog, liburing) from /usr/lib/aarch64-linux-gnu.
+export QEMU_LD_PREFIX=/usr/$triple
+guest_env=(-E "LD_LIBRARY_PATH=/usr/$triple/lib:/usr/lib/$triple")
+# cpu model | expected Highway targets, best first | suites
+configs=(
+  "max|SVE2 SVE NEON|test_core test_io"
+  "max,sve-default-vector-length=16|SVE2_128 SVE2 SVE NEON|test_core"
+  "max,sve-default-vector-length=32|SVE_256 SVE2 SVE NEON|test_core"
+  "cortex-a72|NEON|test_core test_io"
+)
+logs=$build/arm64-logs
+rm -rf "$logs"
+mkdir -p "$logs"
+
+# Which Highway targets' code test_core actually executed: qemu logs every translated block with
+# the symbol it belongs to (-d in_asm); the per-target namespaces (N_SVE2, N_NEON, ...) name the
+# target. Prints "TARGET:functions" pairs (distinct functions of that target's code that ran).
+executed_targets() {  # in_asm-log
+  grep '^IN: ' "$1" | cut -c5- | sort -u | $triple-c++filt |
+    grep -oE '::N_(SVE2_128|SVE_256|SVE2|SVE|NEON|EMU128)::.*' | sort -u |
+    sed -E 's/^::N_([A-Z0-9_]+)::.*/\1/' | sort | uniq -c |
+    awk '{print $2 ":" $1}' | xargs
+}
+
+run_config() {  # index cpu expected suites: writes $logs/<index>.log and $logs/<index>.rc
+  local i=$1 cpu=$2 expected=$3 suites=$4 rc=0 got s t0 ran t n trace
+  {
+    echo "=== qemu-aarch64 -cpu $cpu"
+    got=$("$qemu" -cpu "$cpu" "${guest_env[@]}" "$build/arm64-probe/hwy_targets" | xargs) ||
+      got="(the target probe failed)"
+    echo "Highway targets supported: $got"
+    if [[ $got != "$expected" ]]; then
+      echo "FAIL: expected Highway targets '$expected' on -cpu $cpu"
+      rc=1
+    fi
+    for s in $suites; do
+      t0=$SECONDS
+      trace=()
+      [[ $s == test_core ]] && trace=(-d in_asm -D "$logs/$i.in_asm")
+      if "$qemu" -cpu "$cpu" "${trace[@]}" "${guest_env[@]}" "$build/bin/$s" --minimal=true; then
+        echo "$s on -cpu $cpu: passed ($((SECONDS - t0)) s)"
+      else
+        echo "FAIL: $s on -cpu $cpu ($((SECONDS - t0)) s)"
+        rc=1
+      fi
+    done
+    if [[ " $suites " == *" test_core "* ]]; then
+      ran=$(executed_targets "$logs/$i.in_asm" || true)
+      echo "Highway code test_core executed (target:functions): ${ran:-none}"
+      # Every supported target that test_core has code for must have run.
+      for t in $expected; do
+        [[ " $compiled " == *" $t "* ]] || continue
+        n=$(tr ' ' '\n' <<<"$ran" | sed -n "s/^$t://p")
+        if [[ -z $n ]]; then
+          echo "FAIL: test_core has $t code but never executed it on -cpu $cpu"
+          rc=1
+        fi
+      done
+      rm -f "$logs/$i.in_asm"
+    fi
+  } >"$logs/$i.log" 2>&1
+  echo "$rc" >"$logs/$i.rc"
+}
+
+# The Highway targets test_core has code for (its per-target namespaces).
+compiled=$($triple-nm -C --defined-only "$build/bin/test_core" |
+  grep -oE '::N_(SVE2_128|SVE_256|SVE2|SVE|NEON|EMU128)::' | sort -u |
+  sed -E 's/^::N_(.*)::$/\1/' | xargs || true)
+echo "arm64: test_core has Highway code for: ${compiled:-no target}"
+
+jobs_max=${ARM64_JOBS:-$(nproc)}
+for i in "${!configs[@]}"; do
+  IFS='|' read -r cpu expected suites <<<"${configs[$i]}"
+  while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n || true; done
+  run_config "$i" "$cpu" "$expected" "$suites" &
+done
+wait
+
+failed=0
+for i in "${!configs[@]}"; do
+  cat "$logs/$i.log"
+  [[ $(cat "$logs/$i.rc" 2>/dev/null) == 0 ]] || failed=1
+done
+t_end=$SECONDS
+echo "arm64: install $((t_install - t_start)) s, build $((t_build - t_install)) s," \
+  "qemu runs $((t_end - t_build)) s"
+if ((failed)); then
+  echo "arm64: FAILED"
+  exit 1
+fi
+echo "arm64: all passed"
