@@ -2,8 +2,8 @@
 # The main job: install dependencies, build, and generate a story with the shared stories260K model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-scripts/build.sh
+scripts/setup.sh >&2
+scripts/build.sh >&2  # build logs go to stderr: stdout carries only the story
 model=../shared/models/stories260K.gguf
 if [[ ! -f $model ]]; then
   echo "demo: $model not found (get tinyllamas/stories260K.gguf from the Hugging Face repository ggml-org/models)" >&2

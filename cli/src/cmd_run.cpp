@@ -2,12 +2,14 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <unistd.h>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
@@ -34,9 +36,15 @@ struct RunOptions {
   SamplerParams sampling;
   bool display_prompt = false;
   bool no_bos = false;
+  int64_t seed = -1;
 };
 
 std::string read_text_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw Error(ErrorCategory::io,
+                fmt::format("cannot read prompt file '{}': {}", path,
+                            std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCategory::io, fmt::format("cannot read prompt file '{}'", path));
   std::ostringstream ss;
@@ -57,13 +65,26 @@ int run(const RunOptions& o) {
   std::vector<int32_t> ids = tok->encode(prompt, !o.no_bos);
   if (ids.empty())
     throw Error(ErrorCategory::invalid_argument,
-                "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
+                o.no_bos ? "the prompt is empty and --no-bos leaves no token to start from"
+                         : "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
+
+  // Check the sampling flags before allocating anything large.
+  SamplerParams sp = o.sampling;
+  if (o.seed < 0) sp.seed = 0xFFFFFFFFu;  // -1: random, as llama.cpp
+  else sp.seed = static_cast<uint64_t>(o.seed);
+  const int64_t n_ctx = o.session.n_ctx > 0 ? o.session.n_ctx : default_n_ctx(model->hparams());
+  if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(n_ctx);  // as llama.cpp
+  Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
+  if (n_ctx > model->hparams().n_ctx_train)
+    log::warn("-c {} is more than the {} tokens the model was trained on ({}.context_length)",
+              n_ctx, model->hparams().n_ctx_train, model->hparams().arch);
 
   Session session(*model, o.session);
-  SamplerParams sp = o.sampling;
-  if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(session.n_ctx());  // as llama.cpp
-  Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
-  if (o.display_prompt && !write_stdout(prompt)) return 1;
+  log::info("{}: {} {}, {} layers, n_embd {}, vocab {}; context {} tokens, KV cache {:.1f} MiB",
+            o.model, model->hparams().arch, file.get_string_opt("general.name").value_or(""),
+            model->hparams().n_layer, model->hparams().n_embd, model->hparams().n_vocab,
+            session.n_ctx(), static_cast<double>(session.kv_bytes()) / (1024.0 * 1024.0));
+  if (o.display_prompt && !write_stdout(prompt)) return 0;
 
   bool out_ok = true;
   GenerateStats st = generate(session, *tok, sampler, ids, o.n_predict,
@@ -76,16 +97,19 @@ int run(const RunOptions& o) {
   auto rate = [](double n, double s) { return s > 0 ? n / s : 0.0; };
   std::fprintf(stderr,
                "berth: prompt %lld tokens in %.1f ms (%.1f tok/s) | decode %lld tokens in %.1f ms "
-               "(%.1f tok/s) | %d threads\n",
+               "(%.1f tok/s) | %d threads%s\n",
                static_cast<long long>(st.n_prompt), st.prompt_seconds * 1e3,
                rate(static_cast<double>(st.n_prompt), st.prompt_seconds),
                static_cast<long long>(st.n_decode_steps), st.decode_seconds * 1e3,
                rate(static_cast<double>(st.n_decode_steps), st.decode_seconds),
-               session.pool().n_threads());
+               session.pool().n_threads(),
+               sp.temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str() : "");
   if (st.stop == StopReason::context_full)
     std::fprintf(stderr, "berth: stopped: the context of %lld tokens is full (raise -c)\n",
                  static_cast<long long>(session.n_ctx()));
-  return out_ok ? 0 : 1;
+  // A closed stdout (e.g. `| head`) ends generation early; that is not an error.
+  if (!out_ok) log::info("stdout was closed; generation stopped");
+  return 0;
 }
 
 }  // namespace
@@ -94,7 +118,7 @@ Runner add_run(CLI::App& app) {
   auto o = std::make_shared<RunOptions>();
   CLI::App* sub = app.add_subcommand("run", "generate text from a prompt");
   sub->add_option("-m,--model", o->model, "GGUF model file")->required();
-  auto* p = sub->add_option("-p,--prompt", o->prompt, "prompt text");
+  auto* p = sub->add_option("-p,--prompt", o->prompt, "prompt text (none: start from BOS)");
   auto* f = sub->add_option("-f,--file", o->prompt_file, "read the prompt from a file");
   p->excludes(f);
   sub->add_option("-n,--n-predict", o->n_predict, "tokens to generate (-1: until EOS or the context is full)")
@@ -113,7 +137,9 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--repeat-last-n", o->sampling.repeat_last_n, "tokens the penalty looks back over (0: off, -1: the context size)")
       ->capture_default_str();
-  sub->add_option("-s,--seed", o->sampling.seed, "RNG seed (4294967295: random)")->capture_default_str();
+  sub->add_option("-s,--seed", o->seed, "RNG seed (-1 or 4294967295: random)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{-1}, int64_t{0xFFFFFFFF}));
   sub->add_flag("--display-prompt", o->display_prompt, "print the prompt before the generated text");
   sub->add_flag("--no-bos", o->no_bos, "do not prepend the BOS token");
   return [o] { return run(*o); };

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/models/tokenizer.h"
 #include "commands.h"
@@ -23,8 +24,12 @@ int tokenize(const TokenizeOptions& o) {
   std::vector<int32_t> ids = tok->encode(o.prompt, !o.no_bos, o.parse_special);
   std::string out;
   if (o.pieces) {
+    // Byte tokens show their name (<0x0A>); other pieces with control bytes escaped.
     for (int32_t id : ids)
-      out += fmt::format("{:>6} -> '{}'\n", id, tok->token_to_piece(id, /*render_special=*/true));
+      out += fmt::format("{:>6} -> '{}'\n", id,
+                         tok->token_type(id) == TokenType::byte
+                             ? tok->token_text(id)
+                             : printable(tok->token_to_piece(id, /*render_special=*/true)));
   } else {
     out = fmt::format("[{}]\n", fmt::join(ids, ", "));
   }

@@ -13,6 +13,8 @@
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
+#include "berth/core/strings.h"
+#include "berth/runtime/thread_pool.h"
 #include "commands.h"
 
 namespace {
@@ -21,8 +23,7 @@ namespace {
 // their long names so users' habits carry over.
 std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
-      {"-ub", "--ubatch-size"}, {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"},
-      {"-cnv", "--conversation"}, {"-np", "--parallel"},  {"-fa", "--flash-attn"},
+      {"-ub", "--ubatch-size"},
   };
   std::vector<std::string> out;
   for (int i = 1; i < argc; ++i) {
@@ -34,16 +35,26 @@ std::vector<std::string> normalise_args(int argc, char** argv) {
   return out;
 }
 
+// Prints an error as the one line the README promises, whatever bytes the message quotes.
+int fail(std::string_view message, int code) {
+  std::fprintf(stderr, "berth: error: %s\n", berth::printable(message, 2000).c_str());
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
+  berth::WorkerThreadsGuard workers;  // joins oneTBB's workers before exit
   CLI::App app{"berth: LLM inference for models larger than GPU memory", "berth"};
   app.require_subcommand(1);
+  // Like llama.cpp: a flag given twice takes its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_version_flag("--version", "berth 0.1.0");
   std::string log_level = "warn";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error or off")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
 
   berth::cli::Runner run = berth::cli::add_run(app);
   berth::cli::Runner inspect = berth::cli::add_inspect(app);
@@ -61,7 +72,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "berth: error: %s\nRun 'berth --help' for usage.\n", e.what());
+    std::fprintf(stderr, "berth: error: %s (run 'berth --help' for usage)\n",
+                 berth::printable(e.what(), 2000).c_str());
     return 2;
   }
 
@@ -77,13 +89,10 @@ int main(int argc, char** argv) {
     }
     return 2;
   } catch (const berth::Error& e) {
-    std::fprintf(stderr, "berth: error: %s\n", e.what());
-    return 1;
+    return fail(e.what(), 1);
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "berth: error: out of memory\n");
-    return 1;
+    return fail("out of memory", 1);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "berth: error: %s\n", e.what());
-    return 1;
+    return fail(e.what(), 1);
   }
 }

@@ -32,7 +32,8 @@ struct FdGuard {
 MappedFile::MappedFile(const std::string& path) : path_(path) {
   int fd;
   do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO would otherwise wait for a writer before fstat can reject it.
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) fail(path, "open", errno);
   FdGuard guard{fd};

@@ -1,5 +1,7 @@
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
@@ -65,11 +67,14 @@ Hparams read_hparams(const gguf::File& f) {
     throw Error(ErrorCategory::format,
                 fmt::format("{}: {}rope.dimension_count = {} must be even and in 1..{} (head_dim)",
                             f.path(), p, hp.n_rot, hp.head_dim));
-  if (!(hp.rms_eps > 0.0f) || !(hp.rope_freq_base > 0.0f))
+  if (!(hp.rms_eps > 0.0f) || std::isinf(hp.rms_eps))
     throw Error(ErrorCategory::format,
-                fmt::format("{}: {}attention.layer_norm_rms_epsilon and {}rope.freq_base must be "
-                            "positive",
-                            f.path(), p, p));
+                fmt::format("{}: {}attention.layer_norm_rms_epsilon = {} must be finite and positive",
+                            f.path(), p, hp.rms_eps));
+  if (!(hp.rope_freq_base > 0.0f) || std::isinf(hp.rope_freq_base))
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}rope.freq_base = {} must be finite and positive", f.path(), p,
+                            hp.rope_freq_base));
   return hp;
 }
 

@@ -1,7 +1,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <unordered_set>
+
 #include "berth/core/error.h"
+#include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "weights.h"
@@ -44,12 +47,35 @@ graph::WeightId need(const gguf::File& file, graph::WeightTable& table, const st
 
 std::vector<std::string> supported_architectures() { return {"llama"}; }
 
+namespace {
+
+// Every tensor of the file must be one the architecture reads, as llama.cpp insists: an unused
+// tensor means a wrong block_count or a variant berth would silently compute wrongly.
+void check_all_tensors_used(const gguf::File& file, const Model& model) {
+  std::unordered_set<std::string_view> used;
+  for (const TensorView& t : model.weights().tensors) used.insert(t.name);
+  for (const gguf::TensorInfo& t : file.tensors())
+    if (!used.count(t.name))
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: tensor '{}' is not used by architecture '{}' with block_count "
+                              "{} ({} of the file's {} tensors are): wrong metadata or an "
+                              "unsupported variant",
+                              file.path(), printable(t.name), model.hparams().arch,
+                              model.hparams().n_layer, used.size(), file.tensors().size()));
+}
+
+}  // namespace
+
 std::unique_ptr<Model> load_model(const gguf::File& file) {
   const std::string& arch = file.architecture();
-  if (arch == "llama") return make_llama(file);
-  throw Error(ErrorCategory::unsupported,
-              fmt::format("{}: architecture '{}' is not supported (supported: {})", file.path(),
-                          arch, fmt::join(supported_architectures(), ", ")));
+  std::unique_ptr<Model> model;
+  if (arch == "llama") model = make_llama(file);
+  if (!model)
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("{}: architecture '{}' is not supported (supported: {})", file.path(),
+                            printable(arch), fmt::join(supported_architectures(), ", ")));
+  check_all_tensors_used(file, *model);
+  return model;
 }
 
 }  // namespace berth

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "berth/core/error.h"
+#include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/models/utf8.h"
 #include "tokenizer_spm.h"
@@ -87,7 +88,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& file) {
   if (model == "llama") return spm_from_gguf(file);
   throw Error(ErrorCategory::unsupported,
               fmt::format("{}: tokenizer.ggml.model '{}' is not supported (supported: llama)",
-                          file.path(), model));
+                          file.path(), printable(model)));
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::make_spm(VocabData vocab) {

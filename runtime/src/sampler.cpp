@@ -14,8 +14,14 @@ namespace {
 
 constexpr uint64_t kRandomSeed = 0xFFFFFFFFu;
 
+// Names the field and the CLI flag that sets it (llama.cpp's spelling), e.g. "top_p (--top-p)".
 [[noreturn]] void bad_param(std::string_view field, std::string_view why) {
-  throw Error(ErrorCategory::invalid_argument, fmt::format("sampler: {} {}", field, why));
+  std::string flag = "--" + std::string(field);
+  for (char& c : flag)
+    if (c == '_') c = '-';
+  if (field == "n_vocab") flag = "the model";
+  throw Error(ErrorCategory::invalid_argument,
+              fmt::format("sampler: {} ({}) {}", field, flag, why));
 }
 
 void validate(const SamplerParams& p, int32_t n_vocab) {
@@ -37,8 +43,13 @@ void validate(const SamplerParams& p, int32_t n_vocab) {
 
 uint64_t resolve_seed(uint64_t seed) {
   if (seed != kRandomSeed) return seed;
+  // A 32-bit value other than kRandomSeed, so the seed a run reports can be passed back (-s).
   std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ static_cast<uint64_t>(rd());
+  uint64_t s;
+  do {
+    s = static_cast<uint32_t>(rd());
+  } while (s == kRandomSeed);
+  return s;
 }
 
 /// Uniform double in [0, 1) from the top 53 bits of one mt19937_64 draw.

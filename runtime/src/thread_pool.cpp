@@ -2,6 +2,7 @@
 
 #include <hwloc.h>
 #include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
@@ -32,6 +33,10 @@ struct Topology {
   int n_cores() const {
     if (!topo) return 0;
     return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+  }
+  int n_pus() const {
+    if (!topo) return 0;
+    return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
   }
   // Binds the calling thread to the PUs of core `i`; returns false on failure.
   bool bind_current_thread(int i) const {
@@ -114,10 +119,19 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
   if (n_threads < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the number of threads must be at least 1, got {}", n_threads));
+  // More threads than hardware threads only adds contention (and oneTBB caps them anyway).
+  int pus = topology().n_pus();
+  if (pus <= 0) pus = static_cast<int>(std::thread::hardware_concurrency());
+  if (pus > 0 && n_threads > pus) {
+    log::warn("{} threads requested but this machine runs {} at once; using {}", n_threads, pus, pus);
+    n_threads = n_threads_ = pus;
+  }
   impl_ = std::make_unique<Impl>(n_threads);
   impl_->arena.initialize();
   const int cores = topology().n_cores();
   impl_->pin = cores >= n_threads;
+  log::info("worker pool: {} threads{}", n_threads,
+            impl_->pin ? ", each pinned to its own physical core" : " (not pinned)");
   if (impl_->pin) {
     impl_->observer = std::make_unique<PinningObserver>(impl_->arena, n_threads);
     impl_->observer->observe(true);
@@ -155,6 +169,17 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
         [&](const oneapi::tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); },
         oneapi::tbb::simple_partitioner());
   });
+}
+
+struct WorkerThreadsGuard::Impl {
+  oneapi::tbb::task_scheduler_handle handle{oneapi::tbb::attach{}};
+};
+
+WorkerThreadsGuard::WorkerThreadsGuard() : impl_(std::make_unique<Impl>()) {}
+
+WorkerThreadsGuard::~WorkerThreadsGuard() {
+  // Waits for the workers to exit; returns false (and we carry on) if a pool is still alive.
+  (void)oneapi::tbb::finalize(impl_->handle, std::nothrow);
 }
 
 }  // namespace berth

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <thread>
 #include <map>
 #include <cmath>
 #include <numeric>
@@ -44,11 +45,13 @@ std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f) {
 TEST_CASE("ThreadPool covers every index once, for any thread count") {
   for (int threads : {1, 2, 3}) {
     ThreadPool pool(threads);
-    CHECK(pool.n_threads() == threads);
+    // Lowered to the machine's hardware threads when more are asked for.
+    const int hw = static_cast<int>(std::thread::hardware_concurrency());
+    CHECK(pool.n_threads() == (hw > 0 ? std::min(threads, hw) : threads));
     for (int64_t n : {1, 7, 1000}) {
       std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
       pool.parallel_for(n, 3, [&](int64_t b, int64_t e) {
-        CHECK(ThreadPool::worker_index() < threads);
+        CHECK(ThreadPool::worker_index() < pool.n_threads());
         for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)]++;
       });
       for (auto& h : hits) CHECK(h.load() == 1);

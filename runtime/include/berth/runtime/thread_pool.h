@@ -13,7 +13,8 @@ int physical_core_count();
 
 /// A fixed-size pool of `n_threads` workers (the calling thread counts as one). Each worker is
 /// pinned to its own physical core (worker i to the i-th allowed core) when there are at least
-/// as many cores as threads; otherwise threads float and a warning is logged.
+/// as many cores as threads; otherwise threads float and a warning is logged. A request for more
+/// threads than the machine's hardware threads is lowered to that number (with a warning).
 /// Throws Error(invalid_argument) for n_threads < 1.
 class ThreadPool {
  public:
@@ -37,6 +38,22 @@ class ThreadPool {
  private:
   struct Impl;
   int n_threads_;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Keeps oneTBB's worker threads owned by the program and joins them when it goes out of scope
+/// (oneTBB's task_scheduler_handle + finalize). Put one at the top of main(): without it,
+/// workers may still be running when the process exits, which sanitizers report as leaks.
+/// Every ThreadPool must be destroyed before it.
+class WorkerThreadsGuard {
+ public:
+  WorkerThreadsGuard();
+  ~WorkerThreadsGuard();
+  WorkerThreadsGuard(const WorkerThreadsGuard&) = delete;
+  WorkerThreadsGuard& operator=(const WorkerThreadsGuard&) = delete;
+
+ private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
