@@ -142,17 +142,35 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
         std::memcpy(vc + pos * kl.v_dim, v + t * kl.v_dim, static_cast<size_t>(kl.v_dim) * 4);
       }
       const int32_t group = p.n_head / p.n_head_kv;
-      pool_.parallel_for(n_tok * p.n_head, 1, [&](int64_t i0, int64_t i1) {
-        float* scores = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
+      const int64_t hd = p.head_dim;
+      if (n_tok == 1) {
+        // Decode: one task per KV head; its `group` query heads read each K/V row once.
+        const int64_t n_kv = positions[0] + 1;
+        pool_.parallel_for(p.n_head_kv, 1, [&](int64_t h0, int64_t h1) {
+          float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
+          for (int64_t hk = h0; hk < h1; ++hk)
+            cpu::attention_group(q + hk * group * hd, hd, group, n_kv, kc + hk * hd, kl.k_dim,
+                                 vc + hk * hd, kl.v_dim, p.head_dim, p.scale,
+                                 out + hk * group * hd, hd, scratch);
+        });
+        return;
+      }
+      // Prefill: tasks of (query head, block of consecutive tokens), each a causal tile that
+      // walks the cache in KV tiles with an online softmax (no score matrix). A query's result
+      // depends only on its position, so blocks, threads and ubatches never change the bits.
+      constexpr int64_t kQueryBlock = 32;
+      const int64_t n_blocks = (n_tok + kQueryBlock - 1) / kQueryBlock;
+      pool_.parallel_for(p.n_head * n_blocks, 1, [&](int64_t i0, int64_t i1) {
+        float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
         for (int64_t i = i0; i < i1; ++i) {
-          const int64_t t = i / p.n_head;
-          const int32_t h = static_cast<int32_t>(i % p.n_head);
-          const int32_t hk = h / group;
-          const int64_t n_kv = positions[static_cast<size_t>(t)] + 1;
-          cpu::attention_head(q + t * cols + int64_t{h} * p.head_dim,
-                              kc + int64_t{hk} * p.head_dim, kl.k_dim,
-                              vc + int64_t{hk} * p.head_dim, kl.v_dim, n_kv, p.head_dim, p.scale,
-                              out + t * cols + int64_t{h} * p.head_dim, scores);
+          const int64_t h = i % p.n_head;
+          const int64_t t0 = (i / p.n_head) * kQueryBlock;
+          const int64_t nq = std::min(kQueryBlock, n_tok - t0);
+          const int64_t hk = h / group;
+          cpu::attention_causal_tile(q + t0 * cols + h * hd, cols, nq,
+                                     positions[static_cast<size_t>(t0)], kc + hk * hd, kl.k_dim,
+                                     vc + hk * hd, kl.v_dim, p.head_dim, p.scale,
+                                     out + t0 * cols + h * hd, cols, scratch);
         }
       });
       return;
