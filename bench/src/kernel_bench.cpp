@@ -254,7 +254,9 @@ MachineInfo describe_machine() {
   for (std::string f; fs >> f;)
     if (relevant.count(f)) have.insert(f);
   m.cpu_flags.assign(have.begin(), have.end());
-  for (int64_t bits = hwy::SupportedTargets(); bits != 0; bits &= bits - 1)
+  // Targets this CPU supports among those compiled into the kernels (HWY_TARGETS comes from
+  // berth_cpu_kernels' public compile definitions); the first is the one dispatch picks.
+  for (int64_t bits = hwy::SupportedTargets() & HWY_TARGETS; bits != 0; bits &= bits - 1)
     m.simd_targets.emplace_back(hwy::TargetName(bits & -bits));
 
   const std::time_t now = std::time(nullptr);
