@@ -19,7 +19,10 @@
 // block and token accumulates them into 8 float lanes; the lanes are summed at the end of the
 // row. The decode GEMV decodes each block in registers and prefetches 16 blocks ahead; Q4_K's
 // GEMV uses 512-bit vectors on the AVX-512 targets (same int32 lanes after folding the halves).
-// The GEMM tile decodes each block once per 64-token chunk and applies it 4 tokens at a time.
+// The GEMM tile decodes each block once per 64-token chunk into an L1 scratch (PackedX86) and
+// runs a register-blocked micro-kernel over it: 4 rows x 8 tokens (AVX-512: token pairs in
+// 512-bit vectors, vpdpwssd on AVX3_DL) or 2 rows x 4 tokens (AVX2), with the same integers and
+// float finish per (row, token, block) as the GEMV.
 // Other targets (NEON, SVE, EMU128, SCALAR): q * sc pre-multiplied into int16
 // (|q * sc| <= 63 * 128), ReorderWidenMulAccumulate against the widened activations, the block
 // integer reduced exactly and the float part computed as in the reference (bit-identical to
@@ -106,6 +109,17 @@ inline const B* block_at(const void* p, int64_t i) {
 #endif  // BERTH_CPU_KERNELS_QUANT_DOT_K_COMMON_
 
 HWY_BEFORE_NAMESPACE();
+
+// vpdpwssd (AVX512_VNNI) for the AVX3_DL GEMM micro-kernel: Highway 1.0.3's AVX3_DL target string
+// names only the VEX "avxvnni" (absent on Zen 4), so "avx512vnni" is added for this target (the
+// 512-bit form is EVEX-only); see quant_dot_legacy.cc. GCC only.
+#undef BERTH_QDK_VNNI
+#if HWY_TARGET == HWY_AVX3_DL && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("avx512vnni")
+#define BERTH_QDK_VNNI 1
+#else
+#define BERTH_QDK_VNNI 0
+#endif
 namespace berth::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using kquant::DecodedK;
@@ -464,37 +478,219 @@ void GemvQ4KAvx512(const BlockQ4_K* HWY_RESTRICT w, int64_t n_rows,
 }
 #endif
 
-// GEMM tile: tokens in chunks of kTokChunk (their activation rows stay in L2 while the tile's
-// weight rows go by); each block decoded once per chunk and applied to the chunk's tokens
-// kTokGroup at a time.
+// GEMM tile: a register-blocked micro-kernel of kRowGroup weight rows x kTokGroup tokens. Tokens
+// go in chunks of kTokChunk (their activation rows stay in L2 while the tile's rows go by);
+// inside a chunk, for each group of kRowGroup rows and each super-block, the group's blocks are
+// decoded once into an L1 scratch (PackedX86), then applied to the chunk's tokens kTokGroup at a
+// time: each activation vector is loaded once for all rows of the group and each weight vector
+// once for all tokens of the group (the old 1-row kernel re-read every activation per row and
+// was bound by L2 bandwidth). Every (row, token) pair gets exactly the integers and the float
+// finish of BlockTokens<1, kBias> (FinishBlock), block after block in order, so the outputs are
+// bit-identical to the GEMV's whatever the tile shape.
+
+// A decoded super-block in memory: q[32p..32p+31] = DecX86::q[p], s[16p..16p+15] = DecX86::s[p].
+struct alignas(64) PackedX86 {
+  uint8_t q[kQK_K];
+  int16_t s[8 * 16];
+  int16_t off[16];
+  float d;
+  float dmin;
+};
+
+template <class B>
+HWY_INLINE void PackBlock(const B* HWY_RESTRICT b, PackedX86& o) {
+  DecX86 kb;
+  DecodeX86(b, kb);
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * p), kb.q[p]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.s + 16 * p), kb.s[p]);
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.off), kb.off);
+  o.d = kb.d;
+  o.dmin = kb.dmin;
+}
+
+// The float part of one block for one (row, token), exactly as BlockTokens does it.
+template <bool kBias>
+HWY_INLINE void FinishBlock(__m256i isum, const PackedX86& w, const BlockQ8_K* a, __m256& acc) {
+  const __m256i o = _mm256_madd_epi16(
+      LoadU256(a->bsums), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.off)));
+  if constexpr (kBias) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, o)), _mm256_set1_ps(w.d * a->d),
+                          acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * a->d), acc);
+    acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(w.dmin * a->d), acc);
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// 512-bit vectors hold a token pair: lanes 0-7 token t, lanes 8-15 token t + 1, against the
+// same weight chunk broadcast to both halves, so each lane sums exactly the products of the
+// 256-bit BlockTokens lane (no fold needed) and the float finish runs on two tokens at once.
+// Registers (32): 4 rows x 4 token pairs of int32 accumulators, 4 activation pairs, q and s.
+constexpr int kRowGroup = 4;
+constexpr int kPairGroup = 4;  // token pairs per micro-kernel call
+
+// acc[r * acc_stride + 2j + h] += block of row w[r] and token a[2j + h] for r < NR, j < NP,
+// h < 2 (h = 1 skipped for the last pair when `odd`, whose a[2j + 1] repeats a[2j]).
+template <int NR, int NP, bool kBias>
+HWY_INLINE void MicroX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const* a, bool odd,
+                         __m256* acc, int64_t acc_stride) {
+  __m512i is[NR][NP];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) is[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    __m512i x[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j)
+      x[j] = _mm512_inserti64x4(_mm512_castsi256_si512(LoadU256(a[2 * j]->qs + 32 * p)),
+                                LoadU256(a[2 * j + 1]->qs + 32 * p), 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512i q =
+          _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].q + 32 * p)));
+      const __m512i s =
+          _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].s + 16 * p)));
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+#if BERTH_QDK_VNNI
+        is[r][j] = _mm512_dpwssd_epi32(is[r][j], _mm512_maddubs_epi16(q, x[j]), s);
+#else
+        is[r][j] =
+            _mm512_add_epi32(is[r][j], _mm512_madd_epi16(_mm512_maddubs_epi16(q, x[j]), s));
+        asm("" : "+v"(is[r][j]));
+#endif
+      }
+    }
+  }
+  // Float finish, as FinishBlock for each token of each pair.
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const BlockQ8_K* a0 = a[2 * j];
+    const BlockQ8_K* a1 = a[2 * j + 1];
+    const __m512 da = _mm512_insertf32x8(_mm512_set1_ps(a0->d), _mm256_set1_ps(a1->d), 1);
+    const __m512i bs =
+        _mm512_inserti64x4(_mm512_castsi256_si512(LoadU256(a0->bsums)), LoadU256(a1->bsums), 1);
+    const __mmask16 keep = (j == NP - 1 && odd) ? 0x00FF : 0xFFFF;
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512i off =
+          _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].off)));
+      const __m512i o = _mm512_madd_epi16(bs, off);
+      float* ap = reinterpret_cast<float*>(acc + r * acc_stride + 2 * j);
+      __m512 v = _mm512_maskz_load_ps(keep, ap);
+      if constexpr (kBias) {
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r][j], o)),
+                            _mm512_mul_ps(_mm512_set1_ps(w[r].d), da), v);
+      } else {
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][j]), _mm512_mul_ps(_mm512_set1_ps(w[r].d), da),
+                            v);
+        v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(w[r].dmin), da), v);
+      }
+      _mm512_mask_store_ps(ap, keep, v);
+    }
+  }
+}
+
+// NR rows (packed blocks w[0..NR)) against the nt tokens ap[k] + ib of a chunk.
+template <int NR, bool kBias>
+HWY_INLINE void ChunkX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const* ap, int64_t ib,
+                         int64_t nt, __m256* acc) {
+  constexpr int kTok = 2 * kPairGroup;
+  const BlockQ8_K* a[kTok];
+  int64_t k = 0;
+  for (; k + kTok <= nt; k += kTok) {
+#pragma GCC unroll 8
+    for (int i = 0; i < kTok; ++i) a[i] = ap[k + i] + ib;
+    MicroX86<NR, kPairGroup, kBias>(w, a, false, acc + k, kTokChunk);
+  }
+  for (; k < nt; k += 2) {
+    const bool odd = k + 1 == nt;
+    a[0] = ap[k] + ib;
+    a[1] = ap[odd ? k : k + 1] + ib;
+    MicroX86<NR, 1, kBias>(w, a, odd, acc + k, kTokChunk);
+  }
+}
+#else
+// AVX2 (16 vector registers): 2 rows x 4 tokens of 256-bit accumulators.
+constexpr int kRowGroup = 2;
+
+template <int NR, int NT, bool kBias>
+HWY_INLINE void MicroX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const* a, __m256* acc,
+                         int64_t acc_stride) {
+  __m256i is[NR][NT];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) is[r][t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    __m256i x[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) x[t] = LoadU256(a[t]->qs + 32 * p);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].q + 32 * p));
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].s + 16 * p));
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        is[r][t] = _mm256_add_epi32(is[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x[t]), s));
+        asm("" : "+x"(is[r][t]));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) FinishBlock<kBias>(is[r][t], w[r], a[t], acc[r * acc_stride + t]);
+}
+
+// NR rows (packed blocks w[0..NR)) against the nt tokens ap[k] + ib of a chunk.
+template <int NR, bool kBias>
+HWY_INLINE void ChunkX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const* ap, int64_t ib,
+                         int64_t nt, __m256* acc) {
+  int64_t k = 0;
+  for (; k + kTokGroup <= nt; k += kTokGroup) {
+    const BlockQ8_K* a[kTokGroup] = {ap[k] + ib, ap[k + 1] + ib, ap[k + 2] + ib, ap[k + 3] + ib};
+    MicroX86<NR, kTokGroup, kBias>(w, a, acc + k, kTokChunk);
+  }
+  for (; k < nt; ++k) {
+    const BlockQ8_K* a = ap[k] + ib;
+    MicroX86<NR, 1, kBias>(w, &a, acc + k, kTokChunk);
+  }
+}
+#endif
+
 template <class B, bool kBias>
 void TileX86(const B* HWY_RESTRICT w, int64_t n_rows, const uint8_t* act, size_t act_stride,
              int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
-  DecX86 kb;
-  __m256 acc[kTokChunk];
+  PackedX86 pk[kRowGroup];
+  alignas(64) __m256 acc[kRowGroup * kTokChunk];
   const BlockQ8_K* ap[kTokChunk];
   for (int64_t t0 = 0; t0 < n_tok; t0 += kTokChunk) {
     const int64_t nt = std::min<int64_t>(kTokChunk, n_tok - t0);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const B* wr = w + r * nb;
-      for (int64_t k = 0; k < nt; ++k) {
-        acc[k] = _mm256_setzero_ps();
-        ap[k] = reinterpret_cast<const BlockQ8_K*>(act + static_cast<size_t>(t0 + k) * act_stride);
-      }
+    for (int64_t k = 0; k < nt; ++k)
+      ap[k] = reinterpret_cast<const BlockQ8_K*>(act + static_cast<size_t>(t0 + k) * act_stride);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kRowGroup) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRowGroup, n_rows - r0));
+      for (int r = 0; r < nr; ++r)
+        for (int64_t k = 0; k < nt; ++k) acc[r * kTokChunk + k] = _mm256_setzero_ps();
       for (int64_t ib = 0; ib < nb; ++ib) {
-        DecodeX86(wr + ib, kb);
-        int64_t k = 0;
-        for (; k + kTokGroup <= nt; k += kTokGroup) {
-          const BlockQ8_K* a[kTokGroup] = {ap[k] + ib, ap[k + 1] + ib, ap[k + 2] + ib,
-                                           ap[k + 3] + ib};
-          BlockTokens<kTokGroup, kBias>(kb, a, acc + k);
-        }
-        for (; k < nt; ++k) {
-          const BlockQ8_K* a = ap[k] + ib;
-          BlockTokens<1, kBias>(kb, &a, acc + k);
+        for (int r = 0; r < nr; ++r) PackBlock(w + (r0 + r) * nb + ib, pk[r]);
+        if (nr == kRowGroup) {
+          ChunkX86<kRowGroup, kBias>(pk, ap, ib, nt, acc);
+        } else {
+          for (int r = 0; r < nr; ++r) ChunkX86<1, kBias>(pk + r, ap, ib, nt, acc + r * kTokChunk);
         }
       }
-      for (int64_t k = 0; k < nt; ++k) out[(t0 + k) * out_stride + r] = HSum8(acc[k]);
+      for (int r = 0; r < nr; ++r)
+        for (int64_t k = 0; k < nt; ++k)
+          out[(t0 + k) * out_stride + r0 + r] = HSum8(acc[r * kTokChunk + k]);
     }
   }
 }
@@ -768,6 +964,7 @@ void DotTileK(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t
 }
 
 #undef BERTH_QDK_X86
+#undef BERTH_QDK_VNNI
 
 }  // namespace berth::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
