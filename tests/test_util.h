@@ -45,13 +45,16 @@ inline std::string read_file(const std::filesystem::path& p) {
   return ss.str();
 }
 
-/// Runs `args` (already shell-quoted where needed) through /bin/sh, capturing stdout/stderr.
+/// Runs `args` (already shell-quoted where needed) through /bin/sh, capturing stdout/stderr
+/// (of every process of a pipeline) and giving it no stdin.
 inline CommandResult run_command(const std::string& args) {
   static int counter = 0;
   const auto dir = temp_dir("cmd");
   const auto out = dir / ("out" + std::to_string(counter));
   const auto err = dir / ("err" + std::to_string(counter++));
-  const std::string cmd = args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
+  // Braces: the redirections apply to the whole command, pipelines included.
+  const std::string cmd =
+      "{ " + args + "; } >" + out.string() + " 2>" + err.string() + " </dev/null";
   const int status = std::system(cmd.c_str());
   CommandResult r;
   if (WIFEXITED(status)) {

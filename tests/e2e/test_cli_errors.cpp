@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
+#include <cstring>
+#include <sys/stat.h>
 #include <fstream>
 #include <random>
 
@@ -103,4 +106,75 @@ TEST_CASE("berth inspect lists metadata and tensors with totals") {
   CHECK(r.out.find("blk.4.ffn_up.weight") != std::string::npos);
   CHECK(r.out.find("[64, 512]") != std::string::npos);
   CHECK(r.out.find("48 tensors") != std::string::npos);
+}
+
+namespace {
+
+// A copy of stories260K with the bytes after metadata key `key` (its type, then the value)
+// patched by `patch(bytes, value_offset)`.
+std::string patched_stories(const std::string& key,
+                            const std::function<void(std::string&, size_t)>& patch) {
+  std::string bytes = berth::test::read_file(berth::test::stories260k());
+  const size_t at = bytes.find(key);
+  REQUIRE(at != std::string::npos);
+  patch(bytes, at + key.size() + 4);  // skip the uint32 value type
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("a FIFO is refused at once instead of blocking") {
+  const fs::path fifo = berth::test::temp_dir("cli-fifo") / "model.gguf";
+  fs::remove(fifo);
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  expect_clean_failure(fifo, "not a regular file");
+}
+
+TEST_CASE("tensors the architecture does not use are an error (wrong block_count)") {
+  const fs::path p = berth::test::temp_dir("cli-bc") / "bc4.gguf";
+  write_bytes(p, patched_stories("llama.block_count", [](std::string& b, size_t off) {
+                const uint32_t four = 4;
+                std::memcpy(&b[off], &four, 4);
+              }));
+  CommandResult r = run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " +
+                                shell_quote(p.string()));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("'blk.4.attn_q.weight' is not used") != std::string::npos);
+}
+
+TEST_CASE("bytes quoted from the file are escaped: the error stays one line") {
+  const fs::path p = berth::test::temp_dir("cli-esc") / "arch.gguf";
+  write_bytes(p, patched_stories("general.architecture", [](std::string& b, size_t off) {
+                // The string's 5 bytes ("llama") become "l\na\x1bm".
+                const char evil[5] = {'l', '\n', 'a', '\x1b', 'm'};
+                std::memcpy(&b[off + 8], evil, 5);
+              }));
+  CommandResult r = run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " +
+                                shell_quote(p.string()));
+  CHECK(r.exit_code == 1);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find("'l\\na\\x1bm'") != std::string::npos);
+}
+
+TEST_CASE("run: prompt file checks, random seed reported, last flag wins, closed stdout") {
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  const std::string bin = berth::test::berth_bin();
+  CommandResult r = run_command(bin + " run -m " + model + " -f /tmp -n 2");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("not a regular file") != std::string::npos);
+  // -s -1 picks a random seed and reports it; passing it back repeats the run.
+  r = run_command(bin + " run -m " + model + " -p 'Once upon' -n 12 -s -1");
+  REQUIRE(r.exit_code == 0);
+  const size_t at = r.err.find("seed ");
+  REQUIRE(at != std::string::npos);
+  const std::string seed = r.err.substr(at + 5, r.err.find('\n', at) - at - 5);
+  CommandResult again = run_command(bin + " run -m " + model + " -p 'Once upon' -n 12 -s " + seed);
+  CHECK(again.out == r.out);
+  // A flag given twice takes the last value, as in llama.cpp.
+  r = run_command(bin + " run -m " + model + " -p 'Once upon a time' --temp 0 -n 2 -n 64");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out == berth::test::kStoriesContinuation);
+  // Closing stdout early stops generation without an error.
+  r = run_command(bin + " run -m " + model + " -p 'Once upon a time' --temp 0 -n 2000 | head -c 5");
+  CHECK(r.out == ", the");
 }
