@@ -30,6 +30,10 @@
 // the group's tokens; the weight rows of the tile are streamed from DRAM for the first group and
 // from cache for the following ones when the tile fits (cpu::gemm_rows uses 16-row tiles).
 // GEMV (n_tok = 1) streams the rows with a software prefetch 1 KiB ahead.
+// AVX3_DL (GCC) tiles of 8 or more tokens take GemmVnni instead: activations transposed once
+// per tile (16 tokens per vector), the tile's weight rows decoded once into unsigned quants,
+// then a micro-kernel of 4 rows x 16 tokens x 4 lanes doing, per block, exactly RowDot's float
+// operations for each output (see GemmVnni's comment).
 // GCC 12's AVX-512 broadcast intrinsics start from _mm512_undefined_*() and trip
 // -W(maybe-)uninitialized inside its own headers; silenced for this translation unit only.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -592,6 +596,248 @@ HWY_INLINE void RepackTokens(const uint8_t* const* a, int nt, int64_t nb, Repack
   }
 }
 
+#if BERTH_QL_VNNI
+// ------------------------------------------------------------------------------------------
+// AVX3_DL GEMM (n_tok >= kGemmMinTok): the same per-output float operations as RowDot above,
+// vectorized across 16 tokens instead of across the lanes of one output. RowDot's AVX-512
+// accumulators e, o hold 32 float chains per output: chain (c, l) for c = b % 4 (e lanes 0..7:
+// c = 0, lanes 8..15: c = 1; o: c = 2, 3) and lane l = 0..7, each the FMA sequence, over the
+// blocks b of its class in increasing order, of float(isum(b, l)) * (d_w(b) * d_a(b)) [then
+// float(asum(b, l)) * (m(b) * d_a(b))], where isum(b, l) is the exact integer dot of quants
+// 4l..4l+3 of block b and asum(b, l) the sum of those activation quants. Here a register holds
+// chain (c, l) of 16 tokens: isum(b, l) comes from one vpdpbusd of the weight quants 4l..4l+3
+// (unsigned: the stored quant, or w + 128 for Q8_0; broadcast) with the 4-byte groups l of the
+// 16 tokens (signed, transposed once per tile), started from -offset * asum(b, l), which makes
+// it exactly sum(w * a); d_w * d_a is one multiply per block for the 16 tokens. The odd last
+// block's padding step of RowDot (an FMA of 0 by d_w * 0) and its final reduction (e + o, then
+// _mm512_reduce_add_ps's tree) are repeated as they are, so outputs are bit-identical to RowDot.
+// ------------------------------------------------------------------------------------------
+constexpr int64_t kGemmMinTok = 8;  // fewer tokens: RowDot
+constexpr int64_t kGemmRowBlock = 32;
+
+template <GgmlType T>
+constexpr int kUOff = T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : T == GgmlType::Q8_0 ? 128 : 0;
+
+// 64-byte aligned per-thread scratch (grows, never shrinks).
+struct GemmScratch {
+  std::vector<uint8_t> bytes;
+  uint8_t* Get(size_t n) {
+    if (bytes.size() < n + 64) bytes.resize(n + 64);
+    uint8_t* p = bytes.data();
+    return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+  }
+};
+
+// The 32 unsigned weight quants of a block in element order (offset kUOff<T> added).
+template <GgmlType T>
+HWY_INLINE __m256i UnsignedW(const uint8_t* blk) {
+  if constexpr (T == GgmlType::Q4_0) {
+    return Nibbles(blk + 2);
+  } else if constexpr (T == GgmlType::Q4_1) {
+    return Nibbles(blk + 4);
+  } else if constexpr (T == GgmlType::Q5_0) {
+    return _mm256_or_si256(Nibbles(blk + 6),
+                           _mm256_and_si256(BitBytes(blk + 2), _mm256_set1_epi8(0x10)));
+  } else if constexpr (T == GgmlType::Q5_1) {
+    return _mm256_or_si256(Nibbles(blk + 8),
+                           _mm256_and_si256(BitBytes(blk + 4), _mm256_set1_epi8(0x10)));
+  } else {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+// Transposes block b of 16 activation rows a[0..15] into at[l] (l = 0..7: dword l of the 16
+// tokens) and writes cs[l] = -kUOff * asum(b, l) (int32; offset-free types: float(asum)).
+template <GgmlType T>
+HWY_INLINE void TransposeBlock(const uint8_t* const* a, size_t off, __m512i* at, __m512i* cs) {
+  __m512i r[8];
+  for (int t = 0; t < 8; ++t) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t] + off));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t + 8] + off));
+    r[t] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  __m512i s[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    s[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    s[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    // Rows 4k..4k+3: u[4k + j] holds element j (128-bit lanes 0, 2) and j + 4 (lanes 1, 3).
+    u[4 * k + 0] = _mm512_unpacklo_epi64(s[4 * k], s[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(s[4 * k], s[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(s[4 * k + 1], s[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(s[4 * k + 1], s[4 * k + 3]);
+  }
+  const __m512i ilo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i ihi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int j = 0; j < 4; ++j) {
+    at[j] = _mm512_permutex2var_epi64(u[j], ilo, u[4 + j]);
+    at[j + 4] = _mm512_permutex2var_epi64(u[j], ihi, u[4 + j]);
+  }
+  for (int l = 0; l < 8; ++l) {
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, at[l]);
+    if constexpr (kUOff<T> != 0) {
+      cs[l] = _mm512_mullo_epi32(sum, _mm512_set1_epi32(-kUOff<T>));
+    } else {
+      cs[l] = _mm512_castps_si512(_mm512_cvtepi32_ps(sum));
+    }
+  }
+}
+
+// Chain class c, lanes l0..l0 + 3, of NR rows (1 to 4) for 16 tokens: acc[r * 4 + j] (lane
+// l0 + j) over blocks b = c, c + 4, ...
+template <GgmlType T, int NR>
+HWY_INLINE void Chains(const uint8_t* const* wu, const float* const* wd, const __m512i* at,
+                       const __m512i* cs, const float* dt, int64_t nb, int c, int l0,
+                       __m512* acc) {
+  for (int i = 0; i < NR * 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = c; b < nb; b += 4) {
+    const __m512 da = _mm512_load_ps(dt + b * 16);
+    __m512 sc[NR], ms[NR];
+    for (int r = 0; r < NR; ++r) {
+      sc[r] = _mm512_mul_ps(_mm512_set1_ps(wd[r][2 * b]), da);
+      if constexpr (kHasMin<T>) ms[r] = _mm512_mul_ps(_mm512_set1_ps(wd[r][2 * b + 1]), da);
+    }
+    const __m512i* ab = at + b * 8 + l0;
+    const __m512i* cb = cs + b * 8 + l0;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i av = _mm512_load_si512(ab + j);
+      const __m512i cv = _mm512_load_si512(cb + j);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        int32_t wq;
+        std::memcpy(&wq, wu[r] + b * kQK + 4 * (l0 + j), 4);
+        __m512i x = kUOff<T> != 0 ? cv : _mm512_setzero_si512();
+        x = _mm512_dpbusd_epi32(x, _mm512_set1_epi32(wq), av);
+        acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), sc[r], acc[r * 4 + j]);
+        if constexpr (kHasMin<T>) {
+          acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_castsi512_ps(cv), ms[r], acc[r * 4 + j]);
+        }
+      }
+    }
+  }
+}
+
+template <GgmlType T>
+void GemmVnni(const uint8_t* wp, size_t wrb, int64_t n_rows, const uint8_t* ap, size_t act_stride,
+              int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
+  thread_local GemmScratch wsc, asc;
+  const int64_t n_chunks = (n_tok + 15) / 16;
+  const size_t at_bytes = static_cast<size_t>(nb) * 8 * 64;
+  const size_t chunk_bytes = 2 * at_bytes + static_cast<size_t>(nb) * 64;
+  uint8_t* abuf = asc.Get(static_cast<size_t>(n_chunks) * chunk_bytes);
+  // Activations: per 16-token chunk, at[b][l], cs[b][l] (64 bytes each), d_a dt[b][16].
+  for (int64_t ch = 0; ch < n_chunks; ++ch) {
+    const uint8_t* a[16];
+    for (int t = 0; t < 16; ++t) {
+      const int64_t tok = ch * 16 + t < n_tok ? ch * 16 + t : ch * 16;  // pad with a real row
+      a[t] = ap + static_cast<size_t>(tok) * act_stride;
+    }
+    uint8_t* base = abuf + static_cast<size_t>(ch) * chunk_bytes;
+    auto* at = reinterpret_cast<__m512i*>(base);
+    auto* cs = reinterpret_cast<__m512i*>(base + at_bytes);
+    auto* dt = reinterpret_cast<float*>(base + 2 * at_bytes);
+    for (int64_t b = 0; b < nb; ++b) {
+      const size_t off = static_cast<size_t>(b) * kActBlockBytes;
+      TransposeBlock<T>(a, off + 2, at + b * 8, cs + b * 8);
+      alignas(32) uint16_t h[16];
+      for (int t = 0; t < 16; ++t) std::memcpy(&h[t], a[t] + off, 2);
+      _mm512_store_ps(dt + b * 16,
+                      _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
+    }
+  }
+  const size_t wu_bytes = static_cast<size_t>(nb) * kQK;
+  const size_t wrow = (wu_bytes + static_cast<size_t>(nb) * 2 * sizeof(float) + 63) / 64 * 64;
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kGemmRowBlock) {
+    const int64_t nr = n_rows - r0 < kGemmRowBlock ? n_rows - r0 : kGemmRowBlock;
+    uint8_t* wbuf = wsc.Get(static_cast<size_t>(nr) * wrow);
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint8_t* wr = wp + static_cast<size_t>(r0 + r) * wrb;
+      uint8_t* u = wbuf + static_cast<size_t>(r) * wrow;
+      auto* d = reinterpret_cast<float*>(u + wu_bytes);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wr + static_cast<size_t>(b) * kWBlockBytes<T>;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u + b * kQK), UnsignedW<T>(blk));
+        d[2 * b] = H2F(blk);
+        d[2 * b + 1] = kHasMin<T> ? H2F(blk + 2) : 0.0f;
+      }
+    }
+    for (int64_t ch = 0; ch < n_chunks; ++ch) {
+      const uint8_t* base = abuf + static_cast<size_t>(ch) * chunk_bytes;
+      const auto* at = reinterpret_cast<const __m512i*>(base);
+      const auto* cs = reinterpret_cast<const __m512i*>(base + at_bytes);
+      const auto* dt = reinterpret_cast<const float*>(base + 2 * at_bytes);
+      const int64_t nt = n_tok - ch * 16 < 16 ? n_tok - ch * 16 : 16;
+      for (int64_t r = 0; r < nr; r += 4) {
+        const int rows = nr - r >= 4 ? 4 : static_cast<int>(nr - r);
+        const uint8_t* wu[4];
+        const float* wd[4];
+        for (int k = 0; k < rows; ++k) {
+          wu[k] = wbuf + static_cast<size_t>(r + k) * wrow;
+          wd[k] = reinterpret_cast<const float*>(wu[k] + wu_bytes);
+        }
+        alignas(64) __m512 chain[4][32];  // [c][row * 8 + l]
+        for (int c = 0; c < 4; ++c) {
+          for (int l0 = 0; l0 < 8; l0 += 4) {
+            alignas(64) __m512 acc[16];
+            switch (rows) {
+              case 4:
+                Chains<T, 4>(wu, wd, at, cs, dt, nb, c, l0, acc);
+                break;
+              case 3:
+                Chains<T, 3>(wu, wd, at, cs, dt, nb, c, l0, acc);
+                break;
+              case 2:
+                Chains<T, 2>(wu, wd, at, cs, dt, nb, c, l0, acc);
+                break;
+              default:
+                Chains<T, 1>(wu, wd, at, cs, dt, nb, c, l0, acc);
+                break;
+            }
+            for (int k = 0; k < rows; ++k)
+              for (int j = 0; j < 4; ++j) chain[c][k * 8 + l0 + j] = acc[k * 4 + j];
+          }
+        }
+        for (int k = 0; k < rows; ++k) {
+          if (nb % 2 == 1) {
+            // RowDot's last pair (b, b) with the zero padding: chain c of block b + 1.
+            const int64_t bl = nb - 1;
+            const int c = static_cast<int>(bl % 4) + 1;
+            const __m512 z = _mm512_setzero_ps();
+            const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(wd[k][2 * bl]), z);
+            const __m512 sm = _mm512_mul_ps(_mm512_set1_ps(wd[k][2 * bl + 1]), z);
+            for (int l = 0; l < 8; ++l) {
+              __m512& v = chain[c][k * 8 + l];
+              v = _mm512_fmadd_ps(z, sd, v);
+              if constexpr (kHasMin<T>) v = _mm512_fmadd_ps(z, sm, v);
+            }
+          }
+          // e + o: lane l = chain 0 + chain 2, lane 8 + l = chain 1 + chain 3; then the tree of
+          // _mm512_reduce_add_ps (lanes i + 8, then i + 4, then pairs (0, 2), (1, 3), then 0 + 1).
+          __m512 t3[8];
+          for (int l = 0; l < 8; ++l) {
+            const __m512 lo = _mm512_add_ps(chain[0][k * 8 + l], chain[2][k * 8 + l]);
+            const __m512 hi = _mm512_add_ps(chain[1][k * 8 + l], chain[3][k * 8 + l]);
+            t3[l] = _mm512_add_ps(hi, lo);
+          }
+          __m512 t6[4];
+          for (int l = 0; l < 4; ++l) t6[l] = _mm512_add_ps(t3[l + 4], t3[l]);
+          const __m512 res =
+              _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+          alignas(64) float v[16];
+          _mm512_store_ps(v, res);
+          float* o = out + ch * 16 * out_stride + r0 + r + k;
+          for (int64_t t = 0; t < nt; ++t) o[t * out_stride] = v[t];
+        }
+      }
+    }
+  }
+}
+#endif  // BERTH_QL_VNNI
+
 template <GgmlType T>
 void Tile(const void* w, int64_t n_rows, const void* act, size_t act_stride, int64_t n_tok,
           int64_t n, float* out, int64_t out_stride) {
@@ -600,6 +846,12 @@ void Tile(const void* w, int64_t n_rows, const void* act, size_t act_stride, int
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* ap = static_cast<const uint8_t*>(act);
   thread_local Repacked rp;
+#if BERTH_QL_VNNI
+  if (n_tok >= kGemmMinTok) {
+    GemmVnni<T>(wp, wrb, n_rows, ap, act_stride, n_tok, nb, out, out_stride);
+    return;
+  }
+#endif
   for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
     const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
     const uint8_t* a[4];
