@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/io/mapped_file.h"
 
@@ -69,43 +70,6 @@ uint64_t min_value_bytes(ValueType t) {
       return 4 + 8;
   }
   return 1;
-}
-
-// A key or tensor name made safe for a one-line message: control and non-ASCII bytes are
-// escaped as \xNN and long names are cut.
-std::string printable(std::string_view s, size_t max_chars = 96) {
-  std::string out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (out.size() >= max_chars) {
-      out += fmt::format("...({} bytes)", s.size());
-      break;
-    }
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c >= 0x7f || c == '\\' || c == '\'') {
-      switch (c) {
-        case '\n':
-          out += "\\n";
-          break;
-        case '\t':
-          out += "\\t";
-          break;
-        case '\r':
-          out += "\\r";
-          break;
-        case '\\':
-          out += "\\\\";
-          break;
-        case '\'':
-          out += "\\'";
-          break;
-        default:
-          out += fmt::format("\\x{:02x}", c);
-      }
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
 }
 
 // Escapes a string value for to_string (UTF-8 is kept; control bytes are escaped).
