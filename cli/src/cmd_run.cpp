@@ -1,7 +1,9 @@
 // `berth run`: generate text from a prompt, streaming it to stdout.
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -21,8 +23,14 @@ namespace berth::cli {
 
 bool write_stdout(std::string_view s) {
   if (s.empty()) return true;
-  if (std::fwrite(s.data(), 1, s.size(), stdout) != s.size()) return false;
-  return std::fflush(stdout) == 0;
+  errno = 0;
+  if (std::fwrite(s.data(), 1, s.size(), stdout) == s.size() && std::fflush(stdout) == 0)
+    return true;
+  // The reader went away (`| head`): stop quietly. Anything else (disk full, I/O error) is an
+  // error the user must see.
+  if (errno == EPIPE) return false;
+  throw Error(ErrorCategory::io,
+              fmt::format("cannot write to stdout: {}", std::strerror(errno ? errno : EIO)));
 }
 
 namespace {

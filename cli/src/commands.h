@@ -16,8 +16,9 @@ Runner add_tokenize(CLI::App& app);
 Runner add_quantize(CLI::App& app);
 Runner add_bench(CLI::App& app);
 
-/// Writes all of `s` to stdout and flushes; returns false when stdout is closed (e.g. a pipe
-/// whose reader exited), so commands can stop instead of dying of SIGPIPE.
+/// Writes all of `s` to stdout and flushes. Returns false when the reader of a pipe has gone
+/// (EPIPE, e.g. `| head`): commands then stop and exit 0. Throws Error(io) for any other write
+/// failure (a full disk, an I/O error).
 bool write_stdout(std::string_view s);
 
 }  // namespace berth::cli

@@ -65,8 +65,9 @@ Hparams read_hparams(const gguf::File& f) {
   hp.n_rot = opt("rope.dimension_count").value_or(hp.head_dim);
   if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
     throw Error(ErrorCategory::format,
-                fmt::format("{}: {}rope.dimension_count = {} must be even and in 1..{} (head_dim)",
-                            f.path(), p, hp.n_rot, hp.head_dim));
+                fmt::format("{}: {}rope.dimension_count = {} must be even and in 1..{} (head_dim: "
+                            "{}attention.key_length, or embedding_length / attention.head_count)",
+                            f.path(), p, hp.n_rot, hp.head_dim, p));
   if (!(hp.rms_eps > 0.0f) || std::isinf(hp.rms_eps))
     throw Error(ErrorCategory::format,
                 fmt::format("{}: {}attention.layer_norm_rms_epsilon = {} must be finite and positive",
