@@ -1,4 +1,4 @@
-// Plain C++ kernels: get_row, matmul_rows and dot_f32 (berth::cpu), and the scalar twins of the
+// Plain C++ kernels: get_row (berth::cpu), and the scalar twins of the
 // SIMD kernels in ops_simd.cc (berth::ref), kept as the plain formulas the oracle tests trust.
 #include "berth/cpu_kernels/ops.h"
 
@@ -13,16 +13,6 @@
 #include "berth/cpu_kernels/quants_ref.h"
 
 namespace berth::cpu {
-
-float dot_f32(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
-}
 
 void get_row(const TensorView& w, int64_t row, float* dst) {
   const int64_t n = w.ne[0];
@@ -50,20 +40,6 @@ void get_row(const TensorView& w, int64_t row, float* dst) {
   }
 }
 
-void matmul_rows(const TensorView& w, int64_t row_begin, int64_t row_end, const float* x,
-                 int64_t x_stride, int64_t n_tokens, float* y, int64_t y_stride, float* scratch) {
-  const int64_t n = w.ne[0];
-  for (int64_t o = row_begin; o < row_end; ++o) {
-    const float* wr;
-    if (w.type == GgmlType::F32) {
-      wr = reinterpret_cast<const float*>(w.row(o));
-    } else {
-      get_row(w, o, scratch);
-      wr = scratch;
-    }
-    for (int64_t t = 0; t < n_tokens; ++t) y[t * y_stride + o] = dot_f32(wr, x + t * x_stride, n);
-  }
-}
 
 }  // namespace berth::cpu
 

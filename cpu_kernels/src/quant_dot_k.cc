@@ -721,6 +721,19 @@ void DotTileX86(const void* w, int64_t n_rows, const void* act, size_t act_strid
 // At most 16 lanes (one lane on HWY_SCALAR); the loops below step by Lanes(D8()).
 using D8 = hn::CappedTag<uint8_t, 16>;
 
+// Scales, mins and super-block scales shared by Q4_K and Q5_K: each 6-bit sub-block scale/min
+// covers 32 elements, i.e. two 16-element groups of DecodedK.
+void SetScalesK4(const uint8_t* scales, uint16_t d, uint16_t dmin, DecodedK& o) {
+  uint64_t sc, mn;
+  kquant::unpack_scales_k4(scales, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    o.sc[2 * j] = o.sc[2 * j + 1] = static_cast<int16_t>((sc >> (8 * j)) & 0xFF);
+    o.off[2 * j] = o.off[2 * j + 1] = static_cast<int16_t>((mn >> (8 * j)) & 0xFF);
+  }
+  o.d = fp16_to_f32(d);
+  o.dmin = fp16_to_f32(dmin);
+}
+
 void DecodeQ4K(const BlockQ4_K* HWY_RESTRICT b, DecodedK& o) {
   const D8 d8;
   const auto m4 = hn::Set(d8, uint8_t{0x0F});
@@ -731,14 +744,7 @@ void DecodeQ4K(const BlockQ4_K* HWY_RESTRICT b, DecodedK& o) {
       hn::StoreU(hn::And(v, m4), d8, o.q + 64 * c + l);
       hn::StoreU(hn::ShiftRight<4>(v), d8, o.q + 64 * c + 32 + l);
     }
-  uint64_t sc, mn;
-  kquant::unpack_scales_k4(b->scales, sc, mn);
-  for (int j = 0; j < 8; ++j) {
-    o.sc[2 * j] = o.sc[2 * j + 1] = static_cast<int16_t>((sc >> (8 * j)) & 0xFF);
-    o.off[2 * j] = o.off[2 * j + 1] = static_cast<int16_t>((mn >> (8 * j)) & 0xFF);
-  }
-  o.d = fp16_to_f32(b->d);
-  o.dmin = fp16_to_f32(b->dmin);
+  SetScalesK4(b->scales, b->d, b->dmin, o);
 }
 
 void DecodeQ5K(const BlockQ5_K* HWY_RESTRICT b, DecodedK& o) {
@@ -756,14 +762,7 @@ void DecodeQ5K(const BlockQ5_K* HWY_RESTRICT b, DecodedK& o) {
       hn::StoreU(hn::Or(hn::ShiftRight<4>(v), hn::And(h1, b4)), d8, o.q + 64 * c + 32 + l);
     }
   }
-  uint64_t sc, mn;
-  kquant::unpack_scales_k4(b->scales, sc, mn);
-  for (int j = 0; j < 8; ++j) {
-    o.sc[2 * j] = o.sc[2 * j + 1] = static_cast<int16_t>((sc >> (8 * j)) & 0xFF);
-    o.off[2 * j] = o.off[2 * j + 1] = static_cast<int16_t>((mn >> (8 * j)) & 0xFF);
-  }
-  o.d = fp16_to_f32(b->d);
-  o.dmin = fp16_to_f32(b->dmin);
+  SetScalesK4(b->scales, b->d, b->dmin, o);
 }
 
 void DecodeQ6K(const BlockQ6_K* HWY_RESTRICT b, DecodedK& o) {

@@ -5,11 +5,13 @@
 #include <thread>
 #include <map>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
+#include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
 #include "berth/runtime/cpu_backend.h"
@@ -104,10 +106,16 @@ TEST_CASE("Graph::validate rejects shape mismatches and use before write") {
   }
 }
 
-TEST_CASE("matmul over every computable weight type equals the product with decoded weights") {
-  const int64_t n_in = 512, n_out = 9, n_tok = 3;
+TEST_CASE("executor matmul over every computable weight type equals the decoded product") {
+  // The executor quantizes the activations once (Q8_0 / Q8_K / none, by weight type), splits the
+  // rows over the pool and runs gemm_rows; the result must equal the double-precision product of
+  // the decoded weights and the decoded (quantized) activations.
+  const int64_t n_in = 512, n_out = 37, n_tok = 3;
   const std::vector<float> wf = random_floats(static_cast<size_t>(n_in * n_out), 1, 0.5f);
   const std::vector<float> x = random_floats(static_cast<size_t>(n_in * n_tok), 2);
+  const std::vector<int32_t> toks = {0, 1, 2}, pos = {0, 1, 2};
+  ThreadPool pool(2);
+  KvCache kv({}, 4);
   for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1,
                      GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K,
                      GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
@@ -118,16 +126,29 @@ TEST_CASE("matmul over every computable weight type equals the product with deco
       ref::quantize_row(t, wf.data() + o * n_in, q.data() + o * rb, n_in);
     std::vector<float> deq(static_cast<size_t>(n_in * n_out));
     ref::dequantize_rows(t, q.data(), deq.data(), n_out, n_in);
-    TensorView w{.name = "w", .type = t, .ne = {n_in, n_out, 1, 1}, .n_dims = 2, .data = q.data(),
-                 .n_bytes = q.size()};
-    std::vector<float> y(static_cast<size_t>(n_out * n_tok), NAN), scratch(n_in);
-    cpu::matmul_rows(w, 0, n_out, x.data(), n_in, n_tok, y.data(), n_out, scratch.data());
+    // The activations as the dot product sees them: quantized to the partner format, decoded.
+    const GgmlType at = cpu::activation_type(t);
+    std::vector<float> xa(x.size());
+    std::vector<uint8_t> abuf(cpu::activation_row_bytes(t, n_in));
+    for (int64_t tk = 0; tk < n_tok; ++tk) {
+      ref::quantize_activation(t, x.data() + tk * n_in, abuf.data(), n_in);
+      if (at == GgmlType::F32) std::memcpy(xa.data() + tk * n_in, abuf.data(), abuf.size());
+      else ref::dequantize_row(at, abuf.data(), xa.data() + tk * n_in, n_in);
+    }
+    graph::WeightTable wt;
+    graph::WeightId e = wt.add(f32_view("x", x, n_in, n_tok));
+    graph::WeightId wid = wt.add(TensorView{.name = "w", .type = t, .ne = {n_in, n_out, 1, 1},
+                                            .n_dims = 2, .data = q.data(), .n_bytes = q.size()});
+    graph::Builder b(wt, static_cast<int32_t>(n_tok));
+    graph::Graph g = b.finish(b.matmul(b.embed(e, "x"), wid, "y"));
+    CpuExecutor ex(pool, wt, kv);
+    std::span<const float> y = ex.run(g, toks, pos);
     for (int64_t tk = 0; tk < n_tok; ++tk)
       for (int64_t o = 0; o < n_out; ++o) {
         double ref = 0;
         for (int64_t i = 0; i < n_in; ++i)
-          ref += static_cast<double>(deq[o * n_in + i]) * x[tk * n_in + i];
-        CHECK(y[tk * n_out + o] == doctest::Approx(ref).epsilon(1e-4).scale(10));
+          ref += static_cast<double>(deq[o * n_in + i]) * xa[tk * n_in + i];
+        CHECK(y[static_cast<size_t>(tk * n_out + o)] == doctest::Approx(ref).epsilon(1e-4).scale(10));
       }
   }
 }

@@ -7,8 +7,8 @@
 // a ggml tensor (ne[0] elements, contiguous) in its stored type.
 //
 // The functions in berth::cpu are Highway SIMD kernels with run-time dispatch (AVX2, AVX-512 on
-// x86; NEON, SVE on arm64; a portable fallback elsewhere), except get_row, matmul_rows and
-// dot_f32, which are plain C++ (the matrix products live in quant_dot.h). Each SIMD kernel has a
+// x86; NEON, SVE on arm64; a portable fallback elsewhere), except get_row, which is plain
+// C++ (the matrix products live in quant_dot.h). Each SIMD kernel has a
 // scalar twin with the same signature in berth::ref: the plain formula, used by the oracle tests
 // (tests/core/test_kernel_oracle_ops.cpp). SIMD and scalar results agree to a small NMSE, not
 // bit for bit (the SIMD exp is a polynomial with <= 1 ULP error; sums are reordered).
@@ -24,18 +24,6 @@ namespace berth::cpu {
 /// KV positions per tile of the SIMD attention kernels. Tiles start at multiples of this
 /// absolute position, so a query's result does not depend on which other queries share a call.
 inline constexpr int64_t kAttentionKvTile = 64;
-
-/// Dot product of n floats with 8 independent partial sums combined in a fixed order.
-float dot_f32(const float* a, const float* b, int64_t n);
-
-/// For t in [0, n_tokens) and output rows o in [row_begin, row_end):
-/// y[t * y_stride + o] = sum_i W[o, i] * x[t * x_stride + i], i in [0, ne[0]).
-/// `w` is a 2-D view (or any view; rows are counted across ne[1..3]) of a computable type.
-/// Quantized and half-precision rows are decoded once into `scratch` (ne[0] floats) and reused
-/// for all tokens, so each weight row is read from memory once per call.
-/// Throws Error(unsupported) for a type berth cannot compute.
-void matmul_rows(const TensorView& w, int64_t row_begin, int64_t row_end, const float* x,
-                 int64_t x_stride, int64_t n_tokens, float* y, int64_t y_stride, float* scratch);
 
 /// Decodes row `row` of `w` (ne[0] elements) into dst.
 /// Throws Error(unsupported) for a type berth cannot compute.

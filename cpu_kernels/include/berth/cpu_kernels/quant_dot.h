@@ -47,8 +47,9 @@ void dot_tile(GgmlType weight_type, const void* w, int64_t n_rows, const void* a
 
 /// Cache-tiled matrix product over a row range, the unit of work the runtime gives each
 /// thread: out[t * out_stride + r] = W[r] . A[t] for r in [0, n_rows), t in [0, n_tok).
-/// Splits the range into tiles of kGemmRowTile rows x kGemmTokTile tokens and calls dot_tile
-/// on each, so a tile's weights stay in cache while they are applied to every token.
+/// Splits the range into blocks of 4 x kGemmRowTile rows and, within them, tiles of
+/// kGemmTokTile tokens, calling dot_tile on each, so a block's weights stay in cache while they
+/// are applied to every token and a token tile's activations are fetched once per block.
 /// Same arguments and result as dot_tile (bit for bit: see "Determinism").
 void gemm_rows(GgmlType weight_type, const void* w, int64_t n_rows, const void* act,
                size_t act_stride, int64_t n_tok, int64_t n, float* out, int64_t out_stride);
