@@ -46,6 +46,8 @@ struct VocabData {
   bool add_bos = true;                 ///< tokenizer.ggml.add_bos_token
   bool add_eos = false;                ///< tokenizer.ggml.add_eos_token
   bool add_space_prefix = true;        ///< tokenizer.ggml.add_space_prefix (SPM)
+  std::vector<std::string> merges;     ///< tokenizer.ggml.merges (BPE): "left right", by rank
+  std::string pre;                     ///< tokenizer.ggml.pre (BPE pre-tokenizer name, e.g. "qwen2")
   std::string source = "<memory>";     ///< names the vocabulary (file path) in error messages
 };
 
@@ -62,6 +64,13 @@ class Tokenizer {
   /// differ in length from tokens, the vocabulary is empty, a special id is outside
   /// [-1, n_vocab), or a byte-type token is not spelled "<0xNN>".
   static std::unique_ptr<Tokenizer> make_spm(VocabData vocab);
+
+  /// Byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") from arrays: tokens spelled in
+  /// GPT-2's byte-to-unicode alphabet, `merges` by rank, pre-tokenizer regex chosen by
+  /// `vocab.pre` ("qwen2", "llama-bpe", "deepseek-v3", "default"/"gpt-2", ...). Throws
+  /// Error(format) naming the key and `vocab.source` for a malformed merge or inconsistent
+  /// arrays; Error(unsupported) naming the value for an unknown `pre`.
+  static std::unique_ptr<Tokenizer> make_bpe(VocabData vocab);
 
   Tokenizer() = default;
   Tokenizer(const Tokenizer&) = delete;
@@ -124,6 +133,15 @@ class Tokenizer {
   std::vector<int32_t> eog_ids_;
   TokenIndex token_ids_;
 };
+
+/// Reads a Hugging Face `tokenizer.json` (model.type "BPE", byte-level) into the arrays a GGUF
+/// file would hold, as llama.cpp's converter writes them: tokens by id (vocab plus
+/// added_tokens), token types (added special tokens -> control, other added tokens ->
+/// user_defined, the rest normal), merges as "left right" strings by rank, `pre` guessed from
+/// the pre-tokenizer regex ("qwen2" for Qwen2/Qwen3's). BOS/EOS ids are left at -1 (they live in
+/// tokenizer_config.json); add_bos = false. Throws Error(io) when the file cannot be read,
+/// Error(format) naming the file and JSON field when it is not such a tokenizer.
+VocabData read_hf_tokenizer_json(const std::string& path);
 
 /// Turns a stream of token ids into text that is always valid UTF-8: bytes of a multi-byte
 /// character split across tokens are held back until the character is complete.
