@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "berth/core/error.h"
 #include "berth/core/fp16.h"
@@ -40,6 +42,33 @@ void get_row(const TensorView& w, int64_t row, float* dst) {
   }
 }
 
+void moe_topk(const float* logits, int32_t n_expert, int32_t k, bool renormalise, int32_t* ids,
+              float* weights) {
+  BERTH_CHECK(k >= 1 && k <= n_expert);
+  // Selection on the logits themselves (softmax is monotonic), NaN treated as -infinity.
+  auto key = [&](int32_t e) {
+    const float l = logits[e];
+    return std::isnan(l) ? -std::numeric_limits<double>::infinity() : static_cast<double>(l);
+  };
+  std::vector<int32_t> order(static_cast<size_t>(n_expert));
+  for (int32_t e = 0; e < n_expert; ++e) order[static_cast<size_t>(e)] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+    const double ka = key(a), kb = key(b);
+    return ka > kb || (ka == kb && a < b);
+  });
+  double max = -std::numeric_limits<double>::infinity();
+  for (int32_t e = 0; e < n_expert; ++e) max = std::max(max, key(e));
+  double sum = 0.0;
+  for (int32_t e = 0; e < n_expert; ++e) sum += std::exp(key(e) - max);
+  double sel = 0.0;
+  for (int32_t j = 0; j < k; ++j) sel += std::exp(key(order[static_cast<size_t>(j)]) - max) / sum;
+  for (int32_t j = 0; j < k; ++j) {
+    const int32_t e = order[static_cast<size_t>(j)];
+    const double p = std::exp(key(e) - max) / sum;
+    ids[j] = e;
+    weights[j] = static_cast<float>(renormalise ? p / sel : p);
+  }
+}
 
 }  // namespace berth::cpu
 

@@ -76,6 +76,20 @@ Hparams read_hparams(const gguf::File& f) {
     throw Error(ErrorCategory::format,
                 fmt::format("{}: {}rope.freq_base = {} must be finite and positive", f.path(), p,
                             hp.rope_freq_base));
+  hp.n_expert = opt("expert_count").value_or(0);
+  if (hp.n_expert < 0 || hp.n_expert > 65536)
+    throw Error(ErrorCategory::format,
+                fmt::format("{}: {}expert_count = {} is out of range", f.path(), p, hp.n_expert));
+  if (hp.n_expert > 0) {
+    hp.n_expert_used = req("expert_used_count");
+    if (hp.n_expert_used < 1 || hp.n_expert_used > hp.n_expert)
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: {}expert_used_count = {} must be in 1..{}expert_count ({})",
+                              f.path(), p, hp.n_expert_used, p, hp.n_expert));
+    hp.n_ff_exp = opt("expert_feed_forward_length").value_or(hp.n_ff);
+    positive(hp.n_ff_exp, "expert_feed_forward_length");
+    if (f.has(p + "expert_weights_norm")) hp.expert_weights_norm = f.get_bool(p + "expert_weights_norm");
+  }
   return hp;
 }
 

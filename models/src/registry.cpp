@@ -12,6 +12,9 @@
 namespace berth {
 
 std::unique_ptr<Model> make_llama(const gguf::File& file);
+std::unique_ptr<Model> make_qwen2(const gguf::File& file);
+std::unique_ptr<Model> make_qwen3(const gguf::File& file);
+std::unique_ptr<Model> make_qwen3moe(const gguf::File& file);
 
 namespace models_detail {
 
@@ -45,7 +48,9 @@ graph::WeightId need(const gguf::File& file, graph::WeightTable& table, const st
 
 }  // namespace models_detail
 
-std::vector<std::string> supported_architectures() { return {"llama"}; }
+std::vector<std::string> supported_architectures() {
+  return {"llama", "qwen2", "qwen3", "qwen3moe"};
+}
 
 namespace {
 
@@ -70,6 +75,9 @@ std::unique_ptr<Model> load_model(const gguf::File& file) {
   const std::string& arch = file.architecture();
   std::unique_ptr<Model> model;
   if (arch == "llama") model = make_llama(file);
+  if (arch == "qwen2") model = make_qwen2(file);
+  if (arch == "qwen3") model = make_qwen3(file);
+  if (arch == "qwen3moe") model = make_qwen3moe(file);
   if (!model)
     throw Error(ErrorCategory::unsupported,
                 fmt::format("{}: architecture '{}' is not supported (supported: {})", file.path(),

@@ -80,8 +80,10 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
           wp = small_weight_.data();
         }
       }
-      pool_.parallel_for(rows, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) cpu::rms_norm(x + r * cols, wp, out + r * cols, cols, op.eps);
+      const int64_t len = op.norm_group > 0 ? op.norm_group : cols;
+      const int64_t n_norm = rows * (cols / len);  // rows of `len` values, consecutive in memory
+      pool_.parallel_for(n_norm, std::max<int64_t>(1, 1024 / len), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) cpu::rms_norm(x + r * len, wp, out + r * len, len, op.eps);
       });
       return;
     }
@@ -175,6 +177,31 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       });
       return;
     }
+    case OpKind::add_bias: {
+      const TensorView& w = weights_[op.weight];
+      small_weight_.resize(static_cast<size_t>(cols));
+      cpu::get_row(w, 0, small_weight_.data());
+      const float* x = buf(op.inputs[0]);
+      for (int64_t r = 0; r < rows; ++r)
+        cpu::add(x + r * cols, small_weight_.data(), out + r * cols, cols);
+      return;
+    }
+    case OpKind::moe_route: {
+      const float* logits = buf(op.inputs[0]);
+      const graph::MoeParams& p = op.moe;
+      const int32_t k = p.n_expert_used;
+      std::vector<int32_t> ids(static_cast<size_t>(k));
+      for (int64_t t = 0; t < rows; ++t) {
+        float* o = out + t * cols;
+        cpu::moe_topk(logits + t * p.n_expert, p.n_expert, k, p.norm_weights, ids.data(), o + k);
+        for (int32_t j = 0; j < k; ++j) o[j] = static_cast<float>(ids[static_cast<size_t>(j)]);
+      }
+      return;
+    }
+    case OpKind::moe_experts: {
+      moe_experts(op.moe, buf(op.inputs[0]), buf(op.inputs[1]), rows, out);
+      return;
+    }
     case OpKind::take_last_rows: {
       const graph::ValueInfo& in = g.values[static_cast<size_t>(op.inputs[0])];
       const float* x = buf(op.inputs[0]) + (in.rows - rows) * cols;
@@ -183,6 +210,140 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
     }
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const float* route,
+                              int64_t n_tok, float* out) {
+  const TensorView& wg = weights_[p.gate];
+  const TensorView& wu = weights_[p.up];
+  const TensorView& wd = weights_[p.down];
+  const int64_t n_embd = wg.ne[0], n_ff = wg.ne[1];
+  const int32_t k = p.n_expert_used;
+  const int64_t n_slots = n_tok * k;
+
+  // Group the (token, slot) pairs by expert: expert e's slots are slot_list[first[e]..first[e+1]),
+  // in token order. Pairs whose expert this op does not compute are left out.
+  moe_first_.assign(static_cast<size_t>(p.n_expert) + 1, 0);
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int32_t j = 0; j < k; ++j) {
+      const float idf = route[t * 2 * k + j];
+      const auto e = static_cast<int32_t>(idf);
+      if (!(idf >= 0.0f) || e >= p.n_expert || static_cast<float>(e) != idf)
+        throw Error(ErrorCategory::internal, fmt::format("moe route holds expert id {}", idf));
+      if (p.has_expert(e)) ++moe_first_[static_cast<size_t>(e) + 1];
+    }
+  for (int32_t e = 0; e < p.n_expert; ++e) moe_first_[e + 1] += moe_first_[e];
+  const int64_t n_pairs = moe_first_[static_cast<size_t>(p.n_expert)];
+  moe_slots_.resize(static_cast<size_t>(n_pairs));
+  {
+    std::vector<int64_t> fill(moe_first_.begin(), moe_first_.end() - 1);
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int32_t j = 0; j < k; ++j) {
+        const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
+        if (p.has_expert(e)) moe_slots_[static_cast<size_t>(fill[e]++)] = t * k + j;
+      }
+  }
+
+  // Activations of every routed pair, gathered by expert and quantized once per weight format.
+  const size_t arb_g = cpu::activation_row_bytes(wg.type, n_embd);
+  const size_t arb_u = cpu::activation_row_bytes(wu.type, n_embd);
+  const bool same_act = cpu::activation_type(wg.type) == cpu::activation_type(wu.type);
+  const size_t arb_d = cpu::activation_row_bytes(wd.type, n_ff);
+  auto grow = [](std::vector<uint8_t>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+  };
+  grow(act_, arb_g * static_cast<size_t>(n_pairs));
+  if (!same_act) grow(moe_act_u_, arb_u * static_cast<size_t>(n_pairs));
+  grow(moe_act_d_, arb_d * static_cast<size_t>(n_pairs));
+  if (moe_gate_.size() < static_cast<size_t>(n_pairs * n_ff)) {
+    moe_gate_.resize(static_cast<size_t>(n_pairs * n_ff));
+    moe_up_.resize(static_cast<size_t>(n_pairs * n_ff));
+  }
+  if (moe_y_.size() < static_cast<size_t>(n_slots * n_embd))
+    moe_y_.resize(static_cast<size_t>(n_slots * n_embd));
+  uint8_t* act_g = act_.data();
+  uint8_t* act_u = same_act ? act_g : moe_act_u_.data();
+  pool_.parallel_for(n_pairs, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* x = h + (moe_slots_[static_cast<size_t>(i)] / k) * n_embd;
+      cpu::quantize_activation(wg.type, x, act_g + static_cast<size_t>(i) * arb_g, n_embd);
+      if (!same_act)
+        cpu::quantize_activation(wu.type, x, act_u + static_cast<size_t>(i) * arb_u, n_embd);
+    }
+  });
+
+  // Tasks of (expert, block of output rows): each applies one block of the expert's weights to
+  // all of the expert's tokens (grouped GEMM), so every weight byte is read once per step.
+  struct Task {
+    int32_t e;
+    int64_t r0, r1;
+  };
+  const int64_t n_threads = pool_.n_threads();
+  auto make_tasks = [&](int64_t n_rows) {
+    std::vector<Task> tasks;
+    int64_t n_active = 0;
+    for (int32_t e = 0; e < p.n_expert; ++e) n_active += moe_first_[e + 1] > moe_first_[e];
+    // About 4 tasks per thread over all active experts, in whole row tiles.
+    const int64_t want = std::max<int64_t>(1, (n_threads * 4 + n_active - 1) / std::max<int64_t>(1, n_active));
+    int64_t grain = (n_rows + want - 1) / want;
+    grain = (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile * cpu::kGemmRowTile;
+    for (int32_t e = 0; e < p.n_expert; ++e) {
+      if (moe_first_[e + 1] == moe_first_[e]) continue;
+      for (int64_t r = 0; r < n_rows; r += grain) tasks.push_back({e, r, std::min(n_rows, r + grain)});
+    }
+    return tasks;
+  };
+
+  // gate and up: [pairs of e, n_ff] each; then swiglu and quantization for the down matmul.
+  const std::vector<Task> t_up = make_tasks(n_ff);
+  pool_.parallel_for(static_cast<int64_t>(t_up.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Task& tk = t_up[static_cast<size_t>(i)];
+      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+      const int64_t r = int64_t{tk.e} * n_ff + tk.r0;
+      cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + static_cast<size_t>(first) * arb_g,
+                     arb_g, n, n_embd, moe_gate_.data() + first * n_ff + tk.r0, n_ff);
+      cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + static_cast<size_t>(first) * arb_u,
+                     arb_u, n, n_embd, moe_up_.data() + first * n_ff + tk.r0, n_ff);
+    }
+  });
+  uint8_t* act_d = moe_act_d_.data();
+  pool_.parallel_for(n_pairs, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* g = moe_gate_.data() + i * n_ff;
+      cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
+      cpu::quantize_activation(wd.type, g, act_d + static_cast<size_t>(i) * arb_d, n_ff);
+    }
+  });
+  // down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
+  const std::vector<Task> t_down = make_tasks(n_embd);
+  pool_.parallel_for(static_cast<int64_t>(t_down.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Task& tk = t_down[static_cast<size_t>(i)];
+      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+      float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
+      cpu::gemm_rows(wd.type, wd.row(int64_t{tk.e} * n_embd + tk.r0), tk.r1 - tk.r0,
+                     act_d + static_cast<size_t>(first) * arb_d, arb_d, n, n_ff, tmp,
+                     tk.r1 - tk.r0);
+      for (int64_t s = 0; s < n; ++s)
+        std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
+                    tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
+    }
+  });
+  // Combine per token in slot order (fixed, so threads and ubatches never change the bits).
+  pool_.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = out + t * n_embd;
+      std::fill(o, o + n_embd, 0.0f);
+      for (int32_t j = 0; j < k; ++j) {
+        const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
+        if (!p.has_expert(e)) continue;
+        const float w = route[t * 2 * k + k + j];
+        const float* y = moe_y_.data() + (t * k + j) * n_embd;
+        for (int64_t c = 0; c < n_embd; ++c) o[c] += w * y[c];
+      }
+    }
+  });
 }
 
 void CpuExecutor::matmul(const TensorView& w, const float* x, int64_t n_tok, float* out) {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "berth/core/error.h"
 
 namespace berth::graph {
@@ -16,8 +18,15 @@ std::string_view op_name(OpKind k) {
     case OpKind::rope: return "rope";
     case OpKind::attention: return "attention";
     case OpKind::take_last_rows: return "take_last_rows";
+    case OpKind::add_bias: return "add_bias";
+    case OpKind::moe_route: return "moe_route";
+    case OpKind::moe_experts: return "moe_experts";
   }
   return "?";
+}
+
+bool MoeParams::has_expert(int32_t e) const {
+  return experts.empty() || std::binary_search(experts.begin(), experts.end(), e);
 }
 
 ValueId Graph::add_value(int64_t rows, int64_t cols, std::string name) {
@@ -77,7 +86,10 @@ void Graph::validate(const WeightTable& weights) const {
       case OpKind::rms_norm: {
         need_inputs(1);
         const ValueInfo& x = values[op.inputs[0]];
-        if (w && w->ne[0] != x.cols) bad(op, "norm weight length differs from the row length");
+        const int64_t len = op.norm_group > 0 ? op.norm_group : x.cols;
+        if (op.norm_group < 0 || x.cols % len != 0) bad(op, "norm_group does not divide the row");
+        if (w && (w->ne[0] != len || w->n_rows() != 1))
+          bad(op, "norm weight length differs from the normalised length");
         if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
         break;
       }
@@ -134,6 +146,52 @@ void Graph::validate(const WeightTable& weights) const {
         if (out.rows != op.n_out || out.cols != x.cols) bad(op, "output shape");
         break;
       }
+      case OpKind::add_bias: {
+        need_inputs(1);
+        need_weight();
+        const ValueInfo& x = values[op.inputs[0]];
+        if (w->ne[0] != x.cols || w->n_rows() != 1)
+          bad(op, fmt::format("bias '{}' must be one row of length {}", w->name, x.cols));
+        if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::moe_route: {
+        need_inputs(1);
+        const MoeParams& p = op.moe;
+        const ValueInfo& x = values[op.inputs[0]];
+        if (p.n_expert <= 0 || p.n_expert_used <= 0 || p.n_expert_used > p.n_expert)
+          bad(op, "need 1 <= n_expert_used <= n_expert");
+        if (x.cols != p.n_expert) bad(op, "router logits need n_expert columns");
+        if (out.rows != x.rows || out.cols != 2 * int64_t{p.n_expert_used}) bad(op, "output shape");
+        break;
+      }
+      case OpKind::moe_experts: {
+        need_inputs(2);
+        const MoeParams& p = op.moe;
+        const ValueInfo& h = values[op.inputs[0]];
+        const ValueInfo& r = values[op.inputs[1]];
+        if (p.n_expert <= 0 || p.n_expert_used <= 0 || p.n_expert_used > p.n_expert)
+          bad(op, "need 1 <= n_expert_used <= n_expert");
+        if (r.rows != h.rows || r.cols != 2 * int64_t{p.n_expert_used}) bad(op, "route shape");
+        for (WeightId id : {p.gate, p.up, p.down})
+          if (id < 0 || id >= static_cast<WeightId>(weights.size())) bad(op, "expert weight id");
+        const TensorView& g = weights[p.gate];
+        const TensorView& u = weights[p.up];
+        const TensorView& d = weights[p.down];
+        if (g.ne[0] != h.cols || u.ne[0] != h.cols || g.ne[2] != p.n_expert ||
+            u.ne[2] != p.n_expert || d.ne[2] != p.n_expert || g.ne[1] != u.ne[1] ||
+            d.ne[0] != g.ne[1] || d.ne[1] != h.cols || g.ne[3] != 1 || u.ne[3] != 1 ||
+            d.ne[3] != 1)
+          bad(op, fmt::format("expert tensors '{}', '{}', '{}' do not fit n_embd {} and "
+                              "n_expert {}",
+                              g.name, u.name, d.name, h.cols, p.n_expert));
+        for (size_t i = 0; i < p.experts.size(); ++i)
+          if (p.experts[i] < 0 || p.experts[i] >= p.n_expert ||
+              (i > 0 && p.experts[i] <= p.experts[i - 1]))
+            bad(op, "experts must be ascending ids below n_expert");
+        if (out.rows != h.rows || out.cols != h.cols) bad(op, "output shape");
+        break;
+      }
     }
   }
   if (output == kNoValue || !written.at(static_cast<size_t>(output)))
@@ -148,6 +206,9 @@ std::string Graph::to_string(const WeightTable& weights) const {
     s += fmt::format("  {:<16} {:<22} -> [{} x {}]", op_name(op.kind), op.name, out.rows, out.cols);
     if (op.weight != kNoWeight)
       s += fmt::format("  w={} ({})", weights[op.weight].name, type_name(weights[op.weight].type));
+    if (op.kind == OpKind::moe_experts)
+      s += fmt::format("  w={} ({}) x{} experts, top {}", weights[op.moe.gate].name,
+                       type_name(weights[op.moe.gate].type), op.moe.n_expert, op.moe.n_expert_used);
     s += '\n';
   }
   return s;
@@ -213,6 +274,46 @@ ValueId Builder::take_last_rows(ValueId x, int32_t n_out, std::string name) {
                       .inputs = {x},
                       .output = out,
                       .n_out = n_out,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::rms_norm_grouped(ValueId x, WeightId w, int32_t group, float eps,
+                                  std::string name) {
+  const ValueInfo& in = info(x);
+  ValueId out = g_.add_value(in.rows, in.cols, name);
+  return g_.add_op(Op{.kind = OpKind::rms_norm,
+                      .inputs = {x},
+                      .output = out,
+                      .weight = w,
+                      .eps = eps,
+                      .norm_group = group,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::add_bias(ValueId x, WeightId bias, std::string name) {
+  ValueId out = g_.add_value(info(x).rows, info(x).cols, name);
+  return g_.add_op(Op{.kind = OpKind::add_bias,
+                      .inputs = {x},
+                      .output = out,
+                      .weight = bias,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::moe_route(ValueId router_logits, const MoeParams& p, std::string name) {
+  ValueId out = g_.add_value(info(router_logits).rows, 2 * int64_t{p.n_expert_used}, name);
+  return g_.add_op(Op{.kind = OpKind::moe_route,
+                      .inputs = {router_logits},
+                      .output = out,
+                      .moe = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::moe_experts(ValueId h, ValueId route, const MoeParams& p, std::string name) {
+  ValueId out = g_.add_value(info(h).rows, info(h).cols, name);
+  return g_.add_op(Op{.kind = OpKind::moe_experts,
+                      .inputs = {h, route},
+                      .output = out,
+                      .moe = p,
                       .name = std::move(name)});
 }
 

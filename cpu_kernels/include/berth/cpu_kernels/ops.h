@@ -93,6 +93,14 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n);
 /// out[i] = a[i] + b[i], i in [0, n). out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n);
 
+/// Mixture-of-Experts routing of one token. logits: n_expert router outputs. Computes
+/// p = softmax(logits) in double, selects the k largest p (ties: lowest expert id first),
+/// writes their ids to `ids` (k entries, descending p) and their weights to `weights`: p, or
+/// p / sum of the selected p when `renormalise` (Mixtral arXiv:2401.04088, Qwen3-MoE), each
+/// rounded once from double to float. Requires 1 <= k <= n_expert. NaN logits sort last.
+void moe_topk(const float* logits, int32_t n_expert, int32_t k, bool renormalise, int32_t* ids,
+              float* weights);
+
 }  // namespace berth::cpu
 
 namespace berth::ref {

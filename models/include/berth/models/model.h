@@ -30,11 +30,17 @@ struct Hparams {
   int64_t n_rot = 0;          ///< rope.dimension_count (default head_dim)
   float rope_freq_base = 10000.0f;  ///< rope.freq_base
   float rms_eps = 1e-5f;      ///< attention.layer_norm_rms_epsilon
+  int64_t n_expert = 0;       ///< expert_count (0: dense)
+  int64_t n_expert_used = 0;  ///< expert_used_count
+  int64_t n_ff_exp = 0;       ///< expert_feed_forward_length (default feed_forward_length)
+  bool expert_weights_norm = true;  ///< expert_weights_norm: renormalise the top-k weights
 };
 
 /// Reads the common hyper-parameters of `file` for its architecture. Required keys missing ->
 /// gguf::GgufError(missing_key) naming the key and file; inconsistent values (e.g. n_head not a
-/// multiple of n_head_kv) -> Error(format) naming the keys.
+/// multiple of n_head_kv, expert_used_count > expert_count) -> Error(format) naming the keys.
+/// MoE keys: expert_count > 0 requires expert_used_count; expert_weights_norm defaults to true
+/// (Mixtral and Qwen3-MoE renormalise the selected weights).
 Hparams read_hparams(const gguf::File& file);
 
 /// Per-layer KV cache row widths (floats per token) that a model's attention ops need.

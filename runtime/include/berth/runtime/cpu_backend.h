@@ -34,6 +34,13 @@ class CpuExecutor {
   /// weight type's partner format, rows split across the pool, cache-tiled gemm_rows per chunk.
   void matmul(const TensorView& w, const float* x, int64_t n_tok, float* out);
 
+  /// out [n_tok, n_embd] = the routed experts of `p` applied to h [n_tok, n_embd] with the
+  /// moe_route output `route` [n_tok, 2k]: pairs grouped by expert, each expert's gate/up/down
+  /// a grouped GEMM over its tokens split in row blocks across the pool, combined per token in
+  /// slot order.
+  void moe_experts(const graph::MoeParams& p, const float* h, const float* route, int64_t n_tok,
+                   float* out);
+
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
   KvCache& kv_;
@@ -41,6 +48,12 @@ class CpuExecutor {
   std::vector<std::vector<float>> scratch_;  // one per worker
   std::vector<float> small_weight_;  // decoded norm weights
   std::vector<uint8_t> act_;         // quantized activations of the current matmul
+  // moe_experts scratch: per-expert slot offsets, slots (token * k + j) grouped by expert,
+  // quantized activations for up (when its format differs from gate's) and down, gate/up
+  // outputs by pair, expert outputs by slot.
+  std::vector<int64_t> moe_first_, moe_slots_;
+  std::vector<uint8_t> moe_act_u_, moe_act_d_;
+  std::vector<float> moe_gate_, moe_up_, moe_y_;
 };
 
 }  // namespace berth

@@ -42,7 +42,9 @@ enum class RopeMode { adjacent, neox };
 enum class OpKind {
   /// out[t] = row tokens[t] of weight (ne = {n_embd, n_vocab}), dequantized. out [n_tokens, n_embd]
   embed,
-  /// out = in / sqrt(mean(in^2) + eps) * weight (per row; weight ne = {cols}).
+  /// out = in / sqrt(mean(in^2) + eps) * weight (per row; weight ne = {cols}). With
+  /// Op::norm_group = g > 0, each run of g consecutive columns (one attention head) is normalised
+  /// on its own and the weight has ne = {g} (Qwen3's per-head Q/K norm).
   rms_norm,
   /// out[t, o] = sum_i weight[o, i] * in[t, i]; weight ne = {n_in, n_out}. out [rows, n_out]
   matmul,
@@ -60,6 +62,24 @@ enum class OpKind {
   attention,
   /// out = the last `n_out` rows of in0 (selects the tokens whose logits are wanted).
   take_last_rows,
+  /// out[t, :] = in0[t, :] + weight (a bias row; weight ne = {cols}, F32).
+  add_bias,
+  /// Router of a Mixture-of-Experts layer. in0 = router logits [n_tokens, n_expert]. For each
+  /// token: p = softmax(logits) (computed in double), the n_expert_used largest p are selected
+  /// (ties: lowest expert id first; selected in descending p), their weights are the selected p,
+  /// divided by their sum when MoeParams::norm_weights. out [n_tokens, 2 * n_expert_used]:
+  /// columns [0, k) hold the expert ids (as exact float integers), [k, 2k) the weights
+  /// (rounded to float from double). Shazeer et al. 2017 (arXiv:1701.06538); Mixtral
+  /// (arXiv:2401.04088) renormalises, Qwen3-MoE too.
+  moe_route,
+  /// Routed experts. in0 = h [n_tokens, n_embd] (the normed FFN input), in1 = the moe_route
+  /// output. Weights (MoeParams) are stacked expert tensors: gate/up ne = {n_embd, n_ff_exp,
+  /// n_expert}, down ne = {n_ff_exp, n_embd, n_expert}; expert e's matrix is rows
+  /// [e * n_out, (e + 1) * n_out) of the 2-D view. out[t] = sum over the token's slots j (in slot
+  /// order) whose expert is in MoeParams::experts of w_j * down_e(silu(gate_e h_t) * up_e h_t);
+  /// zero when none is. Each expert is separate work an executor may place on its own device:
+  /// two ops over disjoint expert sets add up to the whole layer.
+  moe_experts,
 };
 
 std::string_view op_name(OpKind k);
@@ -80,6 +100,18 @@ struct AttentionParams {
   float scale = 1.0f;  ///< applied to q.k, usually 1/sqrt(head_dim)
 };
 
+struct MoeParams {
+  int32_t n_expert = 0;
+  int32_t n_expert_used = 0;
+  bool norm_weights = true;       ///< moe_route: renormalise the selected weights
+  WeightId gate = kNoWeight;      ///< moe_experts: ffn_gate_exps
+  WeightId up = kNoWeight;        ///< moe_experts: ffn_up_exps
+  WeightId down = kNoWeight;      ///< moe_experts: ffn_down_exps
+  std::vector<int32_t> experts;   ///< moe_experts: the expert ids this op computes (ascending); empty = all
+  /// True when this op computes expert e.
+  bool has_expert(int32_t e) const;
+};
+
 struct Op {
   OpKind kind;
   std::vector<ValueId> inputs;
@@ -89,6 +121,8 @@ struct Op {
   int32_t n_out = 0;         ///< take_last_rows
   RopeParams rope;           ///< rope
   AttentionParams attn;      ///< attention
+  int32_t norm_group = 0;    ///< rms_norm: > 0 normalises each run of this many columns
+  MoeParams moe;             ///< moe_route, moe_experts
   std::string name;          ///< for traces, e.g. "blk.3.attn_q"
 };
 
@@ -131,6 +165,11 @@ class Builder {
   ValueId rope(ValueId x, const RopeParams& p, std::string name);
   ValueId attention(ValueId q, ValueId k, ValueId v, const AttentionParams& p, std::string name);
   ValueId take_last_rows(ValueId x, int32_t n_out, std::string name);
+  /// Per-head RMSNorm: each run of `group` columns of x normalised with weight w (ne {group}).
+  ValueId rms_norm_grouped(ValueId x, WeightId w, int32_t group, float eps, std::string name);
+  ValueId add_bias(ValueId x, WeightId bias, std::string name);
+  ValueId moe_route(ValueId router_logits, const MoeParams& p, std::string name);
+  ValueId moe_experts(ValueId h, ValueId route, const MoeParams& p, std::string name);
 
   const ValueInfo& info(ValueId v) const { return g_.values.at(static_cast<size_t>(v)); }
   /// Sets the output and returns the finished, validated graph.
