@@ -545,6 +545,17 @@ std::vector<int> parse_thread_list(std::string_view list) {
   return out;
 }
 
+MachineInfo machine_info() { return describe_machine(); }
+
+DramResult measure_dram_bandwidth(int n_threads, size_t bytes, int repetitions) {
+  KernelBenchOptions o;
+  o.dram_bytes = std::max<size_t>(bytes, 64 * kKiB);
+  o.repetitions = std::max(1, repetitions);
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+  pools.push_back(std::make_unique<ThreadPool>(n_threads));
+  return measure_dram(o, pools, *pools.front()).front();
+}
+
 KernelBenchResult run_kernel_bench(const KernelBenchOptions& options) {
   KernelBenchResult res;
   res.machine = describe_machine();

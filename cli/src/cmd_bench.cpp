@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "berth/bench/kernel_bench.h"
+#include "berth/bench/model_bench.h"
 #include "berth/core/error.h"
 #include "commands.h"
 
@@ -20,7 +21,41 @@ struct BenchOptions {
   size_t gemv_mib = 0, dram_mib = 0;
   bool quiet = false;
   CLI::App* kernels = nullptr;
+  // bench model
+  CLI::App* model = nullptr;
+  bench::ModelBenchOptions m;
+  size_t model_dram_mib = 0;
 };
+
+std::ofstream open_json(const std::string& path) {
+  // Opened first, so a bad path fails before minutes of measuring.
+  std::ofstream out;
+  if (!path.empty()) {
+    out.open(path, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", path));
+  }
+  return out;
+}
+
+void close_json(std::ofstream& out, const nlohmann::json& j, const std::string& path) {
+  if (!out.is_open()) return;
+  out << j.dump(2) << "\n";
+  out.close();
+  if (!out) throw Error(ErrorCategory::io, fmt::format("writing the JSON file '{}' failed", path));
+}
+
+int bench_model(BenchOptions& o) {
+  std::ofstream json_out = open_json(o.json_path);
+  o.m.dram_bytes = o.model_dram_mib * 1024 * 1024;
+  if (!o.quiet)
+    o.m.progress = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  const bench::ModelBenchResult r = bench::run_model_bench(o.m);
+  close_json(json_out, bench::to_json(r), o.json_path);
+  (void)write_stdout(bench::format_text(r));
+  return 0;
+}
 
 int bench_kernels(const BenchOptions& o) {
   bench::KernelBenchOptions k;
@@ -30,25 +65,14 @@ int bench_kernels(const BenchOptions& o) {
   k.repetitions = o.repetitions;
   k.gemv_bytes = o.gemv_mib * 1024 * 1024;
   k.dram_bytes = o.dram_mib * 1024 * 1024;
-  // Open the JSON file first, so a bad path fails before minutes of measuring.
-  std::ofstream json_out;
-  if (!o.json_path.empty()) {
-    json_out.open(o.json_path, std::ios::binary | std::ios::trunc);
-    if (!json_out)
-      throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", o.json_path));
-  }
+  std::ofstream json_out = open_json(o.json_path);
   if (!o.quiet)
     k.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
 
   bench::KernelBenchResult r = bench::run_kernel_bench(k);
-  if (json_out.is_open()) {
-    json_out << bench::to_json(r).dump(2) << "\n";
-    json_out.close();
-    if (!json_out)
-      throw Error(ErrorCategory::io, fmt::format("writing the JSON file '{}' failed", o.json_path));
-  }
+  close_json(json_out, bench::to_json(r), o.json_path);
   (void)write_stdout(bench::format_text(r));  // false: the reader closed the pipe, not an error
   return 0;
 }
@@ -76,8 +100,28 @@ Runner add_bench(CLI::App& app) {
   k->add_option("--dram-mib", o->dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  CLI::App* m = sub->add_subcommand(
+      "model",
+      "a model on the CPU: prefill (pp) and decode (tg) tok/s, bytes read per decode token and "
+      "the DRAM-bandwidth bound measured in the same run");
+  o->model = m;
+  m->add_option("-m,--model", o->m.model_path, "GGUF model file")->required();
+  m->add_option("-t,--threads", o->m.n_threads, "worker threads (default: physical cores)")
+      ->check(CLI::Range(0, 4096));
+  m->add_option("-p,--n-prompt", o->m.n_prompt, "prompt tokens of the pp test (0: skip)")
+      ->check(CLI::Range(0, 1 << 20));
+  m->add_option("-n,--n-gen", o->m.n_gen, "tokens of the tg test (0: skip)")
+      ->check(CLI::Range(0, 1 << 20));
+  m->add_option("-r,--repetitions", o->m.repetitions, "timed runs after a warm-up (default 3)")
+      ->check(CLI::Range(1, 1000));
+  m->add_option("--dram-mib", o->model_dram_mib,
+                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
+  m->add_flag("--profile", o->m.profile, "also report time per op kind");
+  m->add_option("--json", o->json_path, "also write every number as JSON to this file");
+  m->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] {
     if (o->kernels->parsed()) return bench_kernels(*o);
+    if (o->model->parsed()) return bench_model(*o);
     return 2;
   };
 }

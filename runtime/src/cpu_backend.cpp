@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -43,9 +44,31 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
     if (bufs_[i].size() < n) bufs_[i].resize(n);
   }
-  for (const Op& op : g.ops) run_op(g, op, tokens, positions);
+  if (!profiling_) {
+    for (const Op& op : g.ops) run_op(g, op, tokens, positions);
+  } else {
+    for (const Op& op : g.ops) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_op(g, op, tokens, positions);
+      OpTime& pt = prof_[static_cast<size_t>(op.kind)];
+      pt.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ++pt.calls;
+    }
+  }
   const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
+}
+
+std::vector<CpuExecutor::OpTime> CpuExecutor::profile() const {
+  std::vector<OpTime> out;
+  for (size_t k = 0; k < kOpKinds; ++k)
+    if (prof_[k].calls > 0) {
+      out.push_back(prof_[k]);
+      out.back().kind = graph::op_name(static_cast<graph::OpKind>(k));
+    }
+  std::sort(out.begin(), out.end(),
+            [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+  return out;
 }
 
 void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const int32_t> tokens,

@@ -139,6 +139,14 @@ std::vector<int> parse_thread_list(std::string_view list);
 /// for a type without a dot product, Error(out_of_memory) when a buffer cannot be allocated.
 KernelBenchResult run_kernel_bench(const KernelBenchOptions& options);
 
+/// The machine the benchmark runs on (CPU model, cores, LLC, SIMD targets, date, build).
+MachineInfo machine_info();
+
+/// DRAM read bandwidth with `n_threads` pinned workers: measurement 1 of the module comment on
+/// a buffer of `bytes` (at least 64 KiB; use >> LLC), median and best of `repetitions` runs.
+/// Throws Error(out_of_memory) when the buffer cannot be allocated.
+DramResult measure_dram_bandwidth(int n_threads, size_t bytes, int repetitions);
+
 /// Every number of `r`, with the machine, the date and the options (schema in kernel_bench.cpp).
 nlohmann::json to_json(const KernelBenchResult& r);
 

@@ -1,8 +1,10 @@
 // Executes step graphs on the CPU worker pool.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "berth/graph/graph.h"
@@ -24,6 +26,17 @@ class CpuExecutor {
   /// for a token id outside the vocabulary or a position outside the context.
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
                              std::span<const int32_t> positions);
+
+  /// Op timing: when on, run() adds each op's wall time to its kind's total.
+  void set_profiling(bool on) { profiling_ = on; }
+  struct OpTime {
+    std::string kind;  ///< graph::op_name
+    double seconds = 0;
+    int64_t calls = 0;
+  };
+  /// Totals per op kind since the last reset_profile() (kinds that ran, by descending time).
+  std::vector<OpTime> profile() const;
+  void reset_profile() { prof_ = {}; }
 
  private:
   void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
@@ -54,6 +67,9 @@ class CpuExecutor {
   std::vector<int64_t> moe_first_, moe_slots_;
   std::vector<uint8_t> moe_act_u_, moe_act_d_;
   std::vector<float> moe_gate_, moe_up_, moe_y_;
+  static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::moe_experts) + 1;
+  bool profiling_ = false;
+  std::array<OpTime, kOpKinds> prof_{};
 };
 
 }  // namespace berth

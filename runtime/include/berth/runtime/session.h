@@ -52,6 +52,7 @@ class Session {
   int64_t n_prefill_tokens() const { return n_prefill_tokens_; }
   int64_t n_decode_tokens() const { return n_decode_tokens_; }
   ThreadPool& pool() { return *pool_; }
+  CpuExecutor& executor() { return exec_; }
   size_t kv_bytes() const { return kv_.bytes(); }
 
  private:

@@ -1,0 +1,74 @@
+// `berth bench model`: prefill and decode speed of a whole model on the CPU, beside the bound
+// that the DRAM read bandwidth (measured in the same run) puts on decode.
+//
+// Measurements (llama-bench's pp/tg convention; each the median of `repetitions` runs after one
+// warm-up run, tokens drawn from a seeded generator, each run from an empty KV cache):
+//   pp: one prefill step of `n_prompt` tokens (ubatch = n_prompt). tok/s = n_prompt / s.
+//   tg: `n_gen` single-token decode steps from position 0 (no sampling). tok/s = n_gen / s.
+//   DRAM: cpu bandwidth (kernel_bench.h, measurement 1) at the same thread count.
+//   Bytes per decode token: what one decode step must read from memory: every weight a
+//   decode graph's ops read (matmul: the whole tensor; embed: one row; norms and biases: their
+//   row; moe_experts: n_expert_used experts' gate, up and down slices per layer, exact because
+//   a token's top-k experts are distinct) plus the KV cache (f32 K and V rows of every layer at
+//   the average position of the tg run). Bound tok/s = DRAM bytes/s / bytes per token;
+//   fraction = tg tok/s / bound.
+// With `profile`, the executor's per-op-kind time of the timed tg and pp runs is reported too.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "berth/bench/kernel_bench.h"
+
+namespace berth::bench {
+
+struct ModelBenchOptions {
+  std::string model_path;
+  int n_threads = 0;         ///< 0: all physical cores
+  int n_prompt = 512;        ///< pp tokens (0: skip pp)
+  int n_gen = 128;           ///< tg tokens (0: skip tg)
+  int repetitions = 3;       ///< timed runs after one warm-up
+  size_t dram_bytes = 0;     ///< DRAM bandwidth buffer; 0: max(1 GiB, 8 x LLC)
+  uint64_t seed = 1;
+  bool profile = false;
+  std::function<void(std::string_view)> progress;
+};
+
+struct OpShare {
+  std::string kind;
+  double seconds = 0;  ///< per run
+  double fraction = 0;  ///< of the run's op time
+};
+
+struct ModelBenchResult {
+  MachineInfo machine;
+  ModelBenchOptions options;
+  std::string arch, model_name;
+  int64_t n_params = 0;            ///< elements of all tensors
+  uint64_t weight_bytes = 0;       ///< bytes of all tensors
+  int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
+  int n_threads = 0;
+  Rate pp_tok_s, tg_tok_s;
+  DramResult dram;
+  uint64_t decode_weight_bytes = 0;  ///< weights read per decode token
+  uint64_t decode_kv_bytes = 0;      ///< KV cache read per decode token (average)
+  double bound_tok_s = 0;            ///< dram / (decode_weight_bytes + decode_kv_bytes)
+  double fraction_of_bound = 0;      ///< tg_tok_s.median / bound_tok_s
+  double decode_gbps = 0;            ///< tg tok/s x bytes per token / 1e9
+  std::vector<OpShare> pp_profile, tg_profile;
+};
+
+/// Loads the model and runs the measurements above. Throws what loading throws (GgufError,
+/// Error(format/unsupported)), Error(invalid_argument) for negative sizes or a prompt longer
+/// than the model's context, Error(out_of_memory) when the KV cache or the DRAM buffer does
+/// not fit.
+ModelBenchResult run_model_bench(const ModelBenchOptions& options);
+
+nlohmann::json to_json(const ModelBenchResult& r);
+std::string format_text(const ModelBenchResult& r);
+
+}  // namespace berth::bench

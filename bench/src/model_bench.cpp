@@ -1,0 +1,232 @@
+#include "berth/bench/model_bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/model.h"
+#include "berth/runtime/session.h"
+#include "berth/runtime/thread_pool.h"
+
+namespace berth::bench {
+namespace {
+
+constexpr size_t kGiB = size_t{1} << 30;
+
+Rate rate_of(std::vector<double> seconds, double units) {
+  std::sort(seconds.begin(), seconds.end());
+  Rate r;
+  r.median = units / seconds[seconds.size() / 2];
+  r.best = units / seconds.front();
+  return r;
+}
+
+// Bytes one decode step reads from the weights: see the module comment.
+uint64_t decode_weight_bytes(const Model& m) {
+  const graph::Graph g = m.build_step(1, 1);
+  const graph::WeightTable& w = m.weights();
+  uint64_t bytes = 0;
+  for (const graph::Op& op : g.ops) {
+    switch (op.kind) {
+      case graph::OpKind::embed:
+        bytes += row_bytes(w[op.weight].type, w[op.weight].ne[0]);
+        break;
+      case graph::OpKind::moe_experts: {
+        for (graph::WeightId id : {op.moe.gate, op.moe.up, op.moe.down})
+          bytes += w[id].n_bytes / static_cast<uint64_t>(op.moe.n_expert) *
+                   static_cast<uint64_t>(op.moe.n_expert_used);
+        break;
+      }
+      default:
+        if (op.weight != graph::kNoWeight) bytes += w[op.weight].n_bytes;
+    }
+  }
+  return bytes;
+}
+
+std::vector<OpShare> shares(const std::vector<CpuExecutor::OpTime>& prof, int runs) {
+  double total = 0;
+  for (const auto& p : prof) total += p.seconds;
+  std::vector<OpShare> out;
+  for (const auto& p : prof)
+    out.push_back({p.kind, p.seconds / runs, total > 0 ? p.seconds / total : 0});
+  return out;
+}
+
+}  // namespace
+
+ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
+  ModelBenchOptions o = options;
+  o.progress = nullptr;
+  if (o.n_prompt < 0 || o.n_gen < 0 || o.repetitions < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                "bench model: -p and -n must be >= 0 and -r >= 1");
+  auto say = [&](const std::string& s) {
+    if (options.progress) options.progress(s);
+  };
+  ModelBenchResult r;
+  r.machine = machine_info();
+  gguf::File file = gguf::File::open(o.model_path);
+  std::unique_ptr<Model> model = load_model(file);
+  const Hparams& hp = model->hparams();
+  r.arch = hp.arch;
+  r.model_name = file.get_string_opt("general.name").value_or("");
+  for (const gguf::TensorInfo& t : file.tensors()) {
+    r.n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+    r.weight_bytes += t.n_bytes;
+  }
+  r.n_layer = hp.n_layer;
+  r.n_expert = hp.n_expert;
+  r.n_expert_used = hp.n_expert_used;
+
+  SessionParams sp;
+  sp.n_threads = o.n_threads;
+  sp.n_ctx = std::max<int64_t>(std::max(o.n_prompt, o.n_gen), 16);
+  sp.n_ubatch = std::max(o.n_prompt, 1);
+  if (sp.n_ctx > hp.n_ctx_train)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bench model: {} tokens exceed the model's context_length {}",
+                            sp.n_ctx, hp.n_ctx_train));
+  Session session(*model, sp);
+  r.n_threads = session.pool().n_threads();
+  o.n_threads = r.n_threads;
+  say(fmt::format("model  {} ({}), {:.2f} GB of weights, {} threads", r.model_name, r.arch,
+                  static_cast<double>(r.weight_bytes) / 1e9, r.n_threads));
+
+  std::mt19937_64 rng(o.seed);
+  auto tokens = [&](int n) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(hp.n_vocab));
+    return t;
+  };
+  session.executor().set_profiling(o.profile);
+  if (o.n_prompt > 0) {
+    std::vector<double> secs;
+    for (int rep = 0; rep <= o.repetitions; ++rep) {
+      const std::vector<int32_t> t = tokens(o.n_prompt);
+      session.reset();
+      if (rep == 1) session.executor().reset_profile();
+      const auto t0 = std::chrono::steady_clock::now();
+      (void)session.eval(t);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) secs.push_back(s);
+      say(fmt::format("pp{}   run {}{}  {:8.2f} tok/s", o.n_prompt, rep, rep ? "" : " (warm-up)",
+                      o.n_prompt / s));
+    }
+    r.pp_tok_s = rate_of(secs, o.n_prompt);
+    r.pp_profile = shares(session.executor().profile(), o.repetitions);
+  }
+  if (o.n_gen > 0) {
+    std::vector<double> secs;
+    for (int rep = 0; rep <= o.repetitions; ++rep) {
+      const std::vector<int32_t> t = tokens(o.n_gen);
+      session.reset();
+      if (rep == 1) session.executor().reset_profile();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int32_t id : t) (void)session.eval(std::span<const int32_t>(&id, 1));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) secs.push_back(s);
+      say(fmt::format("tg{}   run {}{}  {:8.2f} tok/s", o.n_gen, rep, rep ? "" : " (warm-up)",
+                      o.n_gen / s));
+    }
+    r.tg_tok_s = rate_of(secs, o.n_gen);
+    r.tg_profile = shares(session.executor().profile(), o.repetitions);
+  }
+  const size_t llc = r.machine.llc_bytes;
+  r.dram = measure_dram_bandwidth(r.n_threads, o.dram_bytes ? o.dram_bytes : std::max(kGiB, 8 * llc),
+                                  std::max(3, o.repetitions));
+  say(fmt::format("dram   threads {:>3}  {:8.2f} GB/s", r.n_threads, r.dram.gbps.median));
+
+  r.decode_weight_bytes = decode_weight_bytes(*model);
+  uint64_t kv_row = 0;
+  for (const KvLayer& l : model->kv_layers()) kv_row += static_cast<uint64_t>(l.k_dim + l.v_dim) * 4;
+  r.decode_kv_bytes = kv_row * static_cast<uint64_t>(o.n_gen + 1) / 2;
+  const double bytes = static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes);
+  r.bound_tok_s = r.dram.gbps.median * 1e9 / bytes;
+  if (o.n_gen > 0) {
+    r.fraction_of_bound = r.tg_tok_s.median / r.bound_tok_s;
+    r.decode_gbps = r.tg_tok_s.median * bytes / 1e9;
+  }
+  r.options = o;
+  return r;
+}
+
+nlohmann::json to_json(const ModelBenchResult& r) {
+  using nlohmann::json;
+  auto prof = [](const std::vector<OpShare>& p) {
+    json a = json::array();
+    for (const OpShare& s : p) a.push_back({{"op", s.kind}, {"seconds", s.seconds}, {"fraction", s.fraction}});
+    return a;
+  };
+  const MachineInfo& m = r.machine;
+  return json{
+      {"machine",
+       {{"hostname", m.hostname}, {"cpu_model", m.cpu_model}, {"physical_cores", m.physical_cores},
+        {"logical_cpus", m.logical_cpus}, {"llc_bytes", m.llc_bytes}, {"cpu_flags", m.cpu_flags},
+        {"simd_targets", m.simd_targets}, {"date_utc", m.date_utc}, {"build", m.build}}},
+      {"model",
+       {{"path", r.options.model_path}, {"name", r.model_name}, {"arch", r.arch},
+        {"n_params", r.n_params}, {"weight_bytes", r.weight_bytes}, {"n_layer", r.n_layer},
+        {"n_expert", r.n_expert}, {"n_expert_used", r.n_expert_used}}},
+      {"config",
+       {{"threads", r.n_threads}, {"n_prompt", r.options.n_prompt}, {"n_gen", r.options.n_gen},
+        {"repetitions", r.options.repetitions}, {"seed", r.options.seed}}},
+      {"statistic", fmt::format("median of {} runs after 1 warm-up", r.options.repetitions)},
+      {"pp_tok_s", r.pp_tok_s.median},
+      {"pp_tok_s_best", r.pp_tok_s.best},
+      {"tg_tok_s", r.tg_tok_s.median},
+      {"tg_tok_s_best", r.tg_tok_s.best},
+      {"dram_gbps", r.dram.gbps.median},
+      {"decode_weight_bytes", r.decode_weight_bytes},
+      {"decode_kv_bytes", r.decode_kv_bytes},
+      {"bound_tok_s", r.bound_tok_s},
+      {"fraction_of_bound", r.fraction_of_bound},
+      {"decode_gbps", r.decode_gbps},
+      {"pp_profile", prof(r.pp_profile)},
+      {"tg_profile", prof(r.tg_profile)},
+  };
+}
+
+std::string format_text(const ModelBenchResult& r) {
+  std::string s = fmt::format("machine: {} ({} cores), {}\nmodel:   {} ({}), {} layers",
+                              r.machine.cpu_model, r.machine.physical_cores, r.machine.date_utc,
+                              r.model_name.empty() ? r.options.model_path : r.model_name, r.arch,
+                              r.n_layer);
+  if (r.n_expert > 0) s += fmt::format(", {} experts ({} used)", r.n_expert, r.n_expert_used);
+  s += fmt::format(", {:.2f} B params, {:.2f} GB\n", static_cast<double>(r.n_params) / 1e9,
+                   static_cast<double>(r.weight_bytes) / 1e9);
+  s += fmt::format("threads: {}   statistic: median of {} runs after 1 warm-up\n\n", r.n_threads,
+                   r.options.repetitions);
+  s += fmt::format("{:<10} {:>12} {:>12}\n", "test", "tok/s", "best");
+  if (r.options.n_prompt > 0)
+    s += fmt::format("{:<10} {:>12.2f} {:>12.2f}\n", fmt::format("pp{}", r.options.n_prompt),
+                     r.pp_tok_s.median, r.pp_tok_s.best);
+  if (r.options.n_gen > 0)
+    s += fmt::format("{:<10} {:>12.2f} {:>12.2f}\n", fmt::format("tg{}", r.options.n_gen),
+                     r.tg_tok_s.median, r.tg_tok_s.best);
+  s += fmt::format(
+      "\ndecode reads {:.3f} GB/token (weights {:.3f} + KV {:.4f}); DRAM {:.1f} GB/s "
+      "-> bound {:.2f} tok/s\n",
+      static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes) / 1e9,
+      static_cast<double>(r.decode_weight_bytes) / 1e9,
+      static_cast<double>(r.decode_kv_bytes) / 1e9, r.dram.gbps.median, r.bound_tok_s);
+  if (r.options.n_gen > 0)
+    s += fmt::format("decode reaches {:.1f} GB/s = {:.0f}% of the bound\n", r.decode_gbps,
+                     100 * r.fraction_of_bound);
+  auto prof = [&](const char* what, const std::vector<OpShare>& p) {
+    if (p.empty()) return;
+    s += fmt::format("\n{} time by op (per run):\n", what);
+    for (const OpShare& o : p)
+      s += fmt::format("  {:<16} {:10.4f} s {:6.1f}%\n", o.kind, o.seconds, 100 * o.fraction);
+  };
+  prof("pp", r.pp_profile);
+  prof("tg", r.tg_profile);
+  return s;
+}
+
+}  // namespace berth::bench
