@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
 #include <unistd.h>
@@ -13,8 +14,10 @@
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
+#include "berth/models/chat.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
+#include "berth/runtime/chat.h"
 #include "berth/runtime/sampler.h"
 #include "berth/runtime/session.h"
 #include "commands.h"
@@ -45,6 +48,9 @@ struct RunOptions {
   bool display_prompt = false;
   bool no_bos = false;
   int64_t seed = -1;
+  bool chat = false;          ///< --chat / -cnv: conversation mode
+  std::string chat_template;  ///< --chat-template NAME (empty: from tokenizer.chat_template)
+  std::string system_prompt;  ///< -sys / --system-prompt
 };
 
 std::string read_text_file(const std::string& path) {
@@ -60,6 +66,76 @@ std::string read_text_file(const std::string& path) {
   return ss.str();
 }
 
+double rate(double n, double s) { return s > 0 ? n / s : 0.0; }
+
+std::string join_counts(const std::vector<int64_t>& v) {
+  std::string s;
+  for (int64_t x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s.empty() ? "-" : s;
+}
+
+/// `--chat`: user turns from -p/-f and then stdin, one per line, until EOF or "/exit"; replies
+/// stream to stdout, each followed by a newline. Each turn prefills only what the KV cache lacks
+/// (ChatSession); the summary on stderr gives the prefilled and reused tokens per turn.
+int run_chat(const RunOptions& o, const Tokenizer& tok, Session& session, Sampler& sampler,
+             ChatFormat format) {
+  ChatSession chat(session, tok, sampler, format, o.system_prompt, !o.no_bos);
+  const bool tty_in = isatty(fileno(stdin)) != 0;
+  std::vector<int64_t> prefilled, reused;
+  int64_t n_decode = 0;
+  double prefill_s = 0, decode_s = 0;
+  bool out_ok = true;
+  const auto turn = [&](const std::string& user) {
+    chat.respond(user, o.n_predict, [&](int32_t, std::string_view text) {
+      out_ok = write_stdout(text);
+      return out_ok;
+    });
+    if (out_ok) out_ok = write_stdout("\n");
+    const ChatTurnStats& t = chat.last_turn();
+    prefilled.push_back(t.n_prefilled);
+    reused.push_back(t.n_reused);
+    n_decode += t.gen.n_decode_steps;
+    prefill_s += t.gen.prompt_seconds;
+    decode_s += t.gen.decode_seconds;
+    log::info("chat turn {}: {} tokens rendered, {} reused from the KV cache, {} prefilled; {} "
+              "generated",
+              chat.n_turns(), t.n_rendered, t.n_reused, t.n_prefilled, t.gen.n_generated);
+    if (t.gen.stop == StopReason::context_full)
+      std::fprintf(stderr, "berth: the context of %lld tokens is full (raise -c)\n",
+                   static_cast<long long>(session.n_ctx()));
+  };
+
+  const std::string first = o.prompt_file.empty() ? o.prompt : read_text_file(o.prompt_file);
+  if (!first.empty()) turn(first);
+  std::string line;
+  while (out_ok) {
+    if (tty_in) {
+      std::fputs("> ", stderr);
+      std::fflush(stderr);
+    }
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line == "/exit") break;
+    if (line.empty()) continue;
+    turn(line);
+  }
+  if (tty_in && std::cin.eof()) std::fputs("\n", stderr);
+  std::fprintf(stderr,
+               "berth: chat (%s): %d turn%s | prefilled tokens per turn: %s (total %lld, %.1f ms, "
+               "%.1f tok/s) | reused from the KV cache per turn: %s | decode %lld tokens in "
+               "%.1f ms (%.1f tok/s) | %d threads%s\n",
+               std::string(chat_format_name(format)).c_str(), chat.n_turns(),
+               chat.n_turns() == 1 ? "" : "s",
+               join_counts(prefilled).c_str(), static_cast<long long>(chat.n_prefilled_total()),
+               prefill_s * 1e3, rate(static_cast<double>(chat.n_prefilled_total()), prefill_s),
+               join_counts(reused).c_str(), static_cast<long long>(n_decode), decode_s * 1e3,
+               rate(static_cast<double>(n_decode), decode_s), session.pool().n_threads(),
+               sampler.params().temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str()
+                                         : "");
+  if (!out_ok) log::info("stdout was closed; the chat stopped");
+  return 0;
+}
+
 int run(const RunOptions& o) {
   gguf::File file = gguf::File::open(o.model);
   std::unique_ptr<Model> model = load_model(file);
@@ -69,12 +145,20 @@ int run(const RunOptions& o) {
                 fmt::format("{}: the vocabulary has {} tokens but token_embd.weight has {} rows",
                             o.model, tok->n_vocab(), model->hparams().n_vocab));
 
-  const std::string prompt = o.prompt_file.empty() ? o.prompt : read_text_file(o.prompt_file);
-  std::vector<int32_t> ids = tok->encode(prompt, !o.no_bos);
-  if (ids.empty())
-    throw Error(ErrorCategory::invalid_argument,
-                o.no_bos ? "the prompt is empty and --no-bos leaves no token to start from"
-                         : "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
+  std::string prompt;
+  std::vector<int32_t> ids;
+  ChatFormat chat_format = ChatFormat::chatml;
+  if (o.chat) {
+    chat_format = chat_format_for(file, o.chat_template);
+  } else {
+    prompt = o.prompt_file.empty() ? o.prompt : read_text_file(o.prompt_file);
+    ids = tok->encode(prompt, !o.no_bos);
+    if (ids.empty())
+      throw Error(ErrorCategory::invalid_argument,
+                  o.no_bos
+                      ? "the prompt is empty and --no-bos leaves no token to start from"
+                      : "the prompt is empty and the vocabulary adds no BOS token (give -p TEXT)");
+  }
 
   // Check the sampling flags before allocating anything large.
   SamplerParams sp = o.sampling;
@@ -92,6 +176,7 @@ int run(const RunOptions& o) {
             o.model, model->hparams().arch, file.get_string_opt("general.name").value_or(""),
             model->hparams().n_layer, model->hparams().n_embd, model->hparams().n_vocab,
             session.n_ctx(), static_cast<double>(session.kv_bytes()) / (1024.0 * 1024.0));
+  if (o.chat) return run_chat(o, *tok, session, sampler, chat_format);
   if (o.display_prompt && !write_stdout(prompt)) return 0;
 
   bool out_ok = true;
@@ -102,7 +187,6 @@ int run(const RunOptions& o) {
                               });
   // A terminal gets a final newline; a pipe gets exactly the generated text.
   if (isatty(fileno(stdout))) write_stdout("\n");
-  auto rate = [](double n, double s) { return s > 0 ? n / s : 0.0; };
   std::fprintf(stderr,
                "berth: prompt %lld tokens in %.1f ms (%.1f tok/s) | decode %lld tokens in %.1f ms "
                "(%.1f tok/s) | %d threads%s\n",
@@ -150,6 +234,16 @@ Runner add_run(CLI::App& app) {
       ->check(CLI::Range(int64_t{-1}, int64_t{0xFFFFFFFF}));
   sub->add_flag("--display-prompt", o->display_prompt, "print the prompt before the generated text");
   sub->add_flag("--no-bos", o->no_bos, "do not prepend the BOS token");
+  auto* chat = sub->add_flag(
+      "--chat", o->chat,
+      "conversation mode (-cnv): user turns from -p/-f, then stdin line by line until EOF or "
+      "/exit; the KV cache is kept between turns");
+  sub->add_option("--chat-template", o->chat_template,
+                  "chat format for --chat: " + chat_format_names() +
+                      " (default: detected from the model's tokenizer.chat_template)")
+      ->needs(chat);
+  sub->add_option("--system-prompt", o->system_prompt, "system prompt for --chat (-sys)")
+      ->needs(chat);
   return [o] { return run(*o); };
 }
 

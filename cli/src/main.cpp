@@ -24,6 +24,8 @@ namespace {
 std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
       {"-ub", "--ubatch-size"},
+      {"-cnv", "--chat"},
+      {"-sys", "--system-prompt"},
   };
   std::vector<std::string> out;
   for (int i = 1; i < argc; ++i) {
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   berth::cli::Runner tokenize = berth::cli::add_tokenize(app);
   berth::cli::Runner quantize = berth::cli::add_quantize(app);
   berth::cli::Runner bench = berth::cli::add_bench(app);
+  berth::cli::Runner synth = berth::cli::add_synth(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -86,6 +89,7 @@ int main(int argc, char** argv) {
       if (name == "tokenize") return tokenize();
       if (name == "quantize") return quantize();
       if (name == "bench") return bench();
+      if (name == "synth") return synth();
     }
     return 2;
   } catch (const berth::Error& e) {

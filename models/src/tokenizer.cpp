@@ -9,6 +9,7 @@
 #include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/models/utf8.h"
+#include "tokenizer_bpe.h"
 #include "tokenizer_spm.h"
 
 namespace berth {
@@ -40,59 +41,106 @@ bool read_bool(const gguf::File& file, std::string_view key, bool fallback) {
 constexpr std::string_view kEogTexts[] = {"<|eot_id|>",    "<|eom_id|>",    "<|im_end|>", "<|end|>",
                                           "<end_of_turn>", "<|endoftext|>", "<EOT>"};
 
-std::unique_ptr<Tokenizer> spm_from_gguf(const gguf::File& file) {
-  VocabData v;
-  v.source = file.path();
-  v.tokens = file.get_string_array("tokenizer.ggml.tokens");
-  const size_t n = v.tokens.size();
-  if (file.has("tokenizer.ggml.scores")) v.scores = file.get_float_array("tokenizer.ggml.scores");
+/// tokenizer.ggml.token_type, checked to hold TokenType values; empty when absent.
+std::vector<TokenType> read_token_types(const gguf::File& file) {
+  std::vector<TokenType> out;
   if (file.has("tokenizer.ggml.token_type")) {
     const std::vector<int64_t> types = file.get_int_array("tokenizer.ggml.token_type");
-    v.types.reserve(types.size());
+    out.reserve(types.size());
     for (size_t i = 0; i < types.size(); ++i) {
       if (types[i] < 0 || types[i] > static_cast<int64_t>(TokenType::byte)) {
         throw Error(ErrorCategory::format,
                     fmt::format("{}: tokenizer.ggml.token_type[{}] = {} is outside 0..6",
                                 file.path(), i, types[i]));
       }
-      v.types.push_back(static_cast<TokenType>(types[i]));
+      out.push_back(static_cast<TokenType>(types[i]));
     }
   }
+  return out;
+}
+
+/// The end-of-generation ids named by tokenizer.ggml.eot_token_id / eom_token_id, then the
+/// control tokens with an end-of-turn text.
+std::vector<int32_t> read_extra_eog_ids(const gguf::File& file, const VocabData& v) {
+  std::vector<int32_t> out;
+  for (std::string_view key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {
+    const int32_t id = read_special_id(file, key, -1, v.tokens.size());
+    if (id >= 0) out.push_back(id);
+  }
+  for (int32_t id : eog_ids_by_text(v.tokens, v.types)) out.push_back(id);
+  return out;
+}
+
+std::unique_ptr<Tokenizer> spm_from_gguf(const gguf::File& file) {
+  VocabData v;
+  v.source = file.path();
+  v.tokens = file.get_string_array("tokenizer.ggml.tokens");
+  const size_t n = v.tokens.size();
+  if (file.has("tokenizer.ggml.scores")) v.scores = file.get_float_array("tokenizer.ggml.scores");
+  v.types = read_token_types(file);
   // SentencePiece llama vocabularies put <unk>, <s>, </s> at 0, 1, 2 (llama.cpp's defaults).
   v.bos_id = read_special_id(file, "tokenizer.ggml.bos_token_id", 1, n);
   v.eos_id = read_special_id(file, "tokenizer.ggml.eos_token_id", 2, n);
   v.unk_id = read_special_id(file, "tokenizer.ggml.unknown_token_id", 0, n);
-  for (std::string_view key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {
-    const int32_t id = read_special_id(file, key, -1, n);
-    if (id >= 0) v.extra_eog_ids.push_back(id);
-  }
-  if (v.types.size() == n) {
-    for (std::string_view text : kEogTexts) {
-      const auto it = std::find(v.tokens.begin(), v.tokens.end(), text);
-      if (it != v.tokens.end()) {
-        const auto id = static_cast<int32_t>(it - v.tokens.begin());
-        if (v.types[id] == TokenType::control) v.extra_eog_ids.push_back(id);
-      }
-    }
-  }
+  v.extra_eog_ids = read_extra_eog_ids(file, v);
   v.add_bos = read_bool(file, "tokenizer.ggml.add_bos_token", true);
   v.add_eos = read_bool(file, "tokenizer.ggml.add_eos_token", false);
   v.add_space_prefix = read_bool(file, "tokenizer.ggml.add_space_prefix", true);
   return Tokenizer::make_spm(std::move(v));
 }
 
+/// tokenizer.ggml.model "gpt2": tokens, token_type and merges (required), pre (absent:
+/// "default", as llama.cpp reads it). Byte-level vocabularies have no conventional special ids,
+/// so BOS/EOS/unknown default to none and add_bos_token to false.
+std::unique_ptr<Tokenizer> bpe_from_gguf(const gguf::File& file) {
+  VocabData v;
+  v.source = file.path();
+  v.tokens = file.get_string_array("tokenizer.ggml.tokens");
+  const size_t n = v.tokens.size();
+  v.types = read_token_types(file);
+  v.merges = file.get_string_array("tokenizer.ggml.merges");
+  v.pre = file.has("tokenizer.ggml.pre") ? file.get_string("tokenizer.ggml.pre") : "default";
+  v.bos_id = read_special_id(file, "tokenizer.ggml.bos_token_id", -1, n);
+  v.eos_id = read_special_id(file, "tokenizer.ggml.eos_token_id", -1, n);
+  v.unk_id = read_special_id(file, "tokenizer.ggml.unknown_token_id", -1, n);
+  v.extra_eog_ids = read_extra_eog_ids(file, v);
+  v.add_bos = read_bool(file, "tokenizer.ggml.add_bos_token", false);
+  v.add_eos = read_bool(file, "tokenizer.ggml.add_eos_token", false);
+  v.add_space_prefix = false;
+  return Tokenizer::make_bpe(std::move(v));
+}
+
 }  // namespace
+
+std::vector<int32_t> eog_ids_by_text(const std::vector<std::string>& tokens,
+                                     const std::vector<TokenType>& types) {
+  std::vector<int32_t> out;
+  if (types.size() != tokens.size()) return out;
+  for (std::string_view text : kEogTexts) {
+    const auto it = std::find(tokens.begin(), tokens.end(), text);
+    if (it != tokens.end()) {
+      const auto id = static_cast<int32_t>(it - tokens.begin());
+      if (types[id] == TokenType::control) out.push_back(id);
+    }
+  }
+  return out;
+}
 
 std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& file) {
   const std::string& model = file.get_string("tokenizer.ggml.model");
   if (model == "llama") return spm_from_gguf(file);
+  if (model == "gpt2") return bpe_from_gguf(file);
   throw Error(ErrorCategory::unsupported,
-              fmt::format("{}: tokenizer.ggml.model '{}' is not supported (supported: llama)",
+              fmt::format("{}: tokenizer.ggml.model '{}' is not supported (supported: llama, gpt2)",
                           file.path(), printable(model)));
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::make_spm(VocabData vocab) {
   return std::make_unique<SpmTokenizer>(std::move(vocab));
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::make_bpe(VocabData vocab) {
+  return std::make_unique<BpeTokenizer>(std::move(vocab));
 }
 
 void Tokenizer::build_token_index() {

@@ -66,10 +66,13 @@ class Tokenizer {
   static std::unique_ptr<Tokenizer> make_spm(VocabData vocab);
 
   /// Byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") from arrays: tokens spelled in
-  /// GPT-2's byte-to-unicode alphabet, `merges` by rank, pre-tokenizer regex chosen by
-  /// `vocab.pre` ("qwen2", "llama-bpe", "deepseek-v3", "default"/"gpt-2", ...). Throws
-  /// Error(format) naming the key and `vocab.source` for a malformed merge or inconsistent
-  /// arrays; Error(unsupported) naming the value for an unknown `pre`.
+  /// GPT-2's byte-to-unicode alphabet, `merges` by rank ("left right"), pre-tokenizer regexes
+  /// chosen by `vocab.pre` ("qwen2", "llama-bpe", "deepseek-v3", "default"/"gpt-2"; "" means
+  /// "default"); `scores` are ignored. Input text is assumed to be NFC (no normaliser runs).
+  /// Throws Error(format) naming the key and `vocab.source` for a malformed merge ("left
+  /// right" with one space), a merge whose sides or result are not tokens, inconsistent array
+  /// lengths or a special id outside [-1, n_vocab); Error(unsupported) naming the value and
+  /// the supported list for an unknown `pre`.
   static std::unique_ptr<Tokenizer> make_bpe(VocabData vocab);
 
   Tokenizer() = default;
@@ -83,8 +86,11 @@ class Tokenizer {
   /// (tokenizer.ggml.add_eos_token, default false). `parse_special`: when true, control and
   /// unknown token texts in `text` (e.g. "<s>", "<|im_end|>") become those tokens (leftmost,
   /// longest match); when false (user text) they are tokenized as plain characters.
-  /// User-defined tokens are always matched, as in SentencePiece and llama.cpp. Throws
-  /// Error(unsupported) only when a character has no token, no byte tokens and no unknown id.
+  /// User-defined tokens (e.g. Qwen3's "<think>", "<tool_call>": added tokens that are not
+  /// special) are always matched, as SentencePiece, Hugging Face tokenizers and llama.cpp do;
+  /// only control tokens need `parse_special`. BPE accepts any bytes: each byte of ill-formed UTF-8 is a piece
+  /// of its own. Throws Error(unsupported) only when a character (SPM) or byte (BPE) has no
+  /// token, no byte token and no unknown id.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_bos,
                                       bool parse_special = false) const = 0;
 
@@ -137,10 +143,17 @@ class Tokenizer {
 /// Reads a Hugging Face `tokenizer.json` (model.type "BPE", byte-level) into the arrays a GGUF
 /// file would hold, as llama.cpp's converter writes them: tokens by id (vocab plus
 /// added_tokens), token types (added special tokens -> control, other added tokens ->
-/// user_defined, the rest normal), merges as "left right" strings by rank, `pre` guessed from
-/// the pre-tokenizer regex ("qwen2" for Qwen2/Qwen3's). BOS/EOS ids are left at -1 (they live in
-/// tokenizer_config.json); add_bos = false. Throws Error(io) when the file cannot be read,
-/// Error(format) naming the file and JSON field when it is not such a tokenizer.
+/// user_defined, the rest normal), merges as "left right" strings by rank (model.merges may
+/// hold ["left", "right"] pairs or, in older files, "left right" strings), `pre` from the Split
+/// regexes of pre_tokenizer: "qwen2" (Qwen2/Qwen3), "llama-bpe" (Llama 3) or "deepseek-v3" when
+/// they equal those models' published patterns exactly, otherwise "default" (GPT-2's pattern,
+/// which may split differently: check `pre` before trusting ids of an unknown family). The
+/// normalizer (NFC for Qwen) is not applied. BOS/EOS ids are left at -1 (they live in
+/// tokenizer_config.json); add_bos = false; extra_eog_ids holds the control tokens with an
+/// end-of-turn text ("<|im_end|>", "<|endoftext|>", ...). Throws Error(io) when the file cannot
+/// be read, Error(format) naming the file and JSON field when it is not such a tokenizer (not
+/// JSON, model.type not "BPE", no ByteLevel step, a malformed merge, an id given twice, or ids
+/// not dense 0..n-1: the message names the missing id).
 VocabData read_hf_tokenizer_json(const std::string& path);
 
 /// Turns a stream of token ids into text that is always valid UTF-8: bytes of a multi-byte
