@@ -59,6 +59,13 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
 }
 
+std::span<const float> CpuExecutor::value(const graph::Graph& g, graph::ValueId v) const {
+  if (v < 0 || static_cast<size_t>(v) >= g.values.size() || static_cast<size_t>(v) >= bufs_.size())
+    throw Error(ErrorCategory::invalid_argument, fmt::format("no value {} in the last run", v));
+  const graph::ValueInfo& vi = g.values[static_cast<size_t>(v)];
+  return {bufs_[static_cast<size_t>(v)].data(), static_cast<size_t>(vi.rows * vi.cols)};
+}
+
 std::vector<CpuExecutor::OpTime> CpuExecutor::profile() const {
   std::vector<OpTime> out;
   for (size_t k = 0; k < kOpKinds; ++k)

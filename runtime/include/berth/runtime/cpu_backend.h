@@ -27,6 +27,10 @@ class CpuExecutor {
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
                              std::span<const int32_t> positions);
 
+  /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
+  /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
+  std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
+
   /// Op timing: when on, run() adds each op's wall time to its kind's total.
   void set_profiling(bool on) { profiling_ = on; }
   struct OpTime {
