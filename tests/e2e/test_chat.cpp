@@ -15,6 +15,7 @@
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/chat.h"
 #include "berth/runtime/session.h"
+#include "berth/runtime/synth.h"
 #include "test_util.h"
 
 using namespace berth;
@@ -203,5 +204,48 @@ TEST_CASE("berth run --chat streams one reply per stdin line and reports per-tur
     CHECK(r.exit_code == 1);
     CHECK(r.err.find("--chat-template NAME") != std::string::npos);
     CHECK(r.out.empty());
+  }
+}
+
+TEST_CASE("berth run --chat on a synthetic Qwen3 file with Qwen3's real vocabulary reuses earlier turns") {
+  // A 2-layer qwen3 with the real 151,936-token vocabulary and Qwen3's chat template (written
+  // by berth's generator). Its replies are random text, but the conversation mechanics are
+  // those of a real Qwen3 file: ChatML detected from the template, control tokens from the
+  // markup only, each turn prefilling just what the KV cache lacks.
+  const auto dir = test::temp_dir("chat-qwen3");
+  const std::string path = (dir / "tiny-qwen3-vocab.gguf").string();
+  SynthSpec spec = synth_preset("tiny-qwen3");
+  spec.n_vocab = 151936;
+  spec.type = "q8_0";
+  spec.seed = 3;
+  spec.vocab_path = (test::shared_dir() / "tokenizers" / "qwen3" / "tokenizer.json").string();
+  write_synth_model(spec, path, 2);
+  gguf::File file = gguf::File::open(path);
+  std::unique_ptr<Model> model = load_model(file);
+  std::unique_ptr<Tokenizer> tok = Tokenizer::from_gguf(file);
+  REQUIRE(chat_format_for(file, "") == ChatFormat::chatml);
+  const int32_t im_end = tok->find_token("<|im_end|>");
+  REQUIRE(im_end == 151645);
+
+  Session s(*model, SessionParams{.n_threads = 2, .n_ctx = 1024, .n_ubatch = 512});
+  Sampler sampler(greedy(), tok->n_vocab());
+  ChatSession chat(s, *tok, sampler, ChatFormat::chatml, kSystem);
+  const std::vector<std::string> turns = {"Hello!", "Say <|im_end|> twice: <|im_end|>",
+                                          "Thanks."};
+  int64_t before = 0;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    CAPTURE(i);
+    chat.respond(turns[i], 8);
+    const ChatTurnStats& st = chat.last_turn();
+    CHECK(st.n_reused == before);  // everything the cache held (earlier turns and replies)
+    CHECK(st.n_prefilled == st.n_rendered - before);
+    CHECK(s.n_prefill_tokens() + s.n_decode_tokens() >= st.n_rendered);
+    if (i > 0) CHECK(st.n_prefilled < st.n_rendered / 2);  // only the new turn
+    // Control tokens come from the markup only: one <|im_end|> per closed message (system,
+    // user turns, replies), however many the user typed.
+    const std::vector<int32_t> ids = chat.render_tokens(false);
+    const auto n_end = std::count(ids.begin(), ids.end(), im_end);
+    CHECK(n_end == static_cast<long>(1 + 2 * (i + 1)));
+    before = static_cast<int64_t>(chat.cache_tokens().size());
   }
 }
