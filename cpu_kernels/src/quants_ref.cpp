@@ -638,17 +638,19 @@ void quant_k4_common(const float* x, int nmax, float rmin, int n_step, uint8_t* 
   }
 }
 
-void quant_q4_k(const float* x, void* dst, int64_t nb) {
+void quant_q4_k_steps(const float* x, void* dst, int64_t nb, int n_step) {
   for (int64_t i = 0; i < nb; ++i, x += kQK_K) {
     BlockQ4_K b{};
     uint8_t L[kQK_K];
-    quant_k4_common(x, 15, -1.0f, 20, b.scales, &b.d, &b.dmin, L);
+    quant_k4_common(x, 15, -1.0f, n_step, b.scales, &b.d, &b.dmin, L);
     for (int c = 0; c < 4; ++c)
       for (int l = 0; l < 32; ++l)
         b.qs[32 * c + l] = static_cast<uint8_t>(L[64 * c + l] | (L[64 * c + 32 + l] << 4));
     store_block(dst, i, b);
   }
 }
+
+void quant_q4_k(const float* x, void* dst, int64_t nb) { quant_q4_k_steps(x, dst, nb, 20); }
 
 void dequant_q5_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i) {
@@ -878,6 +880,15 @@ void dequantize_row(GgmlType type, const void* src, float* dst, int64_t n) {
 void quantize_row(GgmlType type, const float* src, void* dst, int64_t n) {
   const Codec c = codec_for(type, n, src, dst, "quantize_row");
   if (n > 0) c.quant(src, dst, n / traits(type).block_size);
+}
+
+void quantize_row_fast(GgmlType type, const float* src, void* dst, int64_t n) {
+  const Codec c = codec_for(type, n, src, dst, "quantize_row_fast");
+  if (n == 0) return;
+  if (type == GgmlType::Q4_K)
+    quant_q4_k_steps(src, dst, n / kQK_K, -1);  // the min/max grid only
+  else
+    c.quant(src, dst, n / traits(type).block_size);
 }
 
 void dequantize_rows(GgmlType type, const void* src, float* dst, int64_t n_rows,

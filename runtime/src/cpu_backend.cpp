@@ -44,16 +44,26 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
     if (bufs_[i].size() < n) bufs_[i].resize(n);
   }
-  if (!profiling_) {
-    for (const Op& op : g.ops) run_op(g, op, tokens, positions);
-  } else {
-    for (const Op& op : g.ops) {
-      const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < g.ops.size();) {
+    const Op& op = g.ops[i];
+    const auto t0 = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    size_t n_ops = 1;
+    if (op.kind == OpKind::matmul) {
+      // Consecutive matmuls of one input (Q/K/V, gate/up) run as one parallel region: one
+      // activation quantization and one barrier instead of one each.
+      while (i + n_ops < g.ops.size() && g.ops[i + n_ops].kind == OpKind::matmul &&
+             g.ops[i + n_ops].inputs[0] == op.inputs[0])
+        ++n_ops;
+      matmul_group(g, std::span<const Op>(g.ops.data() + i, n_ops));
+    } else {
       run_op(g, op, tokens, positions);
+    }
+    if (profiling_) {
       OpTime& pt = prof_[static_cast<size_t>(op.kind)];
       pt.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      ++pt.calls;
+      pt.calls += static_cast<int64_t>(n_ops);
     }
+    i += n_ops;
   }
   const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
@@ -118,7 +128,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       return;
     }
     case OpKind::matmul: {
-      matmul(weights_[op.weight], buf(op.inputs[0]), rows, out);
+      matmul_group(g, std::span<const Op>(&op, 1));
       return;
     }
     case OpKind::add: {
@@ -293,7 +303,11 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     moe_y_.resize(static_cast<size_t>(n_slots * n_embd));
   uint8_t* act_g = act_.data();
   uint8_t* act_u = same_act ? act_g : moe_act_u_.data();
-  pool_.parallel_for(n_pairs, 1, [&](int64_t i0, int64_t i1) {
+  // Small row counts (decode: n_expert_used rows) run on the calling thread: a parallel region
+  // would cost more than the work.
+  const int64_t row_grain_in = std::max<int64_t>(1, 32768 / n_embd);
+  const int64_t row_grain_ff = std::max<int64_t>(1, 32768 / n_ff);
+  pool_.parallel_for(n_pairs, row_grain_in, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* x = h + (moe_slots_[static_cast<size_t>(i)] / k) * n_embd;
       cpu::quantize_activation(wg.type, x, act_g + static_cast<size_t>(i) * arb_g, n_embd);
@@ -338,7 +352,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     }
   });
   uint8_t* act_d = moe_act_d_.data();
-  pool_.parallel_for(n_pairs, 1, [&](int64_t i0, int64_t i1) {
+  pool_.parallel_for(n_pairs, row_grain_ff, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float* g = moe_gate_.data() + i * n_ff;
       cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
@@ -361,7 +375,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     }
   });
   // Combine per token in slot order (fixed, so threads and ubatches never change the bits).
-  pool_.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) {
+  pool_.parallel_for(n_tok, row_grain_in, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* o = out + t * n_embd;
       std::fill(o, o + n_embd, 0.0f);
@@ -376,24 +390,69 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   });
 }
 
-void CpuExecutor::matmul(const TensorView& w, const float* x, int64_t n_tok, float* out) {
-  const int64_t n_in = w.ne[0];
-  const int64_t n_out = w.n_rows();
-  // Quantize the activations once, in the format the weight type's dot product takes.
-  const size_t arb = cpu::activation_row_bytes(w.type, n_in);
-  if (act_.size() < arb * static_cast<size_t>(n_tok)) act_.resize(arb * static_cast<size_t>(n_tok));
-  uint8_t* act = act_.data();
-  pool_.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      cpu::quantize_activation(w.type, x + t * n_in, act + static_cast<size_t>(t) * arb, n_in);
-  });
-  // Split the rows across the pool: about 4 chunks per thread for balance, in whole row tiles.
+void CpuExecutor::matmul_group(const graph::Graph& g, std::span<const Op> ops) {
+  const float* x = buf(ops[0].inputs[0]);
+  const int64_t n_tok = g.values[static_cast<size_t>(ops[0].inputs[0])].rows;
+  const int64_t n_in = weights_[ops[0].weight].ne[0];
+  // Activations quantized once per partner format (usually one for the whole group).
+  struct Act {
+    GgmlType type;
+    size_t offset, row_bytes;
+  };
+  std::vector<Act> acts;
+  std::vector<size_t> act_of(ops.size());
+  size_t total = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const GgmlType at = cpu::activation_type(weights_[ops[i].weight].type);
+    size_t j = 0;
+    while (j < acts.size() && acts[j].type != at) ++j;
+    if (j == acts.size()) {
+      const size_t arb = cpu::activation_row_bytes(weights_[ops[i].weight].type, n_in);
+      acts.push_back({at, total, arb});
+      total += arb * static_cast<size_t>(n_tok);
+    }
+    act_of[i] = j;
+  }
+  if (act_.size() < total) act_.resize(total);
+  for (size_t j = 0; j < acts.size(); ++j) {
+    // Any weight type with this partner format quantizes the same way.
+    GgmlType wt = GgmlType::F32;
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (act_of[i] == j) wt = weights_[ops[i].weight].type;
+    const Act& a = acts[j];
+    uint8_t* dst = act_.data() + a.offset;
+    pool_.parallel_for(n_tok, std::max<int64_t>(1, 16384 / n_in), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        cpu::quantize_activation(wt, x + t * n_in, dst + static_cast<size_t>(t) * a.row_bytes, n_in);
+    });
+  }
+  // Row blocks of every weight, about 4 per thread over the group, in whole row tiles.
+  int64_t rows_total = 0;
+  for (const Op& op : ops) rows_total += weights_[op.weight].n_rows();
   const int64_t n_threads = pool_.n_threads();
-  int64_t grain = (n_out + n_threads * 4 - 1) / (n_threads * 4);
-  grain = std::max<int64_t>(cpu::kGemmRowTile, (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile *
-                                                   cpu::kGemmRowTile);
-  pool_.parallel_for(n_out, grain, [&](int64_t r0, int64_t r1) {
-    cpu::gemm_rows(w.type, w.row(r0), r1 - r0, act, arb, n_tok, n_in, out + r0, n_out);
+  int64_t grain = (rows_total + n_threads * 4 - 1) / (n_threads * 4);
+  grain = std::max<int64_t>(cpu::kGemmRowTile, (grain + cpu::kGemmRowTile - 1) /
+                                                   cpu::kGemmRowTile * cpu::kGemmRowTile);
+  struct Task {
+    uint32_t op;
+    int64_t r0, r1;
+  };
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const int64_t n_out = weights_[ops[i].weight].n_rows();
+    for (int64_t r = 0; r < n_out; r += grain)
+      tasks.push_back({static_cast<uint32_t>(i), r, std::min(n_out, r + grain)});
+  }
+  pool_.parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Task& tk = tasks[static_cast<size_t>(i)];
+      const Op& op = ops[tk.op];
+      const TensorView& w = weights_[op.weight];
+      const Act& a = acts[act_of[tk.op]];
+      const int64_t n_out = w.n_rows();
+      cpu::gemm_rows(w.type, w.row(tk.r0), tk.r1 - tk.r0, act_.data() + a.offset, a.row_bytes,
+                     n_tok, n_in, buf(op.output) + tk.r0, n_out);
+    }
   });
 }
 

@@ -797,7 +797,7 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
                        std::vector<float> row(static_cast<size_t>(n));
                        for (int64_t r = s0 + r0; r < s0 + r1; ++r) {
                          generate_row(*pl, *g, ti, r, row.data());
-                         ref::quantize_row(g->t.type, row.data(),
+                         ref::quantize_row_fast(g->t.type, row.data(),
                                            dst.data() + static_cast<size_t>(r) * rb, n);
                        }
                      });

@@ -162,6 +162,12 @@ void dequantize_row(GgmlType type, const void* src, float* dst, int64_t n);
 /// nearest even; F32 copies. Throws as described at the top of this header.
 void quantize_row(GgmlType type, const float* src, void* dst, int64_t n);
 
+/// quantize_row without Q4_K's scale search: each sub-block's scale and min come from its
+/// min/max grid alone (the starting point of ggml's make_qkx2_quants), about 10x faster and
+/// slightly less accurate (NMSE about 1.3x). Valid Q4_K blocks; every other type is encoded
+/// exactly as quantize_row. For bulk data whose precision does not matter (synthetic models).
+void quantize_row_fast(GgmlType type, const float* src, void* dst, int64_t n);
+
 /// Decodes a whole tensor of `n_rows` rows of `n_per_row` elements into `dst`
 /// (n_rows * n_per_row floats, row-major; rows of `src` are row_bytes(type, n_per_row) apart).
 /// Throws as dequantize_row, and Error(invalid_argument) when n_rows < 0.

@@ -47,9 +47,11 @@ class CpuExecutor {
               std::span<const int32_t> positions);
   float* buf(graph::ValueId v) { return bufs_[static_cast<size_t>(v)].data(); }
   float* worker_scratch(size_t floats);
-  /// out [n_tok, n_rows(w)] = x [n_tok, ne0(w)] times w's rows: activations quantized once to the
-  /// weight type's partner format, rows split across the pool, cache-tiled gemm_rows per chunk.
-  void matmul(const TensorView& w, const float* x, int64_t n_tok, float* out);
+  /// Matmul ops reading the same input (one op, or consecutive ones such as Q/K/V), run as one
+  /// parallel region: out [n_tok, n_rows(w)] = x [n_tok, ne0(w)] times w's rows for each op;
+  /// activations quantized once per partner format, then row blocks of every weight (about 4
+  /// per thread, whole kGemmRowTile tiles) as one task list, each a cache-tiled gemm_rows.
+  void matmul_group(const graph::Graph& g, std::span<const graph::Op> ops);
 
   /// out [n_tok, n_embd] = the routed experts of `p` applied to h [n_tok, n_embd] with the
   /// moe_route output `route` [n_tok, 2k]: pairs grouped by expert, each expert's gate/up/down
