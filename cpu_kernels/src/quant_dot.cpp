@@ -74,6 +74,18 @@ void gemm_rows(GgmlType t, const void* w, int64_t n_rows, const void* act, size_
     dot_tile(t, w, n_rows, act, act_stride, n_tok, n, out, out_stride);
     return;
   }
+  const GgmlType at = activation_type(t);  // throws Error(unsupported) for other types
+  if ((at == GgmlType::Q8_0 && detail::legacy_gemm_tiles_itself()) ||
+      (at == GgmlType::Q8_K && detail::k_gemm_tiles_itself())) {
+    // The kernel transposes its tokens into a per-thread scratch (about 300 bytes per token and
+    // 256 elements): at most 512 tokens per call bound it (2.4 MiB for n = 4096).
+    constexpr int64_t kSelfTokTile = 512;
+    const auto* ab = static_cast<const uint8_t*>(act);
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kSelfTokTile)
+      dot_tile(t, w, n_rows, ab + static_cast<size_t>(t0) * act_stride, act_stride,
+               std::min(kSelfTokTile, n_tok - t0), n, out + t0 * out_stride, out_stride);
+    return;
+  }
   const size_t wrb = row_bytes(t, n);
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);

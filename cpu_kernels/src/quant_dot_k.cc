@@ -20,9 +20,14 @@
 // row. The decode GEMV decodes each block in registers and prefetches 16 blocks ahead; Q4_K's
 // GEMV uses 512-bit vectors on the AVX-512 targets (same int32 lanes after folding the halves).
 // The GEMM tile decodes each block once per 64-token chunk into an L1 scratch (PackedX86) and
-// runs a register-blocked micro-kernel over it: 4 rows x 8 tokens (AVX-512: token pairs in
-// 512-bit vectors, vpdpwssd on AVX3_DL) or 2 rows x 4 tokens (AVX2), with the same integers and
-// float finish per (row, token, block) as the GEMV.
+// runs a register-blocked micro-kernel over it: 4 rows x 8 tokens (AVX3: token pairs in 512-bit
+// vectors) or 2 rows x 4 tokens (AVX2), with the same integers and float finish per (row, token,
+// block) as the GEMV.
+// AVX3_DL (GCC) uses another float order, shared by its GEMV and GEMM (GemmKDL): each block's
+// integers are reduced to scalars first and enter one FMA chain per output (d term) plus one for
+// the min term, so the GEMM runs vpdpbusd across 16 tokens per vector (activations transposed
+// once per tile, weights unpacked to bytes once per 64-row block) and does one float step per
+// block, row and 16 tokens.
 // Other targets (NEON, SVE, EMU128, SCALAR): q * sc pre-multiplied into int16
 // (|q * sc| <= 63 * 128), ReorderWidenMulAccumulate against the widened activations, the block
 // integer reduced exactly and the float part computed as in the reference (bit-identical to
@@ -369,6 +374,45 @@ HWY_INLINE float HSum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#if BERTH_QDK_VNNI
+// Scalar helpers of the AVX3_DL float order (see GemmKDL's section below).
+// Lane 0: the sum of the 8 int32 lanes of v.
+HWY_INLINE __m128i HSumI8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// One block's float step, from its integer lanes (isum: 8 lanes summing to isum_b; o: 8 lanes
+// summing to o_b) and dd = the weight block's f16 pair (d, dmin) as read from memory. acc lane
+// 0 is the d chain, lane 2 the dmin chain (Q3_K/Q6_K: lane 0 only); vfmadd per lane, as the
+// GEMM's 512-bit FMAs; the conversions stay in vector registers.
+template <bool kBias>
+HWY_INLINE __m128 FinishScalar(__m256i isum, __m256i o, uint32_t dd, float da, __m128 acc) {
+  const __m128 w = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));  // [d, dmin, 0, 0]
+  const __m128 s = _mm_mul_ps(_mm_unpacklo_ps(w, w), _mm_set1_ps(da));     // [d*da, ., dmin*da, .]
+  if constexpr (kBias) {
+    return _mm_fmadd_ss(_mm_cvtepi32_ps(HSumI8(_mm256_sub_epi32(isum, o))), s, acc);
+  } else {
+    const __m128i s1 =
+        _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+    const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+    // [s1_0 + s1_2, s1_1 + s1_3, s2_0 + s2_2, s2_1 + s2_3], then pairs: [isum_b, ., o_b, .].
+    __m128i u = _mm_add_epi32(_mm_unpacklo_epi64(s1, s2), _mm_unpackhi_epi64(s1, s2));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(u), s, acc);
+  }
+}
+
+// The output from FinishScalar's chains: d chain - dmin chain (Q3_K/Q6_K: the d chain).
+template <bool kBias>
+HWY_INLINE float ChainsResult(__m128 acc) {
+  if constexpr (kBias) return _mm_cvtss_f32(acc);
+  return _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehl_ps(acc, acc)));
+}
+
+#endif  // BERTH_QDK_VNNI
+
 // NT tokens (activation blocks a[t]) against one decoded block: the block integer in 8 int32
 // lanes, then its float part into acc[t].
 template <int NT, bool kBias>
@@ -440,7 +484,11 @@ void GemvQ4KAvx512(const BlockQ4_K* HWY_RESTRICT w, int64_t n_rows,
                            _mm256_set1_epi16(static_cast<short>(2 * c + 1)), 1);
   for (int64_t r = 0; r < n_rows; ++r) {
     const BlockQ4_K* wr = w + r * nb;
+#if BERTH_QDK_VNNI
+    __m128 acc_s = _mm_setzero_ps();  // lane 0: the AVX3_DL float order (GemmKDL)
+#else
     __m256 acc = _mm256_setzero_ps();
+#endif
     for (int64_t ib = 0; ib < nb; ++ib) {
       const BlockQ4_K* b = wr + ib;
       const BlockQ8_K* a = act + ib;
@@ -470,10 +518,19 @@ void GemvQ4KAvx512(const BlockQ4_K* HWY_RESTRICT w, int64_t n_rows,
       const __m256i off =
           _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
       const __m256i o = _mm256_madd_epi16(LoadU256(a->bsums), off);
+#if BERTH_QDK_VNNI
+      acc_s = FinishScalar<false>(
+          isum8, o, kquant::load_u32(reinterpret_cast<const uint8_t*>(&b->d)), a->d, acc_s);
+#else
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum8), _mm256_set1_ps(H2F(b->d) * a->d), acc);
       acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(H2F(b->dmin) * a->d), acc);
+#endif
     }
+#if BERTH_QDK_VNNI
+    out[r] = ChainsResult<false>(acc_s);
+#else
     out[r] = HSum8(acc);
+#endif
   }
 }
 #endif
@@ -695,10 +752,298 @@ void TileX86(const B* HWY_RESTRICT w, int64_t n_rows, const uint8_t* act, size_t
   }
 }
 
+#if BERTH_QDK_VNNI
+// ---------------------------------------------------------------------------------------------
+// AVX3_DL (GCC): GEMV and GEMM share a float order in which each super-block enters once per
+// output, as a whole: with isum_b = sum_g sc_g * (q . a)_g and o_b = sum_g off_g * bsum_g (exact
+// int32, the integers of the top of this file),
+//   acc = fma(float(isum_b - o_b), d * da, acc)                          (Q3_K, Q6_K)
+//   acc = fma(float(isum_b), d * da, acc); accm = fma(float(o_b), dmin * da, accm)  (others)
+// over b = 0, 1, ... in order from acc = accm = +0, and the output is acc (Q3_K, Q6_K) or
+// acc - accm. The GEMV reduces its 8 int32 lanes per block to these scalars (both chains in one
+// 128-bit FMA, lanes 0 and 2); the GEMM (GemmKDL) computes them for 16 tokens per vector, so its
+// float work is one conversion and one or two FMAs per block, row and 16 tokens.
+// ---------------------------------------------------------------------------------------------
+template <class B, bool kBias>
+void GemvDL(const B* HWY_RESTRICT w, int64_t n_rows, const BlockQ8_K* HWY_RESTRICT act, int64_t nb,
+            float* HWY_RESTRICT out) {
+  DecX86 kb;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const B* wr = w + r * nb;
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t ib = 0; ib < nb; ++ib) {
+      {
+        const char* pf = reinterpret_cast<const char*>(wr + ib + kPrefetchBlocks);
+        for (size_t off = 0; off < sizeof(B); off += 64) _mm_prefetch(pf + off, _MM_HINT_T0);
+      }
+      DecodeX86(wr + ib, kb);
+      const BlockQ8_K* a = act + ib;
+      __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m256i x = LoadU256(a->qs + 32 * p);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(kb.q[p], x), kb.s[p]));
+        asm("" : "+x"(isum));
+      }
+      const __m256i o = _mm256_madd_epi16(LoadU256(a->bsums), kb.off);
+      // (d, dmin) as one load where both exist (Q3_K/Q6_K have no dmin after d).
+      uint32_t dd = wr[ib].d;
+      if constexpr (!kBias) dd = kquant::load_u32(reinterpret_cast<const uint8_t*>(&wr[ib].d));
+      acc = FinishScalar<kBias>(isum, o, dd, a->d, acc);
+    }
+    out[r] = ChainsResult<kBias>(acc);
+  }
+}
+
+// GEMM. Activations, per 16-token chunk and super-block (KTBlock): at[l] = dword l (elements
+// 4l..4l+3) of the 16 tokens' quants, bs[k] = the bsums pair (2k, 2k + 1) of each token as one
+// dword, da the 16 scales. Weights, per row and super-block (KWBlock): the unsigned quants in
+// element order, the group scales as int32 and the bsum coefficients as int16 pairs.
+struct alignas(64) KTBlock {
+  __m512i at[64];
+  __m512i bs[8];
+  __m512 da;
+};
+
+struct alignas(64) KWBlock {
+  uint8_t q[kQK_K];
+  int32_t sc[16];  ///< scale of each 16-element group
+  int32_t off[8];  ///< off[2k] | off[2k + 1] << 16
+  float d;
+  float dmin;
+};
+
+// 16 rows of 32 bytes (r[t] the row of token t) to 8 dword columns: out[l] dword l of each row.
+HWY_INLINE void Transpose16x32(const uint8_t* const* rows, size_t off, __m512i* out) {
+  __m512i r[8];
+  for (int t = 0; t < 8; ++t)
+    r[t] = _mm512_inserti64x4(_mm512_castsi256_si512(LoadU256(rows[t] + off)),
+                              LoadU256(rows[t + 8] + off), 1);
+  __m512i s[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    s[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    s[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    u[4 * k + 0] = _mm512_unpacklo_epi64(s[4 * k], s[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(s[4 * k], s[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(s[4 * k + 1], s[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(s[4 * k + 1], s[4 * k + 3]);
+  }
+  const __m512i ilo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i ihi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm512_permutex2var_epi64(u[j], ilo, u[4 + j]);
+    out[j + 4] = _mm512_permutex2var_epi64(u[j], ihi, u[4 + j]);
+  }
+}
+
+template <class B>
+HWY_INLINE void PackBlockDL(const B* HWY_RESTRICT b, KWBlock& o) {
+  DecX86 kb;
+  DecodeX86(b, kb);
+  alignas(32) int16_t s[16];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * p), kb.q[p]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s), kb.s[p]);
+    o.sc[2 * p] = s[0];
+    o.sc[2 * p + 1] = s[8];
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(o.off), kb.off);
+  o.d = kb.d;
+  o.dmin = kb.dmin;
+}
+
+// Groups sharing one scale: 32 elements for Q4_K/Q5_K (their two 16-element groups have the
+// same scale), 16 otherwise. The integer is the same either way.
+template <class B>
+constexpr int kScaleGroup = std::is_same_v<B, BlockQ4_K> || std::is_same_v<B, BlockQ5_K> ? 32 : 16;
+
+// Block of rows w[r] (r < NR) for the 16 tokens of chunks x[t] (t < NT) into the d chains
+// acc[r * NT + t] and (not kBias) the dmin chains acc[NR * NT + r * NT + t].
+template <int NR, int NT, int G, bool kBias>
+HWY_INLINE void MicroKDL(const KWBlock* const* w, const KTBlock* const* x, __m512* acc) {
+  __m512i is[NR * NT];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR * NT; ++i) is[i] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+  for (int g = 0; g < kQK_K / G; ++g) {
+    __m512i sb[NR * NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < NR * NT; ++i) sb[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = 0; l < G / 4; ++l) {
+      const int col = g * (G / 4) + l;
+      __m512i av[NT];
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t) av[t] = _mm512_load_si512(&x[t]->at[col]);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        int32_t wq;
+        std::memcpy(&wq, w[r]->q + 4 * col, 4);
+        const __m512i wv = _mm512_set1_epi32(wq);
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t)
+          sb[r * NT + t] = _mm512_dpbusd_epi32(sb[r * NT + t], wv, av[t]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512i sc = _mm512_set1_epi32(w[r]->sc[g * (G / 16)]);
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t)
+        is[r * NT + t] = _mm512_add_epi32(is[r * NT + t], _mm512_mullo_epi32(sb[r * NT + t], sc));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) {
+      __m512i o = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k)
+        o = _mm512_dpwssd_epi32(o, x[t]->bs[k], _mm512_set1_epi32(w[r]->off[k]));
+      __m512& a = acc[r * NT + t];
+      const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(w[r]->d), x[t]->da);
+      if constexpr (kBias) {
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is[r * NT + t], o)), dd, a);
+      } else {
+        __m512& m = acc[NR * NT + r * NT + t];
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r * NT + t]), dd, a);
+        m = _mm512_fmadd_ps(_mm512_cvtepi32_ps(o),
+                            _mm512_mul_ps(_mm512_set1_ps(w[r]->dmin), x[t]->da), m);
+      }
+    }
+  }
+}
+
+constexpr int64_t kKGemmMinTok = 4;     // fewer tokens: the GEMV once per token
+constexpr int64_t kKGemmRowBlock = 64;  // rows decoded at once (weights in L2)
+
+template <class B, bool kBias>
+void GemmKDL(const B* HWY_RESTRICT w, int64_t n_rows, const uint8_t* act, size_t act_stride,
+             int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
+  constexpr int G = kScaleGroup<B>;
+  thread_local std::vector<uint8_t> xbuf, wbuf, abuf;
+  auto aligned = [](std::vector<uint8_t>& v, size_t n) {
+    if (v.size() < n + 64) v.resize(n + 64);
+    uint8_t* p = v.data();
+    return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+  };
+  const int64_t n_chunks = (n_tok + 15) / 16;
+  auto* xt = reinterpret_cast<KTBlock*>(
+      aligned(xbuf, static_cast<size_t>(n_chunks * nb) * sizeof(KTBlock)));
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const uint8_t* rows[16];
+    for (int t = 0; t < 16; ++t) {
+      const int64_t tok = c * 16 + t < n_tok ? c * 16 + t : c * 16;  // pad with a real row
+      rows[t] = act + static_cast<size_t>(tok) * act_stride;
+    }
+    for (int64_t ib = 0; ib < nb; ++ib) {
+      KTBlock& tb = xt[c * nb + ib];
+      const size_t base = static_cast<size_t>(ib) * sizeof(BlockQ8_K);
+      for (int j = 0; j < 8; ++j)
+        Transpose16x32(rows, base + offsetof(BlockQ8_K, qs) + 32 * j, tb.at + 8 * j);
+      Transpose16x32(rows, base + offsetof(BlockQ8_K, bsums), tb.bs);
+      alignas(64) float d[16];
+      for (int t = 0; t < 16; ++t)
+        std::memcpy(&d[t], rows[t] + base + offsetof(BlockQ8_K, d), sizeof(float));
+      tb.da = _mm512_load_ps(d);
+    }
+  }
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kKGemmRowBlock) {
+    const int64_t nr = std::min(kKGemmRowBlock, n_rows - r0);
+    auto* wt =
+        reinterpret_cast<KWBlock*>(aligned(wbuf, static_cast<size_t>(nr * nb) * sizeof(KWBlock)));
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t ib = 0; ib < nb; ++ib) PackBlockDL(w + (r0 + r) * nb + ib, wt[r * nb + ib]);
+    for (int64_t c0 = 0; c0 < n_chunks; c0 += 2) {
+      const int nc = n_chunks - c0 >= 2 ? 2 : 1;
+      // Chains of every row of the block for this chunk pair: acc[4 * row + chain * 2 + chunk],
+      // chain 0 the d chain, 1 the dmin chain.
+      auto* acc =
+          reinterpret_cast<__m512*>(aligned(abuf, static_cast<size_t>(nr) * 4 * sizeof(__m512)));
+      for (int64_t i = 0; i < nr * 4; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t ib = 0; ib < nb; ++ib) {
+        const KTBlock* x[2] = {xt + c0 * nb + ib, xt + (c0 + nc - 1) * nb + ib};
+        int64_t r = 0;
+        for (; r + 4 <= nr; r += 4) {
+          const KWBlock* wr[4] = {wt + r * nb + ib, wt + (r + 1) * nb + ib, wt + (r + 2) * nb + ib,
+                                  wt + (r + 3) * nb + ib};
+          __m512 a[16];
+          if (nc == 2) {
+            for (int i = 0; i < 4; ++i)
+              for (int j = 0; j < 2; ++j) {
+                a[2 * i + j] = acc[4 * (r + i) + j];
+                a[8 + 2 * i + j] = acc[4 * (r + i) + 2 + j];
+              }
+            MicroKDL<4, 2, G, kBias>(wr, x, a);
+            for (int i = 0; i < 4; ++i)
+              for (int j = 0; j < 2; ++j) {
+                acc[4 * (r + i) + j] = a[2 * i + j];
+                acc[4 * (r + i) + 2 + j] = a[8 + 2 * i + j];
+              }
+          } else {
+            for (int i = 0; i < 4; ++i) {
+              a[i] = acc[4 * (r + i)];
+              a[4 + i] = acc[4 * (r + i) + 2];
+            }
+            MicroKDL<4, 1, G, kBias>(wr, x, a);
+            for (int i = 0; i < 4; ++i) {
+              acc[4 * (r + i)] = a[i];
+              acc[4 * (r + i) + 2] = a[4 + i];
+            }
+          }
+        }
+        for (; r < nr; ++r) {
+          const KWBlock* wr = wt + r * nb + ib;
+          if (nc == 2) {
+            MicroKDL<1, 2, G, kBias>(&wr, x, acc + 4 * r);
+          } else {
+            __m512 a[2] = {acc[4 * r], acc[4 * r + 2]};
+            MicroKDL<1, 1, G, kBias>(&wr, x, a);
+            acc[4 * r] = a[0];
+            acc[4 * r + 2] = a[1];
+          }
+        }
+      }
+      for (int t = 0; t < nc; ++t) {
+        const int64_t nt = std::min<int64_t>(16, n_tok - (c0 + t) * 16);
+        float* o = out + (c0 + t) * 16 * out_stride + r0;
+        for (int64_t r = 0; r < nr; ++r) {
+          alignas(64) float v[16];
+          __m512 res = acc[4 * r + t];
+          if constexpr (!kBias) res = _mm512_sub_ps(res, acc[4 * r + 2 + t]);
+          _mm512_store_ps(v, res);
+          for (int64_t k = 0; k < nt; ++k) o[k * out_stride + r] = v[k];
+        }
+      }
+    }
+  }
+}
+#endif  // BERTH_QDK_VNNI
+
 template <class B, bool kBias>
 void DotTileX86(const void* w, int64_t n_rows, const void* act, size_t act_stride, int64_t n_tok,
                 int64_t nb, float* out, int64_t out_stride) {
   const B* wb = static_cast<const B*>(w);
+#if BERTH_QDK_VNNI
+  const auto* ab = static_cast<const uint8_t*>(act);
+  if (n_tok >= kKGemmMinTok) {
+    GemmKDL<B, kBias>(wb, n_rows, ab, act_stride, n_tok, nb, out, out_stride);
+  } else {
+    for (int64_t k = 0; k < n_tok; ++k) {
+      const auto* a = reinterpret_cast<const BlockQ8_K*>(ab + static_cast<size_t>(k) * act_stride);
+      if constexpr (std::is_same_v<B, BlockQ4_K>) {
+        GemvQ4KAvx512(wb, n_rows, a, nb, out + k * out_stride);
+      } else {
+        GemvDL<B, kBias>(wb, n_rows, a, nb, out + k * out_stride);
+      }
+    }
+  }
+  return;
+#endif
   if (n_tok == 1) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
     if constexpr (std::is_same_v<B, BlockQ4_K>) {
@@ -962,6 +1307,9 @@ void DotTileK(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t
 #endif
 }
 
+// Whether DotTileK blocks for the cache itself when n_tok > 1 (GemmKDL).
+bool GemmTilesItself() { return BERTH_QDK_VNNI != 0; }
+
 #undef BERTH_QDK_X86
 #undef BERTH_QDK_VNNI
 
@@ -972,6 +1320,7 @@ HWY_AFTER_NAMESPACE();
 namespace berth::cpu {
 HWY_EXPORT(QuantizeQ8K);
 HWY_EXPORT(DotTileK);
+HWY_EXPORT(GemmTilesItself);
 
 namespace detail {
 
@@ -983,6 +1332,10 @@ void quantize_q8_K(const float* x, void* dst, int64_t n) {
                 "quantize_q8_K: n = " + std::to_string(n) + " is not a multiple of 256");
   HWY_DYNAMIC_DISPATCH(QuantizeQ8K)(x, dst, n);
 }
+
+/// Whether the K-quant dot_tile of the CPU's dispatched target blocks for the cache itself when
+/// n_tok > 1 (quant_dot.h; AVX3_DL's GemmKDL). No errors.
+bool k_gemm_tiles_itself() { return HWY_DYNAMIC_DISPATCH(GemmTilesItself)(); }
 
 /// K-quant dot-product tile (quant_dot.h, cpu::dot_tile) for t in Q2_K..Q6_K.
 /// Throws Error(invalid_argument) when n is not a positive multiple of 256 or a count is

@@ -7,11 +7,11 @@
 // Per block b of a weight row and an activation row the kernel forms the exact integer dot
 // product of the 32 quants as a vector of int32 partial sums (lanes), converts it to float and
 // accumulates it, times d_w * d_a, into one of two float vector accumulators (alternating
-// blocks, or block pairs on AVX-512: two independent FMA chains). Q4_1/Q5_1 add (m * d_a) times
-// the partial sums of the activation quants. The result is the lane sum of the two
-// accumulators. The order of operations for one output depends only on n and the target, never
-// on the tile shape or the number of tokens, so outputs are bit-identical however a matrix is
-// split into tiles (quant_dot.h's determinism contract).
+// blocks, or block pairs on AVX-512: two independent FMA chains; AVX3_DL: see below).
+// Q4_1/Q5_1 add (m * d_a) times the partial sums of the activation quants. The result is the
+// lane sum of the two accumulators. The order of operations for one output depends only on n and
+// the target, never on the tile shape or the number of tokens, so outputs are bit-identical however
+// a matrix is split into tiles (quant_dot.h's determinism contract).
 //
 // Integer dot products:
 //   AVX-512 (AVX3, AVX3_DL): two blocks per 512-bit vector. Signed weights use the sign trick
@@ -30,10 +30,10 @@
 // the group's tokens; the weight rows of the tile are streamed from DRAM for the first group and
 // from cache for the following ones when the tile fits (cpu::gemm_rows uses 16-row tiles).
 // GEMV (n_tok = 1) streams the rows with a software prefetch 1 KiB ahead.
-// AVX3_DL (GCC) tiles of 8 or more tokens take GemmVnni instead: activations transposed once
-// per tile (16 tokens per vector), the tile's weight rows decoded once into unsigned quants,
-// then a micro-kernel of 4 rows x 16 tokens x 4 lanes doing, per block, exactly RowDot's float
-// operations for each output (see GemmVnni's comment).
+// AVX3_DL (GCC) has its own float order, shared by its GEMV (RowDotC) and GEMM (GemmVnni, tiles
+// of 8 or more tokens): one conversion and FMA per whole block into 16 chains (see the AVX3_DL
+// section), so the GEMM, vectorized across 16 tokens, does one float step per block, row and 16
+// tokens instead of one per 4-element lane.
 // GCC 12's AVX-512 broadcast intrinsics start from _mm512_undefined_*() and trip
 // -W(maybe-)uninitialized inside its own headers; silenced for this translation unit only.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -598,22 +598,33 @@ HWY_INLINE void RepackTokens(const uint8_t* const* a, int nt, int64_t nb, Repack
 
 #if BERTH_QL_VNNI
 // ------------------------------------------------------------------------------------------
-// AVX3_DL GEMM (n_tok >= kGemmMinTok): the same per-output float operations as RowDot above,
-// vectorized across 16 tokens instead of across the lanes of one output. RowDot's AVX-512
-// accumulators e, o hold 32 float chains per output: chain (c, l) for c = b % 4 (e lanes 0..7:
-// c = 0, lanes 8..15: c = 1; o: c = 2, 3) and lane l = 0..7, each the FMA sequence, over the
-// blocks b of its class in increasing order, of float(isum(b, l)) * (d_w(b) * d_a(b)) [then
-// float(asum(b, l)) * (m(b) * d_a(b))], where isum(b, l) is the exact integer dot of quants
-// 4l..4l+3 of block b and asum(b, l) the sum of those activation quants. Here a register holds
-// chain (c, l) of 16 tokens: isum(b, l) comes from one vpdpbusd of the weight quants 4l..4l+3
-// (unsigned: the stored quant, or w + 128 for Q8_0; broadcast) with the 4-byte groups l of the
-// 16 tokens (signed, transposed once per tile), started from -offset * asum(b, l), which makes
-// it exactly sum(w * a); d_w * d_a is one multiply per block for the 16 tokens. The odd last
-// block's padding step of RowDot (an FMA of 0 by d_w * 0) and its final reduction (e + o, then
-// _mm512_reduce_add_ps's tree) are repeated as they are, so outputs are bit-identical to RowDot.
+// AVX3_DL (GCC): decode GEMV and GEMM share one float order per output in which each block
+// enters once, as a whole. Its exact integer dot isum_b = sum_i w_i * a_i (and, for Q4_1/Q5_1,
+// asum_b = sum_i a_i) is converted to float and accumulated by one FMA into one of 16 chains:
+//   chain[c] = fma(float(isum_b), d_w(b) * d_a(b), chain[c])
+//   chain[c] = fma(float(asum_b), m_w(b) * d_a(b), chain[c])        (Q4_1, Q5_1)
+// with c = kLaneOf(b % 16), blocks in increasing order within a chain, chains starting at +0;
+// the output is the sum of the 16 chains by the fixed tree of Tree16 (lane i + lane i+8, then
+// i + 4, i + 2, i + 1). One float conversion and FMA per block and output, instead of one per
+// 4-element lane, is what lets the GEMM reach its integer rate.
+//   GEMV (RowDotC): the chains are the 16 lanes of one vector. Per 16 blocks, vpdpbusd leaves 8
+// int32 partial sums per block (two blocks per vector, sign trick as above), a transposing add
+// tree (ReduceBlocks16) brings block b's total to lane kLaneOf(b), one gather fetches the 16
+// weight scales, and one conversion and one FMA update all chains.
+//   GEMM (GemmVnni): a vector holds one chain for 16 tokens. Activations are transposed once per
+// tile (dword l of each block for 16 tokens per vector); the tile's weight rows are decoded
+// once into unsigned quants (offset kUOff). Per chain, block, 4 rows and 2 token vectors: 8
+// vpdpbusd (one broadcast weight dword against 16 tokens' activations) starting from
+// -kUOff * asum_b, which gives isum_b exactly, then one conversion and one FMA.
 // ------------------------------------------------------------------------------------------
-constexpr int64_t kGemmMinTok = 8;  // fewer tokens: RowDot
-constexpr int64_t kGemmRowBlock = 32;
+constexpr int64_t kGemmMinTok = 8;  // fewer tokens: RowDotC per group of up to 4 tokens
+constexpr int64_t kGemmRowBlock = 64;
+
+// Lane (chain) of block b % 16, and its inverse: the order ReduceBlocks16 leaves blocks in
+// (lanes 0-3: blocks 0, 2, 4, 6; 4-7: 1, 3, 5, 7; 8-11: 8, 10, 12, 14; 12-15: 9, 11, 13, 15).
+constexpr int kLaneOf(int b) { return (b & 8) | ((b & 1) << 2) | ((b & 7) >> 1); }
+constexpr int kBlockOf(int lane) { return ((lane & 8) | ((lane >> 2) & 1)) + 2 * (lane & 3); }
+static_assert(kBlockOf(kLaneOf(5)) == 5 && kBlockOf(kLaneOf(14)) == 14 && kLaneOf(9) == 12);
 
 template <GgmlType T>
 constexpr int kUOff = T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : T == GgmlType::Q8_0 ? 128 : 0;
@@ -627,6 +638,182 @@ struct GemmScratch {
     return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
   }
 };
+
+// Sum of the 16 lanes by the chain tree: lanes i + (i + 8), then + 4, + 2, + 1.
+HWY_INLINE float Tree16(__m512 v) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+// v[p]: int32 partial sums of block 2p (lanes 0-7) and 2p + 1 (lanes 8-15). Returns the block
+// totals, block b in lane kLaneOf(b).
+HWY_INLINE __m512i ReduceBlocks16(const __m512i* v) {
+  auto l1 = [](__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  };
+  const __m512i s01 = l1(v[0], v[1]), s23 = l1(v[2], v[3]);
+  const __m512i s45 = l1(v[4], v[5]), s67 = l1(v[6], v[7]);
+  // Dword i of 128-bit lane q: the sum of 128-bit lane q of v[i] (t0) or v[4 + i] (t1).
+  const __m512i t0 =
+      _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+  const __m512i t1 =
+      _mm512_add_epi32(_mm512_unpacklo_epi64(s45, s67), _mm512_unpackhi_epi64(s45, s67));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Repacked activations of up to four tokens for RowDotC: qa the quants (64-byte aligned, 64 zero
+// bytes after the last block), dp / sp per group of 16 blocks the scale d_a(b) / float(asum_b)
+// of block b in lane kLaneOf(b % 16) (0 past the last block).
+struct RepackedC {
+  std::vector<uint8_t> bytes;
+  int8_t* qa[4];
+  float* dp[4];
+  float* sp[4];
+};
+
+template <GgmlType T>
+HWY_INLINE void RepackTokensC(const uint8_t* const* a, int nt, int64_t nb, RepackedC& rp) {
+  auto round64 = [](size_t x) { return (x + 63) / 64 * 64; };
+  const int64_t ng = (nb + 15) / 16;
+  // RowDotC reads whole groups of 16 blocks plus 64 bytes; past the last block: zeros.
+  const size_t qbytes = static_cast<size_t>(ng) * 16 * kQK + 64;
+  const size_t fbytes = static_cast<size_t>(ng) * 16 * sizeof(float);
+  const size_t per_tok = qbytes + 2 * fbytes;
+  if (rp.bytes.size() < 4 * per_tok + 64) rp.bytes.resize(4 * per_tok + 64);
+  uint8_t* base = rp.bytes.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  for (int k = 0; k < nt; ++k) {
+    uint8_t* q = base + static_cast<size_t>(k) * per_tok;
+    rp.qa[k] = reinterpret_cast<int8_t*>(q);
+    rp.dp[k] = reinterpret_cast<float*>(q + qbytes);
+    rp.sp[k] = reinterpret_cast<float*>(q + qbytes + fbytes);
+    for (int64_t b = 0; b < nb; ++b)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + static_cast<size_t>(b) * kQK),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                             a[k] + static_cast<size_t>(b) * kActBlockBytes + 2)));
+    std::memset(q + static_cast<size_t>(nb) * kQK, 0, qbytes - static_cast<size_t>(nb) * kQK);
+    for (int64_t g = 0; g < ng; ++g)
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t b = 16 * g + kBlockOf(lane);
+        float d = 0.0f, s = 0.0f;
+        if (b < nb) {
+          const uint8_t* ab = a[k] + static_cast<size_t>(b) * kActBlockBytes;
+          d = H2F(ab);
+          if constexpr (kHasMin<T>) {
+            int32_t sum = 0;
+            for (int i = 0; i < kQK; ++i) sum += static_cast<int8_t>(ab[2 + i]);
+            s = static_cast<float>(sum);
+          }
+        }
+        rp.dp[k][16 * g + lane] = d;
+        rp.sp[k][16 * g + lane] = s;
+      }
+  }
+}
+
+// Word tables of ScaleWords: for window j (128 bytes of a group of 16 blocks) and lane L, the
+// word of the window holding the f16 at byte 2 * kWord of block kBlockOf(L) (0 if elsewhere);
+// sel[j]: the lanes whose word lies in window j.
+template <GgmlType T, int kWord>
+struct ScaleTables {
+  static constexpr int kH = static_cast<int>(kWBlockBytes<T>) / 2;  // words per block
+  static constexpr int kWindows = (16 * kH + 63) / 64;
+  alignas(64) int16_t idx[kWindows][32];
+  uint32_t sel[kWindows];
+  constexpr ScaleTables() : idx{}, sel{} {
+    for (int j = 0; j < kWindows; ++j) {
+      sel[j] = 0;
+      for (int lane = 0; lane < 32; ++lane) idx[j][lane] = 0;
+      for (int lane = 0; lane < 16; ++lane) {
+        const int word = kBlockOf(lane) * kH + kWord - 64 * j;
+        if (word >= 0 && word < 64) {
+          idx[j][lane] = static_cast<int16_t>(word);
+          sel[j] |= 1u << lane;
+        }
+      }
+    }
+  }
+};
+
+// The f16 at byte 2 * kWord of each of the nbg (<= 16) blocks at wg, block b in word kLaneOf(b)
+// (0 for absent blocks): masked loads of the group's bytes (never past block nbg - 1) and one
+// two-table word permute per 128 bytes.
+template <GgmlType T, int kWord>
+HWY_INLINE __m256i ScaleWords(const uint8_t* wg, int nbg) {
+  static constexpr ScaleTables<T, kWord> kTab{};
+  constexpr int kH = ScaleTables<T, kWord>::kH;
+  const int valid = nbg * kH;  // words of the group
+  __m512i r = _mm512_setzero_si512();
+#pragma GCC unroll 5
+  for (int j = 0; j < ScaleTables<T, kWord>::kWindows; ++j) {
+    __m512i half[2];
+    for (int h = 0; h < 2; ++h) {
+      const int v = valid - 64 * j - 32 * h;
+      const __mmask32 lm = v >= 32 ? 0xFFFFFFFFu : v <= 0 ? 0u : (1u << v) - 1u;
+      half[h] = _mm512_maskz_loadu_epi16(lm, wg + 128 * j + 64 * h);
+    }
+    const __m512i t = _mm512_permutex2var_epi16(half[0], _mm512_load_si512(kTab.idx[j]), half[1]);
+    r = _mm512_mask_mov_epi16(r, kTab.sel[j], t);
+  }
+  return _mm512_castsi512_si256(r);
+}
+
+// res[k] = dot(weight row w, token k) for k < NT in the chain order above.
+template <GgmlType T, int NT>
+HWY_NOINLINE void RowDotC(const uint8_t* w, const RepackedC& rp, int64_t nb, float* res) {
+  constexpr size_t B = kWBlockBytes<T>;
+  __m512 ch[NT];
+  for (int k = 0; k < NT; ++k) ch[k] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < nb; g0 += 16) {
+    const uint8_t* wg = w + static_cast<size_t>(g0) * B;
+    // The hardware prefetcher alone leaves a single-thread weight stream short of DRAM speed.
+#pragma GCC unroll 9
+    for (size_t off = 0; off < 16 * B; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + off, _MM_HINT_T0);
+    const int nbg = nb - g0 < 16 ? static_cast<int>(nb - g0) : 16;
+    __mmask16 m = 0xFFFF;
+    W2 wq[8];
+    if (nbg == 16) {
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) wq[p] = LoadW2<T>(wg + 2 * p * B, wg + (2 * p + 1) * B);
+    } else {
+      m = 0;
+      for (int b = 0; b < nbg; ++b) m = static_cast<__mmask16>(m | (1u << kLaneOf(b)));
+      for (int p = 0; p < 8; ++p) {
+        const int b0 = 2 * p < nbg ? 2 * p : 0;
+        const int b1 = 2 * p + 1 < nbg ? 2 * p + 1 : b0;
+        wq[p] = LoadW2<T>(wg + b0 * B, wg + b1 * B);  // lanes of absent blocks are masked below
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(ScaleWords<T, 0>(wg, nbg));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (kHasMin<T>) mw = _mm512_cvtph_ps(ScaleWords<T, 1>(wg, nbg));
+#pragma GCC unroll 4
+    for (int k = 0; k < NT; ++k) {
+      const int8_t* qa = rp.qa[k] + static_cast<size_t>(g0) * kQK;
+      __m512i v[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m512i av = _mm512_load_si512(qa + 64 * p);  // zero padding past the row
+        if constexpr (kHasMin<T>) {
+          v[p] = DotUS2(wq[p].u, av);
+        } else {
+          v[p] = DotUS2(wq[p].u, _mm512_mask_sub_epi8(av, wq[p].neg, _mm512_setzero_si512(), av));
+        }
+      }
+      const __m512 da = _mm512_load_ps(rp.dp[k] + g0);
+      ch[k] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(ReduceBlocks16(v)), _mm512_mul_ps(dw, da),
+                                    ch[k], m);
+      if constexpr (kHasMin<T>)
+        ch[k] =
+            _mm512_mask3_fmadd_ps(_mm512_load_ps(rp.sp[k] + g0), _mm512_mul_ps(mw, da), ch[k], m);
+    }
+  }
+  for (int k = 0; k < NT; ++k) res[k] = Tree16(ch[k]);
+}
 
 // The 32 unsigned weight quants of a block in element order (offset kUOff<T> added).
 template <GgmlType T>
@@ -647,10 +834,18 @@ HWY_INLINE __m256i UnsignedW(const uint8_t* blk) {
   }
 }
 
-// Transposes block b of 16 activation rows a[0..15] into at[l] (l = 0..7: dword l of the 16
-// tokens) and writes cs[l] = -kUOff * asum(b, l) (int32; offset-free types: float(asum)).
+// One block of a 16-token chunk in the GEMM's activation scratch: at[l] dword l of the block's
+// quants for the 16 tokens, cs the block's start value per token (-kUOff * asum_b as int32; for
+// the offset-free Q4_1/Q5_1 float(asum_b)), da the 16 scales d_a(b).
+struct alignas(64) TBlock {
+  __m512i at[8];
+  __m512i cs;
+  __m512 da;
+};
+
+// Transposes block `off` (byte offset of its quants) of 16 activation rows a[0..15] into tb.
 template <GgmlType T>
-HWY_INLINE void TransposeBlock(const uint8_t* const* a, size_t off, __m512i* at, __m512i* cs) {
+HWY_INLINE void TransposeBlock(const uint8_t* const* a, size_t off, TBlock& tb) {
   __m512i r[8];
   for (int t = 0; t < 8; ++t) {
     const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t] + off));
@@ -671,54 +866,87 @@ HWY_INLINE void TransposeBlock(const uint8_t* const* a, size_t off, __m512i* at,
   }
   const __m512i ilo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
   const __m512i ihi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  const __m512i ones = _mm512_set1_epi8(1);
   for (int j = 0; j < 4; ++j) {
-    at[j] = _mm512_permutex2var_epi64(u[j], ilo, u[4 + j]);
-    at[j + 4] = _mm512_permutex2var_epi64(u[j], ihi, u[4 + j]);
+    tb.at[j] = _mm512_permutex2var_epi64(u[j], ilo, u[4 + j]);
+    tb.at[j + 4] = _mm512_permutex2var_epi64(u[j], ihi, u[4 + j]);
   }
-  for (int l = 0; l < 8; ++l) {
-    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, at[l]);
-    if constexpr (kUOff<T> != 0) {
-      cs[l] = _mm512_mullo_epi32(sum, _mm512_set1_epi32(-kUOff<T>));
-    } else {
-      cs[l] = _mm512_castps_si512(_mm512_cvtepi32_ps(sum));
+  __m512i sum = _mm512_setzero_si512();
+  for (int l = 0; l < 8; ++l) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), tb.at[l]);
+  if constexpr (kUOff<T> != 0) {
+    tb.cs = _mm512_mullo_epi32(sum, _mm512_set1_epi32(-kUOff<T>));
+  } else {
+    tb.cs = _mm512_castps_si512(_mm512_cvtepi32_ps(sum));
+  }
+}
+
+// Chain of blocks b0, b0 + 16, ... for NR rows (decoded quants wu[r], scales wd[r][2b] = d_w,
+// wd[r][2b + 1] = m_w) and NT 16-token chunks (tb[t], block-indexed): acc[r * NT + t].
+template <GgmlType T, int NR, int NT>
+HWY_INLINE void ChainC(const uint8_t* const* wu, const float* const* wd, const TBlock* const* tb,
+                       int64_t nb, int b0, __m512* acc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < NR * NT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = b0; b < nb; b += 16) {
+    __m512i x[NR * NT];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t)
+        x[r * NT + t] = kUOff<T> != 0 ? tb[t][b].cs : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      __m512i av[NT];
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t) av[t] = tb[t][b].at[l];
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        int32_t wq;
+        std::memcpy(&wq, wu[r] + b * kQK + 4 * l, 4);
+        const __m512i wv = _mm512_set1_epi32(wq);
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) x[r * NT + t] = _mm512_dpbusd_epi32(x[r * NT + t], wv, av[t]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512 dw = _mm512_set1_ps(wd[r][2 * b]);
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t) {
+        __m512& c = acc[r * NT + t];
+        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x[r * NT + t]), _mm512_mul_ps(dw, tb[t][b].da), c);
+        if constexpr (kHasMin<T>)
+          c = _mm512_fmadd_ps(_mm512_castsi512_ps(tb[t][b].cs),
+                              _mm512_mul_ps(_mm512_set1_ps(wd[r][2 * b + 1]), tb[t][b].da), c);
+      }
     }
   }
 }
 
-// Chain class c, lanes l0..l0 + 3, of NR rows (1 to 4) for 16 tokens: acc[r * 4 + j] (lane
-// l0 + j) over blocks b = c, c + 4, ...
-template <GgmlType T, int NR>
-HWY_INLINE void Chains(const uint8_t* const* wu, const float* const* wd, const __m512i* at,
-                       const __m512i* cs, const float* dt, int64_t nb, int c, int l0,
-                       __m512* acc) {
-  for (int i = 0; i < NR * 4; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = c; b < nb; b += 4) {
-    const __m512 da = _mm512_load_ps(dt + b * 16);
-    __m512 sc[NR], ms[NR];
-    for (int r = 0; r < NR; ++r) {
-      sc[r] = _mm512_mul_ps(_mm512_set1_ps(wd[r][2 * b]), da);
-      if constexpr (kHasMin<T>) ms[r] = _mm512_mul_ps(_mm512_set1_ps(wd[r][2 * b + 1]), da);
-    }
-    const __m512i* ab = at + b * 8 + l0;
-    const __m512i* cb = cs + b * 8 + l0;
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i av = _mm512_load_si512(ab + j);
-      const __m512i cv = _mm512_load_si512(cb + j);
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) {
-        int32_t wq;
-        std::memcpy(&wq, wu[r] + b * kQK + 4 * (l0 + j), 4);
-        __m512i x = kUOff<T> != 0 ? cv : _mm512_setzero_si512();
-        x = _mm512_dpbusd_epi32(x, _mm512_set1_epi32(wq), av);
-        acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), sc[r], acc[r * 4 + j]);
-        if constexpr (kHasMin<T>) {
-          acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_castsi512_ps(cv), ms[r], acc[r * 4 + j]);
-        }
-      }
+// NR rows x NT chunks: the 16 chains, then Tree16's sums, written to out (chunk t's tokens at
+// out + t * 16 * out_stride, nt[t] of them valid).
+template <GgmlType T, int NR, int NT>
+HWY_INLINE void MicroC(const uint8_t* const* wu, const float* const* wd, const TBlock* const* tb,
+                       int64_t nb, const int64_t* nt, float* out, int64_t out_stride) {
+  alignas(64) __m512 ch[16][NR * NT];
+  for (int lane = 0; lane < 16; ++lane) {
+    if (kBlockOf(lane) < nb) {
+      ChainC<T, NR, NT>(wu, wd, tb, nb, kBlockOf(lane), ch[lane]);
+    } else {
+      for (int i = 0; i < NR * NT; ++i) ch[lane][i] = _mm512_setzero_ps();
     }
   }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      const int i = r * NT + t;
+      __m512 s8[8], s4[4];
+      for (int j = 0; j < 8; ++j) s8[j] = _mm512_add_ps(ch[j][i], ch[j + 8][i]);
+      for (int j = 0; j < 4; ++j) s4[j] = _mm512_add_ps(s8[j], s8[j + 4]);
+      const __m512 res = _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3]));
+      alignas(64) float v[16];
+      _mm512_store_ps(v, res);
+      float* o = out + t * 16 * out_stride + r;
+      for (int64_t k = 0; k < nt[t]; ++k) o[k * out_stride] = v[k];
+    }
 }
 
 template <GgmlType T>
@@ -726,27 +954,21 @@ void GemmVnni(const uint8_t* wp, size_t wrb, int64_t n_rows, const uint8_t* ap, 
               int64_t n_tok, int64_t nb, float* out, int64_t out_stride) {
   thread_local GemmScratch wsc, asc;
   const int64_t n_chunks = (n_tok + 15) / 16;
-  const size_t at_bytes = static_cast<size_t>(nb) * 8 * 64;
-  const size_t chunk_bytes = 2 * at_bytes + static_cast<size_t>(nb) * 64;
-  uint8_t* abuf = asc.Get(static_cast<size_t>(n_chunks) * chunk_bytes);
-  // Activations: per 16-token chunk, at[b][l], cs[b][l] (64 bytes each), d_a dt[b][16].
+  TBlock* tbuf =
+      reinterpret_cast<TBlock*>(asc.Get(static_cast<size_t>(n_chunks * nb) * sizeof(TBlock)));
   for (int64_t ch = 0; ch < n_chunks; ++ch) {
     const uint8_t* a[16];
     for (int t = 0; t < 16; ++t) {
       const int64_t tok = ch * 16 + t < n_tok ? ch * 16 + t : ch * 16;  // pad with a real row
       a[t] = ap + static_cast<size_t>(tok) * act_stride;
     }
-    uint8_t* base = abuf + static_cast<size_t>(ch) * chunk_bytes;
-    auto* at = reinterpret_cast<__m512i*>(base);
-    auto* cs = reinterpret_cast<__m512i*>(base + at_bytes);
-    auto* dt = reinterpret_cast<float*>(base + 2 * at_bytes);
+    TBlock* tb = tbuf + ch * nb;
     for (int64_t b = 0; b < nb; ++b) {
       const size_t off = static_cast<size_t>(b) * kActBlockBytes;
-      TransposeBlock<T>(a, off + 2, at + b * 8, cs + b * 8);
+      TransposeBlock<T>(a, off + 2, tb[b]);
       alignas(32) uint16_t h[16];
       for (int t = 0; t < 16; ++t) std::memcpy(&h[t], a[t] + off, 2);
-      _mm512_store_ps(dt + b * 16,
-                      _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
+      tb[b].da = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
     }
   }
   const size_t wu_bytes = static_cast<size_t>(nb) * kQK;
@@ -765,72 +987,33 @@ void GemmVnni(const uint8_t* wp, size_t wrb, int64_t n_rows, const uint8_t* ap, 
         d[2 * b + 1] = kHasMin<T> ? H2F(blk + 2) : 0.0f;
       }
     }
-    for (int64_t ch = 0; ch < n_chunks; ++ch) {
-      const uint8_t* base = abuf + static_cast<size_t>(ch) * chunk_bytes;
-      const auto* at = reinterpret_cast<const __m512i*>(base);
-      const auto* cs = reinterpret_cast<const __m512i*>(base + at_bytes);
-      const auto* dt = reinterpret_cast<const float*>(base + 2 * at_bytes);
-      const int64_t nt = n_tok - ch * 16 < 16 ? n_tok - ch * 16 : 16;
-      for (int64_t r = 0; r < nr; r += 4) {
-        const int rows = nr - r >= 4 ? 4 : static_cast<int>(nr - r);
+    for (int64_t c0 = 0; c0 < n_chunks; c0 += 2) {
+      const int nc = n_chunks - c0 >= 2 ? 2 : 1;
+      const TBlock* tb[2] = {tbuf + c0 * nb, tbuf + (c0 + nc - 1) * nb};
+      int64_t nt[2];
+      for (int t = 0; t < nc; ++t) nt[t] = n_tok - (c0 + t) * 16 < 16 ? n_tok - (c0 + t) * 16 : 16;
+      float* o = out + c0 * 16 * out_stride + r0;
+      int64_t r = 0;
+      for (; r + 4 <= nr; r += 4) {
         const uint8_t* wu[4];
         const float* wd[4];
-        for (int k = 0; k < rows; ++k) {
+        for (int k = 0; k < 4; ++k) {
           wu[k] = wbuf + static_cast<size_t>(r + k) * wrow;
           wd[k] = reinterpret_cast<const float*>(wu[k] + wu_bytes);
         }
-        alignas(64) __m512 chain[4][32];  // [c][row * 8 + l]
-        for (int c = 0; c < 4; ++c) {
-          for (int l0 = 0; l0 < 8; l0 += 4) {
-            alignas(64) __m512 acc[16];
-            switch (rows) {
-              case 4:
-                Chains<T, 4>(wu, wd, at, cs, dt, nb, c, l0, acc);
-                break;
-              case 3:
-                Chains<T, 3>(wu, wd, at, cs, dt, nb, c, l0, acc);
-                break;
-              case 2:
-                Chains<T, 2>(wu, wd, at, cs, dt, nb, c, l0, acc);
-                break;
-              default:
-                Chains<T, 1>(wu, wd, at, cs, dt, nb, c, l0, acc);
-                break;
-            }
-            for (int k = 0; k < rows; ++k)
-              for (int j = 0; j < 4; ++j) chain[c][k * 8 + l0 + j] = acc[k * 4 + j];
-          }
+        if (nc == 2) {
+          MicroC<T, 4, 2>(wu, wd, tb, nb, nt, o + r, out_stride);
+        } else {
+          MicroC<T, 4, 1>(wu, wd, tb, nb, nt, o + r, out_stride);
         }
-        for (int k = 0; k < rows; ++k) {
-          if (nb % 2 == 1) {
-            // RowDot's last pair (b, b) with the zero padding: chain c of block b + 1.
-            const int64_t bl = nb - 1;
-            const int c = static_cast<int>(bl % 4) + 1;
-            const __m512 z = _mm512_setzero_ps();
-            const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(wd[k][2 * bl]), z);
-            const __m512 sm = _mm512_mul_ps(_mm512_set1_ps(wd[k][2 * bl + 1]), z);
-            for (int l = 0; l < 8; ++l) {
-              __m512& v = chain[c][k * 8 + l];
-              v = _mm512_fmadd_ps(z, sd, v);
-              if constexpr (kHasMin<T>) v = _mm512_fmadd_ps(z, sm, v);
-            }
-          }
-          // e + o: lane l = chain 0 + chain 2, lane 8 + l = chain 1 + chain 3; then the tree of
-          // _mm512_reduce_add_ps (lanes i + 8, then i + 4, then pairs (0, 2), (1, 3), then 0 + 1).
-          __m512 t3[8];
-          for (int l = 0; l < 8; ++l) {
-            const __m512 lo = _mm512_add_ps(chain[0][k * 8 + l], chain[2][k * 8 + l]);
-            const __m512 hi = _mm512_add_ps(chain[1][k * 8 + l], chain[3][k * 8 + l]);
-            t3[l] = _mm512_add_ps(hi, lo);
-          }
-          __m512 t6[4];
-          for (int l = 0; l < 4; ++l) t6[l] = _mm512_add_ps(t3[l + 4], t3[l]);
-          const __m512 res =
-              _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
-          alignas(64) float v[16];
-          _mm512_store_ps(v, res);
-          float* o = out + ch * 16 * out_stride + r0 + r + k;
-          for (int64_t t = 0; t < nt; ++t) o[t * out_stride] = v[t];
+      }
+      for (; r < nr; ++r) {
+        const uint8_t* wu = wbuf + static_cast<size_t>(r) * wrow;
+        const float* wd = reinterpret_cast<const float*>(wu + wu_bytes);
+        if (nc == 2) {
+          MicroC<T, 1, 2>(&wu, &wd, tb, nb, nt, o + r, out_stride);
+        } else {
+          MicroC<T, 1, 1>(&wu, &wd, tb, nb, nt, o + r, out_stride);
         }
       }
     }
@@ -845,21 +1028,45 @@ void Tile(const void* w, int64_t n_rows, const void* act, size_t act_stride, int
   const size_t wrb = static_cast<size_t>(nb) * kWBlockBytes<T>;
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* ap = static_cast<const uint8_t*>(act);
-  thread_local Repacked rp;
 #if BERTH_QL_VNNI
   if (n_tok >= kGemmMinTok) {
     GemmVnni<T>(wp, wrb, n_rows, ap, act_stride, n_tok, nb, out, out_stride);
     return;
   }
+  thread_local RepackedC rp;
+#else
+  thread_local Repacked rp;
 #endif
   for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
     const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
     const uint8_t* a[4];
     for (int k = 0; k < nt; ++k) a[k] = ap + static_cast<size_t>(t0 + k) * act_stride;
+    float* o = out + t0 * out_stride;
+#if BERTH_QL_VNNI
+    RepackTokensC<T>(a, nt, nb, rp);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const uint8_t* wr = wp + static_cast<size_t>(r) * wrb;
+      float res[4];
+      switch (nt) {
+        case 4:
+          RowDotC<T, 4>(wr, rp, nb, res);
+          break;
+        case 3:
+          RowDotC<T, 3>(wr, rp, nb, res);
+          break;
+        case 2:
+          RowDotC<T, 2>(wr, rp, nb, res);
+          break;
+        default:
+          RowDotC<T, 1>(wr, rp, nb, res);
+          break;
+      }
+      for (int k = 0; k < nt; ++k) o[k * out_stride + r] = res[k];
+    }
+#else
     RepackTokens(a, nt, nb, rp);
     const int8_t* const* qa = rp.qa;
     const float* const* ds = rp.ds;
-    float* o = out + t0 * out_stride;
     for (int64_t r = 0; r < n_rows; ++r) {
       const uint8_t* wr = wp + static_cast<size_t>(r) * wrb;
       float res[4];
@@ -879,6 +1086,7 @@ void Tile(const void* w, int64_t n_rows, const void* act, size_t act_stride, int
       }
       for (int k = 0; k < nt; ++k) o[k * out_stride + r] = res[k];
     }
+#endif
   }
 }
 
@@ -999,6 +1207,9 @@ void DotTileLegacy(GgmlType t, const void* w, int64_t n_rows, const void* act, s
   }
 }
 
+// Whether Tile blocks for the cache itself when n_tok > 1 (GemmVnni).
+bool GemmTilesItself() { return BERTH_QL_VNNI != 0; }
+
 // Q8_0 quantization, bit for bit ggml's quantize_row_q8_0_ref as implemented by
 // ref::quantize_row: d = amax / 127 (NaN inputs ignored), id = 1 / d (0 when d = 0),
 // q = round-half-away-from-zero(clamp(x * id, -127, 127)) with NaN products giving 0,
@@ -1050,9 +1261,14 @@ namespace berth::cpu {
 namespace qlegacy {
 HWY_EXPORT(QuantizeQ8_0);
 HWY_EXPORT(DotTileLegacy);
+HWY_EXPORT(GemmTilesItself);
 }  // namespace qlegacy
 
 namespace detail {
+
+/// Whether the legacy dot_tile of the CPU's dispatched target blocks for the cache itself when
+/// n_tok > 1 (quant_dot.h; AVX3_DL's GemmVnni). No errors.
+bool legacy_gemm_tiles_itself() { return HWY_DYNAMIC_DISPATCH(qlegacy::GemmTilesItself)(); }
 
 /// Quantizes n floats (x, contiguous) into n / 32 Q8_0 blocks at dst (34 bytes each, any
 /// alignment). Bit for bit equal to ref::quantize_row(Q8_0, ...) on every target.

@@ -137,6 +137,10 @@ std::vector<Shape> shapes() {
         s.push_back({n, rows, tok});
       }
   s.push_back({256, 3, 512});
+  // Register tiles of the AVX3_DL GEMM (4 rows x 2 chunks of 16 tokens) with row and token
+  // remainders: 17 rows = 4 x 4 + 1, 40 tokens = 32 + 8, 20 tokens = 16 + 4.
+  s.push_back({2816, 17, 40});
+  s.push_back({512, 8, 20});
   return s;
 }
 

@@ -8,9 +8,11 @@
 //  - Q8_0 activation quantization: SIMD equals ref::quantize_activation bit for bit (random rows
 //    and rows with ties, NaN, infinities, an all-zero block);
 //  - dot_tile vs ref::dot_tile on the same quantized activations, for n = 32, 64, 96 (odd block
-//    count), 4096 (plus float tails), n_rows 1, 3, 17, n_tok 1, 2, 3, 7, 64 and 512;
+//    count), 1184 (37 blocks), 4096 (plus float tails), n_rows 1, 3, 17, n_tok 1, 2, 3, 7, 64
+//    and 512;
 //  - out_stride > n_rows: the gaps keep their sentinel; every written output is finite;
-//  - a tile split into sub-tiles (rows and tokens) gives bit-identical outputs;
+//  - a tile split into sub-tiles (rows and tokens) gives bit-identical outputs, and so does each
+//    token computed alone (the decode GEMV);
 //  - exact results when every product and partial sum is representable (power-of-two scales,
 //    random quant bytes, including Q8_0's -128);
 //  - end to end: SIMD-quantized activations times the weights is close to the double product of
@@ -171,11 +173,25 @@ void check_shape(GgmlType t, int64_t n, int64_t n_rows, int64_t n_tok, uint64_t 
       CHECK_MESSAGE(same_bits(got.data(), split.data(), got.size()),
                     "a tile split into sub-tiles differs from the whole tile");
     }
+    if (n_tok > 1) {
+      // Each token alone (the decode GEMV) gives the tile's bits (GEMM == GEMV).
+      const size_t arb = cpu::activation_row_bytes(t, n);
+      std::vector<float> one(static_cast<size_t>(n_rows));
+      bool same = true;
+      for (int64_t k = 0; k < n_tok; ++k) {
+        test::poison(one);
+        cpu::dot_tile(t, w.data(), n_rows, a.data() + static_cast<size_t>(k) * arb, arb, 1, n,
+                      one.data(), n_rows);
+        same = same && same_bits(one.data(), got.data() + k * n_rows, one.size());
+      }
+      CHECK_MESSAGE(same, "a token computed alone (GEMV) differs from the tile (GEMM)");
+    }
   });
 }
 
 TEST_CASE("oracle: legacy and float dot_tile on every SIMD target") {
-  const int64_t ns[] = {32, 64, 96, 4096};
+  // 1184 = 37 blocks: two full groups of 16 blocks (the AVX3_DL chain width) and an odd tail.
+  const int64_t ns[] = {32, 64, 96, 1184, 4096};
   const int64_t rows[] = {1, 3, 17};
   const int64_t toks[] = {1, 2, 3, 7, 64};
   uint64_t seed = 1000;

@@ -49,28 +49,11 @@ struct Compare {
   int steps = 0;            // positions compared
 };
 
-// Smallest gap, over the layers of the oracle's last step, between the k-th and (k+1)-th
-// expert probability (1 for dense models).
-double routing_margin(const oracle::NaiveModel& m) {
-  double margin = 1.0;
-  for (const oracle::Routing& r : m.last_routing()) {
-    std::vector<double> p = r.probs;
-    std::sort(p.begin(), p.end(), std::greater<>());
-    const size_t k = r.ids.size();
-    if (k < p.size()) margin = std::min(margin, p[k - 1] - p[k]);
-  }
-  return margin;
-}
-
 // Prefill `prompt`, then `n` greedy steps chosen by berth; the oracle is fed the same tokens.
-// With quantized weights berth's 8-bit activations move the router logits slightly, so an
-// expert choice within `routing_band` (probability gap between the k-th and (k+1)-th expert)
-// can flip, which changes that token and, through the KV cache, every later one: the
-// comparison stops at the first such position.
 // Greedy agreement is checked where the oracle's top two logits are more than `tie_band` x
 // max|logit| apart.
 Compare compare_with_oracle(const std::string& path, const std::vector<int32_t>& prompt, int n,
-                            double routing_band, double tie_band, int threads = 2) {
+                            double tie_band, int threads = 2) {
   gguf::File file = gguf::File::open(path);
   std::unique_ptr<Model> model = load_model(file);
   oracle::NaiveModel naive(file, 128);
@@ -98,7 +81,6 @@ Compare compare_with_oracle(const std::string& path, const std::vector<int32_t>&
   std::vector<float> logits(all.begin(), all.end());
   for (size_t t = 0; t < prompt.size(); ++t) {
     const std::vector<double> want = naive.step(prompt[t]);
-    if (routing_margin(naive) < routing_band) return c;
     check(std::span<const float>(logits).subspan(t * nv, nv), want);
     ++c.steps;
   }
@@ -106,7 +88,6 @@ Compare compare_with_oracle(const std::string& path, const std::vector<int32_t>&
   for (int i = 0; i < n; ++i) {
     std::span<const float> got = s.eval(std::span<const int32_t>(&next, 1));
     const std::vector<double> want = naive.step(next);
-    if (routing_margin(naive) < routing_band) return c;
     check(got, want);
     ++c.steps;
     next = argmax(got);
@@ -144,16 +125,18 @@ TEST_CASE("every architecture matches the double-precision oracle over 32 greedy
   // f32: the only differences are float vs double rounding (measured <= 6.8e-7 relative,
   // NMSE <= 3.3e-13; stories260K: 4.6e-7). q8_0 and q4_K: the oracle decodes the same quantized
   // weights, so the difference is the 8-bit quantization of berth's activations (Q8_0 blocks
-  // of 32, Q8_K blocks of 256): measured NMSE <= 1.4e-3, max rel <= 4.2e-2; MoE comparisons stop
-  // at a routing near-tie (compare_with_oracle); greedy
+  // of 32, Q8_K blocks of 256): measured NMSE <= 1.4e-3, max rel <= 4.2e-2; greedy
   // tokens must agree where the oracle's top two differ by more than the max rel bound.
+  // Quantized MoE files are not compared here: their 4 experts give routing near-ties every
+  // few tokens, where 8-bit activations may pick the other expert (a real, expected flip, not
+  // an error); tests/runtime/test_moe.cpp checks quantized expert math against double
+  // precision with the routing fixed.
   const Case cases[] = {
       {"tiny-llama", "f32", 0, 1e-5, 1e-11},      {"tiny-qwen2", "f32", 0, 1e-5, 1e-11},
       {"tiny-qwen3", "f32", 0, 1e-5, 1e-11},      {"tiny-qwen3moe", "f32", 0, 1e-5, 1e-11},
       {"tiny-qwen3moe", "f32", 1.0, 1e-5, 1e-11}, {"tiny-mixtral", "f32", 0, 1e-5, 1e-11},
       {"tiny-llama", "q8_0", 0, 0.1, 5e-3},       {"tiny-llama", "q4_k", 0, 0.1, 5e-3},
-      {"tiny-qwen3", "q4_k", 0, 0.1, 5e-3},       {"tiny-qwen3moe", "q8_0", 0, 0.1, 5e-3},
-      {"tiny-qwen3moe", "q4_k", 0, 0.1, 5e-3},    {"tiny-mixtral", "q4_k", 0, 0.1, 5e-3},
+      {"tiny-qwen3", "q4_k", 0, 0.1, 5e-3},       {"tiny-qwen2", "q8_0", 0, 0.1, 5e-3},
   };
   for (const Case& c : cases) {
     INFO(c.preset, " ", c.type, " skew ", c.skew);
@@ -163,14 +146,10 @@ TEST_CASE("every architecture matches the double-precision oracle over 32 greedy
     std::vector<int32_t> prompt(8);
     for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n_vocab));
     const bool quantized = c.type != "f32";
-    const Compare r = compare_with_oracle(path, prompt, 32, quantized ? 0.01 : 0.0,
-                                          quantized ? c.max_rel : 1e-4);
+    const Compare r = compare_with_oracle(path, prompt, 32, quantized ? c.max_rel : 1e-4);
     MESSAGE(c.preset, " ", c.type, " skew ", c.skew, ": ", r.steps, " positions, max rel ",
             r.max_rel, ", max nmse ", r.max_nmse);
-    // Quantized MoE files: the tiny models' 4 experts give near-ties every few tokens (gaps
-    // under 0.01 are common), so only the positions before the first one are compared.
-    const bool moe = c.preset.find("moe") != std::string::npos || c.preset == "tiny-mixtral";
-    CHECK(r.steps >= (quantized && moe ? 4 : 40));
+    CHECK(r.steps == 40);
     CHECK(r.max_rel < c.max_rel);
     CHECK(r.max_nmse < c.max_nmse);
     CHECK(r.greedy_mismatch == 0);

@@ -50,7 +50,10 @@ void dot_tile(GgmlType weight_type, const void* w, int64_t n_rows, const void* a
 /// Splits the range into blocks of 4 x kGemmRowTile rows and, within them, tiles of
 /// kGemmTokTile tokens, calling dot_tile on each, so a block's weights stay in cache while they
 /// are applied to every token and a token tile's activations are fetched once per block.
-/// Same arguments and result as dot_tile (bit for bit: see "Determinism").
+/// Where the dispatched kernel blocks for the cache itself (the AVX3_DL GEMMs of the legacy and
+/// K families), one dot_tile call takes the whole range, so that it unpacks each weight row and
+/// transposes each activation row once. Same arguments and result as dot_tile (bit for bit:
+/// see "Determinism"); throws what dot_tile throws.
 void gemm_rows(GgmlType weight_type, const void* w, int64_t n_rows, const void* act,
                size_t act_stride, int64_t n_tok, int64_t n, float* out, int64_t out_stride);
 
@@ -82,4 +85,9 @@ void dot_tile_float(GgmlType t, const void* w, int64_t n_rows, const void* act, 
                     int64_t n_tok, int64_t n, float* out, int64_t out_stride);  // F32/F16/BF16
 void dot_tile_k(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
                 int64_t n_tok, int64_t n, float* out, int64_t out_stride);  // Q2_K..Q6_K
+// Whether the dispatched target's dot_tile of the family does its own cache blocking for
+// n_tok > 1 (so gemm_rows hands it the whole row range and all tokens in one call, and it
+// unpacks each weight row and transposes each activation row once; AVX3_DL today).
+bool legacy_gemm_tiles_itself();  // quant_dot_legacy.cc
+bool k_gemm_tiles_itself();       // quant_dot_k.cc
 }  // namespace berth::cpu::detail
