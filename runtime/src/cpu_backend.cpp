@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -39,11 +41,19 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     if (i > 0 && positions[i] != positions[i - 1] + 1)
       throw Error(ErrorCategory::invalid_argument, "ubatch positions must be consecutive");
   }
+  ++run_count_;
   if (bufs_.size() < g.values.size()) bufs_.resize(g.values.size());
   for (size_t i = 0; i < g.values.size(); ++i) {
     const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
     if (bufs_[i].size() < n) bufs_[i].resize(n);
   }
+  pool_.execute([&] { run_ops(g, tokens, positions); });
+  const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
+  return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
+}
+
+void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> tokens,
+                          std::span<const int32_t> positions) {
   for (size_t i = 0; i < g.ops.size();) {
     const Op& op = g.ops[i];
     const auto t0 = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
@@ -65,8 +75,6 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     }
     i += n_ops;
   }
-  const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
-  return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
 }
 
 std::span<const float> CpuExecutor::value(const graph::Graph& g, graph::ValueId v) const {
@@ -122,7 +130,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       }
       const int64_t len = op.norm_group > 0 ? op.norm_group : cols;
       const int64_t n_norm = rows * (cols / len);  // rows of `len` values, consecutive in memory
-      pool_.parallel_for(n_norm, std::max<int64_t>(1, 1024 / len), [&](int64_t r0, int64_t r1) {
+      pool_.parallel_for(n_norm, std::max<int64_t>(1, 16384 / len), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) cpu::rms_norm(x + r * len, wp, out + r * len, len, op.eps);
       });
       return;
@@ -152,17 +160,29 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const float* x = buf(op.inputs[0]);
       std::memcpy(out, x, static_cast<size_t>(rows * cols) * sizeof(float));
       const int32_t half = p.n_rot / 2;
-      pool_.parallel_for(rows, 1, [&](int64_t r0, int64_t r1) {
-        float* cs = worker_scratch(static_cast<size_t>(2 * half));
-        for (int64_t r = r0; r < r1; ++r) {
+      // cos/sin of theta_i = pos * base^(-2i / n_rot) per token, computed in double (RoFormer,
+      // eq. 15) once per run and rope shape: every layer's Q and K reuse the table.
+      if (rope_tables_.size() != static_cast<size_t>(rows) * half * 2 || rope_n_rot_ != p.n_rot ||
+          rope_base_ != p.freq_base || rope_pos0_ != positions[0] || rope_run_ != run_count_) {
+        rope_tables_.resize(static_cast<size_t>(rows) * half * 2);
+        for (int64_t r = 0; r < rows; ++r) {
           const double pos = positions[static_cast<size_t>(r)];
+          float* cs = rope_tables_.data() + r * half * 2;
           for (int32_t i = 0; i < half; ++i) {
-            // theta_i = pos * base^(-2i / n_rot), computed in double (RoFormer, eq. 15).
             const double theta =
                 pos * std::pow(static_cast<double>(p.freq_base), -2.0 * i / p.n_rot);
             cs[i] = static_cast<float>(std::cos(theta));
             cs[half + i] = static_cast<float>(std::sin(theta));
           }
+        }
+        rope_n_rot_ = p.n_rot;
+        rope_base_ = p.freq_base;
+        rope_pos0_ = positions[0];
+        rope_run_ = run_count_;
+      }
+      pool_.parallel_for(rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* cs = rope_tables_.data() + r * half * 2;
           cpu::rope_inplace(out + r * cols, p.n_head, p.head_dim, p.n_rot, cs, cs + half,
                             p.mode == graph::RopeMode::adjacent);
         }
@@ -186,14 +206,22 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const int32_t group = p.n_head / p.n_head_kv;
       const int64_t hd = p.head_dim;
       if (n_tok == 1) {
-        // Decode: one task per KV head; its `group` query heads read each K/V row once.
+        // Decode: tasks of (KV head, block of its query heads); a block reads each K/V row
+        // once. Short contexts use blocks of one query (more tasks than KV heads, the K/V rows
+        // come from cache); long ones blocks of 4, so K/V stream from memory at most group/4
+        // times. A query's result does not depend on its block, so neither choice changes bits.
         const int64_t n_kv = positions[0] + 1;
-        pool_.parallel_for(p.n_head_kv, 1, [&](int64_t h0, int64_t h1) {
+        const int64_t qb = n_kv <= 512 ? 1 : 4;
+        const int64_t per_head = (group + qb - 1) / qb;
+        pool_.parallel_for(p.n_head_kv * per_head, 1, [&](int64_t i0, int64_t i1) {
           float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
-          for (int64_t hk = h0; hk < h1; ++hk)
-            cpu::attention_group(q + hk * group * hd, hd, group, n_kv, kc + hk * hd, kl.k_dim,
-                                 vc + hk * hd, kl.v_dim, p.head_dim, p.scale,
-                                 out + hk * group * hd, hd, scratch);
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t hk = i / per_head, j0 = (i % per_head) * qb;
+            const int64_t nq = std::min<int64_t>(qb, group - j0);
+            const int64_t h = hk * group + j0;
+            cpu::attention_group(q + h * hd, hd, nq, n_kv, kc + hk * hd, kl.k_dim, vc + hk * hd,
+                                 kl.v_dim, p.head_dim, p.scale, out + h * hd, hd, scratch);
+          }
         });
         return;
       }
@@ -306,7 +334,6 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   // Small row counts (decode: n_expert_used rows) run on the calling thread: a parallel region
   // would cost more than the work.
   const int64_t row_grain_in = std::max<int64_t>(1, 32768 / n_embd);
-  const int64_t row_grain_ff = std::max<int64_t>(1, 32768 / n_ff);
   pool_.parallel_for(n_pairs, row_grain_in, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* x = h + (moe_slots_[static_cast<size_t>(i)] / k) * n_embd;
@@ -338,40 +365,68 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     return tasks;
   };
 
-  // gate and up: [pairs of e, n_ff] each; then swiglu and quantization for the down matmul.
+  // One parallel region for the whole expert FFN. Tasks are claimed in order from one counter:
+  // first every (expert, row block) of gate+up, then every (expert, row block) of down. The
+  // thread that finishes an expert's last gate/up block applies SwiGLU to that expert's rows,
+  // quantizes them for down and marks the expert ready; a down block waits (spins) for its
+  // expert. A down block is claimed only after all gate/up blocks are claimed, and claimed
+  // blocks run at once, so the wait always ends; experts overlap (one's down with another's
+  // gate/up) and the layer costs one barrier instead of two or more.
   const std::vector<Task> t_up = make_tasks(n_ff);
-  pool_.parallel_for(static_cast<int64_t>(t_up.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Task& tk = t_up[static_cast<size_t>(i)];
-      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
-      const int64_t r = int64_t{tk.e} * n_ff + tk.r0;
-      cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + static_cast<size_t>(first) * arb_g,
-                     arb_g, n, n_embd, moe_gate_.data() + first * n_ff + tk.r0, n_ff);
-      cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + static_cast<size_t>(first) * arb_u,
-                     arb_u, n, n_embd, moe_up_.data() + first * n_ff + tk.r0, n_ff);
-    }
-  });
-  uint8_t* act_d = moe_act_d_.data();
-  pool_.parallel_for(n_pairs, row_grain_ff, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float* g = moe_gate_.data() + i * n_ff;
-      cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
-      cpu::quantize_activation(wd.type, g, act_d + static_cast<size_t>(i) * arb_d, n_ff);
-    }
-  });
-  // down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
   const std::vector<Task> t_down = make_tasks(n_embd);
-  pool_.parallel_for(static_cast<int64_t>(t_down.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Task& tk = t_down[static_cast<size_t>(i)];
-      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
-      float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
-      cpu::gemm_rows(wd.type, wd.row(int64_t{tk.e} * n_embd + tk.r0), tk.r1 - tk.r0,
-                     act_d + static_cast<size_t>(first) * arb_d, arb_d, n, n_ff, tmp,
-                     tk.r1 - tk.r0);
-      for (int64_t s = 0; s < n; ++s)
-        std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
-                    tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
+  uint8_t* act_d = moe_act_d_.data();
+  std::vector<std::atomic<int32_t>> up_left(static_cast<size_t>(p.n_expert));
+  std::vector<std::atomic<int32_t>> ready(static_cast<size_t>(p.n_expert));
+  for (int32_t e = 0; e < p.n_expert; ++e) {
+    up_left[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
+    ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
+  }
+  for (const Task& tk : t_up) up_left[static_cast<size_t>(tk.e)].fetch_add(1, std::memory_order_relaxed);
+  const int64_t n_up = static_cast<int64_t>(t_up.size());
+  const int64_t n_tasks = n_up + static_cast<int64_t>(t_down.size());
+  std::atomic<int64_t> next{0};
+  auto run_up = [&](const Task& tk) {
+    const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+    const int64_t r = int64_t{tk.e} * n_ff + tk.r0;
+    cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + static_cast<size_t>(first) * arb_g,
+                   arb_g, n, n_embd, moe_gate_.data() + first * n_ff + tk.r0, n_ff);
+    cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + static_cast<size_t>(first) * arb_u,
+                   arb_u, n, n_embd, moe_up_.data() + first * n_ff + tk.r0, n_ff);
+    if (up_left[static_cast<size_t>(tk.e)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      for (int64_t i = first; i < first + n; ++i) {
+        float* g = moe_gate_.data() + i * n_ff;
+        cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
+        cpu::quantize_activation(wd.type, g, act_d + static_cast<size_t>(i) * arb_d, n_ff);
+      }
+      ready[static_cast<size_t>(tk.e)].store(1, std::memory_order_release);
+    }
+  };
+  // Down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
+  auto run_down = [&](const Task& tk) {
+    for (int spins = 0; ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0;
+         ++spins) {
+      if (spins < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+    float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
+    cpu::gemm_rows(wd.type, wd.row(int64_t{tk.e} * n_embd + tk.r0), tk.r1 - tk.r0,
+                   act_d + static_cast<size_t>(first) * arb_d, arb_d, n, n_ff, tmp, tk.r1 - tk.r0);
+    for (int64_t s = 0; s < n; ++s)
+      std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
+                  tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
+  };
+  pool_.parallel_for(std::min<int64_t>(n_threads, n_tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+      if (i < n_up)
+        run_up(t_up[static_cast<size_t>(i)]);
+      else
+        run_down(t_down[static_cast<size_t>(i - n_up)]);
     }
   });
   // Combine per token in slot order (fixed, so threads and ubatches never change the bits).

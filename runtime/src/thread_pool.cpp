@@ -87,7 +87,20 @@ class PinningObserver : public oneapi::tbb::task_scheduler_observer {
         saved_ = nullptr;
       }
     }
-    if (!topology().bind_current_thread(slot)) failed_.store(true);
+    // Workers leave the arena when it runs dry and re-enter at the next parallel region, often
+    // into the same slot: skip the binding system call when this thread already holds that
+    // slot's core (for this pool).
+    thread_local const PinningObserver* bound_pool = nullptr;
+    thread_local int bound_slot = -1;
+    if (is_worker && bound_pool == this && bound_slot == slot) return;
+    if (!topology().bind_current_thread(slot)) {
+      failed_.store(true);
+      return;
+    }
+    if (is_worker) {
+      bound_pool = this;
+      bound_slot = slot;
+    }
   }
 
   /// Restores the master thread's binding; call on the thread that created the pool.
@@ -154,6 +167,8 @@ int ThreadPool::worker_index() {
   const int i = oneapi::tbb::this_task_arena::current_thread_index();
   return i < 0 ? 0 : i;
 }
+
+void ThreadPool::execute(const std::function<void()>& fn) { impl_->arena.execute(fn); }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain,
                               const std::function<void(int64_t, int64_t)>& fn) {

@@ -43,6 +43,8 @@ class CpuExecutor {
   void reset_profile() { prof_ = {}; }
 
  private:
+  void run_ops(const graph::Graph& g, std::span<const int32_t> tokens,
+               std::span<const int32_t> positions);
   void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
               std::span<const int32_t> positions);
   float* buf(graph::ValueId v) { return bufs_[static_cast<size_t>(v)].data(); }
@@ -73,6 +75,13 @@ class CpuExecutor {
   std::vector<int64_t> moe_first_, moe_slots_;
   std::vector<uint8_t> moe_act_u_, moe_act_d_;
   std::vector<float> moe_gate_, moe_up_, moe_y_;
+  // RoPE cos/sin per token of the current run ([rows][cos n_rot/2 | sin n_rot/2]), for one
+  // (n_rot, freq_base): rebuilt when the run, the first position or the shape changes.
+  std::vector<float> rope_tables_;
+  int32_t rope_n_rot_ = 0;
+  float rope_base_ = 0;
+  int32_t rope_pos0_ = -1;
+  uint64_t run_count_ = 0, rope_run_ = 0;
   static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::moe_experts) + 1;
   bool profiling_ = false;
   std::array<OpTime, kOpKinds> prof_{};

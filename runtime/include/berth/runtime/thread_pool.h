@@ -32,6 +32,10 @@ class ThreadPool {
   /// by fn propagate to the caller.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
+  /// Runs fn on the calling thread inside the pool's arena: parallel_for calls made by fn then
+  /// skip joining the arena each time (a step of many small ops). Exceptions propagate.
+  void execute(const std::function<void()>& fn);
+
   /// Index of the calling worker in [0, n_threads) while inside parallel_for (scratch slots).
   static int worker_index();
 
