@@ -456,8 +456,11 @@ TEST_CASE("synth: a 1-layer Qwen3-30B-A3B file has the predicted size and bounde
                                          << " s; peak RSS " << hwm_kib / 1024
                                          << " MiB; largest tensor " << largest / 1e6 << " MB");
   // Memory holds one tensor in its type (the writer's buffer) plus slabs, never the model.
+  // (Not under AddressSanitizer: its quarantine keeps freed blocks resident, 628 MiB here.)
+#if !defined(__SANITIZE_ADDRESS__)
   if (hwm_kib > 0) CHECK(hwm_kib * 1024 < largest + (256u << 20));
   CHECK(hwm_kib * 1024 < expect);
+#endif
   // Router skew at the real shape (128 experts, 8 used; 4111 of the 151936 tokens).
   const double share = top_decile_share(f, 0, 8, nullptr, 37);
   MESSAGE("qwen3-30b-a3b shape, A = 1, layer 0: the top 10% (13 of 128) experts take "
