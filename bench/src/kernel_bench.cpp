@@ -683,10 +683,10 @@ std::string format_text(const KernelBenchResult& r) {
 
   if (!r.gemm.empty()) {
     s += fmt::format(
-        "\nGEMM ({} x {} matrix, tiles of {} rows x {} tokens); speedups over the GEMV "
-        "run once per token on the same matrix, and over decoding it from DRAM at the "
-        "GEMV's GB/s\n",
-        o.gemm_rows, o.gemm_cols, cpu::kGemmRowTile, cpu::kGemmTokTile);
+        "\nGEMM ({} x {} matrix, rows split as the runtime splits them, each chunk one "
+        "cpu::gemm_rows); speedups over the GEMV run once per token on the same matrix, and "
+        "over decoding it from DRAM at the GEMV's GB/s\n",
+        o.gemm_rows, o.gemm_cols);
     s +=
         fmt::format("  {:<5}  {:>7}  {:>6}  {:>10}  {:>8}  {:>10}  {:>10}  {:>8}\n", "type",
                     "threads", "ubatch", "tok/s", "GFLOP/s", "x GEMV/tok", "x decode", "same bits");
