@@ -72,36 +72,16 @@ uint64_t min_value_bytes(ValueType t) {
   return 1;
 }
 
-// Escapes a string value for to_string (UTF-8 is kept; control bytes are escaped).
+// Escapes a string value for to_string: backslash and quote escaped, then core's printable()
+// (valid UTF-8 kept; control bytes and bytes that are not UTF-8 as \xNN; never cut).
 std::string escape_value(std::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 2);
+  std::string quoted;
+  quoted.reserve(s.size() + 2);
   for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\'':
-        out += "\\'";
-        break;
-      default:
-        if (c < 0x20 || c == 0x7f)
-          out += fmt::format("\\x{:02x}", c);
-        else
-          out += ch;
-    }
+    if (ch == '\\' || ch == '\'') quoted += '\\';
+    quoted += ch;
   }
-  return out;
+  return printable(quoted, std::string::npos);
 }
 
 // Sequential little-endian reader over the file's bytes. Every read checks the bytes left;

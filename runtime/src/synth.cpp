@@ -1,6 +1,8 @@
 #include "berth/runtime/synth.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -759,7 +761,32 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
                              const std::function<void(double fraction)>& progress) {
   const auto t0 = std::chrono::steady_clock::now();
   VocabData hf;
+  {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec))
+      throw Error(ErrorCategory::io, fmt::format("output '{}' is a directory", printable(path)));
+  }
   const Plan plan = make_plan(spec, spec.vocab_path.empty() ? nullptr : &hf);
+  // The writer holds one whole tensor in memory while it is produced: refuse a shape whose
+  // largest tensor would not fit comfortably before spending minutes on it.
+  {
+    const TensorGen* largest = nullptr;
+    uint64_t largest_bytes = 0;
+    for (const TensorGen& g : plan.tensors) {
+      const uint64_t b =
+          static_cast<uint64_t>(n_elements(g.t.ne) / g.t.ne[0]) * row_bytes(g.t.type, g.t.ne[0]);
+      if (b > largest_bytes) largest_bytes = b, largest = &g;
+    }
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    const uint64_t phys = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+    if (largest && phys > 0 && largest_bytes > phys / 2)
+      bad(fmt::format("tensor '{}' would be {:.1f} GB ({} {}), and it is held in memory while it is "
+                      "written: more than half of this machine's {:.1f} GB (check --n-embd, "
+                      "--n-vocab, --n-ff, --n-expert)",
+                      largest->t.name, static_cast<double>(largest_bytes) / 1e9,
+                      type_name(largest->t.type), fmt::join(largest->t.ne, " x "),
+                      static_cast<double>(phys) / 1e9));
+  }
   ThreadPool pool(n_threads > 0 ? n_threads : physical_core_count());
   const int nt = pool.n_threads();
 
@@ -806,8 +833,25 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
                    }
                  });
   }
-  w.write(path);
+  // Written under a temporary name and renamed when complete, so an interrupted run never
+  // replaces an existing file with a partial one.
+  const std::string partial = path + ".partial";
+  try {
+    w.write(partial);
+  } catch (...) {
+    std::error_code ignore;
+    std::filesystem::remove(partial, ignore);
+    throw;
+  }
   std::error_code ec;
+  std::filesystem::rename(partial, path, ec);
+  if (ec) {
+    std::error_code ignore;
+    std::filesystem::remove(partial, ignore);
+    throw Error(ErrorCategory::io,
+                fmt::format("cannot rename '{}' to '{}': {}", printable(partial), printable(path),
+                            ec.message()));
+  }
   const auto size = std::filesystem::file_size(path, ec);
   st.bytes_written = ec ? 0 : static_cast<uint64_t>(size);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -584,5 +584,30 @@ TEST_CASE("synth: bad arguments are invalid_argument errors naming the flag") {
   s = berth::synth_preset("tiny-qwen3");
   s.router_skew = -1;
   expect_invalid([&] { berth::validate_synth_spec(s); }, "--router-skew");
+  // Each dimension is in range, but token_embd would be 16 Mi x 16 Mi: refused before any
+  // work, naming the tensor (the writer holds a whole tensor in memory).
+  s = berth::synth_preset("tiny-llama");
+  s.n_embd = int64_t{1} << 24;
+  s.n_head = 4;
+  s.n_head_kv = 4;
+  s.head_dim = 0;
+  s.n_vocab = int64_t{1} << 24;
+  expect_invalid([&] { berth::write_synth_model(s, out, 1); }, "token_embd.weight");
   CHECK(!fs::exists(out));
+  // A directory as the output path, and a good file kept when a later write fails.
+  try {
+    berth::write_synth_model(berth::synth_preset("tiny-llama"), dir.string(), 1);
+    FAIL("no error");
+  } catch (const berth::Error& e) {
+    CHECK(e.category() == ErrorCategory::io);
+    CHECK(contains(e.what(), "is a directory"));
+  }
+  SynthSpec good = berth::synth_preset("tiny-llama");
+  berth::write_synth_model(good, out, 1);
+  const auto size = fs::file_size(out);
+  good.type = "q9_9";
+  expect_invalid([&] { berth::write_synth_model(good, out, 1); }, "--type");
+  CHECK(fs::file_size(out) == size);
+  CHECK(!fs::exists(out + ".partial"));
+  fs::remove(out);
 }
