@@ -10,5 +10,6 @@ cmake --build build-fuzz --target fuzz_load fuzz_make_seed -j"$(nproc)"
 corpus=build-fuzz/corpus
 mkdir -p "$corpus"
 build-fuzz/bin/fuzz_make_seed "$corpus/seed-tiny-llama.gguf"
-build-fuzz/bin/fuzz_load -max_total_time="$secs" -max_len=8192 -rss_limit_mb=2048 \
+build-fuzz/bin/fuzz_make_seed --moe-bpe "$corpus/seed-tiny-qwen3moe-bpe.gguf"
+build-fuzz/bin/fuzz_load -max_total_time="$secs" -max_len=16384 -rss_limit_mb=2048 \
   -timeout=10 "$corpus"

@@ -148,7 +148,10 @@ VocabData read_hf_tokenizer_json(const std::string& path) {
 
   by_id.reserve(n_entries);
   types.reserve(n_entries);
-  for (const auto& [token, id] : vocab.items()) {
+  for (const auto& item : vocab.items()) {
+    // (Not a structured binding: clang before C++20's P1091 cannot capture one in a lambda.)
+    const std::string& token = item.key();
+    const auto& id = item.value();
     if (!id.is_number_integer()) {
       fail(path, fmt::format("model.vocab['{}'] is not an integer id", printable(token)));
     }

@@ -8,6 +8,7 @@
 
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
+#include "berth/models/chat.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/session.h"
@@ -28,12 +29,19 @@ inline bool exercise_file(std::vector<uint8_t> bytes) {
       StreamDecoder dec(*tok);
       for (int32_t id : ids) (void)dec.push(id);
       (void)dec.flush();
+      // The chat template the file names, rendered and tokenized (markup with control tokens).
+      const ChatFormat fmt = chat_format_for(f, "");
+      const ChatMessage msgs[] = {{ChatRole::system, "be brief"},
+                                  {ChatRole::user, "hi <|im_end|>"},
+                                  {ChatRole::assistant, "ok"}};
+      (void)tokenize_chat(*tok, render_chat(fmt, msgs, false), true);
     } catch (const Error&) {
     }
     std::unique_ptr<Model> model = load_model(f);
     // Bound the work a fuzzed file can ask for: small models only.
     const Hparams& hp = model->hparams();
-    if (hp.n_embd * hp.n_layer > (1 << 16) || hp.n_vocab > (1 << 16) || hp.n_ff > (1 << 12))
+    if (hp.n_embd * hp.n_layer > (1 << 16) || hp.n_vocab > (1 << 16) || hp.n_ff > (1 << 12) ||
+        hp.n_expert * hp.n_ff_exp > (1 << 14))
       return true;
     Session s(*model, SessionParams{.n_threads = 1, .n_ctx = 4, .n_ubatch = 2});
     const int32_t prompt[3] = {0, static_cast<int32_t>(hp.n_vocab - 1), 0};

@@ -1,5 +1,8 @@
-// Writes a tiny but complete llama GGUF file (2 layers, n_embd 8, SPM vocabulary of 40 tokens)
-// as a seed for fuzz_load: the fuzzer then mutates a file that reaches the deepest code.
+// Writes tiny but complete GGUF files as seeds for fuzz_load, so the fuzzer mutates files that
+// reach the deepest code: `make_seed OUT.gguf` a llama (2 layers, n_embd 8, SPM vocabulary of
+// 40 tokens); `make_seed --moe-bpe OUT.gguf` a qwen3moe (1 layer, n_embd 8, 4 experts with 2
+// used, per-head Q/K norms) with a byte-level BPE vocabulary (GPT-2's 256 byte symbols, a few
+// merges, ChatML control tokens).
 #include <cstdio>
 #include <random>
 #include <string>
@@ -7,12 +10,110 @@
 
 #include "berth/io/gguf_writer.h"
 
+namespace {
+
+using namespace berth;
+
+// GPT-2's byte-to-unicode table (the alphabet of byte-level BPE tokens), as UTF-8.
+std::string byte_symbol(int b) {
+  const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+  int cp = b;
+  if (!printable) {
+    int n = 0;
+    for (int x = 0; x < b; ++x)
+      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174))) ++n;
+    cp = 256 + n;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+int write_moe_bpe(const char* path) {
+  gguf::Writer w;
+  const std::string a = "qwen3moe";
+  w.set_string("general.architecture", a);
+  w.set_u32(a + ".context_length", 16);
+  w.set_u32(a + ".embedding_length", 8);
+  w.set_u32(a + ".feed_forward_length", 12);
+  w.set_u32(a + ".expert_feed_forward_length", 4);
+  w.set_u32(a + ".expert_count", 4);
+  w.set_u32(a + ".expert_used_count", 2);
+  w.set_u32(a + ".attention.head_count", 2);
+  w.set_u32(a + ".attention.head_count_kv", 1);
+  w.set_u32(a + ".attention.key_length", 4);
+  w.set_u32(a + ".attention.value_length", 4);
+  w.set_u32(a + ".block_count", 1);
+  w.set_f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
+  w.set_f32(a + ".rope.freq_base", 1e6f);
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  for (int b = 0; b < 256; ++b) {
+    tokens.push_back(byte_symbol(b));
+    types.push_back(1);
+  }
+  const std::string G = byte_symbol(' ');
+  std::vector<std::string> merges = {G + " t", "h e", G + "t he", "i n"};
+  for (const std::string& t : {G + "t", std::string("he"), G + "the", std::string("in")}) {
+    tokens.push_back(t);
+    types.push_back(1);
+  }
+  for (const char* t : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
+    tokens.push_back(t);
+    types.push_back(3);
+  }
+  tokens.push_back("<think>");
+  types.push_back(4);
+  const int64_t V = static_cast<int64_t>(tokens.size());
+  w.set_string("tokenizer.ggml.model", "gpt2");
+  w.set_string("tokenizer.ggml.pre", "qwen2");
+  w.set_string_array("tokenizer.ggml.tokens", tokens);
+  w.set_i32_array("tokenizer.ggml.token_type", types);
+  w.set_string_array("tokenizer.ggml.merges", merges);
+  w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(V - 2));
+  w.set_string("tokenizer.chat_template", "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}");
+
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  auto add = [&](const std::string& name, std::vector<int64_t> ne) {
+    int64_t n = 1;
+    for (int64_t d : ne) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = nd(rng);
+    w.add_tensor(name, GgmlType::F32, ne,
+                 std::span(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)));
+  };
+  add("token_embd.weight", {8, V});
+  add("blk.0.attn_norm.weight", {8});
+  add("blk.0.attn_q.weight", {8, 8});
+  add("blk.0.attn_k.weight", {8, 4});
+  add("blk.0.attn_v.weight", {8, 4});
+  add("blk.0.attn_q_norm.weight", {4});
+  add("blk.0.attn_k_norm.weight", {4});
+  add("blk.0.attn_output.weight", {8, 8});
+  add("blk.0.ffn_norm.weight", {8});
+  add("blk.0.ffn_gate_inp.weight", {8, 4});
+  add("blk.0.ffn_gate_exps.weight", {8, 4, 4});
+  add("blk.0.ffn_up_exps.weight", {8, 4, 4});
+  add("blk.0.ffn_down_exps.weight", {4, 8, 4});
+  add("output_norm.weight", {8});
+  w.write(path);
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--moe-bpe") return write_moe_bpe(argv[2]);
   if (argc != 2) {
-    std::fprintf(stderr, "usage: make_seed OUT.gguf\n");
+    std::fprintf(stderr, "usage: make_seed [--moe-bpe] OUT.gguf\n");
     return 2;
   }
-  using namespace berth;
   gguf::Writer w;
   w.set_string("general.architecture", "llama");
   w.set_u32("llama.context_length", 16);
