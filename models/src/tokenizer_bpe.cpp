@@ -503,4 +503,6 @@ std::string BpeTokenizer::token_to_piece(int32_t id, bool render_special) const 
   return piece;
 }
 
+const std::string& gpt2_byte_symbol(uint8_t b) { return alphabet().utf8[b]; }
+
 }  // namespace berth

@@ -456,22 +456,10 @@ constexpr std::string_view kWords[] = {
     "lazy",      "dog",     "day",      "night",   "king",     "queen",   "city",    "river",
 };
 
-// GPT-2's bytes_to_unicode: printable bytes map to themselves, the other 68 to U+0100 onwards.
+// GPT-2's bytes_to_unicode symbols of the 256 bytes (models' gpt2_byte_symbol).
 std::vector<std::string> gpt2_byte_symbols() {
   std::vector<std::string> out(256);
-  int next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool keep = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-    const int cp = keep ? b : next++;
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    out[b] = s;
-  }
+  for (int b = 0; b < 256; ++b) out[static_cast<size_t>(b)] = gpt2_byte_symbol(static_cast<uint8_t>(b));
   return out;
 }
 

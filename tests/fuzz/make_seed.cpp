@@ -9,30 +9,13 @@
 #include <vector>
 
 #include "berth/io/gguf_writer.h"
+#include "berth/models/tokenizer.h"
 
 namespace {
 
 using namespace berth;
 
-// GPT-2's byte-to-unicode table (the alphabet of byte-level BPE tokens), as UTF-8.
-std::string byte_symbol(int b) {
-  const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
-  int cp = b;
-  if (!printable) {
-    int n = 0;
-    for (int x = 0; x < b; ++x)
-      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174))) ++n;
-    cp = 256 + n;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
+std::string byte_symbol(int b) { return gpt2_byte_symbol(static_cast<uint8_t>(b)); }
 
 int write_moe_bpe(const char* path) {
   gguf::Writer w;

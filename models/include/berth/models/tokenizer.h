@@ -140,6 +140,11 @@ class Tokenizer {
   TokenIndex token_ids_;
 };
 
+/// The symbol that stands for byte `b` in byte-level BPE vocabularies (GPT-2's bytes_to_unicode,
+/// openai/gpt-2 src/encoder.py), UTF-8 encoded: '!'..'~', 0xA1..0xAC and 0xAE..0xFF are
+/// themselves; the other 68 bytes map in order to U+0100, U+0101, ... (' ' -> "Ġ", '\n' -> "Ċ").
+const std::string& gpt2_byte_symbol(uint8_t b);
+
 /// Reads a Hugging Face `tokenizer.json` (model.type "BPE", byte-level) into the arrays a GGUF
 /// file would hold, as llama.cpp's converter writes them: tokens by id (vocab plus
 /// added_tokens), token types (added special tokens -> control, other added tokens ->
