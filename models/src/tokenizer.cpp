@@ -143,6 +143,56 @@ std::unique_ptr<Tokenizer> Tokenizer::make_bpe(VocabData vocab) {
   return std::make_unique<BpeTokenizer>(std::move(vocab));
 }
 
+void Tokenizer::check_vocab(VocabData& vocab) {
+  const size_t n = vocab.tokens.size();
+  const std::string& src = vocab.source;
+  if (n == 0) throw Error(ErrorCategory::format, fmt::format("{}: tokenizer.ggml.tokens is empty", src));
+  if (n >= static_cast<size_t>(INT32_MAX))
+    throw Error(
+        ErrorCategory::format,
+        fmt::format("{}: tokenizer.ggml.tokens has {} entries, more than int32 ids allow", src, n));
+  if (vocab.scores.empty()) vocab.scores.assign(n, 0.0f);
+  if (vocab.types.empty()) vocab.types.assign(n, TokenType::normal);
+  for (auto [key, size] : {std::pair<const char*, size_t>{"scores", vocab.scores.size()},
+                           {"token_type", vocab.types.size()}})
+    if (size != n)
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: tokenizer.ggml.{} has {} entries but tokenizer.ggml.tokens has {}",
+                              src, key, size, n));
+  for (size_t i = 0; i < n; ++i) {
+    const auto t = static_cast<int32_t>(vocab.types[i]);
+    if (t < 0 || t > static_cast<int32_t>(TokenType::byte))
+      throw Error(
+          ErrorCategory::format,
+          fmt::format("{}: token {} has tokenizer.ggml.token_type {}, outside 0..6", src, i, t));
+  }
+  auto check_id = [&](int32_t id, std::string_view key) {
+    if (id < -1 || id >= static_cast<int64_t>(n))
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", src, key, id, n));
+  };
+  check_id(vocab.bos_id, "tokenizer.ggml.bos_token_id");
+  check_id(vocab.eos_id, "tokenizer.ggml.eos_token_id");
+  check_id(vocab.unk_id, "tokenizer.ggml.unknown_token_id");
+  for (int32_t id : vocab.extra_eog_ids) check_id(id, "end-of-generation id");
+}
+
+void Tokenizer::adopt_vocab(VocabData& vocab) {
+  tokens_ = std::move(vocab.tokens);
+  types_ = std::move(vocab.types);
+  bos_id_ = vocab.bos_id;
+  eos_id_ = vocab.eos_id;
+  unk_id_ = vocab.unk_id;
+  add_bos_ = vocab.add_bos;
+  add_eos_ = vocab.add_eos;
+  eog_ids_.clear();
+  if (eos_id_ >= 0) eog_ids_.push_back(eos_id_);
+  for (int32_t id : vocab.extra_eog_ids)
+    if (id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) == eog_ids_.end())
+      eog_ids_.push_back(id);
+  build_token_index();
+}
+
 void Tokenizer::build_token_index() {
   token_ids_.clear();
   token_ids_.reserve(tokens_.size());

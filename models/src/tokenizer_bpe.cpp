@@ -59,14 +59,6 @@ const ByteAlphabet& alphabet() {
   return a;
 }
 
-void check_special_id(int32_t id, size_t n_vocab, std::string_view key, const std::string& src) {
-  if (id < -1 || id >= static_cast<int64_t>(n_vocab)) {
-    throw Error(
-        ErrorCategory::format,
-        fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", src, key, id, n_vocab));
-  }
-}
-
 std::string pcre2_message(int code) {
   PCRE2_UCHAR buf[256];
   const int n = pcre2_get_error_message(code, buf, sizeof buf);
@@ -171,41 +163,8 @@ struct BpeTokenizer::Workspace {
 BpeTokenizer::~BpeTokenizer() = default;
 
 BpeTokenizer::BpeTokenizer(VocabData vocab) {
-  const size_t n = vocab.tokens.size();
+  check_vocab(vocab);
   const std::string& src = vocab.source;
-  if (n == 0) {
-    throw Error(ErrorCategory::format, fmt::format("{}: tokenizer.ggml.tokens is empty", src));
-  }
-  if (n >= static_cast<size_t>(INT32_MAX)) {
-    throw Error(
-        ErrorCategory::format,
-        fmt::format("{}: tokenizer.ggml.tokens has {} entries, more than int32 ids allow", src, n));
-  }
-  if (vocab.types.empty()) vocab.types.assign(n, TokenType::normal);
-  if (vocab.types.size() != n) {
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: tokenizer.ggml.token_type has {} entries but "
-                            "tokenizer.ggml.tokens has {}",
-                            src, vocab.types.size(), n));
-  }
-  if (!vocab.scores.empty() && vocab.scores.size() != n) {
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: tokenizer.ggml.scores has {} entries but tokenizer.ggml.tokens "
-                            "has {}",
-                            src, vocab.scores.size(), n));
-  }
-  check_special_id(vocab.bos_id, n, "tokenizer.ggml.bos_token_id", src);
-  check_special_id(vocab.eos_id, n, "tokenizer.ggml.eos_token_id", src);
-  check_special_id(vocab.unk_id, n, "tokenizer.ggml.unknown_token_id", src);
-  for (int32_t id : vocab.extra_eog_ids) check_special_id(id, n, "end-of-generation id", src);
-  for (size_t i = 0; i < n; ++i) {
-    const auto t = static_cast<int32_t>(vocab.types[i]);
-    if (t < 0 || t > static_cast<int32_t>(TokenType::byte)) {
-      throw Error(
-          ErrorCategory::format,
-          fmt::format("{}: token {} has tokenizer.ggml.token_type {}, outside 0..6", src, i, t));
-    }
-  }
 
   pre_ = vocab.pre.empty() ? std::string("default") : vocab.pre;
   const std::vector<std::string>* patterns = bpe_pre_regexes(pre_);
@@ -217,21 +176,8 @@ BpeTokenizer::BpeTokenizer(VocabData vocab) {
   for (const std::string& p : *patterns) regexes_.push_back(std::make_unique<Regex>(p, pre_));
   ignore_merges_ = pre_ == "llama-bpe";
 
-  tokens_ = std::move(vocab.tokens);
-  types_ = std::move(vocab.types);
-  bos_id_ = vocab.bos_id;
-  eos_id_ = vocab.eos_id;
-  unk_id_ = vocab.unk_id;
-  add_bos_ = vocab.add_bos;
-  add_eos_ = vocab.add_eos;
+  adopt_vocab(vocab);
   add_space_prefix_ = false;  // byte-level BPE encodes spaces as they are
-  if (eos_id_ >= 0) eog_ids_.push_back(eos_id_);
-  for (int32_t id : vocab.extra_eog_ids) {
-    if (id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) == eog_ids_.end()) {
-      eog_ids_.push_back(id);
-    }
-  }
-  build_token_index();
 
   const ByteAlphabet& abc = alphabet();
   for (int b = 0; b < 256; ++b) byte_ids_[b] = find_token(abc.utf8[b]);

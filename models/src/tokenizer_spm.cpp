@@ -34,14 +34,6 @@ int parse_byte_token(std::string_view text) {
   return value;
 }
 
-void check_special_id(int32_t id, size_t n_vocab, std::string_view key, const std::string& src) {
-  if (id < -1 || id >= static_cast<int64_t>(n_vocab)) {
-    throw Error(
-        ErrorCategory::format,
-        fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", src, key, id, n_vocab));
-  }
-}
-
 /// A symbol of the merge loop: bytes [begin, begin + size) of the fragment, in a doubly linked
 /// list of the symbols still alive. size == 0 marks a symbol merged into its left neighbour.
 struct Symbol {
@@ -69,51 +61,12 @@ struct BigramLess {
 }  // namespace
 
 SpmTokenizer::SpmTokenizer(VocabData vocab) {
+  check_vocab(vocab);
   const size_t n = vocab.tokens.size();
   const std::string& src = vocab.source;
-  if (n == 0) {
-    throw Error(ErrorCategory::format, fmt::format("{}: tokenizer.ggml.tokens is empty", src));
-  }
-  if (n > static_cast<size_t>(INT32_MAX)) {
-    throw Error(
-        ErrorCategory::format,
-        fmt::format("{}: tokenizer.ggml.tokens has {} entries, more than int32 ids allow", src, n));
-  }
-  if (vocab.scores.empty()) vocab.scores.assign(n, 0.0f);
-  if (vocab.types.empty()) vocab.types.assign(n, TokenType::normal);
-  if (vocab.scores.size() != n) {
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: tokenizer.ggml.scores has {} entries but tokenizer.ggml.tokens "
-                            "has {}",
-                            src, vocab.scores.size(), n));
-  }
-  if (vocab.types.size() != n) {
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: tokenizer.ggml.token_type has {} entries but "
-                            "tokenizer.ggml.tokens has {}",
-                            src, vocab.types.size(), n));
-  }
-  check_special_id(vocab.bos_id, n, "tokenizer.ggml.bos_token_id", src);
-  check_special_id(vocab.eos_id, n, "tokenizer.ggml.eos_token_id", src);
-  check_special_id(vocab.unk_id, n, "tokenizer.ggml.unknown_token_id", src);
-  for (int32_t id : vocab.extra_eog_ids) check_special_id(id, n, "end-of-generation id", src);
-
-  tokens_ = std::move(vocab.tokens);
-  types_ = std::move(vocab.types);
   scores_ = std::move(vocab.scores);
-  bos_id_ = vocab.bos_id;
-  eos_id_ = vocab.eos_id;
-  unk_id_ = vocab.unk_id;
-  add_bos_ = vocab.add_bos;
-  add_eos_ = vocab.add_eos;
+  adopt_vocab(vocab);
   add_space_prefix_ = vocab.add_space_prefix;
-  if (eos_id_ >= 0) eog_ids_.push_back(eos_id_);
-  for (int32_t id : vocab.extra_eog_ids) {
-    if (id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) == eog_ids_.end()) {
-      eog_ids_.push_back(id);
-    }
-  }
-  build_token_index();
 
   byte_ids_.fill(-1);
   byte_value_.assign(n, -1);

@@ -119,6 +119,14 @@ class Tokenizer {
   int32_t find_token(std::string_view text) const;
 
  protected:
+  /// Checks the arrays every vocabulary shares and fills the optional ones: tokens non-empty
+  /// (fewer than 2^31), token_type and scores empty (filled: normal, 0) or of the tokens'
+  /// length, each type in 0..6, BOS/EOS/unknown and end-of-generation ids in [-1, n_vocab).
+  /// Throws Error(format) naming the tokenizer.ggml.* key and vocab.source.
+  static void check_vocab(VocabData& vocab);
+  /// Takes the tokens, types, special ids and add_bos/add_eos flags of a checked `vocab`, builds
+  /// the end-of-generation list (EOS, then extra_eog_ids) and the token index.
+  void adopt_vocab(VocabData& vocab);
   /// Fills token_ids_ from tokens_; call once tokens_ is final.
   void build_token_index();
 
