@@ -1,10 +1,11 @@
 // Helpers shared by the test suites.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <string>
-#include <unistd.h>
 
 namespace berth::test {
 
@@ -22,11 +23,12 @@ inline std::filesystem::path temp_dir(const std::string& tag) {
 
 }  // namespace berth::test
 
+#include <sys/wait.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
-#include <sys/wait.h>
 
 namespace berth::test {
 

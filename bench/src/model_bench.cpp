@@ -64,8 +64,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   ModelBenchOptions o = options;
   o.progress = nullptr;
   if (o.n_prompt < 0 || o.n_gen < 0 || o.repetitions < 1)
-    throw Error(ErrorCategory::invalid_argument,
-                "bench model: -p and -n must be >= 0 and -r >= 1");
+    throw Error(ErrorCategory::invalid_argument, "bench model: -p and -n must be >= 0 and -r >= 1");
   auto say = [&](const std::string& s) {
     if (options.progress) options.progress(s);
   };
@@ -90,8 +89,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   sp.n_ubatch = std::max(o.n_prompt, 1);
   if (sp.n_ctx > hp.n_ctx_train)
     throw Error(ErrorCategory::invalid_argument,
-                fmt::format("bench model: {} tokens exceed the model's context_length {}",
-                            sp.n_ctx, hp.n_ctx_train));
+                fmt::format("bench model: {} tokens exceed the model's context_length {}", sp.n_ctx,
+                            hp.n_ctx_train));
   Session session(*model, sp);
   r.n_threads = session.pool().n_threads();
   o.n_threads = r.n_threads;
@@ -138,13 +137,15 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     r.tg_profile = shares(session.executor().profile(), o.repetitions);
   }
   const size_t llc = r.machine.llc_bytes;
-  r.dram = measure_dram_bandwidth(r.n_threads, o.dram_bytes ? o.dram_bytes : std::max(kGiB, 8 * llc),
-                                  std::max(3, o.repetitions));
+  r.dram =
+      measure_dram_bandwidth(r.n_threads, o.dram_bytes ? o.dram_bytes : std::max(kGiB, 8 * llc),
+                             std::max(3, o.repetitions));
   say(fmt::format("dram   threads {:>3}  {:8.2f} GB/s", r.n_threads, r.dram.gbps.median));
 
   r.decode_weight_bytes = decode_weight_bytes(*model);
   uint64_t kv_row = 0;
-  for (const KvLayer& l : model->kv_layers()) kv_row += static_cast<uint64_t>(l.k_dim + l.v_dim) * 4;
+  for (const KvLayer& l : model->kv_layers())
+    kv_row += static_cast<uint64_t>(l.k_dim + l.v_dim) * 4;
   r.decode_kv_bytes = kv_row * static_cast<uint64_t>(o.n_gen + 1) / 2;
   const double bytes = static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes);
   r.bound_tok_s = r.dram.gbps.median * 1e9 / bytes;
@@ -160,22 +161,37 @@ nlohmann::json to_json(const ModelBenchResult& r) {
   using nlohmann::json;
   auto prof = [](const std::vector<OpShare>& p) {
     json a = json::array();
-    for (const OpShare& s : p) a.push_back({{"op", s.kind}, {"seconds", s.seconds}, {"fraction", s.fraction}});
+    for (const OpShare& s : p)
+      a.push_back({{"op", s.kind}, {"seconds", s.seconds}, {"fraction", s.fraction}});
     return a;
   };
   const MachineInfo& m = r.machine;
   return json{
       {"machine",
-       {{"hostname", m.hostname}, {"cpu_model", m.cpu_model}, {"physical_cores", m.physical_cores},
-        {"logical_cpus", m.logical_cpus}, {"llc_bytes", m.llc_bytes}, {"cpu_flags", m.cpu_flags},
-        {"simd_targets", m.simd_targets}, {"date_utc", m.date_utc}, {"build", m.build}}},
+       {{"hostname", m.hostname},
+        {"cpu_model", m.cpu_model},
+        {"physical_cores", m.physical_cores},
+        {"logical_cpus", m.logical_cpus},
+        {"llc_bytes", m.llc_bytes},
+        {"cpu_flags", m.cpu_flags},
+        {"simd_targets", m.simd_targets},
+        {"date_utc", m.date_utc},
+        {"build", m.build}}},
       {"model",
-       {{"path", r.options.model_path}, {"name", r.model_name}, {"arch", r.arch},
-        {"n_params", r.n_params}, {"weight_bytes", r.weight_bytes}, {"n_layer", r.n_layer},
-        {"n_expert", r.n_expert}, {"n_expert_used", r.n_expert_used}}},
+       {{"path", r.options.model_path},
+        {"name", r.model_name},
+        {"arch", r.arch},
+        {"n_params", r.n_params},
+        {"weight_bytes", r.weight_bytes},
+        {"n_layer", r.n_layer},
+        {"n_expert", r.n_expert},
+        {"n_expert_used", r.n_expert_used}}},
       {"config",
-       {{"threads", r.n_threads}, {"n_prompt", r.options.n_prompt}, {"n_gen", r.options.n_gen},
-        {"repetitions", r.options.repetitions}, {"seed", r.options.seed}}},
+       {{"threads", r.n_threads},
+        {"n_prompt", r.options.n_prompt},
+        {"n_gen", r.options.n_gen},
+        {"repetitions", r.options.repetitions},
+        {"seed", r.options.seed}}},
       {"statistic", fmt::format("median of {} runs after 1 warm-up", r.options.repetitions)},
       {"pp_tok_s", r.pp_tok_s.median},
       {"pp_tok_s_best", r.pp_tok_s.best},
@@ -193,10 +209,10 @@ nlohmann::json to_json(const ModelBenchResult& r) {
 }
 
 std::string format_text(const ModelBenchResult& r) {
-  std::string s = fmt::format("machine: {} ({} cores), {}\nmodel:   {} ({}), {} layers",
-                              r.machine.cpu_model, r.machine.physical_cores, r.machine.date_utc,
-                              r.model_name.empty() ? r.options.model_path : r.model_name, r.arch,
-                              r.n_layer);
+  std::string s =
+      fmt::format("machine: {} ({} cores), {}\nmodel:   {} ({}), {} layers", r.machine.cpu_model,
+                  r.machine.physical_cores, r.machine.date_utc,
+                  r.model_name.empty() ? r.options.model_path : r.model_name, r.arch, r.n_layer);
   if (r.n_expert > 0) s += fmt::format(", {} experts ({} used)", r.n_expert, r.n_expert_used);
   s += fmt::format(", {:.2f} B params, {:.2f} GB\n", static_cast<double>(r.n_params) / 1e9,
                    static_cast<double>(r.weight_bytes) / 1e9);

@@ -108,7 +108,8 @@ Runner add_bench(CLI::App& app) {
   m->add_option("-m,--model", o->m.model_path, "GGUF model file")->required();
   m->add_option("-t,--threads", o->m.n_threads, "worker threads (default: physical cores)")
       ->check(CLI::Range(0, 4096));
-  m->add_option("-p,--n-prompt", o->m.n_prompt, "prompt tokens of the pp test (default 512; 0: skip)")
+  m->add_option("-p,--n-prompt", o->m.n_prompt,
+                "prompt tokens of the pp test (default 512; 0: skip)")
       ->check(CLI::Range(0, 1 << 20));
   m->add_option("-n,--n-gen", o->m.n_gen, "tokens of the tg test (default 128; 0: skip)")
       ->check(CLI::Range(0, 1 << 20));

@@ -28,17 +28,19 @@ int inspect(const InspectOptions& o) {
   constexpr double kMiB = 1024.0 * 1024.0;
   std::string out;
   out += fmt::format("file: {}\n", f.path());
-  out += fmt::format("GGUF version {}, {} metadata keys, {} tensors, alignment {}, data at byte {}, "
-                     "{:.2f} MiB\n\n",
-                     f.version(), f.kvs().size(), f.tensors().size(), f.alignment(),
-                     f.data_offset(), static_cast<double>(f.file_size()) / kMiB);
+  out += fmt::format(
+      "GGUF version {}, {} metadata keys, {} tensors, alignment {}, data at byte {}, "
+      "{:.2f} MiB\n\n",
+      f.version(), f.kvs().size(), f.tensors().size(), f.alignment(), f.data_offset(),
+      static_cast<double>(f.file_size()) / kMiB);
   out += "metadata:\n";
   for (const gguf::KeyValue& kv : f.kvs()) {
     std::string v = kv.value.to_string(o.max_array_items);
     // Long strings (chat templates) are cut to one readable line unless asked otherwise.
     if (o.max_value_chars > 0 && v.size() > o.max_value_chars) {
       size_t cut = o.max_value_chars;
-      while (cut > 0 && (static_cast<unsigned char>(v[cut]) & 0xC0) == 0x80) --cut;  // UTF-8 boundary
+      while (cut > 0 && (static_cast<unsigned char>(v[cut]) & 0xC0) == 0x80)
+        --cut;  // UTF-8 boundary
       v = v.substr(0, cut) + fmt::format("... ({} bytes)", v.size());
     }
     for (char& c : v)
@@ -54,14 +56,16 @@ int inspect(const InspectOptions& o) {
   uint64_t total_bytes = 0, total_elems = 0;
   std::vector<std::pair<std::string, uint64_t>> by_type;
   for (const gguf::TensorInfo& t : f.tensors()) {
-    out += fmt::format("  {:<{}}  {:<8} {:<28} {:>10.3f}\n", printable(t.name), name_w, type_name(t.type),
-                       shape_str(t), static_cast<double>(t.n_bytes) / kMiB);
+    out += fmt::format("  {:<{}}  {:<8} {:<28} {:>10.3f}\n", printable(t.name), name_w,
+                       type_name(t.type), shape_str(t), static_cast<double>(t.n_bytes) / kMiB);
     total_bytes += t.n_bytes;
     total_elems += static_cast<uint64_t>(t.n_elements());
     std::string tn(type_name(t.type));
     auto it = std::find_if(by_type.begin(), by_type.end(), [&](auto& p) { return p.first == tn; });
-    if (it == by_type.end()) by_type.emplace_back(tn, t.n_bytes);
-    else it->second += t.n_bytes;
+    if (it == by_type.end())
+      by_type.emplace_back(tn, t.n_bytes);
+    else
+      it->second += t.n_bytes;
   }
   out += fmt::format("\ntotal: {} tensors, {} parameters, {:.3f} MiB of tensor data\n",
                      f.tensors().size(), total_elems, static_cast<double>(total_bytes) / kMiB);

@@ -1,5 +1,6 @@
 // `berth run`: generate text from a prompt, streaming it to stdout.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -8,8 +9,6 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
-
-#include <unistd.h>
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
@@ -56,9 +55,10 @@ struct RunOptions {
 std::string read_text_file(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
-    throw Error(ErrorCategory::io,
-                fmt::format("cannot read prompt file '{}': {}", path,
-                            std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
+    throw Error(
+        ErrorCategory::io,
+        fmt::format("cannot read prompt file '{}': {}", path,
+                    std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCategory::io, fmt::format("cannot read prompt file '{}'", path));
   std::ostringstream ss;
@@ -97,9 +97,10 @@ int run_chat(const RunOptions& o, const Tokenizer& tok, Session& session, Sample
     n_decode += t.gen.n_decode_steps;
     prefill_s += t.gen.prompt_seconds;
     decode_s += t.gen.decode_seconds;
-    log::info("chat turn {}: {} tokens rendered, {} reused from the KV cache, {} prefilled; {} "
-              "generated",
-              chat.n_turns(), t.n_rendered, t.n_reused, t.n_prefilled, t.gen.n_generated);
+    log::info(
+        "chat turn {}: {} tokens rendered, {} reused from the KV cache, {} prefilled; {} "
+        "generated",
+        chat.n_turns(), t.n_rendered, t.n_reused, t.n_prefilled, t.gen.n_generated);
     if (t.gen.stop == StopReason::context_full)
       std::fprintf(stderr, "berth: the context of %lld tokens is full (raise -c)\n",
                    static_cast<long long>(session.n_ctx()));
@@ -125,13 +126,12 @@ int run_chat(const RunOptions& o, const Tokenizer& tok, Session& session, Sample
                "%.1f tok/s) | reused from the KV cache per turn: %s | decode %lld tokens in "
                "%.1f ms (%.1f tok/s) | %d threads%s\n",
                std::string(chat_format_name(format)).c_str(), chat.n_turns(),
-               chat.n_turns() == 1 ? "" : "s",
-               join_counts(prefilled).c_str(), static_cast<long long>(chat.n_prefilled_total()),
-               prefill_s * 1e3, rate(static_cast<double>(chat.n_prefilled_total()), prefill_s),
+               chat.n_turns() == 1 ? "" : "s", join_counts(prefilled).c_str(),
+               static_cast<long long>(chat.n_prefilled_total()), prefill_s * 1e3,
+               rate(static_cast<double>(chat.n_prefilled_total()), prefill_s),
                join_counts(reused).c_str(), static_cast<long long>(n_decode), decode_s * 1e3,
                rate(static_cast<double>(n_decode), decode_s), session.pool().n_threads(),
-               sampler.params().temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str()
-                                         : "");
+               sampler.params().temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str() : "");
   if (!out_ok) log::info("stdout was closed; the chat stopped");
   return 0;
 }
@@ -162,8 +162,10 @@ int run(const RunOptions& o) {
 
   // Check the sampling flags before allocating anything large.
   SamplerParams sp = o.sampling;
-  if (o.seed < 0) sp.seed = 0xFFFFFFFFu;  // -1: random, as llama.cpp
-  else sp.seed = static_cast<uint64_t>(o.seed);
+  if (o.seed < 0)
+    sp.seed = 0xFFFFFFFFu;  // -1: random, as llama.cpp
+  else
+    sp.seed = static_cast<uint64_t>(o.seed);
   const int64_t n_ctx = o.session.n_ctx > 0 ? o.session.n_ctx : default_n_ctx(model->hparams());
   if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(n_ctx);  // as llama.cpp
   Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
@@ -180,11 +182,11 @@ int run(const RunOptions& o) {
   if (o.display_prompt && !write_stdout(prompt)) return 0;
 
   bool out_ok = true;
-  GenerateStats st = generate(session, *tok, sampler, ids, o.n_predict,
-                              [&](int32_t, std::string_view text) {
-                                out_ok = write_stdout(text);
-                                return out_ok;
-                              });
+  GenerateStats st =
+      generate(session, *tok, sampler, ids, o.n_predict, [&](int32_t, std::string_view text) {
+        out_ok = write_stdout(text);
+        return out_ok;
+      });
   // A terminal gets a final newline; a pipe gets exactly the generated text.
   if (isatty(fileno(stdout))) write_stdout("\n");
   std::fprintf(stderr,
@@ -213,26 +215,33 @@ Runner add_run(CLI::App& app) {
   auto* p = sub->add_option("-p,--prompt", o->prompt, "prompt text (none: start from BOS)");
   auto* f = sub->add_option("-f,--file", o->prompt_file, "read the prompt from a file");
   p->excludes(f);
-  sub->add_option("-n,--n-predict", o->n_predict, "tokens to generate (-1: until EOS or the context is full)")
+  sub->add_option("-n,--n-predict", o->n_predict,
+                  "tokens to generate (-1: until EOS or the context is full)")
       ->capture_default_str();
   sub->add_option("-t,--threads", o->session.n_threads, "CPU threads (0: all physical cores)")
-      ->capture_default_str()->check(CLI::Range(0, 4096));
-  sub->add_option("-c,--ctx-size", o->session.n_ctx, "context size in tokens (0: min(4096, model's))")
-      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  sub->add_option("-c,--ctx-size", o->session.n_ctx,
+                  "context size in tokens (0: min(4096, model's))")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
-      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();
   sub->add_option("--min-p", o->sampling.min_p, "min-p sampling (0: off)")->capture_default_str();
   sub->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repetition penalty (1: off)")
       ->capture_default_str();
-  sub->add_option("--repeat-last-n", o->sampling.repeat_last_n, "tokens the penalty looks back over (0: off, -1: the context size)")
+  sub->add_option("--repeat-last-n", o->sampling.repeat_last_n,
+                  "tokens the penalty looks back over (0: off, -1: the context size)")
       ->capture_default_str();
   sub->add_option("-s,--seed", o->seed, "RNG seed (-1 or 4294967295: random)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{-1}, int64_t{0xFFFFFFFF}));
-  sub->add_flag("--display-prompt", o->display_prompt, "print the prompt before the generated text");
+  sub->add_flag("--display-prompt", o->display_prompt,
+                "print the prompt before the generated text");
   sub->add_flag("--no-bos", o->no_bos, "do not prepend the BOS token");
   auto* chat = sub->add_flag(
       "--chat", o->chat,

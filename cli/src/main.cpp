@@ -3,7 +3,6 @@
 // Exit codes: 0 success; 1 an error in the input or the run (one line on stderr, naming what
 // and where); 2 bad command-line usage.
 #include <CLI/CLI.hpp>
-
 #include <csignal>
 #include <cstdio>
 #include <map>

@@ -231,8 +231,8 @@ constexpr int64_t kTile = kAttentionKvTile;
 #undef BERTH_ACC_SET
 #if HWY_HAVE_SCALABLE
 #define BERTH_ACC_DECLARE(name) HWY_ALIGN float name[NB * kMaxLanes]
-#define BERTH_ACC_GET(name, r) hn::Load(d, name + (r) * kMaxLanes)
-#define BERTH_ACC_SET(name, r, value) hn::Store((value), d, name + (r) * kMaxLanes)
+#define BERTH_ACC_GET(name, r) hn::Load(d, name + (r)*kMaxLanes)
+#define BERTH_ACC_SET(name, r, value) hn::Store((value), d, name + (r)*kMaxLanes)
 #else
 #define BERTH_ACC_DECLARE(name) VF name[NB]
 #define BERTH_ACC_GET(name, r) name[r]

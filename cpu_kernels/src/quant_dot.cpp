@@ -15,15 +15,18 @@ GgmlType activation_type(GgmlType t) {
     case GgmlType::Q4_1:
     case GgmlType::Q5_0:
     case GgmlType::Q5_1:
-    case GgmlType::Q8_0: return GgmlType::Q8_0;
+    case GgmlType::Q8_0:
+      return GgmlType::Q8_0;
     case GgmlType::Q2_K:
     case GgmlType::Q3_K:
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
-    case GgmlType::Q6_K: return GgmlType::Q8_K;
+    case GgmlType::Q6_K:
+      return GgmlType::Q8_K;
     case GgmlType::F32:
     case GgmlType::F16:
-    case GgmlType::BF16: return GgmlType::F32;
+    case GgmlType::BF16:
+      return GgmlType::F32;
     default:
       throw Error(ErrorCategory::unsupported,
                   fmt::format("no dot product for weights of type {}", type_name(t)));
@@ -34,9 +37,15 @@ size_t activation_row_bytes(GgmlType t, int64_t n) { return row_bytes(activation
 
 void quantize_activation(GgmlType t, const float* x, void* dst, int64_t n) {
   switch (activation_type(t)) {
-    case GgmlType::Q8_0: detail::quantize_q8_0(x, dst, n); return;
-    case GgmlType::Q8_K: detail::quantize_q8_K(x, dst, n); return;
-    default: std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float)); return;
+    case GgmlType::Q8_0:
+      detail::quantize_q8_0(x, dst, n);
+      return;
+    case GgmlType::Q8_K:
+      detail::quantize_q8_K(x, dst, n);
+      return;
+    default:
+      std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float));
+      return;
   }
 }
 

@@ -571,8 +571,8 @@ HWY_INLINE void PackBlock(const B* HWY_RESTRICT b, PackedX86& o) {
 // The float part of one block for one (row, token), exactly as BlockTokens does it.
 template <bool kBias>
 HWY_INLINE void FinishBlock(__m256i isum, const PackedX86& w, const BlockQ8_K* a, __m256& acc) {
-  const __m256i o = _mm256_madd_epi16(
-      LoadU256(a->bsums), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.off)));
+  const __m256i o = _mm256_madd_epi16(LoadU256(a->bsums),
+                                      _mm256_load_si256(reinterpret_cast<const __m256i*>(w.off)));
   if constexpr (kBias) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, o)), _mm256_set1_ps(w.d * a->d),
                           acc);
@@ -609,17 +609,16 @@ HWY_INLINE void MicroX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const
                                 LoadU256(a[2 * j + 1]->qs + 32 * p), 1);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
-      const __m512i q =
-          _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].q + 32 * p)));
-      const __m512i s =
-          _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].s + 16 * p)));
+      const __m512i q = _mm512_broadcast_i64x4(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].q + 32 * p)));
+      const __m512i s = _mm512_broadcast_i64x4(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(w[r].s + 16 * p)));
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
 #if BERTH_QDK_VNNI
         is[r][j] = _mm512_dpwssd_epi32(is[r][j], _mm512_maddubs_epi16(q, x[j]), s);
 #else
-        is[r][j] =
-            _mm512_add_epi32(is[r][j], _mm512_madd_epi16(_mm512_maddubs_epi16(q, x[j]), s));
+        is[r][j] = _mm512_add_epi32(is[r][j], _mm512_madd_epi16(_mm512_maddubs_epi16(q, x[j]), s));
         asm("" : "+v"(is[r][j]));
 #endif
       }
@@ -647,7 +646,8 @@ HWY_INLINE void MicroX86(const PackedX86* HWY_RESTRICT w, const BlockQ8_K* const
       } else {
         v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][j]), _mm512_mul_ps(_mm512_set1_ps(w[r].d), da),
                             v);
-        v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(w[r].dmin), da), v);
+        v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(_mm512_set1_ps(w[r].dmin), da),
+                             v);
       }
       _mm512_mask_store_ps(ap, keep, v);
     }

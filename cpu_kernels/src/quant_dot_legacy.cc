@@ -627,7 +627,10 @@ constexpr int kBlockOf(int lane) { return ((lane & 8) | ((lane >> 2) & 1)) + 2 *
 static_assert(kBlockOf(kLaneOf(5)) == 5 && kBlockOf(kLaneOf(14)) == 14 && kLaneOf(9) == 12);
 
 template <GgmlType T>
-constexpr int kUOff = T == GgmlType::Q4_0 ? 8 : T == GgmlType::Q5_0 ? 16 : T == GgmlType::Q8_0 ? 128 : 0;
+constexpr int kUOff = T == GgmlType::Q4_0   ? 8
+                      : T == GgmlType::Q5_0 ? 16
+                      : T == GgmlType::Q8_0 ? 128
+                                            : 0;
 
 // 64-byte aligned per-thread scratch (grows, never shrinks).
 struct GemmScratch {

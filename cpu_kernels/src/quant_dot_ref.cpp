@@ -34,9 +34,12 @@ void dot_tile(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t
     for (int64_t tk = 0; tk < n_tok; ++tk) {
       const void* ar = static_cast<const uint8_t*>(act) + static_cast<size_t>(tk) * act_stride;
       float v;
-      if (a == GgmlType::Q8_0) v = detail::dot_legacy(t, wr, ar, n);
-      else if (a == GgmlType::Q8_K) v = detail::dot_k(t, wr, ar, n);
-      else v = detail::dot_float(t, wr, static_cast<const float*>(ar), n);
+      if (a == GgmlType::Q8_0)
+        v = detail::dot_legacy(t, wr, ar, n);
+      else if (a == GgmlType::Q8_K)
+        v = detail::dot_k(t, wr, ar, n);
+      else
+        v = detail::dot_float(t, wr, static_cast<const float*>(ar), n);
       out[tk * out_stride + r] = v;
     }
   }

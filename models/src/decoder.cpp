@@ -32,8 +32,8 @@ class DecoderModel final : public Model {
     moe_ = v_.moe || (v_.moe_allowed && hp_.n_expert > 0);
     if (v_.moe && hp_.n_expert == 0)
       throw Error(ErrorCategory::format,
-                  fmt::format("{}: architecture '{}' needs {}.expert_count > 0", f.path(),
-                              hp_.arch, hp_.arch));
+                  fmt::format("{}: architecture '{}' needs {}.expert_count > 0", f.path(), hp_.arch,
+                              hp_.arch));
     if (!moe_ && hp_.n_expert > 0)
       throw Error(ErrorCategory::unsupported,
                   fmt::format("{}: {}.expert_count = {} but architecture '{}' has no experts",
@@ -61,9 +61,9 @@ class DecoderModel final : public Model {
         L.q_norm = maybe(f, weights_, name("attn_q_norm"), {D}).value_or(kNoWeight);
         L.k_norm = maybe(f, weights_, name("attn_k_norm"), {D}).value_or(kNoWeight);
         if ((L.q_norm == kNoWeight) != (L.k_norm == kNoWeight))
-          throw Error(ErrorCategory::format,
-                      fmt::format("{}: layer {} has only one of attn_q_norm and attn_k_norm",
-                                  f.path(), l));
+          throw Error(
+              ErrorCategory::format,
+              fmt::format("{}: layer {} has only one of attn_q_norm and attn_k_norm", f.path(), l));
       }
       L.wo = need(f, weights_, name("attn_output"), {q_dim, E});
       L.ffn_norm = need(f, weights_, name("ffn_norm"), {E});
@@ -136,8 +136,8 @@ class DecoderModel final : public Model {
       h = b.rms_norm(x, L.ffn_norm, eps, nm("ffn_norm"));
       graph::ValueId d;
       if (moe_) {
-        graph::ValueId route = b.moe_route(b.matmul(h, L.router, nm("ffn_gate_inp")), moe,
-                                           nm("ffn_route"));
+        graph::ValueId route =
+            b.moe_route(b.matmul(h, L.router, nm("ffn_gate_inp")), moe, nm("ffn_route"));
         graph::MoeParams ep = moe;
         ep.gate = L.ffn_gate;
         ep.up = L.ffn_up;
@@ -157,8 +157,7 @@ class DecoderModel final : public Model {
 
  private:
   struct Layer {
-    WeightId attn_norm = kNoWeight, wq = kNoWeight, wk = kNoWeight, wv = kNoWeight,
-             wo = kNoWeight;
+    WeightId attn_norm = kNoWeight, wq = kNoWeight, wk = kNoWeight, wv = kNoWeight, wo = kNoWeight;
     WeightId bq = kNoWeight, bk = kNoWeight, bv = kNoWeight;
     WeightId q_norm = kNoWeight, k_norm = kNoWeight;
     WeightId ffn_norm = kNoWeight, router = kNoWeight;

@@ -11,8 +11,8 @@
 //   q, k = rope(q), rope(k)   (adjacent pairs: llama; NeoX halves: qwen*)
 //   x += attn_output(attention(q, k, v))  {q_dim, n_embd}
 //   h = rms_norm(x) * ffn_norm                                   blk.N.ffn_norm.weight {n_embd}
-//   dense:  x += ffn_down(silu(ffn_gate h) * ffn_up h)   gate/up {n_embd, n_ff}, down {n_ff, n_embd}
-//   MoE:    route = top-k(softmax(ffn_gate_inp h))        ffn_gate_inp {n_embd, n_expert}
+//   dense:  x += ffn_down(silu(ffn_gate h) * ffn_up h)   gate/up {n_embd, n_ff}, down {n_ff,
+//   n_embd} MoE:    route = top-k(softmax(ffn_gate_inp h))        ffn_gate_inp {n_embd, n_expert}
 //           x += sum_j w_j ffn_down_exps[e_j](silu(ffn_gate_exps[e_j] h) * ffn_up_exps[e_j] h)
 //           gate/up_exps {n_embd, n_ff_exp, n_expert}, down_exps {n_ff_exp, n_embd, n_expert}
 // logits = output(rms_norm(x) * output_norm)   output {n_embd, n_vocab}, tied to token_embd

@@ -69,9 +69,10 @@ Hparams read_hparams(const gguf::File& f) {
                             "{}attention.key_length, or embedding_length / attention.head_count)",
                             f.path(), p, hp.n_rot, hp.head_dim, p));
   if (!(hp.rms_eps > 0.0f) || std::isinf(hp.rms_eps))
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: {}attention.layer_norm_rms_epsilon = {} must be finite and positive",
-                            f.path(), p, hp.rms_eps));
+    throw Error(
+        ErrorCategory::format,
+        fmt::format("{}: {}attention.layer_norm_rms_epsilon = {} must be finite and positive",
+                    f.path(), p, hp.rms_eps));
   if (!(hp.rope_freq_base > 0.0f) || std::isinf(hp.rope_freq_base))
     throw Error(ErrorCategory::format,
                 fmt::format("{}: {}rope.freq_base = {} must be finite and positive", f.path(), p,
@@ -88,7 +89,8 @@ Hparams read_hparams(const gguf::File& f) {
                               f.path(), p, hp.n_expert_used, p, hp.n_expert));
     hp.n_ff_exp = opt("expert_feed_forward_length").value_or(hp.n_ff);
     positive(hp.n_ff_exp, "expert_feed_forward_length");
-    if (f.has(p + "expert_weights_norm")) hp.expert_weights_norm = f.get_bool(p + "expert_weights_norm");
+    if (f.has(p + "expert_weights_norm"))
+      hp.expert_weights_norm = f.get_bool(p + "expert_weights_norm");
   }
   return hp;
 }

@@ -9,8 +9,8 @@
 namespace berth {
 
 std::unique_ptr<Model> make_llama(const gguf::File& file) {
-  return models_detail::make_decoder(
-      file, {.rope = graph::RopeMode::adjacent, .moe_allowed = true});
+  return models_detail::make_decoder(file,
+                                     {.rope = graph::RopeMode::adjacent, .moe_allowed = true});
 }
 
 }  // namespace berth

@@ -22,8 +22,8 @@ std::unique_ptr<Model> make_qwen3(const gguf::File& file) {
 }
 
 std::unique_ptr<Model> make_qwen3moe(const gguf::File& file) {
-  return models_detail::make_decoder(
-      file, {.rope = graph::RopeMode::neox, .qk_norm = true, .moe = true});
+  return models_detail::make_decoder(file,
+                                     {.rope = graph::RopeMode::neox, .qk_norm = true, .moe = true});
 }
 
 }  // namespace berth

@@ -146,7 +146,8 @@ std::unique_ptr<Tokenizer> Tokenizer::make_bpe(VocabData vocab) {
 void Tokenizer::check_vocab(VocabData& vocab) {
   const size_t n = vocab.tokens.size();
   const std::string& src = vocab.source;
-  if (n == 0) throw Error(ErrorCategory::format, fmt::format("{}: tokenizer.ggml.tokens is empty", src));
+  if (n == 0)
+    throw Error(ErrorCategory::format, fmt::format("{}: tokenizer.ggml.tokens is empty", src));
   if (n >= static_cast<size_t>(INT32_MAX))
     throw Error(
         ErrorCategory::format,
@@ -156,9 +157,10 @@ void Tokenizer::check_vocab(VocabData& vocab) {
   for (auto [key, size] : {std::pair<const char*, size_t>{"scores", vocab.scores.size()},
                            {"token_type", vocab.types.size()}})
     if (size != n)
-      throw Error(ErrorCategory::format,
-                  fmt::format("{}: tokenizer.ggml.{} has {} entries but tokenizer.ggml.tokens has {}",
-                              src, key, size, n));
+      throw Error(
+          ErrorCategory::format,
+          fmt::format("{}: tokenizer.ggml.{} has {} entries but tokenizer.ggml.tokens has {}", src,
+                      key, size, n));
   for (size_t i = 0; i < n; ++i) {
     const auto t = static_cast<int32_t>(vocab.types[i]);
     if (t < 0 || t > static_cast<int32_t>(TokenType::byte))
@@ -168,8 +170,9 @@ void Tokenizer::check_vocab(VocabData& vocab) {
   }
   auto check_id = [&](int32_t id, std::string_view key) {
     if (id < -1 || id >= static_cast<int64_t>(n))
-      throw Error(ErrorCategory::format,
-                  fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", src, key, id, n));
+      throw Error(
+          ErrorCategory::format,
+          fmt::format("{}: {} = {} is outside the vocabulary of {} tokens", src, key, id, n));
   };
   check_id(vocab.bos_id, "tokenizer.ggml.bos_token_id");
   check_id(vocab.eos_id, "tokenizer.ggml.eos_token_id");

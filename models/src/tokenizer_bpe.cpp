@@ -235,7 +235,7 @@ const BpeTokenizer::Merge* BpeTokenizer::find_merge(int32_t left, int32_t right)
 }
 
 const BpeTokenizer::Special* BpeTokenizer::match_special(std::string_view text, size_t pos,
-                                                        bool parse_special) const {
+                                                         bool parse_special) const {
   const std::string_view rest = text.substr(pos);
   for (const Special& s : specials_[static_cast<uint8_t>(text[pos])]) {
     if (!parse_special && types_[static_cast<size_t>(s.id)] != TokenType::user_defined) continue;

@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
@@ -56,7 +56,8 @@ void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> tokens
                           std::span<const int32_t> positions) {
   for (size_t i = 0; i < g.ops.size();) {
     const Op& op = g.ops[i];
-    const auto t0 = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const auto t0 =
+        profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     size_t n_ops = 1;
     if (op.kind == OpKind::matmul) {
       // Consecutive matmuls of one input (Q/K/V, gate/up) run as one parallel region: one
@@ -109,8 +110,9 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       for (int64_t t = 0; t < rows; ++t) {
         const int32_t id = tokens[static_cast<size_t>(t)];
         if (id < 0 || id >= w.ne[1])
-          throw Error(ErrorCategory::invalid_argument,
-                      fmt::format("token id {} is outside the vocabulary of {} tokens", id, w.ne[1]));
+          throw Error(
+              ErrorCategory::invalid_argument,
+              fmt::format("token id {} is outside the vocabulary of {} tokens", id, w.ne[1]));
         cpu::get_row(w, id, out + t * cols);
       }
       return;
@@ -131,7 +133,8 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const int64_t len = op.norm_group > 0 ? op.norm_group : cols;
       const int64_t n_norm = rows * (cols / len);  // rows of `len` values, consecutive in memory
       pool_.parallel_for(n_norm, std::max<int64_t>(1, 16384 / len), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) cpu::rms_norm(x + r * len, wp, out + r * len, len, op.eps);
+        for (int64_t r = r0; r < r1; ++r)
+          cpu::rms_norm(x + r * len, wp, out + r * len, len, op.eps);
       });
       return;
     }
@@ -355,12 +358,14 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     int64_t n_active = 0;
     for (int32_t e = 0; e < p.n_expert; ++e) n_active += moe_first_[e + 1] > moe_first_[e];
     // About 4 tasks per thread over all active experts, in whole row tiles.
-    const int64_t want = std::max<int64_t>(1, (n_threads * 4 + n_active - 1) / std::max<int64_t>(1, n_active));
+    const int64_t want =
+        std::max<int64_t>(1, (n_threads * 4 + n_active - 1) / std::max<int64_t>(1, n_active));
     int64_t grain = (n_rows + want - 1) / want;
     grain = (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile * cpu::kGemmRowTile;
     for (int32_t e = 0; e < p.n_expert; ++e) {
       if (moe_first_[e + 1] == moe_first_[e]) continue;
-      for (int64_t r = 0; r < n_rows; r += grain) tasks.push_back({e, r, std::min(n_rows, r + grain)});
+      for (int64_t r = 0; r < n_rows; r += grain)
+        tasks.push_back({e, r, std::min(n_rows, r + grain)});
     }
     return tasks;
   };
@@ -381,7 +386,8 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     up_left[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
     ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
   }
-  for (const Task& tk : t_up) up_left[static_cast<size_t>(tk.e)].fetch_add(1, std::memory_order_relaxed);
+  for (const Task& tk : t_up)
+    up_left[static_cast<size_t>(tk.e)].fetch_add(1, std::memory_order_relaxed);
   const int64_t n_up = static_cast<int64_t>(t_up.size());
   const int64_t n_tasks = n_up + static_cast<int64_t>(t_down.size());
   std::atomic<int64_t> next{0};
@@ -478,7 +484,8 @@ void CpuExecutor::matmul_group(const graph::Graph& g, std::span<const Op> ops) {
     uint8_t* dst = act_.data() + a.offset;
     pool_.parallel_for(n_tok, std::max<int64_t>(1, 16384 / n_in), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        cpu::quantize_activation(wt, x + t * n_in, dst + static_cast<size_t>(t) * a.row_bytes, n_in);
+        cpu::quantize_activation(wt, x + t * n_in, dst + static_cast<size_t>(t) * a.row_bytes,
+                                 n_in);
     });
   }
   // Row blocks of every weight, about 4 per thread over the group, in whole row tiles.
@@ -486,8 +493,8 @@ void CpuExecutor::matmul_group(const graph::Graph& g, std::span<const Op> ops) {
   for (const Op& op : ops) rows_total += weights_[op.weight].n_rows();
   const int64_t n_threads = pool_.n_threads();
   int64_t grain = (rows_total + n_threads * 4 - 1) / (n_threads * 4);
-  grain = std::max<int64_t>(cpu::kGemmRowTile, (grain + cpu::kGemmRowTile - 1) /
-                                                   cpu::kGemmRowTile * cpu::kGemmRowTile);
+  grain = std::max<int64_t>(
+      cpu::kGemmRowTile, (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile * cpu::kGemmRowTile);
   struct Task {
     uint32_t op;
     int64_t r0, r1;

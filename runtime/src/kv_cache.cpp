@@ -18,7 +18,8 @@ size_t physical_memory_bytes() {
 
 }  // namespace
 
-KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx) : layers_(layers), n_ctx_(n_ctx) {
+KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx)
+    : layers_(layers), n_ctx_(n_ctx) {
   if (n_ctx < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the context size must be at least 1, got {}", n_ctx));
@@ -26,11 +27,11 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx) : layers_(la
   const size_t total = bytes();
   const size_t phys = physical_memory_bytes();
   if (phys > 0 && total > phys)
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("the KV cache for a context of {} tokens needs {:.1f} MiB, more than "
-                            "this machine's {:.1f} MiB of memory (lower -c)",
-                            n_ctx, static_cast<double>(total) / kMiB,
-                            static_cast<double>(phys) / kMiB));
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("the KV cache for a context of {} tokens needs {:.1f} MiB, more than "
+                    "this machine's {:.1f} MiB of memory (lower -c)",
+                    n_ctx, static_cast<double>(total) / kMiB, static_cast<double>(phys) / kMiB));
   try {
     for (const KvLayer& l : layers_) {
       // make_unique_for_overwrite leaves the pages untouched until positions are written.

@@ -459,7 +459,8 @@ constexpr std::string_view kWords[] = {
 // GPT-2's bytes_to_unicode symbols of the 256 bytes (models' gpt2_byte_symbol).
 std::vector<std::string> gpt2_byte_symbols() {
   std::vector<std::string> out(256);
-  for (int b = 0; b < 256; ++b) out[static_cast<size_t>(b)] = gpt2_byte_symbol(static_cast<uint8_t>(b));
+  for (int b = 0; b < 256; ++b)
+    out[static_cast<size_t>(b)] = gpt2_byte_symbol(static_cast<uint8_t>(b));
   return out;
 }
 
@@ -766,14 +767,15 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
       if (b > largest_bytes) largest_bytes = b, largest = &g;
     }
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    const uint64_t phys = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+    const uint64_t phys =
+        pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
     if (largest && phys > 0 && largest_bytes > phys / 2)
-      bad(fmt::format("tensor '{}' would be {:.1f} GB ({} {}), and it is held in memory while it is "
-                      "written: more than half of this machine's {:.1f} GB (check --n-embd, "
-                      "--n-vocab, --n-ff, --n-expert)",
-                      largest->t.name, static_cast<double>(largest_bytes) / 1e9,
-                      type_name(largest->t.type), fmt::join(largest->t.ne, " x "),
-                      static_cast<double>(phys) / 1e9));
+      bad(fmt::format(
+          "tensor '{}' would be {:.1f} GB ({} {}), and it is held in memory while it is "
+          "written: more than half of this machine's {:.1f} GB (check --n-embd, "
+          "--n-vocab, --n-ff, --n-expert)",
+          largest->t.name, static_cast<double>(largest_bytes) / 1e9, type_name(largest->t.type),
+          fmt::join(largest->t.ne, " x "), static_cast<double>(phys) / 1e9));
   }
   ThreadPool pool(n_threads > 0 ? n_threads : physical_core_count());
   const int nt = pool.n_threads();
@@ -813,7 +815,7 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
                        for (int64_t r = s0 + r0; r < s0 + r1; ++r) {
                          generate_row(*pl, *g, ti, r, row.data());
                          ref::quantize_row_fast(g->t.type, row.data(),
-                                           dst.data() + static_cast<size_t>(r) * rb, n);
+                                                dst.data() + static_cast<size_t>(r) * rb, n);
                        }
                      });
                      done += static_cast<uint64_t>(s1 - s0) * rb;
@@ -836,9 +838,8 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
   if (ec) {
     std::error_code ignore;
     std::filesystem::remove(partial, ignore);
-    throw Error(ErrorCategory::io,
-                fmt::format("cannot rename '{}' to '{}': {}", printable(partial), printable(path),
-                            ec.message()));
+    throw Error(ErrorCategory::io, fmt::format("cannot rename '{}' to '{}': {}", printable(partial),
+                                               printable(path), ec.message()));
   }
   const auto size = std::filesystem::file_size(path, ec);
   st.bytes_written = ec ? 0 : static_cast<uint64_t>(size);

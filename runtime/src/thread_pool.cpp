@@ -82,7 +82,8 @@ class PinningObserver : public oneapi::tbb::task_scheduler_observer {
       master_pinned_ = true;
       master_ = std::this_thread::get_id();
       saved_ = hwloc_bitmap_alloc();
-      if (!topology().topo || hwloc_get_cpubind(topology().topo, saved_, HWLOC_CPUBIND_THREAD) != 0) {
+      if (!topology().topo ||
+          hwloc_get_cpubind(topology().topo, saved_, HWLOC_CPUBIND_THREAD) != 0) {
         hwloc_bitmap_free(saved_);
         saved_ = nullptr;
       }
@@ -136,7 +137,8 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
   int pus = topology().n_pus();
   if (pus <= 0) pus = static_cast<int>(std::thread::hardware_concurrency());
   if (pus > 0 && n_threads > pus) {
-    log::warn("{} threads requested but this machine runs {} at once; using {}", n_threads, pus, pus);
+    log::warn("{} threads requested but this machine runs {} at once; using {}", n_threads, pus,
+              pus);
     n_threads = n_threads_ = pus;
   }
   impl_ = std::make_unique<Impl>(n_threads);
@@ -149,8 +151,9 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
     impl_->observer = std::make_unique<PinningObserver>(impl_->arena, n_threads);
     impl_->observer->observe(true);
   } else {
-    log::warn("{} threads requested but only {} physical cores are available; threads are not pinned",
-              n_threads, cores);
+    log::warn(
+        "{} threads requested but only {} physical cores are available; threads are not pinned",
+        n_threads, cores);
   }
 }
 
@@ -161,7 +164,9 @@ ThreadPool::~ThreadPool() {
   }
 }
 
-bool ThreadPool::pinned() const { return impl_->pin && !(impl_->observer && impl_->observer->failed()); }
+bool ThreadPool::pinned() const {
+  return impl_->pin && !(impl_->observer && impl_->observer->failed());
+}
 
 int ThreadPool::worker_index() {
   const int i = oneapi::tbb::this_task_arena::current_thread_index();

@@ -41,7 +41,8 @@ void for_each_simd_target(Fn&& fn) {
 inline double nmse(const float* ref, const float* got, size_t n) {
   double num = 0, den = 0;
   for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(got[i]) || !std::isfinite(ref[i])) return std::numeric_limits<double>::infinity();
+    if (!std::isfinite(got[i]) || !std::isfinite(ref[i]))
+      return std::numeric_limits<double>::infinity();
     const double d = static_cast<double>(got[i]) - ref[i];
     num += d * d;
     den += static_cast<double>(ref[i]) * ref[i];

@@ -2,7 +2,6 @@
 // synthetic files from berth's generator; upcycled MoE files against stories260K; routing
 // against the oracle's, exactly.
 #include <doctest/doctest.h>
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -43,10 +42,11 @@ int32_t argmax(std::span<const float> v) {
 }
 
 struct Compare {
-  double max_rel = 0;     // max over steps of max|berth - oracle| / max|oracle|
-  double max_nmse = 0;    // max over steps of the logits' NMSE
-  int greedy_mismatch = 0;  // steps where berth's argmax differs from the oracle's outside the tie band
-  int steps = 0;            // positions compared
+  double max_rel = 0;   // max over steps of max|berth - oracle| / max|oracle|
+  double max_nmse = 0;  // max over steps of the logits' NMSE
+  int greedy_mismatch =
+      0;          // steps where berth's argmax differs from the oracle's outside the tie band
+  int steps = 0;  // positions compared
 };
 
 // Prefill `prompt`, then `n` greedy steps chosen by berth; the oracle is fed the same tokens.
@@ -73,7 +73,8 @@ Compare compare_with_oracle(const std::string& path, const std::vector<int32_t>&
     // Greedy agreement, except where the oracle's top two are within the tie band.
     std::vector<double> sorted(want);
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
-    const auto want_arg = static_cast<int32_t>(std::max_element(want.begin(), want.end()) - want.begin());
+    const auto want_arg =
+        static_cast<int32_t>(std::max_element(want.begin(), want.end()) - want.begin());
     if (argmax(got) != want_arg && sorted[0] - sorted[1] > tie_band * max_abs) ++c.greedy_mismatch;
   };
   std::span<const float> all = s.eval(prompt, /*all_logits=*/true);
@@ -156,13 +157,15 @@ TEST_CASE("every architecture matches the double-precision oracle over 32 greedy
   }
 }
 
-TEST_CASE("upcycled stories260K (4 identical experts, random router) generates stories260K's tokens") {
+TEST_CASE(
+    "upcycled stories260K (4 identical experts, random router) generates stories260K's tokens") {
   const std::string src = test::stories260k().string();
   const std::vector<int32_t> want = greedy_tokens(src, kStoriesPrompt, 64);
   const auto dir = test::temp_dir("upcycle");
   for (auto style : {oracle::UpcycleStyle::mixtral, oracle::UpcycleStyle::qwen3moe}) {
     const std::string dst =
-        (dir / (style == oracle::UpcycleStyle::mixtral ? "mixtral.gguf" : "qwen3moe.gguf")).string();
+        (dir / (style == oracle::UpcycleStyle::mixtral ? "mixtral.gguf" : "qwen3moe.gguf"))
+            .string();
     oracle::write_upcycled(src, dst, style, 4, 2, 11);
     CHECK(gguf::File::open(dst).architecture() ==
           (style == oracle::UpcycleStyle::mixtral ? "llama" : "qwen3moe"));
@@ -195,7 +198,8 @@ TEST_CASE("moe_topk routes exactly as the oracle, ties included") {
           const oracle::Routing want = oracle::route_experts(logits, k, norm);
           REQUIRE(ids == want.ids);
           for (int j = 0; j < k; ++j)
-            CHECK(w[static_cast<size_t>(j)] == oracle::Routing::round_weight(want.weights[static_cast<size_t>(j)]));
+            CHECK(w[static_cast<size_t>(j)] ==
+                  oracle::Routing::round_weight(want.weights[static_cast<size_t>(j)]));
         }
       }
     }
@@ -248,7 +252,8 @@ TEST_CASE("MoE models: ubatch size and thread count change no bit of the logits"
   std::unique_ptr<Model> model = load_model(file);
   std::vector<int32_t> tokens(40);
   std::mt19937 rng(2);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(model->hparams().n_vocab));
+  for (int32_t& t : tokens)
+    t = static_cast<int32_t>(rng() % static_cast<uint32_t>(model->hparams().n_vocab));
   auto logits = [&](int threads, int32_t ub) {
     Session s(*model, {.n_threads = threads, .n_ctx = 64, .n_ubatch = ub});
     std::span<const float> l = s.eval(tokens, true);

@@ -207,7 +207,9 @@ TEST_CASE("berth run --chat streams one reply per stdin line and reports per-tur
   }
 }
 
-TEST_CASE("berth run --chat on a synthetic Qwen3 file with Qwen3's real vocabulary reuses earlier turns") {
+TEST_CASE(
+    "berth run --chat on a synthetic Qwen3 file with Qwen3's real vocabulary reuses earlier "
+    "turns") {
   // A 2-layer qwen3 with the real 151,936-token vocabulary and Qwen3's chat template (written
   // by berth's generator). Its replies are random text, but the conversation mechanics are
   // those of a real Qwen3 file: ChatML detected from the template, control tokens from the
@@ -230,8 +232,7 @@ TEST_CASE("berth run --chat on a synthetic Qwen3 file with Qwen3's real vocabula
   Session s(*model, SessionParams{.n_threads = 2, .n_ctx = 1024, .n_ubatch = 512});
   Sampler sampler(greedy(), tok->n_vocab());
   ChatSession chat(s, *tok, sampler, ChatFormat::chatml, kSystem);
-  const std::vector<std::string> turns = {"Hello!", "Say <|im_end|> twice: <|im_end|>",
-                                          "Thanks."};
+  const std::vector<std::string> turns = {"Hello!", "Say <|im_end|> twice: <|im_end|>", "Thanks."};
   int64_t before = 0;
   for (size_t i = 0; i < turns.size(); ++i) {
     CAPTURE(i);

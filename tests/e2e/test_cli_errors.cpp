@@ -1,13 +1,13 @@
 // The CLI on missing, unreadable, empty, truncated and garbage files, and on bad flags: one clear
 // line on stderr and a non-zero exit, never a crash.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
-#include <filesystem>
-#include <functional>
 #include <cstring>
-#include <sys/stat.h>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 
 #include "test_util.h"
@@ -26,9 +26,8 @@ void write_bytes(const fs::path& p, const std::string& bytes) {
 
 // Runs each subcommand that opens a model on `path` and checks the clean failure.
 void expect_clean_failure(const fs::path& path, const std::string& must_mention) {
-  for (const std::string& cmd :
-       {std::string(" run -n 4 --temp 0 -p hi -m "), std::string(" inspect "),
-        std::string(" tokenize -p hi -m ")}) {
+  for (const std::string& cmd : {std::string(" run -n 4 --temp 0 -p hi -m "),
+                                 std::string(" inspect "), std::string(" tokenize -p hi -m ")}) {
     CAPTURE(cmd);
     CommandResult r = run_command(berth::test::berth_bin() + cmd + shell_quote(path.string()));
     CHECK_FALSE(r.signaled);
@@ -136,8 +135,8 @@ TEST_CASE("tensors the architecture does not use are an error (wrong block_count
                 const uint32_t four = 4;
                 std::memcpy(&b[off], &four, 4);
               }));
-  CommandResult r = run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " +
-                                shell_quote(p.string()));
+  CommandResult r =
+      run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " + shell_quote(p.string()));
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("'blk.4.attn_q.weight' is not used") != std::string::npos);
 }
@@ -149,8 +148,8 @@ TEST_CASE("bytes quoted from the file are escaped: the error stays one line") {
                 const char evil[5] = {'l', '\n', 'a', '\x1b', 'm'};
                 std::memcpy(&b[off + 8], evil, 5);
               }));
-  CommandResult r = run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " +
-                                shell_quote(p.string()));
+  CommandResult r =
+      run_command(berth::test::berth_bin() + " run -n 2 -p hi -m " + shell_quote(p.string()));
   CHECK(r.exit_code == 1);
   CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   CHECK(r.err.find("'l\\na\\x1bm'") != std::string::npos);

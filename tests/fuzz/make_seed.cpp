@@ -59,7 +59,8 @@ int write_moe_bpe(const char* path) {
   w.set_i32_array("tokenizer.ggml.token_type", types);
   w.set_string_array("tokenizer.ggml.merges", merges);
   w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(V - 2));
-  w.set_string("tokenizer.chat_template", "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}");
+  w.set_string("tokenizer.chat_template",
+               "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}");
 
   std::mt19937 rng(2);
   std::normal_distribution<float> nd(0.0f, 0.3f);
@@ -115,12 +116,27 @@ int main(int argc, char** argv) {
     types.push_back(6);
   }
   const std::string sp = "\xe2\x96\x81";  // U+2581, SentencePiece's space
-  for (const std::string& t : {sp, std::string("O"), std::string("n"), std::string("c"),
-                               std::string("e"), sp + "O", std::string("on"), std::string("ce"),
-                               std::string("a"), std::string("t"), std::string("i"),
-                               std::string("m"), std::string("u"), std::string("p"), sp + "t",
-                               std::string("im"), sp + "a", sp + "u", std::string("up"),
-                               std::string("me"), std::string("\xc3\xa9")}) {
+  for (const std::string& t : {sp,
+                               std::string("O"),
+                               std::string("n"),
+                               std::string("c"),
+                               std::string("e"),
+                               sp + "O",
+                               std::string("on"),
+                               std::string("ce"),
+                               std::string("a"),
+                               std::string("t"),
+                               std::string("i"),
+                               std::string("m"),
+                               std::string("u"),
+                               std::string("p"),
+                               sp + "t",
+                               std::string("im"),
+                               sp + "a",
+                               sp + "u",
+                               std::string("up"),
+                               std::string("me"),
+                               std::string("\xc3\xa9")}) {
     tokens.push_back(t);
     types.push_back(1);
   }

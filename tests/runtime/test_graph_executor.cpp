@@ -2,12 +2,12 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
-#include <thread>
-#include <map>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
@@ -88,8 +88,8 @@ TEST_CASE("Graph::validate rejects shape mismatches and use before write") {
     g.n_tokens = 1;
     graph::ValueId a = g.add_value(1, 4, "a");
     graph::ValueId o = g.add_value(1, 3, "o");
-    g.add_op(graph::Op{.kind = graph::OpKind::matmul, .inputs = {a}, .output = o, .weight = wid,
-                       .name = "mm"});
+    g.add_op(graph::Op{
+        .kind = graph::OpKind::matmul, .inputs = {a}, .output = o, .weight = wid, .name = "mm"});
     g.output = o;
     CHECK_THROWS_WITH_AS(g.validate(wt), doctest::Contains("before it is written"), Error);
   }
@@ -99,8 +99,8 @@ TEST_CASE("Graph::validate rejects shape mismatches and use before write") {
     graph::ValueId x = g.add_value(1, 4, "x");
     g.add_op(graph::Op{.kind = graph::OpKind::embed, .output = x, .weight = embd, .name = "e"});
     graph::ValueId o = g.add_value(1, 5, "o");  // wrong: weight has 3 rows
-    g.add_op(graph::Op{.kind = graph::OpKind::matmul, .inputs = {x}, .output = o, .weight = wid,
-                       .name = "mm"});
+    g.add_op(graph::Op{
+        .kind = graph::OpKind::matmul, .inputs = {x}, .output = o, .weight = wid, .name = "mm"});
     g.output = o;
     CHECK_THROWS_WITH_AS(g.validate(wt), doctest::Contains("output shape"), Error);
   }
@@ -117,8 +117,8 @@ TEST_CASE("executor matmul over every computable weight type equals the decoded 
   ThreadPool pool(2);
   KvCache kv({}, 4);
   for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q4_1,
-                     GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K,
-                     GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
+                     GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K,
+                     GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
     CAPTURE(type_name(t));
     const size_t rb = row_bytes(t, n_in);
     std::vector<uint8_t> q(rb * n_out);
@@ -132,13 +132,19 @@ TEST_CASE("executor matmul over every computable weight type equals the decoded 
     std::vector<uint8_t> abuf(cpu::activation_row_bytes(t, n_in));
     for (int64_t tk = 0; tk < n_tok; ++tk) {
       ref::quantize_activation(t, x.data() + tk * n_in, abuf.data(), n_in);
-      if (at == GgmlType::F32) std::memcpy(xa.data() + tk * n_in, abuf.data(), abuf.size());
-      else ref::dequantize_row(at, abuf.data(), xa.data() + tk * n_in, n_in);
+      if (at == GgmlType::F32)
+        std::memcpy(xa.data() + tk * n_in, abuf.data(), abuf.size());
+      else
+        ref::dequantize_row(at, abuf.data(), xa.data() + tk * n_in, n_in);
     }
     graph::WeightTable wt;
     graph::WeightId e = wt.add(f32_view("x", x, n_in, n_tok));
-    graph::WeightId wid = wt.add(TensorView{.name = "w", .type = t, .ne = {n_in, n_out, 1, 1},
-                                            .n_dims = 2, .data = q.data(), .n_bytes = q.size()});
+    graph::WeightId wid = wt.add(TensorView{.name = "w",
+                                            .type = t,
+                                            .ne = {n_in, n_out, 1, 1},
+                                            .n_dims = 2,
+                                            .data = q.data(),
+                                            .n_bytes = q.size()});
     graph::Builder b(wt, static_cast<int32_t>(n_tok));
     graph::Graph g = b.finish(b.matmul(b.embed(e, "x"), wid, "y"));
     CpuExecutor ex(pool, wt, kv);
@@ -148,7 +154,8 @@ TEST_CASE("executor matmul over every computable weight type equals the decoded 
         double ref = 0;
         for (int64_t i = 0; i < n_in; ++i)
           ref += static_cast<double>(deq[o * n_in + i]) * xa[tk * n_in + i];
-        CHECK(y[static_cast<size_t>(tk * n_out + o)] == doctest::Approx(ref).epsilon(1e-4).scale(10));
+        CHECK(y[static_cast<size_t>(tk * n_out + o)] ==
+              doctest::Approx(ref).epsilon(1e-4).scale(10));
       }
   }
 }
@@ -189,7 +196,8 @@ TEST_CASE("executor: rope, attention with grouped heads and the KV cache, on a t
   CpuExecutor ex2(pool, wt, kv2);
   graph::Graph g1 = build(1);
   for (size_t t = 0; t < toks.size(); ++t) {
-    std::span<const float> o = ex2.run(g1, std::span(toks).subspan(t, 1), std::span(pos).subspan(t, 1));
+    std::span<const float> o =
+        ex2.run(g1, std::span(toks).subspan(t, 1), std::span(pos).subspan(t, 1));
     CHECK(std::equal(o.begin(), o.end(), batched.begin() + static_cast<long>(t * 8)));
   }
 
@@ -272,7 +280,7 @@ TEST_CASE("pinned workers each run on their own core") {
   for (const auto& [worker, cpus] : cpus_of_worker) {
     CAPTURE(worker);
     CHECK(cpus.size() >= 1);
-    CHECK(cpus.size() <= 4);  // the hardware threads of one core
+    CHECK(cpus.size() <= 4);                          // the hardware threads of one core
     for (int c : cpus) CHECK(seen.insert(c).second);  // no CPU shared between workers
   }
 }

@@ -50,7 +50,8 @@ Weight make_weight(const char* name, GgmlType type, int64_t ne0, int64_t ne1, in
   for (int64_t r = 0; r < rows; ++r) {
     ref::quantize_row(type, f.data() + r * ne0, w.bytes.data() + rb * static_cast<size_t>(r), ne0);
     ref::dequantize_row(type, w.bytes.data() + rb * static_cast<size_t>(r), back.data(), ne0);
-    for (int64_t i = 0; i < ne0; ++i) w.deq[static_cast<size_t>(r * ne0 + i)] = back[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < ne0; ++i)
+      w.deq[static_cast<size_t>(r * ne0 + i)] = back[static_cast<size_t>(i)];
   }
   w.view.name = name;
   w.view.type = type;
@@ -197,11 +198,12 @@ TEST_CASE("moe_experts matches the double-precision layer for ubatches of 1..512
     GgmlType type;
     // The reference uses the weights as decoded, so the error is the 8-bit quantization of the
     // activations (h, and the heavier-tailed swiglu output before down): one scale per 32
-    // values for Q8_0 (measured <= 1.8e-4), per 256 for Q8_K (measured <= 4.3e-4). A wrong expert or
-    // weight gives ~1.
+    // values for Q8_0 (measured <= 1.8e-4), per 256 for Q8_K (measured <= 4.3e-4). A wrong expert
+    // or weight gives ~1.
     double nmse_bound;
   };
-  for (Case c : {Case{GgmlType::F32, 1e-10}, Case{GgmlType::Q8_0, 5e-4}, Case{GgmlType::Q4_K, 1e-3}}) {
+  for (Case c :
+       {Case{GgmlType::F32, 1e-10}, Case{GgmlType::Q8_0, 5e-4}, Case{GgmlType::Q4_K, 1e-3}}) {
     CAPTURE(type_name(c.type));
     MoeFixture fx(c.type);
     for (int32_t n_tok : {1, 2, 7, 64, 512}) {
@@ -247,8 +249,10 @@ TEST_CASE("moe_experts over disjoint expert sets adds up to the whole layer") {
   const int32_t n = 40;
   const std::vector<int32_t> tokens = token_batch(n, 9);
   const std::vector<float> whole = run(pool, fx.wt, fx.build(n, {{}}), tokens);
-  const std::vector<float> split = run(pool, fx.wt, fx.build(n, {{0, 2, 4, 6}, {1, 3, 5, 7}}), tokens);
-  const std::vector<float> three = run(pool, fx.wt, fx.build(n, {{0}, {1, 2, 3}, {4, 5, 6, 7}}), tokens);
+  const std::vector<float> split =
+      run(pool, fx.wt, fx.build(n, {{0, 2, 4, 6}, {1, 3, 5, 7}}), tokens);
+  const std::vector<float> three =
+      run(pool, fx.wt, fx.build(n, {{0}, {1, 2, 3}, {4, 5, 6, 7}}), tokens);
   double err = 0, err3 = 0, ref2 = 0;
   for (size_t i = 0; i < whole.size(); ++i) {
     err += (split[i] - whole[i]) * double(split[i] - whole[i]);

@@ -10,17 +10,28 @@ namespace berth::graph {
 
 std::string_view op_name(OpKind k) {
   switch (k) {
-    case OpKind::embed: return "embed";
-    case OpKind::rms_norm: return "rms_norm";
-    case OpKind::matmul: return "matmul";
-    case OpKind::add: return "add";
-    case OpKind::swiglu: return "swiglu";
-    case OpKind::rope: return "rope";
-    case OpKind::attention: return "attention";
-    case OpKind::take_last_rows: return "take_last_rows";
-    case OpKind::add_bias: return "add_bias";
-    case OpKind::moe_route: return "moe_route";
-    case OpKind::moe_experts: return "moe_experts";
+    case OpKind::embed:
+      return "embed";
+    case OpKind::rms_norm:
+      return "rms_norm";
+    case OpKind::matmul:
+      return "matmul";
+    case OpKind::add:
+      return "add";
+    case OpKind::swiglu:
+      return "swiglu";
+    case OpKind::rope:
+      return "rope";
+    case OpKind::attention:
+      return "attention";
+    case OpKind::take_last_rows:
+      return "take_last_rows";
+    case OpKind::add_bias:
+      return "add_bias";
+    case OpKind::moe_route:
+      return "moe_route";
+    case OpKind::moe_experts:
+      return "moe_experts";
   }
   return "?";
 }
@@ -72,7 +83,8 @@ void Graph::validate(const WeightTable& weights) const {
       w = &weights[op.weight];
     }
     auto need_inputs = [&](size_t n) {
-      if (op.inputs.size() != n) bad(op, fmt::format("needs {} inputs, has {}", n, op.inputs.size()));
+      if (op.inputs.size() != n)
+        bad(op, fmt::format("needs {} inputs, has {}", n, op.inputs.size()));
     };
     auto need_weight = [&] {
       if (!w) bad(op, "needs a weight");
@@ -134,8 +146,7 @@ void Graph::validate(const WeightTable& weights) const {
         if (q.rows != n_tokens || k.rows != n_tokens || v.rows != n_tokens)
           bad(op, "q, k, v need one row per token");
         if (q.cols != int64_t{p.n_head} * p.head_dim) bad(op, "q columns");
-        if (k.cols != int64_t{p.n_head_kv} * p.head_dim || v.cols != k.cols)
-          bad(op, "k/v columns");
+        if (k.cols != int64_t{p.n_head_kv} * p.head_dim || v.cols != k.cols) bad(op, "k/v columns");
         if (out.rows != q.rows || out.cols != q.cols) bad(op, "output shape");
         break;
       }
@@ -180,8 +191,7 @@ void Graph::validate(const WeightTable& weights) const {
         const TensorView& d = weights[p.down];
         if (g.ne[0] != h.cols || u.ne[0] != h.cols || g.ne[2] != p.n_expert ||
             u.ne[2] != p.n_expert || d.ne[2] != p.n_expert || g.ne[1] != u.ne[1] ||
-            d.ne[0] != g.ne[1] || d.ne[1] != h.cols || g.ne[3] != 1 || u.ne[3] != 1 ||
-            d.ne[3] != 1)
+            d.ne[0] != g.ne[1] || d.ne[1] != h.cols || g.ne[3] != 1 || u.ne[3] != 1 || d.ne[3] != 1)
           bad(op, fmt::format("expert tensors '{}', '{}', '{}' do not fit n_embd {} and "
                               "n_expert {}",
                               g.name, u.name, d.name, h.cols, p.n_expert));
@@ -199,8 +209,8 @@ void Graph::validate(const WeightTable& weights) const {
 }
 
 std::string Graph::to_string(const WeightTable& weights) const {
-  std::string s = fmt::format("graph: {} tokens, {} ops, {} values\n", n_tokens, ops.size(),
-                              values.size());
+  std::string s =
+      fmt::format("graph: {} tokens, {} ops, {} values\n", n_tokens, ops.size(), values.size());
   for (const Op& op : ops) {
     const ValueInfo& out = values[op.output];
     s += fmt::format("  {:<16} {:<22} -> [{} x {}]", op_name(op.kind), op.name, out.rows, out.cols);
@@ -237,13 +247,14 @@ ValueId Builder::rms_norm(ValueId x, WeightId w, float eps, std::string name) {
 
 ValueId Builder::matmul(ValueId x, WeightId w, std::string name) {
   ValueId out = g_.add_value(info(x).rows, weights_[w].n_rows(), name);
-  return g_.add_op(
-      Op{.kind = OpKind::matmul, .inputs = {x}, .output = out, .weight = w, .name = std::move(name)});
+  return g_.add_op(Op{
+      .kind = OpKind::matmul, .inputs = {x}, .output = out, .weight = w, .name = std::move(name)});
 }
 
 ValueId Builder::add(ValueId a, ValueId b, std::string name) {
   ValueId out = g_.add_value(info(a).rows, info(a).cols, name);
-  return g_.add_op(Op{.kind = OpKind::add, .inputs = {a, b}, .output = out, .name = std::move(name)});
+  return g_.add_op(
+      Op{.kind = OpKind::add, .inputs = {a, b}, .output = out, .name = std::move(name)});
 }
 
 ValueId Builder::swiglu(ValueId gate, ValueId up, std::string name) {

@@ -14,8 +14,8 @@
 //      measured with the same thread count.
 //   3. GEMM per weight type and ubatch: a [gemm_rows x gemm_cols] matrix against ubatch
 //      activation rows, split the same way (each chunk one cpu::gemm_rows call, which tiles
-//      the rows and tokens so a tile's weights stay in cache for every token). Reported in tokens/s and
-//      GFLOP/s (2 flops per weight per token), and as a speedup over (a) the GEMV run once per
+//      the rows and tokens so a tile's weights stay in cache for every token). Reported in tokens/s
+//      and GFLOP/s (2 flops per weight per token), and as a speedup over (a) the GEMV run once per
 //      token on the same matrix (which may sit in the LLC: the conservative baseline) and
 //      (b) the decode rate of a matrix of that size streamed from DRAM at the GEMV's measured
 //      GB/s (what prefilling token by token would cost on a real model).

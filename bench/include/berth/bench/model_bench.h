@@ -28,11 +28,11 @@ namespace berth::bench {
 
 struct ModelBenchOptions {
   std::string model_path;
-  int n_threads = 0;         ///< 0: all physical cores
-  int n_prompt = 512;        ///< pp tokens (0: skip pp)
-  int n_gen = 128;           ///< tg tokens (0: skip tg)
-  int repetitions = 3;       ///< timed runs after one warm-up
-  size_t dram_bytes = 0;     ///< DRAM bandwidth buffer; 0: max(1 GiB, 8 x LLC)
+  int n_threads = 0;      ///< 0: all physical cores
+  int n_prompt = 512;     ///< pp tokens (0: skip pp)
+  int n_gen = 128;        ///< tg tokens (0: skip tg)
+  int repetitions = 3;    ///< timed runs after one warm-up
+  size_t dram_bytes = 0;  ///< DRAM bandwidth buffer; 0: max(1 GiB, 8 x LLC)
   uint64_t seed = 1;
   bool profile = false;
   std::function<void(std::string_view)> progress;
@@ -40,7 +40,7 @@ struct ModelBenchOptions {
 
 struct OpShare {
   std::string kind;
-  double seconds = 0;  ///< per run
+  double seconds = 0;   ///< per run
   double fraction = 0;  ///< of the run's op time
 };
 
@@ -48,8 +48,8 @@ struct ModelBenchResult {
   MachineInfo machine;
   ModelBenchOptions options;
   std::string arch, model_name;
-  int64_t n_params = 0;            ///< elements of all tensors
-  uint64_t weight_bytes = 0;       ///< bytes of all tensors
+  int64_t n_params = 0;       ///< elements of all tensors
+  uint64_t weight_bytes = 0;  ///< bytes of all tensors
   int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
   int n_threads = 0;
   Rate pp_tok_s, tg_tok_s;

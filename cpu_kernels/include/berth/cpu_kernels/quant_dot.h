@@ -77,8 +77,8 @@ void dot_tile(GgmlType weight_type, const void* w, int64_t n_rows, const void* a
 namespace berth::cpu::detail {
 // Per-family entry points, each defined in its own Highway translation unit (which owns its
 // HWY_EXPORT table) and called by quant_dot.cpp's switch.
-void quantize_q8_0(const float* x, void* dst, int64_t n);   // quant_dot_legacy.cc
-void quantize_q8_K(const float* x, void* dst, int64_t n);   // quant_dot_k.cc
+void quantize_q8_0(const float* x, void* dst, int64_t n);  // quant_dot_legacy.cc
+void quantize_q8_K(const float* x, void* dst, int64_t n);  // quant_dot_k.cc
 void dot_tile_legacy(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,
                      int64_t n_tok, int64_t n, float* out, int64_t out_stride);  // Q4_0..Q8_0
 void dot_tile_float(GgmlType t, const void* w, int64_t n_rows, const void* act, size_t act_stride,

@@ -18,21 +18,21 @@ namespace berth {
 /// Hyper-parameters of the decoder-only transformer families berth runs. Names follow the GGUF
 /// keys ("{arch}." prefix omitted): embedding_length -> n_embd, block_count -> n_layer, ...
 struct Hparams {
-  std::string arch;           ///< general.architecture
-  int64_t n_vocab = 0;        ///< rows of token_embd.weight
-  int64_t n_ctx_train = 0;    ///< context_length
-  int64_t n_embd = 0;         ///< embedding_length
-  int64_t n_layer = 0;        ///< block_count
-  int64_t n_head = 0;         ///< attention.head_count
-  int64_t n_head_kv = 0;      ///< attention.head_count_kv (default n_head)
-  int64_t head_dim = 0;       ///< attention.key_length (default n_embd / n_head)
-  int64_t n_ff = 0;           ///< feed_forward_length
-  int64_t n_rot = 0;          ///< rope.dimension_count (default head_dim)
+  std::string arch;                 ///< general.architecture
+  int64_t n_vocab = 0;              ///< rows of token_embd.weight
+  int64_t n_ctx_train = 0;          ///< context_length
+  int64_t n_embd = 0;               ///< embedding_length
+  int64_t n_layer = 0;              ///< block_count
+  int64_t n_head = 0;               ///< attention.head_count
+  int64_t n_head_kv = 0;            ///< attention.head_count_kv (default n_head)
+  int64_t head_dim = 0;             ///< attention.key_length (default n_embd / n_head)
+  int64_t n_ff = 0;                 ///< feed_forward_length
+  int64_t n_rot = 0;                ///< rope.dimension_count (default head_dim)
   float rope_freq_base = 10000.0f;  ///< rope.freq_base
-  float rms_eps = 1e-5f;      ///< attention.layer_norm_rms_epsilon
-  int64_t n_expert = 0;       ///< expert_count (0: dense)
-  int64_t n_expert_used = 0;  ///< expert_used_count
-  int64_t n_ff_exp = 0;       ///< expert_feed_forward_length (default feed_forward_length)
+  float rms_eps = 1e-5f;            ///< attention.layer_norm_rms_epsilon
+  int64_t n_expert = 0;             ///< expert_count (0: dense)
+  int64_t n_expert_used = 0;        ///< expert_used_count
+  int64_t n_ff_exp = 0;             ///< expert_feed_forward_length (default feed_forward_length)
   bool expert_weights_norm = true;  ///< expert_weights_norm: renormalise the top-k weights
 };
 

@@ -47,8 +47,8 @@ struct VocabData {
   bool add_eos = false;                ///< tokenizer.ggml.add_eos_token
   bool add_space_prefix = true;        ///< tokenizer.ggml.add_space_prefix (SPM)
   std::vector<std::string> merges;     ///< tokenizer.ggml.merges (BPE): "left right", by rank
-  std::string pre;                     ///< tokenizer.ggml.pre (BPE pre-tokenizer name, e.g. "qwen2")
-  std::string source = "<memory>";     ///< names the vocabulary (file path) in error messages
+  std::string pre;                  ///< tokenizer.ggml.pre (BPE pre-tokenizer name, e.g. "qwen2")
+  std::string source = "<memory>";  ///< names the vocabulary (file path) in error messages
 };
 
 /// A vocabulary plus its encoding algorithm. Thread-safe for concurrent const use.
@@ -88,9 +88,9 @@ class Tokenizer {
   /// longest match); when false (user text) they are tokenized as plain characters.
   /// User-defined tokens (e.g. Qwen3's "<think>", "<tool_call>": added tokens that are not
   /// special) are always matched, as SentencePiece, Hugging Face tokenizers and llama.cpp do;
-  /// only control tokens need `parse_special`. BPE accepts any bytes: each byte of ill-formed UTF-8 is a piece
-  /// of its own. Throws Error(unsupported) only when a character (SPM) or byte (BPE) has no
-  /// token, no byte token and no unknown id.
+  /// only control tokens need `parse_special`. BPE accepts any bytes: each byte of ill-formed UTF-8
+  /// is a piece of its own. Throws Error(unsupported) only when a character (SPM) or byte (BPE) has
+  /// no token, no byte token and no unknown id.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_bos,
                                       bool parse_special = false) const = 0;
 

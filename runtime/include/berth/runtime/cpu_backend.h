@@ -67,8 +67,8 @@ class CpuExecutor {
   KvCache& kv_;
   std::vector<std::vector<float>> bufs_;
   std::vector<std::vector<float>> scratch_;  // one per worker
-  std::vector<float> small_weight_;  // decoded norm weights
-  std::vector<uint8_t> act_;         // quantized activations of the current matmul
+  std::vector<float> small_weight_;          // decoded norm weights
+  std::vector<uint8_t> act_;                 // quantized activations of the current matmul
   // moe_experts scratch: per-expert slot offsets, slots (token * k + j) grouped by expert,
   // quantized activations for up (when its format differs from gate's) and down, gate/up
   // outputs by pair, expert outputs by slot.

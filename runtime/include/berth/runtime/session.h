@@ -19,8 +19,8 @@
 namespace berth {
 
 struct SessionParams {
-  int32_t n_threads = 0;   ///< -t: workers; 0 = all physical cores
-  int64_t n_ctx = 0;       ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
+  int32_t n_threads = 0;  ///< -t: workers; 0 = all physical cores
+  int64_t n_ctx = 0;      ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
   int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
 };
 
@@ -44,7 +44,8 @@ class Session {
   int64_t n_past() const { return n_past_; }
   int64_t n_ctx() const { return kv_.n_ctx(); }
   int64_t n_vocab() const { return model_.hparams().n_vocab; }
-  /// Forgets positions >= n (0 <= n <= n_past()): later evals overwrite them. reset() == truncate(0).
+  /// Forgets positions >= n (0 <= n <= n_past()): later evals overwrite them. reset() ==
+  /// truncate(0).
   void truncate(int64_t n);
   void reset() { truncate(0); }
 

@@ -53,7 +53,8 @@ enum class OpKind {
   /// out = silu(in0) * in1, silu(z) = z / (1 + exp(-z)) (SwiGLU, arXiv:2002.05202)
   swiglu,
   /// Rotary position embedding of each head of `in` ([rows, n_head * head_dim]) at the
-  /// ubatch's positions; the first n_rot dims of each head rotate, theta_i = pos * base^(-2i/n_rot).
+  /// ubatch's positions; the first n_rot dims of each head rotate, theta_i = pos *
+  /// base^(-2i/n_rot).
   rope,
   /// Causal grouped-query attention. in0 = q [n_tokens, n_head*head_dim], in1 = k,
   /// in2 = v ([n_tokens, n_head_kv*head_dim]). Appends k, v to the KV cache of `layer` at the
@@ -103,11 +104,12 @@ struct AttentionParams {
 struct MoeParams {
   int32_t n_expert = 0;
   int32_t n_expert_used = 0;
-  bool norm_weights = true;       ///< moe_route: renormalise the selected weights
-  WeightId gate = kNoWeight;      ///< moe_experts: ffn_gate_exps
-  WeightId up = kNoWeight;        ///< moe_experts: ffn_up_exps
-  WeightId down = kNoWeight;      ///< moe_experts: ffn_down_exps
-  std::vector<int32_t> experts;   ///< moe_experts: the expert ids this op computes (ascending); empty = all
+  bool norm_weights = true;   ///< moe_route: renormalise the selected weights
+  WeightId gate = kNoWeight;  ///< moe_experts: ffn_gate_exps
+  WeightId up = kNoWeight;    ///< moe_experts: ffn_up_exps
+  WeightId down = kNoWeight;  ///< moe_experts: ffn_down_exps
+  std::vector<int32_t>
+      experts;  ///< moe_experts: the expert ids this op computes (ascending); empty = all
   /// True when this op computes expert e.
   bool has_expert(int32_t e) const;
 };
@@ -117,13 +119,13 @@ struct Op {
   std::vector<ValueId> inputs;
   ValueId output = kNoValue;
   WeightId weight = kNoWeight;
-  float eps = 0.0f;          ///< rms_norm
-  int32_t n_out = 0;         ///< take_last_rows
-  RopeParams rope;           ///< rope
-  AttentionParams attn;      ///< attention
-  int32_t norm_group = 0;    ///< rms_norm: > 0 normalises each run of this many columns
-  MoeParams moe;             ///< moe_route, moe_experts
-  std::string name;          ///< for traces, e.g. "blk.3.attn_q"
+  float eps = 0.0f;        ///< rms_norm
+  int32_t n_out = 0;       ///< take_last_rows
+  RopeParams rope;         ///< rope
+  AttentionParams attn;    ///< attention
+  int32_t norm_group = 0;  ///< rms_norm: > 0 normalises each run of this many columns
+  MoeParams moe;           ///< moe_route, moe_experts
+  std::string name;        ///< for traces, e.g. "blk.3.attn_q"
 };
 
 /// Shape of an activation value: rows x cols f32, cols contiguous.
