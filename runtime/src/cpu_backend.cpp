@@ -165,8 +165,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const int32_t half = p.n_rot / 2;
       // cos/sin of theta_i = pos * base^(-2i / n_rot) per token, computed in double (RoFormer,
       // eq. 15) once per run and rope shape: every layer's Q and K reuse the table.
-      if (rope_tables_.size() != static_cast<size_t>(rows) * half * 2 || rope_n_rot_ != p.n_rot ||
-          rope_base_ != p.freq_base || rope_pos0_ != positions[0] || rope_run_ != run_count_) {
+      if (rope_run_ != run_count_ || rope_n_rot_ != p.n_rot || rope_base_ != p.freq_base) {
         rope_tables_.resize(static_cast<size_t>(rows) * half * 2);
         for (int64_t r = 0; r < rows; ++r) {
           const double pos = positions[static_cast<size_t>(r)];
@@ -180,7 +179,6 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
         }
         rope_n_rot_ = p.n_rot;
         rope_base_ = p.freq_base;
-        rope_pos0_ = positions[0];
         rope_run_ = run_count_;
       }
       pool_.parallel_for(rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
@@ -380,8 +378,13 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   const std::vector<Task> t_up = make_tasks(n_ff);
   const std::vector<Task> t_down = make_tasks(n_embd);
   uint8_t* act_d = moe_act_d_.data();
-  std::vector<std::atomic<int32_t>> up_left(static_cast<size_t>(p.n_expert));
-  std::vector<std::atomic<int32_t>> ready(static_cast<size_t>(p.n_expert));
+  if (moe_n_flags_ < p.n_expert) {  // kept between calls: no allocation per layer
+    moe_up_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
+    moe_ready_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
+    moe_n_flags_ = p.n_expert;
+  }
+  std::atomic<int32_t>* up_left = moe_up_left_.get();
+  std::atomic<int32_t>* ready = moe_ready_.get();
   for (int32_t e = 0; e < p.n_expert; ++e) {
     up_left[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
     ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -75,12 +77,14 @@ class CpuExecutor {
   std::vector<int64_t> moe_first_, moe_slots_;
   std::vector<uint8_t> moe_act_u_, moe_act_d_;
   std::vector<float> moe_gate_, moe_up_, moe_y_;
+  // Per expert: gate/up blocks left, and "ready for down" (one parallel region per MoE layer).
+  std::unique_ptr<std::atomic<int32_t>[]> moe_up_left_, moe_ready_;
+  int32_t moe_n_flags_ = 0;
   // RoPE cos/sin per token of the current run ([rows][cos n_rot/2 | sin n_rot/2]), for one
-  // (n_rot, freq_base): rebuilt when the run, the first position or the shape changes.
+  // (n_rot, freq_base): rebuilt at each run (new positions) and when the shape changes.
   std::vector<float> rope_tables_;
   int32_t rope_n_rot_ = 0;
   float rope_base_ = 0;
-  int32_t rope_pos0_ = -1;
   uint64_t run_count_ = 0, rope_run_ = 0;
   static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::moe_experts) + 1;
   bool profiling_ = false;
