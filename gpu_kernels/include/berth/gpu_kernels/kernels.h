@@ -1,0 +1,130 @@
+// CUDA kernels of the step graph's ops. Launchers take raw device pointers and a stream, enqueue
+// their kernels and return; they never allocate, never synchronise, and are safe to call while
+// the stream is being captured into a CUDA graph.
+//
+// Conventions (as the CPU path, runtime/graph/graph.h):
+// - Activations are f32 matrices [rows, cols], row-major (cols contiguous), one row per token.
+// - Weights are in ggml's block layout, exactly the bytes of the GGUF tensor, uploaded as is:
+//   a matrix mapping n_in -> n_out is n_out rows of n_in elements (ne = {n_in, n_out}).
+// - Small weights (norm scales, biases) are passed as f32 vectors (the caller converts them once
+//   at upload).
+// - Grid sizes depend only on shapes (n_tok, n_ctx, dims), never on values in device memory, so
+//   a captured graph stays valid when positions, routing or token ids change between replays.
+//   Values that change per step (token ids, positions) are read from device memory.
+// - Errors: a launch failure throws berth::Error(internal) with cudaGetErrorString and the
+//   kernel's name. Unsupported types throw Error(unsupported) naming the type.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "berth/core/types.h"
+
+namespace berth::gpu {
+
+/// True when matmul/embed/moe_experts accept weights of type `t`: F32, F16, BF16, Q4_0, Q4_1,
+/// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (the CPU path's set).
+bool supports(GgmlType t);
+
+/// Workspace bytes matmul needs for `n_tok` rows of input (quantized activations, dequantized
+/// weight tiles). 0 is a valid answer.
+size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok);
+
+/// out [n_tok, n_out] = x [n_tok, n_in] times w^T, w = n_out rows of n_in elements of `type`.
+/// Small n_tok (decode): activations quantized on the device to 8-bit blocks, integer dot
+/// products (dp4a) against the weight blocks. Large n_tok (prefill): tensor-core GEMM on
+/// dequantized f16 tiles. `workspace` holds at least matmul_workspace_bytes(...).
+void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
+            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes,
+            cudaStream_t stream);
+
+/// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
+/// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows
+/// (the host validates ids before a step).
+void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const int32_t* tokens,
+           int64_t n_tok, float* out, cudaStream_t stream);
+
+/// RMSNorm (Zhang & Sennrich 2019): each run of `group` consecutive values of x [rows, cols]
+/// (group divides cols; group == cols for a whole row) becomes v / sqrt(mean(v^2) + eps) * w,
+/// w [group] f32 (nullptr: no scale). out may equal x.
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols,
+              int64_t group, float eps, cudaStream_t stream);
+
+/// out = a + b, n elements. out may alias a or b.
+void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
+/// out[r, c] = x[r, c] + bias[c], x [rows, cols]. out may equal x.
+void add_bias(const float* x, const float* bias, float* out, int64_t rows, int64_t cols,
+              cudaStream_t stream);
+/// out = silu(gate) * up, n elements; silu(z) = z / (1 + exp(-z)) (SwiGLU, arXiv:2002.05202).
+void swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
+
+/// Rotary embedding (RoFormer, arXiv:2104.09864) of x [rows, n_head * head_dim] into out (may
+/// equal x): in each head the first n_rot dims rotate by theta_i = positions[r] *
+/// freq_base^(-2i/n_rot); pairs are (2i, 2i+1) when !neox, (i, i + n_rot/2) when neox.
+/// positions: rows int32 in device memory.
+void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
+          int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
+          cudaStream_t stream);
+
+/// Workspace bytes of attention for n_tok query rows over a cache of n_ctx positions.
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
+                                 int32_t head_dim);
+
+/// Causal grouped-query attention with an f16 KV cache, flash-style (online softmax; the score
+/// matrix is never materialised). q [n_tok, n_head*head_dim], k/v [n_tok, n_head_kv*head_dim]
+/// (f32, this ubatch). First writes k, v (rounded to f16) into rows positions[t] of k_cache /
+/// v_cache ([n_ctx, n_head_kv*head_dim] f16 each, row-major); then query t attends to cache rows
+/// 0..positions[t] (inclusive) with scores scale * q.k, query head h reading kv head
+/// h / (n_head / n_head_kv). out [n_tok, n_head*head_dim]. positions: n_tok int32 in device
+/// memory, consecutive; the number of cache rows read is taken from them on the device, so one
+/// captured graph serves every decode position.
+void attention(const float* q, const float* k, const float* v, int64_t n_tok,
+               const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
+               int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
+/// the k largest p selected in descending order (ties: lowest id first), weights = selected p,
+/// divided by their sum when `norm`. out [n_tok, 2k]: ids as exact floats, then weights
+/// (double rounded once to float). Matches berth::cpu::moe_topk exactly.
+void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
+               float* out, cudaStream_t stream);
+
+/// Stacked expert weights of one MoE layer (ggml layout): gate/up ne = {n_embd, n_ff, n_expert},
+/// down ne = {n_ff, n_embd, n_expert}; expert e's matrix starts at byte e * (rows * row bytes).
+struct MoeWeights {
+  GgmlType gate_type, up_type, down_type;
+  const void* gate;
+  const void* up;
+  const void* down;
+  int64_t n_embd = 0, n_ff = 0;
+  int32_t n_expert = 0, n_expert_used = 0;
+};
+
+/// Workspace bytes of moe_experts for n_tok tokens.
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok);
+
+/// Routed experts: out [n_tok, n_embd] = for each token, the sum over its slots j (in slot
+/// order) whose expert e = route[t, j] has expert_mask[e] != 0 of
+/// route[t, k + j] * down_e(silu(gate_e h_t) * up_e h_t); zero rows for tokens with no such slot.
+/// h [n_tok, n_embd], route [n_tok, 2k] (moe_route's output), expert_mask n_expert bytes, all in
+/// device memory. Tokens are gathered per expert (several tokens may pick one expert; an expert
+/// no token picks costs nothing) and each expert's tokens go through grouped GEMV/GEMM.
+void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
+                 const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream);
+
+/// Greedy selection: ids[r] = argmax of logits row r ([rows, n_vocab]); ties: lowest id.
+void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids,
+            cudaStream_t stream);
+
+/// Workspace bytes of top_k for one row of n_vocab logits.
+size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k);
+/// The k (1..256) largest logits of one row [n_vocab], in descending order (ties: lowest id
+/// first): ids[k], values[k].
+void top_k(const float* logits, int64_t n_vocab, int32_t k, int32_t* ids, float* values,
+           void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace berth::gpu

@@ -1,0 +1,124 @@
+// The accelerator as the executor sees it: its own memory, a few in-order queues (streams),
+// copies to and from page-locked host memory, host callbacks in stream order, graph capture and
+// replay, and the step graph's kernels.
+//
+// Two implementations:
+// - CudaDevice (cuda_device.cpp, built with BERTH_CUDA): CUDA streams, events, cudaLaunchHostFunc,
+//   CUDA graphs, gpu_kernels/.
+// - SimDevice (sim_device.cpp, always built): the same contract on the CPU, with memory of its
+//   own, executed in enqueue order on the calling thread; kernels are the scalar/SIMD CPU
+//   kernels, with the KV cache rounded to f16 as on the GPU. CI has no GPU: the executor's split
+//   (what runs where, what is copied, in which order, what a replayed graph reads) is tested
+//   against SimDevice, and the same tests run against CudaDevice on a GPU machine.
+//
+// Pointers called "device" below are from alloc(); "host" pointers from alloc_host() (pinned);
+// a copy between device and pageable host memory is not allowed in a stream (upload() is the
+// synchronous exception used at load time).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "berth/core/types.h"
+
+namespace berth {
+
+/// Stream indices: kMain runs the step, kAux runs work that overlaps it (e.g. GPU-held experts
+/// while the main stream waits for the CPU's), kCopy streams weights ahead of use.
+enum : int { kMain = 0, kAux = 1, kCopy = 2, kNumStreams = 3 };
+
+/// Stacked expert weights of one MoE layer in device memory (see gpu_kernels/kernels.h).
+struct DeviceMoeWeights {
+  GgmlType gate_type, up_type, down_type;
+  const void* gate;
+  const void* up;
+  const void* down;
+  int64_t n_embd = 0, n_ff = 0;
+  int32_t n_expert = 0, n_expert_used = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  /// e.g. "CUDA0 (NVIDIA H200)" or "SIM0".
+  virtual std::string name() const = 0;
+  virtual size_t total_bytes() const = 0;
+  virtual size_t free_bytes() const = 0;
+
+  /// Device memory. Throws Error(out_of_memory): "<name>: cannot allocate N MiB for <what>
+  /// (M MiB free)".
+  virtual void* alloc(size_t bytes, std::string_view what) = 0;
+  virtual void dealloc(void* p) = 0;
+  /// Page-locked host memory, usable by copies and host callbacks. Same errors as alloc().
+  virtual void* alloc_host(size_t bytes, std::string_view what) = 0;
+  virtual void dealloc_host(void* p) = 0;
+  /// Synchronous copy from any host memory to device memory (load time).
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+  /// Synchronous copy from device memory to any host memory (tests, diagnostics).
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;
+
+  // Stream-ordered work. `s` is one of kMain, kAux, kCopy.
+  virtual void copy_h2d(int s, void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_d2h(int s, void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_d2d(int s, void* dst, const void* src, size_t bytes) = 0;
+  /// Runs fn(arg) on a host thread once the work before it in stream `s` is done; later work in
+  /// `s` waits for it to return. fn must not call the Device.
+  virtual void host_fn(int s, void (*fn)(void*), void* arg) = 0;
+  /// Work enqueued on `s` after this call waits for everything enqueued on `on` before it.
+  virtual void wait(int s, int on) = 0;
+  /// Blocks the calling thread until all streams are idle.
+  virtual void synchronize() = 0;
+
+  /// Graphs: between begin_capture() and end_capture() the work enqueued on every stream (which
+  /// must be joined back into kMain before the end) is recorded instead of run; replay(h) runs it
+  /// again with the same pointers and sizes. Returns a handle >= 0.
+  virtual void begin_capture() = 0;
+  virtual int end_capture() = 0;
+  virtual void replay(int graph) = 0;
+
+  // Kernels, enqueued on stream `s` (contracts in gpu_kernels/kernels.h).
+  virtual size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out,
+                                        int64_t n_tok) = 0;
+  virtual void matmul(int s, GgmlType type, const void* w, int64_t n_in, int64_t n_out,
+                      const float* x, int64_t n_tok, float* out, void* ws, size_t ws_bytes) = 0;
+  virtual void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
+                     const int32_t* tokens, int64_t n_tok, float* out) = 0;
+  virtual void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows,
+                        int64_t cols, int64_t group, float eps) = 0;
+  virtual void add(int s, const float* a, const float* b, float* out, int64_t n) = 0;
+  virtual void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
+                        int64_t cols) = 0;
+  virtual void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) = 0;
+  virtual void rope(int s, const float* x, float* out, int64_t rows, int32_t n_head,
+                    int32_t head_dim, int32_t n_rot, float freq_base, bool neox,
+                    const int32_t* positions) = 0;
+  virtual size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
+                                           int32_t head_dim) = 0;
+  virtual void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,
+                         const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache,
+                         int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                         float scale, float* out, void* ws, size_t ws_bytes) = 0;
+  virtual void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
+                         bool norm, float* out) = 0;
+  virtual size_t moe_workspace_bytes(const DeviceMoeWeights& w, int64_t n_tok) = 0;
+  virtual void moe_experts(int s, const DeviceMoeWeights& w, const float* h, const float* route,
+                           int64_t n_tok, const uint8_t* expert_mask, float* out, void* ws,
+                           size_t ws_bytes) = 0;
+  virtual void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab,
+                      int32_t* ids) = 0;
+};
+
+/// A simulated device with `capacity_bytes` of memory (see the file comment).
+std::unique_ptr<Device> make_sim_device(size_t capacity_bytes);
+
+/// True when this build has the CUDA backend and a CUDA device is present.
+bool cuda_available();
+/// The CUDA device `index`. Throws Error(unsupported) when the build has no CUDA backend,
+/// Error(io) naming the CUDA error when the device cannot be opened.
+std::unique_ptr<Device> make_cuda_device(int index = 0);
+
+}  // namespace berth
