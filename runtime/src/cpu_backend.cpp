@@ -27,8 +27,8 @@ float* CpuExecutor::worker_scratch(size_t floats) {
   return s.data();
 }
 
-std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
-                                        std::span<const int32_t> positions) {
+void CpuExecutor::check_ubatch(const graph::Graph& g, std::span<const int32_t> tokens,
+                               std::span<const int32_t> positions) const {
   if (tokens.size() != static_cast<size_t>(g.n_tokens) || positions.size() != tokens.size())
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("graph of {} tokens run with {} tokens and {} positions", g.n_tokens,
@@ -41,31 +41,56 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     if (i > 0 && positions[i] != positions[i - 1] + 1)
       throw Error(ErrorCategory::invalid_argument, "ubatch positions must be consecutive");
   }
+}
+
+std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
+                                        std::span<const int32_t> positions) {
+  check_ubatch(g, tokens, positions);
   ++run_count_;
-  if (bufs_.size() < g.values.size()) bufs_.resize(g.values.size());
+  if (owned_.size() < g.values.size()) owned_.resize(g.values.size());
+  ptrs_.resize(g.values.size());
   for (size_t i = 0; i < g.values.size(); ++i) {
     const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
-    if (bufs_[i].size() < n) bufs_[i].resize(n);
+    if (owned_[i].size() < n) owned_[i].resize(n);
+    ptrs_[i] = owned_[i].data();
   }
-  pool_.execute([&] { run_ops(g, tokens, positions); });
+  pool_.execute([&] { run_ops(g, {}, tokens, positions); });
   const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
 }
 
-void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> tokens,
-                          std::span<const int32_t> positions) {
-  for (size_t i = 0; i < g.ops.size();) {
-    const Op& op = g.ops[i];
+void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> value_ptrs) {
+  if (value_ptrs.size() != g.values.size())
+    throw Error(ErrorCategory::internal, "begin_external: one pointer per value expected");
+  ++run_count_;
+  ptrs_.assign(value_ptrs.begin(), value_ptrs.end());
+}
+
+void CpuExecutor::run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,
+                             std::span<const int32_t> tokens, std::span<const int32_t> positions) {
+  pool_.execute([&] { run_ops(g, op_indices, tokens, positions); });
+}
+
+void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> subset,
+                          std::span<const int32_t> tokens, std::span<const int32_t> positions) {
+  // The ops to run: all of g in order, or the listed indices (ascending).
+  const size_t n_list = subset.empty() ? g.ops.size() : subset.size();
+  auto op_at = [&](size_t j) -> const Op& {
+    return g.ops[subset.empty() ? j : static_cast<size_t>(subset[j])];
+  };
+  for (size_t i = 0; i < n_list;) {
+    const Op& op = op_at(i);
     const auto t0 =
         profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     size_t n_ops = 1;
     if (op.kind == OpKind::matmul) {
       // Consecutive matmuls of one input (Q/K/V, gate/up) run as one parallel region: one
       // activation quantization and one barrier instead of one each.
-      while (i + n_ops < g.ops.size() && g.ops[i + n_ops].kind == OpKind::matmul &&
-             g.ops[i + n_ops].inputs[0] == op.inputs[0])
+      const Op* first = &op;
+      while (i + n_ops < n_list && &op_at(i + n_ops) == first + n_ops &&
+             first[n_ops].kind == OpKind::matmul && first[n_ops].inputs[0] == op.inputs[0])
         ++n_ops;
-      matmul_group(g, std::span<const Op>(g.ops.data() + i, n_ops));
+      matmul_group(g, std::span<const Op>(first, n_ops));
     } else {
       run_op(g, op, tokens, positions);
     }
@@ -79,10 +104,11 @@ void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> tokens
 }
 
 std::span<const float> CpuExecutor::value(const graph::Graph& g, graph::ValueId v) const {
-  if (v < 0 || static_cast<size_t>(v) >= g.values.size() || static_cast<size_t>(v) >= bufs_.size())
+  if (v < 0 || static_cast<size_t>(v) >= g.values.size() || static_cast<size_t>(v) >= ptrs_.size() ||
+      ptrs_[static_cast<size_t>(v)] == nullptr)
     throw Error(ErrorCategory::invalid_argument, fmt::format("no value {} in the last run", v));
   const graph::ValueInfo& vi = g.values[static_cast<size_t>(v)];
-  return {bufs_[static_cast<size_t>(v)].data(), static_cast<size_t>(vi.rows * vi.cols)};
+  return {ptrs_[static_cast<size_t>(v)], static_cast<size_t>(vi.rows * vi.cols)};
 }
 
 std::vector<CpuExecutor::OpTime> CpuExecutor::profile() const {

@@ -29,6 +29,19 @@ class CpuExecutor {
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
                              std::span<const int32_t> positions);
 
+  /// For an executor that runs part of a step elsewhere (HybridExecutor): starts a step of `g`
+  /// whose values live at `value_ptrs` (one per value of g, caller-owned, nullptr for values
+  /// no CPU op touches). run_subset() then runs some of g's ops on those buffers.
+  void begin_external(const graph::Graph& g, std::span<float* const> value_ptrs);
+  /// Runs the ops of `g` at `op_indices` (ascending) of the step begun by begin_external(), on
+  /// the ubatch `tokens`/`positions` (validated by the caller with check_ubatch()).
+  void run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,
+                  std::span<const int32_t> tokens, std::span<const int32_t> positions);
+  /// Throws Error(invalid_argument) as run() does for a ubatch that does not fit `g` or the
+  /// context.
+  void check_ubatch(const graph::Graph& g, std::span<const int32_t> tokens,
+                    std::span<const int32_t> positions) const;
+
   /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
   /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
   std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
@@ -45,11 +58,12 @@ class CpuExecutor {
   void reset_profile() { prof_ = {}; }
 
  private:
-  void run_ops(const graph::Graph& g, std::span<const int32_t> tokens,
-               std::span<const int32_t> positions);
+  /// Runs the ops at `subset` (ascending indices; empty = every op of g).
+  void run_ops(const graph::Graph& g, std::span<const int32_t> subset,
+               std::span<const int32_t> tokens, std::span<const int32_t> positions);
   void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
               std::span<const int32_t> positions);
-  float* buf(graph::ValueId v) { return bufs_[static_cast<size_t>(v)].data(); }
+  float* buf(graph::ValueId v) { return ptrs_[static_cast<size_t>(v)]; }
   float* worker_scratch(size_t floats);
   /// Matmul ops reading the same input (one op, or consecutive ones such as Q/K/V), run as one
   /// parallel region: out [n_tok, n_rows(w)] = x [n_tok, ne0(w)] times w's rows for each op;
@@ -67,7 +81,8 @@ class CpuExecutor {
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
   KvCache& kv_;
-  std::vector<std::vector<float>> bufs_;
+  std::vector<std::vector<float>> owned_;  // value buffers of run(), kept between runs
+  std::vector<float*> ptrs_;                // where each value of the current step lives
   std::vector<std::vector<float>> scratch_;  // one per worker
   std::vector<float> small_weight_;          // decoded norm weights
   std::vector<uint8_t> act_;                 // quantized activations of the current matmul

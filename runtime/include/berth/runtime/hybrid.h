@@ -1,18 +1,118 @@
 // The heterogeneous executor: runs a step graph with each op where its weights live (placement
-// decides), GPU ops on Device streams and CPU ops on the pinned worker pool, at the same time.
+// decides), GPU ops on Device streams and CPU ops on the pinned worker pool, at the same time
+// where the graph allows.
+//
+// How a step runs. Each op gets a side: an op with weights runs where they live (moe_experts:
+// where its expert tensors live), attention where its layer's KV cache lives, any other op where
+// its first input was produced. Consecutive CPU ops form a segment. Everything is enqueued on
+// the Device in graph order: GPU ops on the main stream; each CPU segment as a host callback on
+// the aux stream, forked from the main stream right after the last GPU op that produces one of
+// its inputs (whose values are copied into pinned host buffers first) and joined back before the
+// first GPU op that reads one of its outputs (copied to the device on the aux stream). So GPU
+// ops that do not depend on a CPU segment run while it runs, and nothing on the host waits per
+// layer: the host thread enqueues the whole step and waits once at the end. Decode steps
+// (one token) are captured as a Device graph the first time and replayed after that; token ids
+// and positions travel through fixed pinned/device buffers, so a replay sees the new ones.
+//
+// Memory: GPU-resident weights are uploaded once (1-D tensors such as norm scales and biases as
+// f32); device activations share one arena, offsets assigned by liveness in enqueue order
+// (values written by a CPU segment are kept from its fork point on); values crossing between
+// the sides get pinned host buffers; KV caches are f16 on the device (one per GPU layer) and
+// the CpuExecutor's f32 cache for CPU layers.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
 
+#include "berth/graph/graph.h"
 #include "berth/models/model.h"
+#include "berth/placement/plan.h"
+#include "berth/runtime/cpu_backend.h"
+#include "berth/runtime/device.h"
+#include "berth/runtime/kv_cache.h"
+#include "berth/runtime/thread_pool.h"
 
 namespace berth {
 
 /// Device bytes the hybrid executor needs besides weights and KV cache for steps of up to
-/// `n_ubatch` tokens with a context of `n_ctx`: the peak of live activations (values are
-/// assigned offsets in one arena by liveness) plus the largest kernel workspace, rounded up.
-/// An estimate from shapes alone (no device needed), used by placement before loading.
-size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx);
+/// `n_ubatch` tokens with a context of `n_ctx`: the peak of live activations of the all-GPU
+/// step (values are assigned offsets in one arena by liveness) plus the largest kernel
+/// workspace (asked from `dev` when given, else estimated: 64 MiB + 8 bytes per input element),
+/// rounded up to MiB. An estimate from shapes alone, used by placement before loading.
+size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
+                            Device* dev = nullptr);
+
+struct HybridOptions {
+  /// Capture decode steps (1 token) as a Device graph and replay them.
+  bool graphs = true;
+  /// Called while uploading weights: bytes done and total.
+  std::function<void(size_t done, size_t total)> progress;
+};
+
+class HybridExecutor {
+ public:
+  /// Uploads the weights whose home is GPU (`weight_home`, one per WeightTable entry) and
+  /// allocates the device KV cache ([n_ctx, k_dim] and [n_ctx, v_dim] f16) of each layer whose
+  /// `kv_home` is GPU. `cpu_kv` serves the CPU layers. `weights`, `pool`, `cpu_kv` and `dev`
+  /// must outlive the executor. Throws Error(out_of_memory) from the device (naming it, the MiB
+  /// needed and free) and Error(invalid_argument) when the homes do not match the table.
+  HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& cpu_kv,
+                 Device& dev, std::vector<placement::Home> weight_home,
+                 std::vector<placement::Home> kv_home, HybridOptions options = {});
+  ~HybridExecutor();
+  HybridExecutor(const HybridExecutor&) = delete;
+  HybridExecutor& operator=(const HybridExecutor&) = delete;
+
+  /// Runs `g` as CpuExecutor::run does (same arguments, errors and result: the output value on
+  /// the host, valid until the next run). A moe_experts op whose expert tensors are split
+  /// between the sides, or whose gate/up/down live on different sides, throws
+  /// Error(invalid_argument) naming the tensors.
+  std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
+                             std::span<const int32_t> positions);
+
+  /// Where op `i` of `g` runs (after a run of g): for tests and `berth plan`-style reports.
+  placement::Home op_home(const graph::Graph& g, size_t i);
+
+  /// Wall time of the last run() and the time its CPU segments took (host callbacks, summed).
+  double last_step_seconds() const { return last_step_s_; }
+  double last_cpu_seconds() const { return last_cpu_s_; }
+  /// Device bytes held: weights, KV cache, activations + workspace.
+  size_t device_weight_bytes() const { return dev_weight_bytes_; }
+  size_t device_kv_bytes() const { return dev_kv_bytes_; }
+  size_t device_scratch_bytes() const;
+  CpuExecutor& cpu() { return cpu_; }
+  Device& device() { return dev_; }
+
+  struct StepPlan;  // per graph shape (defined in hybrid.cpp)
+
+ private:
+  StepPlan& plan_for(const graph::Graph& g);
+  void enqueue_step(StepPlan& sp);
+  void enqueue_op(StepPlan& sp, size_t i);
+  static void run_segment(void* arg);
+  void release();  // frees everything on the device (destructor, failed constructor)
+
+  ThreadPool& pool_;
+  const graph::WeightTable& weights_;
+  KvCache& cpu_kv_;
+  Device& dev_;
+  std::vector<placement::Home> weight_home_, kv_home_;
+  HybridOptions opt_;
+  CpuExecutor cpu_;
+  std::vector<void*> dev_weight_;  // per WeightId: device copy, or nullptr
+  std::vector<uint16_t*> dev_k_, dev_v_;  // per layer: f16 KV cache, or nullptr
+  size_t dev_weight_bytes_ = 0, dev_kv_bytes_ = 0;
+  int32_t* tokens_host_ = nullptr;  // pinned, max_tokens_
+  int32_t* positions_host_ = nullptr;
+  int32_t* tokens_dev_ = nullptr;
+  int32_t* positions_dev_ = nullptr;
+  int64_t max_tokens_ = 0;
+  std::vector<std::unique_ptr<StepPlan>> plans_;
+  double last_step_s_ = 0, last_cpu_s_ = 0;
+};
 
 }  // namespace berth

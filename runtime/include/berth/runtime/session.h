@@ -12,6 +12,7 @@
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/cpu_backend.h"
+#include "berth/runtime/hybrid.h"
 #include "berth/runtime/kv_cache.h"
 #include "berth/runtime/sampler.h"
 #include "berth/runtime/thread_pool.h"
@@ -22,6 +23,11 @@ struct SessionParams {
   int32_t n_threads = 0;  ///< -t: workers; 0 = all physical cores
   int64_t n_ctx = 0;      ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
   int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
+  /// With a device: steps run on the HybridExecutor, weights and KV caches where `weight_home`
+  /// (one per WeightTable entry) and `kv_home` (one per layer) say. Null: CPU only.
+  Device* device = nullptr;
+  std::vector<placement::Home> weight_home, kv_home;
+  HybridOptions hybrid;
 };
 
 /// Default context when -c is 0: as llama.cpp, 4096 unless the model was trained on fewer.
@@ -53,7 +59,10 @@ class Session {
   int64_t n_prefill_tokens() const { return n_prefill_tokens_; }
   int64_t n_decode_tokens() const { return n_decode_tokens_; }
   ThreadPool& pool() { return *pool_; }
-  CpuExecutor& executor() { return exec_; }
+  /// The executor of the CPU side (of every op without a device).
+  CpuExecutor& executor() { return hybrid_ ? hybrid_->cpu() : exec_; }
+  /// The heterogeneous executor, or nullptr for a CPU-only session.
+  HybridExecutor* hybrid() { return hybrid_.get(); }
   size_t kv_bytes() const { return kv_.bytes(); }
 
  private:
@@ -64,6 +73,7 @@ class Session {
   std::unique_ptr<ThreadPool> pool_;
   KvCache kv_;
   CpuExecutor exec_;
+  std::unique_ptr<HybridExecutor> hybrid_;
   int64_t n_past_ = 0;
   int64_t n_prefill_tokens_ = 0, n_decode_tokens_ = 0;
   std::vector<float> logits_;

@@ -1,0 +1,603 @@
+#include "berth/runtime/hybrid.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+
+#include "berth/core/error.h"
+#include "berth/cpu_kernels/ops.h"
+
+namespace berth {
+
+using graph::Op;
+using graph::OpKind;
+using graph::ValueId;
+using placement::Home;
+
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+/// Offsets for buffers with lifetimes [birth, death] (inclusive, in enqueue order) in one arena:
+/// buffers whose lifetimes overlap get disjoint ranges; first fit in birth order. Returns the
+/// arena size; offsets[i] for sizes[i] > 0.
+size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_t>& birth,
+                      const std::vector<int64_t>& death, std::vector<size_t>& offsets) {
+  const size_t n = sizes.size();
+  std::vector<size_t> order;
+  for (size_t i = 0; i < n; ++i)
+    if (sizes[i] > 0) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return birth[a] < birth[b]; });
+  offsets.assign(n, 0);
+  struct Live {
+    size_t off, size;
+    int64_t death;
+  };
+  std::vector<Live> live;
+  size_t total = 0;
+  for (size_t i : order) {
+    std::erase_if(live, [&](const Live& l) { return l.death < birth[i]; });
+    std::sort(live.begin(), live.end(), [](const Live& a, const Live& b) { return a.off < b.off; });
+    const size_t need = align_up(sizes[i]);
+    size_t at = 0;
+    for (const Live& l : live) {
+      if (l.off >= at + need) break;
+      at = std::max(at, l.off + l.size);
+    }
+    offsets[i] = at;
+    live.push_back({at, need, death[i]});
+    total = std::max(total, at + need);
+  }
+  return total;
+}
+
+size_t value_bytes(const graph::ValueInfo& v) { return static_cast<size_t>(v.rows * v.cols) * 4; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Step plans
+
+struct Segment {
+  HybridExecutor* ex = nullptr;
+  HybridExecutor::StepPlan* sp = nullptr;
+  std::vector<int32_t> ops;  // graph op indices, ascending
+  int32_t ready = -1;        // forks after this GPU op (-1: at the start of the step)
+  std::vector<ValueId> d2h;  // GPU-produced inputs copied to the host before the fork
+  std::vector<ValueId> h2d;  // outputs that GPU ops read, copied to the device after it
+};
+
+struct HybridExecutor::StepPlan {
+  int32_t n_tokens = 0;
+  int64_t out_rows = 0;
+  size_t n_ops = 0;
+  graph::Graph g;  // a copy: host callbacks of a captured graph refer to it
+  std::vector<Home> op_home, value_home;
+  std::vector<float*> dev_val, host_val;
+  std::vector<std::vector<float>> host_owned;  // CPU-only values
+  std::vector<void*> pinned;                   // host buffers of crossing values (to free)
+  std::vector<uint8_t*> masks;                 // per op: device expert mask (moe_experts on GPU)
+  std::vector<Segment> segs;
+  void* arena = nullptr;
+  size_t arena_bytes = 0;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  float* out_host = nullptr;  // pinned copy of a GPU-produced output
+  int graph = -1;             // captured Device graph (decode)
+  double cpu_seconds = 0;
+  std::exception_ptr error;
+};
+
+HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights,
+                               KvCache& cpu_kv, Device& dev, std::vector<Home> weight_home,
+                               std::vector<Home> kv_home, HybridOptions options)
+    : pool_(pool),
+      weights_(weights),
+      cpu_kv_(cpu_kv),
+      dev_(dev),
+      weight_home_(std::move(weight_home)),
+      kv_home_(std::move(kv_home)),
+      opt_(std::move(options)),
+      cpu_(pool, weights, cpu_kv) {
+  if (weight_home_.size() != weights_.size())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("placement names {} tensors but the model has {}",
+                            weight_home_.size(), weights_.size()));
+  if (kv_home_.size() != static_cast<size_t>(cpu_kv_.n_layer()))
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("placement names the KV cache of {} layers but the model has {}",
+                            kv_home_.size(), cpu_kv_.n_layer()));
+  try {
+    size_t total = 0, done = 0;
+    for (size_t i = 0; i < weights_.size(); ++i)
+      if (weight_home_[i] == Home::gpu) total += weights_.tensors[i].n_bytes;
+    dev_weight_.assign(weights_.size(), nullptr);
+    std::vector<float> f32;
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      if (weight_home_[i] != Home::gpu) continue;
+      const TensorView& w = weights_.tensors[i];
+      const bool vector = w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1;
+      if (vector && w.type != GgmlType::F32) {
+        // Norm scales and biases: f32 on the device, as the kernels take them.
+        f32.resize(static_cast<size_t>(w.ne[0]));
+        cpu::get_row(w, 0, f32.data());
+        dev_weight_[i] = dev_.alloc(f32.size() * 4, w.name);
+        dev_.upload(dev_weight_[i], f32.data(), f32.size() * 4);
+        dev_weight_bytes_ += f32.size() * 4;
+      } else {
+        dev_weight_[i] = dev_.alloc(w.n_bytes, w.name);
+        // In slices, so the progress callback moves on large tensors too.
+        constexpr size_t kSlice = size_t{256} << 20;
+        for (size_t off = 0; off < w.n_bytes; off += kSlice) {
+          const size_t n = std::min(kSlice, w.n_bytes - off);
+          dev_.upload(static_cast<uint8_t*>(dev_weight_[i]) + off,
+                      static_cast<const uint8_t*>(w.data) + off, n);
+          if (opt_.progress) opt_.progress(done + off + n, total);
+        }
+        dev_weight_bytes_ += w.n_bytes;
+      }
+      done += w.n_bytes;
+      if (opt_.progress) opt_.progress(done, total);
+    }
+    const int64_t n_ctx = cpu_kv_.n_ctx();
+    dev_k_.assign(kv_home_.size(), nullptr);
+    dev_v_.assign(kv_home_.size(), nullptr);
+    for (size_t l = 0; l < kv_home_.size(); ++l) {
+      if (kv_home_[l] != Home::gpu) continue;
+      const KvLayer& kl = cpu_kv_.layer(static_cast<int32_t>(l));
+      const size_t kb = static_cast<size_t>(n_ctx * kl.k_dim) * 2;
+      const size_t vb = static_cast<size_t>(n_ctx * kl.v_dim) * 2;
+      dev_k_[l] = static_cast<uint16_t*>(dev_.alloc(kb, fmt::format("the K cache of layer {}", l)));
+      dev_v_[l] = static_cast<uint16_t*>(dev_.alloc(vb, fmt::format("the V cache of layer {}", l)));
+      dev_kv_bytes_ += kb + vb;
+    }
+    max_tokens_ = n_ctx;
+    const size_t tb = static_cast<size_t>(max_tokens_) * 4;
+    tokens_host_ = static_cast<int32_t*>(dev_.alloc_host(tb, "token ids"));
+    positions_host_ = static_cast<int32_t*>(dev_.alloc_host(tb, "positions"));
+    tokens_dev_ = static_cast<int32_t*>(dev_.alloc(tb, "token ids"));
+    positions_dev_ = static_cast<int32_t*>(dev_.alloc(tb, "positions"));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+HybridExecutor::~HybridExecutor() { release(); }
+
+void HybridExecutor::release() {
+  try {
+    dev_.synchronize();
+  } catch (...) {
+  }
+  for (auto& sp : plans_) {
+    if (sp->arena) dev_.dealloc(sp->arena);
+    if (sp->ws) dev_.dealloc(sp->ws);
+    for (uint8_t* m : sp->masks)
+      if (m) dev_.dealloc(m);
+    for (void* p : sp->pinned) dev_.dealloc_host(p);
+  }
+  plans_.clear();
+  for (void*& p : dev_weight_)
+    if (p) dev_.dealloc(p), p = nullptr;
+  for (auto* p : dev_k_)
+    if (p) dev_.dealloc(p);
+  for (auto* p : dev_v_)
+    if (p) dev_.dealloc(p);
+  dev_k_.clear(), dev_v_.clear();
+  if (tokens_host_) dev_.dealloc_host(tokens_host_), tokens_host_ = nullptr;
+  if (positions_host_) dev_.dealloc_host(positions_host_), positions_host_ = nullptr;
+  if (tokens_dev_) dev_.dealloc(tokens_dev_), tokens_dev_ = nullptr;
+  if (positions_dev_) dev_.dealloc(positions_dev_), positions_dev_ = nullptr;
+}
+
+size_t HybridExecutor::device_scratch_bytes() const {
+  size_t n = 0;
+  for (const auto& sp : plans_) n += sp->arena_bytes + sp->ws_bytes;
+  return n;
+}
+
+Home HybridExecutor::op_home(const graph::Graph& g, size_t i) {
+  return plan_for(g).op_home.at(i);
+}
+
+namespace {
+
+// Workspace the op needs on the device.
+size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable& w,
+                    const Op& op, int64_t n_ctx) {
+  const int64_t rows = g.values[static_cast<size_t>(op.output)].rows;
+  switch (op.kind) {
+    case OpKind::matmul: {
+      const TensorView& t = w[op.weight];
+      return dev.matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows);
+    }
+    case OpKind::attention:
+      return dev.attention_workspace_bytes(rows, n_ctx, op.attn.n_head, op.attn.head_dim);
+    case OpKind::moe_experts: {
+      const TensorView& gt = w[op.moe.gate];
+      DeviceMoeWeights mw{gt.type, w[op.moe.up].type, w[op.moe.down].type, nullptr, nullptr,
+                          nullptr, gt.ne[0], gt.ne[1], op.moe.n_expert, op.moe.n_expert_used};
+      return dev.moe_workspace_bytes(mw, rows);
+    }
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
+  const int64_t out_rows = g.values.at(static_cast<size_t>(g.output)).rows;
+  for (auto& sp : plans_)
+    if (sp->n_tokens == g.n_tokens && sp->out_rows == out_rows && sp->n_ops == g.ops.size())
+      return *sp;
+  auto owned = std::make_unique<StepPlan>();
+  StepPlan& sp = *owned;
+  sp.n_tokens = g.n_tokens;
+  sp.out_rows = out_rows;
+  sp.n_ops = g.ops.size();
+  sp.g = g;
+  const size_t n_ops = g.ops.size(), n_val = g.values.size();
+  const auto home_of = [&](graph::WeightId id) { return weight_home_.at(static_cast<size_t>(id)); };
+
+  // 1. Sides.
+  sp.op_home.assign(n_ops, Home::cpu);
+  sp.value_home.assign(n_val, Home::cpu);
+  std::vector<int32_t> producer(n_val, -1);
+  for (size_t i = 0; i < n_ops; ++i) {
+    const Op& op = g.ops[i];
+    Home h = Home::cpu;
+    switch (op.kind) {
+      case OpKind::moe_experts: {
+        h = home_of(op.moe.gate);
+        if (home_of(op.moe.up) != h || home_of(op.moe.down) != h)
+          throw Error(ErrorCategory::invalid_argument,
+                      fmt::format("{}, {} and {} are placed on different devices; the expert "
+                                  "tensors of one layer must live together",
+                                  weights_[op.moe.gate].name, weights_[op.moe.up].name,
+                                  weights_[op.moe.down].name));
+        break;
+      }
+      case OpKind::attention:
+        h = kv_home_.at(static_cast<size_t>(op.attn.layer));
+        break;
+      default:
+        if (op.weight != graph::kNoWeight)
+          h = home_of(op.weight);
+        else
+          h = sp.value_home[static_cast<size_t>(op.inputs.at(0))];
+    }
+    sp.op_home[i] = h;
+    sp.value_home[static_cast<size_t>(op.output)] = h;
+    producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(i);
+  }
+
+  // 2. CPU segments: runs of consecutive CPU ops; each forks after the last GPU op producing one
+  // of its inputs (never before the previous segment's fork: the aux stream is in order).
+  std::vector<int32_t> seg_of(n_ops, -1);
+  for (size_t i = 0; i < n_ops; ++i) {
+    if (sp.op_home[i] != Home::cpu) continue;
+    if (i == 0 || sp.op_home[i - 1] != Home::cpu) {
+      sp.segs.emplace_back();
+      sp.segs.back().ex = this;
+      sp.segs.back().sp = &sp;
+    }
+    Segment& s = sp.segs.back();
+    s.ops.push_back(static_cast<int32_t>(i));
+    seg_of[i] = static_cast<int32_t>(sp.segs.size() - 1);
+    for (ValueId v : g.ops[i].inputs) {
+      const int32_t p = producer[static_cast<size_t>(v)];
+      if (p >= 0 && sp.op_home[static_cast<size_t>(p)] == Home::gpu) s.ready = std::max(s.ready, p);
+    }
+  }
+  for (size_t s = 1; s < sp.segs.size(); ++s)
+    sp.segs[s].ready = std::max(sp.segs[s].ready, sp.segs[s - 1].ready);
+
+  // 3. Where values live, crossings, lifetimes on the device (in op-index time).
+  std::vector<bool> need_dev(n_val, false), need_host(n_val, false);
+  std::vector<int64_t> birth(n_val, 0), death(n_val, -1);
+  std::vector<bool> copied_down(n_val, false);
+  for (size_t v = 0; v < n_val; ++v) {
+    const int32_t p = producer[v];
+    if (p < 0) continue;
+    (sp.value_home[v] == Home::gpu ? need_dev : need_host)[v] = true;
+    birth[v] = sp.value_home[v] == Home::gpu ? p : sp.segs[static_cast<size_t>(seg_of[static_cast<size_t>(p)])].ready + 1;
+    death[v] = birth[v];
+  }
+  for (size_t i = 0; i < n_ops; ++i) {
+    for (ValueId vi : g.ops[i].inputs) {
+      const size_t v = static_cast<size_t>(vi);
+      if (sp.op_home[i] == Home::gpu) {
+        need_dev[v] = true;
+        death[v] = std::max<int64_t>(death[v], static_cast<int64_t>(i));
+        if (sp.value_home[v] == Home::cpu) {
+          Segment& s = sp.segs[static_cast<size_t>(seg_of[static_cast<size_t>(producer[v])])];
+          if (std::find(s.h2d.begin(), s.h2d.end(), vi) == s.h2d.end()) s.h2d.push_back(vi);
+        }
+      } else {
+        need_host[v] = true;
+        if (sp.value_home[v] == Home::gpu) {
+          Segment& s = sp.segs[static_cast<size_t>(seg_of[i])];
+          death[v] = std::max<int64_t>(death[v], s.ready);
+          if (!copied_down[v]) {
+            s.d2h.push_back(vi);
+            copied_down[v] = true;
+          }
+        }
+      }
+    }
+  }
+  const size_t out = static_cast<size_t>(g.output);
+  if (sp.value_home[out] == Home::gpu) death[out] = static_cast<int64_t>(n_ops);
+
+  // 4. Buffers. Device: one arena by liveness. Host: pinned for values that cross, the
+  // executor's own vectors for values only CPU ops touch.
+  std::vector<size_t> sizes(n_val, 0), offsets;
+  for (size_t v = 0; v < n_val; ++v)
+    if (need_dev[v]) sizes[v] = value_bytes(g.values[v]);
+  sp.arena_bytes = assign_offsets(sizes, birth, death, offsets);
+  sp.ws_bytes = 0;
+  for (size_t i = 0; i < n_ops; ++i)
+    if (sp.op_home[i] == Home::gpu)
+      sp.ws_bytes = std::max(sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx()));
+  try {
+    if (sp.arena_bytes > 0) sp.arena = dev_.alloc(sp.arena_bytes, "activations");
+    if (sp.ws_bytes > 0) sp.ws = dev_.alloc(sp.ws_bytes, "kernel workspace");
+    sp.dev_val.assign(n_val, nullptr);
+    for (size_t v = 0; v < n_val; ++v)
+      if (need_dev[v])
+        sp.dev_val[v] = reinterpret_cast<float*>(static_cast<uint8_t*>(sp.arena) + offsets[v]);
+    sp.host_val.assign(n_val, nullptr);
+    sp.host_owned.resize(n_val);
+    for (size_t v = 0; v < n_val; ++v) {
+      if (!need_host[v] && !(v == out)) continue;
+      const bool crosses = need_dev[v];
+      if (crosses) {
+        void* p = dev_.alloc_host(value_bytes(g.values[v]), g.values[v].name);
+        sp.pinned.push_back(p);
+        sp.host_val[v] = static_cast<float*>(p);
+      } else {
+        sp.host_owned[v].resize(static_cast<size_t>(g.values[v].rows * g.values[v].cols));
+        sp.host_val[v] = sp.host_owned[v].data();
+      }
+    }
+    sp.out_host = sp.host_val[out];
+    sp.masks.assign(n_ops, nullptr);
+    for (size_t i = 0; i < n_ops; ++i) {
+      const Op& op = g.ops[i];
+      if (op.kind != OpKind::moe_experts || sp.op_home[i] != Home::gpu) continue;
+      std::vector<uint8_t> m(static_cast<size_t>(op.moe.n_expert));
+      for (int32_t e = 0; e < op.moe.n_expert; ++e) m[static_cast<size_t>(e)] = op.moe.has_expert(e);
+      sp.masks[i] = static_cast<uint8_t*>(dev_.alloc(m.size(), "expert mask"));
+      dev_.upload(sp.masks[i], m.data(), m.size());
+    }
+  } catch (...) {
+    if (sp.arena) dev_.dealloc(sp.arena);
+    if (sp.ws) dev_.dealloc(sp.ws);
+    for (uint8_t* m : sp.masks)
+      if (m) dev_.dealloc(m);
+    for (void* p : sp.pinned) dev_.dealloc_host(p);
+    throw;
+  }
+  plans_.push_back(std::move(owned));
+  return *plans_.back();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running
+
+void HybridExecutor::run_segment(void* arg) {
+  auto* s = static_cast<Segment*>(arg);
+  StepPlan& sp = *s->sp;
+  if (sp.error) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    HybridExecutor& ex = *s->ex;
+    const size_t n = static_cast<size_t>(sp.n_tokens);
+    ex.cpu_.begin_external(sp.g, sp.host_val);
+    ex.cpu_.run_subset(sp.g, s->ops, std::span<const int32_t>(ex.tokens_host_, n),
+                       std::span<const int32_t>(ex.positions_host_, n));
+  } catch (...) {
+    sp.error = std::current_exception();
+  }
+  sp.cpu_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void HybridExecutor::enqueue_op(StepPlan& sp, size_t i) {
+  const graph::Graph& g = sp.g;
+  const Op& op = g.ops[i];
+  const graph::ValueInfo& oi = g.values[static_cast<size_t>(op.output)];
+  float* out = sp.dev_val[static_cast<size_t>(op.output)];
+  const auto in = [&](size_t j) { return sp.dev_val[static_cast<size_t>(op.inputs.at(j))]; };
+  const auto wdev = [&](graph::WeightId id) { return dev_weight_.at(static_cast<size_t>(id)); };
+  const int64_t rows = oi.rows, cols = oi.cols;
+  switch (op.kind) {
+    case OpKind::embed: {
+      const TensorView& w = weights_[op.weight];
+      dev_.embed(kMain, w.type, wdev(op.weight), w.ne[0], w.ne[1], tokens_dev_, rows, out);
+      return;
+    }
+    case OpKind::rms_norm: {
+      const float* w = op.weight == graph::kNoWeight ? nullptr : static_cast<const float*>(wdev(op.weight));
+      dev_.rms_norm(kMain, in(0), w, out, rows, cols, op.norm_group > 0 ? op.norm_group : cols,
+                    op.eps);
+      return;
+    }
+    case OpKind::matmul: {
+      const TensorView& w = weights_[op.weight];
+      dev_.matmul(kMain, w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, sp.ws,
+                  sp.ws_bytes);
+      return;
+    }
+    case OpKind::add:
+      dev_.add(kMain, in(0), in(1), out, rows * cols);
+      return;
+    case OpKind::swiglu:
+      dev_.swiglu(kMain, in(0), in(1), out, rows * cols);
+      return;
+    case OpKind::rope: {
+      const graph::RopeParams& p = op.rope;
+      dev_.rope(kMain, in(0), out, rows, p.n_head, p.head_dim, p.n_rot, p.freq_base,
+                p.mode == graph::RopeMode::neox, positions_dev_);
+      return;
+    }
+    case OpKind::attention: {
+      const graph::AttentionParams& p = op.attn;
+      const size_t l = static_cast<size_t>(p.layer);
+      dev_.attention(kMain, in(0), in(1), in(2), rows, positions_dev_, dev_k_.at(l), dev_v_.at(l),
+                     cpu_kv_.n_ctx(), p.n_head, p.n_head_kv, p.head_dim, p.scale, out, sp.ws,
+                     sp.ws_bytes);
+      return;
+    }
+    case OpKind::take_last_rows: {
+      const graph::ValueInfo& ii = g.values[static_cast<size_t>(op.inputs[0])];
+      dev_.copy_d2d(kMain, out, in(0) + (ii.rows - rows) * cols,
+                    static_cast<size_t>(rows * cols) * 4);
+      return;
+    }
+    case OpKind::add_bias:
+      dev_.add_bias(kMain, in(0), static_cast<const float*>(wdev(op.weight)), out, rows, cols);
+      return;
+    case OpKind::moe_route:
+      dev_.moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used,
+                     op.moe.norm_weights, out);
+      return;
+    case OpKind::moe_experts: {
+      const TensorView& gt = weights_[op.moe.gate];
+      DeviceMoeWeights mw{gt.type,
+                          weights_[op.moe.up].type,
+                          weights_[op.moe.down].type,
+                          wdev(op.moe.gate),
+                          wdev(op.moe.up),
+                          wdev(op.moe.down),
+                          gt.ne[0],
+                          gt.ne[1],
+                          op.moe.n_expert,
+                          op.moe.n_expert_used};
+      dev_.moe_experts(kMain, mw, in(0), in(1), rows, sp.masks[i], out, sp.ws, sp.ws_bytes);
+      return;
+    }
+  }
+  throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+void HybridExecutor::enqueue_step(StepPlan& sp) {
+  const graph::Graph& g = sp.g;
+  const size_t tb = static_cast<size_t>(sp.n_tokens) * 4;
+  dev_.copy_h2d(kMain, tokens_dev_, tokens_host_, tb);
+  dev_.copy_h2d(kMain, positions_dev_, positions_host_, tb);
+  std::vector<bool> pending(g.values.size(), false);  // written by a segment not yet joined
+  bool any_pending = false;
+  size_t next_seg = 0;
+  const auto launch_ready = [&](int32_t after) {
+    for (; next_seg < sp.segs.size() && sp.segs[next_seg].ready == after; ++next_seg) {
+      Segment& s = sp.segs[next_seg];
+      for (ValueId v : s.d2h)
+        dev_.copy_d2h(kMain, sp.host_val[static_cast<size_t>(v)],
+                      sp.dev_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
+      dev_.wait(kAux, kMain);
+      dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
+      for (ValueId v : s.h2d) {
+        dev_.copy_h2d(kAux, sp.dev_val[static_cast<size_t>(v)],
+                      sp.host_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
+        pending[static_cast<size_t>(v)] = true;
+      }
+      any_pending = true;
+    }
+  };
+  launch_ready(-1);
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    if (sp.op_home[i] != Home::gpu) continue;
+    bool needs_join = false;
+    for (ValueId v : g.ops[i].inputs) needs_join = needs_join || pending[static_cast<size_t>(v)];
+    if (needs_join) {
+      dev_.wait(kMain, kAux);
+      std::fill(pending.begin(), pending.end(), false);
+    }
+    enqueue_op(sp, i);
+    launch_ready(static_cast<int32_t>(i));
+  }
+  if (any_pending) dev_.wait(kMain, kAux);
+  const size_t out = static_cast<size_t>(g.output);
+  if (sp.value_home[out] == Home::gpu)
+    dev_.copy_d2h(kMain, sp.out_host, sp.dev_val[out], value_bytes(g.values[out]));
+}
+
+std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
+                                           std::span<const int32_t> positions) {
+  cpu_.check_ubatch(g, tokens, positions);
+  for (const Op& op : g.ops)
+    if (op.kind == OpKind::embed)
+      for (int32_t id : tokens)
+        if (id < 0 || id >= weights_[op.weight].ne[1])
+          throw Error(ErrorCategory::invalid_argument,
+                      fmt::format("token id {} is outside the vocabulary of {} tokens", id,
+                                  weights_[op.weight].ne[1]));
+  const auto t0 = std::chrono::steady_clock::now();
+  StepPlan& sp = plan_for(g);
+  std::copy(tokens.begin(), tokens.end(), tokens_host_);
+  std::copy(positions.begin(), positions.end(), positions_host_);
+  sp.error = nullptr;
+  sp.cpu_seconds = 0;
+  if (sp.n_tokens == 1 && opt_.graphs) {
+    if (sp.graph < 0) {
+      dev_.begin_capture();
+      try {
+        enqueue_step(sp);
+      } catch (...) {
+        try {
+          dev_.end_capture();
+        } catch (...) {
+        }
+        throw;
+      }
+      sp.graph = dev_.end_capture();
+    }
+    dev_.replay(sp.graph);
+  } else {
+    enqueue_step(sp);
+  }
+  dev_.synchronize();
+  last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  last_cpu_s_ = sp.cpu_seconds;
+  if (sp.error) std::rethrow_exception(sp.error);
+  const graph::ValueInfo& oi = sp.g.values[static_cast<size_t>(sp.g.output)];
+  return {sp.out_host, static_cast<size_t>(oi.rows * oi.cols)};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx, Device* dev) {
+  const graph::Graph g = model.build_step(n_ubatch, 1);
+  const size_t n_val = g.values.size(), n_ops = g.ops.size();
+  std::vector<size_t> sizes(n_val), offsets;
+  std::vector<int64_t> birth(n_val, 0), death(n_val, 0);
+  for (size_t i = 0; i < n_ops; ++i) {
+    const size_t o = static_cast<size_t>(g.ops[i].output);
+    birth[o] = death[o] = static_cast<int64_t>(i);
+    sizes[o] = value_bytes(g.values[o]);
+    for (ValueId v : g.ops[i].inputs) death[static_cast<size_t>(v)] = static_cast<int64_t>(i);
+  }
+  death[static_cast<size_t>(g.output)] = static_cast<int64_t>(n_ops);
+  size_t total = assign_offsets(sizes, birth, death, offsets);
+  size_t ws = 0;
+  const graph::WeightTable& w = model.weights();
+  for (const Op& op : g.ops) {
+    if (dev) {
+      ws = std::max(ws, op_workspace(*dev, g, w, op, n_ctx));
+    } else if (op.kind == OpKind::matmul || op.kind == OpKind::moe_experts) {
+      const TensorView& t = w[op.kind == OpKind::matmul ? op.weight : op.moe.gate];
+      ws = std::max(ws, (size_t{64} << 20) + static_cast<size_t>(n_ubatch * t.ne[0]) * 8);
+    }
+  }
+  total += ws;
+  return (total + (size_t{1} << 20) - 1) >> 20 << 20;
+}
+
+}  // namespace berth

@@ -1,0 +1,317 @@
+// SimDevice: the Device contract on the CPU (see device.h). Memory is ordinary host memory
+// tracked against a capacity; every stream operation runs at once, in enqueue order, on the
+// calling thread (or is recorded while capturing and run again by replay); kernels are the CPU
+// kernels, with the KV cache stored as f16 as on the GPU.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+#include "berth/core/error.h"
+#include "berth/core/fp16.h"
+#include "berth/cpu_kernels/ops.h"
+#include "berth/cpu_kernels/quant_dot.h"
+#include "berth/runtime/device.h"
+
+namespace berth {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+class SimDevice final : public Device {
+ public:
+  explicit SimDevice(size_t capacity) : capacity_(capacity) {}
+  ~SimDevice() override {
+    for (auto& [p, n] : sizes_) std::free(p);
+    for (void* p : host_) std::free(p);
+  }
+
+  std::string name() const override { return "SIM0"; }
+  size_t total_bytes() const override { return capacity_; }
+  size_t free_bytes() const override { return capacity_ - used_; }
+
+  void* alloc(size_t bytes, std::string_view what) override {
+    bytes = std::max<size_t>(bytes, 1);
+    if (bytes > capacity_ - used_)
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free)", name(),
+                              (bytes + kMiB - 1) / kMiB, what, (capacity_ - used_) / kMiB));
+    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (!p)
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("{}: host memory for {} MiB of {} is exhausted", name(),
+                              bytes / kMiB, what));
+    // Fresh device memory holds garbage, not zeros: make reads of unwritten bytes visible.
+    std::memset(p, 0x7f, bytes);
+    sizes_[p] = bytes;
+    used_ += bytes;
+    return p;
+  }
+  void dealloc(void* p) override {
+    auto it = sizes_.find(p);
+    if (it == sizes_.end()) return;
+    used_ -= it->second;
+    std::free(p);
+    sizes_.erase(it);
+  }
+  void* alloc_host(size_t bytes, std::string_view what) override {
+    void* p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+    if (!p)
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("{}: cannot allocate {} MiB of pinned host memory for {}", name(),
+                              bytes / kMiB, what));
+    host_.push_back(p);
+    return p;
+  }
+  void dealloc_host(void* p) override {
+    auto it = std::find(host_.begin(), host_.end(), p);
+    if (it == host_.end()) return;
+    std::free(p);
+    host_.erase(it);
+  }
+  void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+  }
+
+  void copy_h2d(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
+  void copy_d2h(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
+  void copy_d2d(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
+  void host_fn(int s, void (*fn)(void*), void* arg) override {
+    enqueue(s, [fn, arg] { fn(arg); });
+  }
+  void wait(int s, int on) override { check_stream(s), check_stream(on); }
+  void synchronize() override {}
+
+  void begin_capture() override {
+    if (capturing_) throw Error(ErrorCategory::internal, "SIM0: capture already begun");
+    capturing_ = true;
+    captured_.clear();
+  }
+  int end_capture() override {
+    if (!capturing_) throw Error(ErrorCategory::internal, "SIM0: end_capture without begin");
+    capturing_ = false;
+    graphs_.push_back(std::move(captured_));
+    captured_.clear();
+    return static_cast<int>(graphs_.size() - 1);
+  }
+  void replay(int graph) override {
+    for (auto& f : graphs_.at(static_cast<size_t>(graph))) f();
+  }
+
+  size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t, int64_t) override {
+    return cpu::activation_row_bytes(type, n_in);
+  }
+  void matmul(int s, GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
+              int64_t n_tok, float* out, void* ws, size_t) override {
+    enqueue(s, [=] {
+      const size_t ab = cpu::activation_row_bytes(type, n_in);
+      for (int64_t t = 0; t < n_tok; ++t) {
+        cpu::quantize_activation(type, x + t * n_in, ws, n_in);
+        cpu::gemm_rows(type, w, n_out, ws, ab, 1, n_in, out + t * n_out, n_out);
+      }
+    });
+  }
+  void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
+             const int32_t* tokens, int64_t n_tok, float* out) override {
+    enqueue(s, [=] {
+      TensorView v;
+      v.type = type;
+      v.ne = {n_embd, n_vocab, 1, 1};
+      v.data = w;
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const int32_t id = tokens[t];
+        if (id < 0 || id >= n_vocab)
+          std::fill(out + t * n_embd, out + (t + 1) * n_embd, 0.0f);
+        else
+          cpu::get_row(v, id, out + t * n_embd);
+      }
+    });
+  }
+  void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows, int64_t cols,
+                int64_t group, float eps) override {
+    enqueue(s, [=] {
+      const int64_t n = rows * (cols / group);
+      for (int64_t r = 0; r < n; ++r) cpu::rms_norm(x + r * group, w, out + r * group, group, eps);
+    });
+  }
+  void add(int s, const float* a, const float* b, float* out, int64_t n) override {
+    enqueue(s, [=] { cpu::add(a, b, out, n); });
+  }
+  void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
+                int64_t cols) override {
+    enqueue(s, [=] {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = x[r * cols + c] + bias[c];
+    });
+  }
+  void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) override {
+    enqueue(s, [=] { cpu::swiglu(gate, up, out, n); });
+  }
+  void rope(int s, const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
+            int32_t n_rot, float freq_base, bool neox, const int32_t* positions) override {
+    enqueue(s, [=] {
+      const int32_t half = n_rot / 2;
+      std::vector<float> cs(static_cast<size_t>(2 * half));
+      const int64_t cols = int64_t{n_head} * head_dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const double pos = positions[r];
+        for (int32_t i = 0; i < half; ++i) {
+          const double theta = pos * std::pow(static_cast<double>(freq_base), -2.0 * i / n_rot);
+          cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+          cs[static_cast<size_t>(half + i)] = static_cast<float>(std::sin(theta));
+        }
+        if (out != x) std::memcpy(out + r * cols, x + r * cols, static_cast<size_t>(cols) * 4);
+        cpu::rope_inplace(out + r * cols, n_head, head_dim, n_rot, cs.data(), cs.data() + half,
+                          !neox);
+      }
+    });
+  }
+  size_t attention_workspace_bytes(int64_t, int64_t n_ctx, int32_t, int32_t head_dim) override {
+    return static_cast<size_t>(n_ctx) * 4 * (2 * static_cast<size_t>(head_dim) + 1);
+  }
+  void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,
+                 const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
+                 int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
+                 void* ws, size_t) override {
+    enqueue(s, [=] {
+      const int64_t kv_dim = int64_t{n_head_kv} * head_dim;
+      for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t i = 0; i < kv_dim; ++i) {
+          k_cache[positions[t] * kv_dim + i] = f32_to_fp16(k[t * kv_dim + i]);
+          v_cache[positions[t] * kv_dim + i] = f32_to_fp16(v[t * kv_dim + i]);
+        }
+      // Per KV head: its K and V rows decoded to f32 once, then every query head of the group.
+      float* kf = static_cast<float*>(ws);
+      float* vf = kf + n_ctx * head_dim;
+      float* scores = vf + n_ctx * head_dim;
+      const int64_t n_kv = positions[n_tok - 1] + 1;
+      const int32_t group = n_head / n_head_kv;
+      for (int32_t hk = 0; hk < n_head_kv; ++hk) {
+        for (int64_t j = 0; j < n_kv; ++j)
+          for (int32_t d = 0; d < head_dim; ++d) {
+            kf[j * head_dim + d] = fp16_to_f32(k_cache[j * kv_dim + hk * head_dim + d]);
+            vf[j * head_dim + d] = fp16_to_f32(v_cache[j * kv_dim + hk * head_dim + d]);
+          }
+        for (int32_t h = hk * group; h < (hk + 1) * group; ++h)
+          for (int64_t t = 0; t < n_tok; ++t) {
+            const int64_t qo = t * n_head * head_dim + int64_t{h} * head_dim;
+            cpu::attention_head(q + qo, kf, head_dim, vf, head_dim, positions[t] + 1, head_dim,
+                                scale, out + qo, scores);
+          }
+      }
+    });
+  }
+  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
+                 bool norm, float* out) override {
+    enqueue(s, [=] {
+      std::vector<int32_t> ids(static_cast<size_t>(k));
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* o = out + t * 2 * k;
+        cpu::moe_topk(logits + t * n_expert, n_expert, k, norm, ids.data(), o + k);
+        for (int32_t j = 0; j < k; ++j) o[j] = static_cast<float>(ids[static_cast<size_t>(j)]);
+      }
+    });
+  }
+  size_t moe_workspace_bytes(const DeviceMoeWeights& w, int64_t) override {
+    const size_t a = std::max(cpu::activation_row_bytes(w.gate_type, w.n_embd),
+                              cpu::activation_row_bytes(w.up_type, w.n_embd));
+    const size_t b = cpu::activation_row_bytes(w.down_type, w.n_ff);
+    return a + b + static_cast<size_t>(3 * w.n_ff + w.n_embd) * 4 + 256;
+  }
+  void moe_experts(int s, const DeviceMoeWeights& w, const float* h, const float* route,
+                   int64_t n_tok, const uint8_t* mask, float* out, void* ws, size_t) override {
+    enqueue(s, [=] {
+      const int32_t k = w.n_expert_used;
+      const size_t gate_row = row_bytes(w.gate_type, w.n_embd);
+      const size_t up_row = row_bytes(w.up_type, w.n_embd);
+      const size_t down_row = row_bytes(w.down_type, w.n_ff);
+      uint8_t* act = static_cast<uint8_t*>(ws);
+      uint8_t* act_d = act + std::max(cpu::activation_row_bytes(w.gate_type, w.n_embd),
+                                      cpu::activation_row_bytes(w.up_type, w.n_embd));
+      float* g = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(act_d + cpu::activation_row_bytes(w.down_type, w.n_ff)) +
+           63) / 64 * 64);
+      float* u = g + w.n_ff;
+      float* y = u + w.n_ff;
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* o = out + t * w.n_embd;
+        std::fill(o, o + w.n_embd, 0.0f);
+        for (int32_t j = 0; j < k; ++j) {
+          const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
+          if (e < 0 || e >= w.n_expert || !mask[e]) continue;
+          const float wt = route[t * 2 * k + k + j];
+          const auto* gw = static_cast<const uint8_t*>(w.gate) + e * w.n_ff * gate_row;
+          const auto* uw = static_cast<const uint8_t*>(w.up) + e * w.n_ff * up_row;
+          const auto* dw = static_cast<const uint8_t*>(w.down) + e * w.n_embd * down_row;
+          cpu::quantize_activation(w.gate_type, h + t * w.n_embd, act, w.n_embd);
+          cpu::gemm_rows(w.gate_type, gw, w.n_ff, act, 0, 1, w.n_embd, g, w.n_ff);
+          cpu::quantize_activation(w.up_type, h + t * w.n_embd, act, w.n_embd);
+          cpu::gemm_rows(w.up_type, uw, w.n_ff, act, 0, 1, w.n_embd, u, w.n_ff);
+          cpu::swiglu(g, u, g, w.n_ff);
+          cpu::quantize_activation(w.down_type, g, act_d, w.n_ff);
+          cpu::gemm_rows(w.down_type, dw, w.n_embd, act_d, 0, 1, w.n_ff, y, w.n_embd);
+          for (int64_t c = 0; c < w.n_embd; ++c) o[c] += wt * y[c];
+        }
+      }
+    });
+  }
+  void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) override {
+    enqueue(s, [=] {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* l = logits + r * n_vocab;
+        int64_t best = 0;
+        for (int64_t i = 1; i < n_vocab; ++i)
+          if (l[i] > l[best]) best = i;
+        ids[r] = static_cast<int32_t>(best);
+      }
+    });
+  }
+
+ private:
+  static void check_stream(int s) {
+    if (s < 0 || s >= kNumStreams)
+      throw Error(ErrorCategory::internal, fmt::format("SIM0: no stream {}", s));
+  }
+  void enqueue(int s, std::function<void()> f) {
+    check_stream(s);
+    if (capturing_)
+      captured_.push_back(std::move(f));
+    else
+      f();
+  }
+  void copy(int s, void* dst, const void* src, size_t bytes) {
+    enqueue(s, [=] { std::memcpy(dst, src, bytes); });
+  }
+
+  size_t capacity_, used_ = 0;
+  std::unordered_map<void*, size_t> sizes_;
+  std::vector<void*> host_;
+  bool capturing_ = false;
+  std::vector<std::function<void()>> captured_;
+  std::vector<std::vector<std::function<void()>>> graphs_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_sim_device(size_t capacity_bytes) {
+  return std::make_unique<SimDevice>(capacity_bytes);
+}
+
+#ifndef BERTH_HAVE_CUDA
+bool cuda_available() { return false; }
+std::unique_ptr<Device> make_cuda_device(int) {
+  throw Error(ErrorCategory::unsupported,
+              "this build of berth has no CUDA backend (configure with -DBERTH_CUDA=ON and a "
+              "CUDA toolkit)");
+}
+#endif
+
+}  // namespace berth
