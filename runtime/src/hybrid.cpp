@@ -73,6 +73,7 @@ struct Segment {
 };
 
 struct HybridExecutor::StepPlan {
+  std::vector<bool> streamed;  // per op: CPU-held experts computed on the device (prefill)
   int32_t n_tokens = 0;
   int64_t out_rows = 0;
   size_t n_ops = 0;
@@ -137,7 +138,7 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
           const size_t n = std::min(kSlice, w.n_bytes - off);
           dev_.upload(static_cast<uint8_t*>(dev_weight_[i]) + off,
                       static_cast<const uint8_t*>(w.data) + off, n);
-          if (opt_.progress) opt_.progress(done + off + n, total);
+          if (opt_.progress && off + n < w.n_bytes) opt_.progress(done + off + n, total);
         }
         dev_weight_bytes_ += w.n_bytes;
       }
@@ -155,6 +156,16 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
       dev_k_[l] = static_cast<uint16_t*>(dev_.alloc(kb, fmt::format("the K cache of layer {}", l)));
       dev_v_[l] = static_cast<uint16_t*>(dev_.alloc(vb, fmt::format("the V cache of layer {}", l)));
       dev_kv_bytes_ += kb + vb;
+    }
+    if (opt_.stream_experts_min_tokens > 0) {
+      // Per layer: the CPU-held expert tensors of one layer (gate, up, down) share a stage.
+      pinned_weight_.assign(weights_.size(), nullptr);
+      for (size_t i = 0; i < weights_.size(); ++i) {
+        const TensorView& w = weights_.tensors[i];
+        if (weight_home_[i] != Home::cpu || w.ne[2] <= 1) continue;  // stacked experts only
+        pinned_weight_[i] = dev_.alloc_host(w.n_bytes, w.name);
+        std::memcpy(pinned_weight_[i], w.data, w.n_bytes);
+      }
     }
     max_tokens_ = n_ctx;
     const size_t tb = static_cast<size_t>(max_tokens_) * 4;
@@ -184,6 +195,10 @@ void HybridExecutor::release() {
   }
   plans_.clear();
   for (void*& p : dev_weight_)
+    if (p) dev_.dealloc(p), p = nullptr;
+  for (void*& p : pinned_weight_)
+    if (p) dev_.dealloc_host(p), p = nullptr;
+  for (void*& p : stage_)
     if (p) dev_.dealloc(p), p = nullptr;
   for (auto* p : dev_k_)
     if (p) dev_.dealloc(p);
@@ -248,6 +263,7 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
 
   // 1. Sides.
   sp.op_home.assign(n_ops, Home::cpu);
+  sp.streamed.assign(n_ops, false);
   sp.value_home.assign(n_val, Home::cpu);
   std::vector<int32_t> producer(n_val, -1);
   for (size_t i = 0; i < n_ops; ++i) {
@@ -262,6 +278,12 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
                                   "tensors of one layer must live together",
                                   weights_[op.moe.gate].name, weights_[op.moe.up].name,
                                   weights_[op.moe.down].name));
+        if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 &&
+            g.n_tokens >= opt_.stream_experts_min_tokens &&
+            sp.value_home[static_cast<size_t>(op.inputs[0])] == Home::gpu) {
+          h = Home::gpu;
+          sp.streamed[i] = true;
+        }
         break;
       }
       case OpKind::attention:
@@ -347,6 +369,20 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
     if (sp.op_home[i] == Home::gpu)
       sp.ws_bytes = std::max(sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx()));
   try {
+    size_t stage = 0;
+    for (size_t i = 0; i < n_ops; ++i)
+      if (sp.streamed[i]) {
+        const auto& m = g.ops[i].moe;
+        stage = std::max(stage, weights_[m.gate].n_bytes + weights_[m.up].n_bytes +
+                                    weights_[m.down].n_bytes);
+      }
+    if (stage > stage_bytes_) {
+      for (void*& p : stage_)
+        if (p) dev_.dealloc(p), p = nullptr;
+      stage_bytes_ = 0;
+      for (void*& p : stage_) p = dev_.alloc(stage, "streamed expert weights");
+      stage_bytes_ = stage;
+    }
     if (sp.arena_bytes > 0) sp.arena = dev_.alloc(sp.arena_bytes, "activations");
     if (sp.ws_bytes > 0) sp.ws = dev_.alloc(sp.ws_bytes, "kernel workspace");
     sp.dev_val.assign(n_val, nullptr);
@@ -409,7 +445,16 @@ void HybridExecutor::run_segment(void* arg) {
   sp.cpu_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void HybridExecutor::enqueue_op(StepPlan& sp, size_t i) {
+void HybridExecutor::stream_copy(const graph::Op& op, int buf) {
+  uint8_t* dst = static_cast<uint8_t*>(stage_[buf]);
+  for (graph::WeightId id : {op.moe.gate, op.moe.up, op.moe.down}) {
+    const size_t n = weights_[id].n_bytes;
+    dev_.copy_h2d(kCopy, dst, pinned_weight_.at(static_cast<size_t>(id)), n);
+    dst += n;
+  }
+}
+
+void HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w) {
   const graph::Graph& g = sp.g;
   const Op& op = g.ops[i];
   const graph::ValueInfo& oi = g.values[static_cast<size_t>(op.output)];
@@ -473,9 +518,9 @@ void HybridExecutor::enqueue_op(StepPlan& sp, size_t i) {
       DeviceMoeWeights mw{gt.type,
                           weights_[op.moe.up].type,
                           weights_[op.moe.down].type,
-                          wdev(op.moe.gate),
-                          wdev(op.moe.up),
-                          wdev(op.moe.down),
+                          stream_w ? stream_w[0] : wdev(op.moe.gate),
+                          stream_w ? stream_w[1] : wdev(op.moe.up),
+                          stream_w ? stream_w[2] : wdev(op.moe.down),
                           gt.ne[0],
                           gt.ne[1],
                           op.moe.n_expert,
@@ -512,6 +557,23 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     }
   };
   launch_ready(-1);
+  // Streamed experts: op j of the list copies into stage j % 2 on the copy stream once op j - 2
+  // has finished with it; the main stream waits for op j's copy only.
+  std::vector<size_t> streamed;
+  for (size_t i = 0; i < g.ops.size(); ++i)
+    if (sp.streamed[i]) streamed.push_back(i);
+  std::vector<int> copied(streamed.size(), -1);
+  const auto start_copy = [&](size_t j, int after_main) {
+    if (after_main >= 0) dev_.wait_event(kCopy, after_main);
+    stream_copy(g.ops[streamed[j]], static_cast<int>(j % 2));
+    copied[j] = dev_.record(kCopy);
+  };
+  n_streamed_ += static_cast<int64_t>(streamed.size());
+  if (!streamed.empty()) {
+    dev_.wait(kCopy, kMain);
+    for (size_t j = 0; j < std::min<size_t>(2, streamed.size()); ++j) start_copy(j, -1);
+  }
+  size_t next_stream = 0;
   for (size_t i = 0; i < g.ops.size(); ++i) {
     if (sp.op_home[i] != Home::gpu) continue;
     bool needs_join = false;
@@ -520,9 +582,22 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       dev_.wait(kMain, kAux);
       std::fill(pending.begin(), pending.end(), false);
     }
-    enqueue_op(sp, i);
+    if (sp.streamed[i]) {
+      const size_t j = next_stream++;
+      dev_.wait_event(kMain, copied[j]);
+      uint8_t* base = static_cast<uint8_t*>(stage_[j % 2]);
+      const auto& m = g.ops[i].moe;
+      const void* w[3] = {base, base + weights_[m.gate].n_bytes,
+                          base + weights_[m.gate].n_bytes + weights_[m.up].n_bytes};
+      enqueue_op(sp, i, w);
+      const int done = dev_.record(kMain);
+      if (j + 2 < streamed.size()) start_copy(j + 2, done);
+    } else {
+      enqueue_op(sp, i);
+    }
     launch_ready(static_cast<int32_t>(i));
   }
+  if (!streamed.empty()) dev_.wait(kMain, kCopy);
   if (any_pending) dev_.wait(kMain, kAux);
   const size_t out = static_cast<size_t>(g.output);
   if (sp.value_home[out] == Home::gpu)

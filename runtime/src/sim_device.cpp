@@ -88,6 +88,11 @@ class SimDevice final : public Device {
     enqueue(s, [fn, arg] { fn(arg); });
   }
   void wait(int s, int on) override { check_stream(s), check_stream(on); }
+  int record(int s) override {
+    check_stream(s);
+    return 0;
+  }
+  void wait_event(int s, int) override { check_stream(s); }
   void synchronize() override {}
 
   void begin_capture() override {

@@ -68,7 +68,8 @@ int32_t argmax(std::span<const float> x) {
 }
 
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
-           const Homes* homes, int32_t n_ubatch = 512, bool graphs = true) {
+           const Homes* homes, int32_t n_ubatch = 512, bool graphs = true,
+           int32_t stream_min = 0, int64_t* streamed = nullptr) {
   SessionParams sp;
   sp.n_threads = 2;
   sp.n_ctx = 256;
@@ -78,6 +79,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
     sp.weight_home = homes->w;
     sp.kv_home = homes->kv;
     sp.hybrid.graphs = graphs;
+    sp.hybrid.stream_experts_min_tokens = stream_min;
   }
   Session s(m, sp);
   Run r;
@@ -88,6 +90,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
     r.tokens.push_back(t);
     l = s.eval(std::span<const int32_t>(&t, 1));
   }
+  if (streamed) *streamed = s.hybrid() ? s.hybrid()->streamed_ops() : 0;
   return r;
 }
 
@@ -304,4 +307,27 @@ TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a fu
   const size_t est = device_scratch_bytes(*model, 64, 128, dev.get());
   CHECK(s.hybrid()->device_scratch_bytes() <= est);
   CHECK(s.hybrid()->device_scratch_bytes() * 2 > est - (size_t{1} << 20));
+}
+
+TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the same tokens") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  const int n_layer = static_cast<int>(model->hparams().n_layer);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back((i * 29 + 5) % 200 + 3);
+  auto dev = test_device();
+  for (int n_cpu_moe : {n_layer, 1}) {
+    CAPTURE(n_cpu_moe);
+    const Homes h = homes_by(*model, [&](const std::string& n, int l) {
+      return !(n.find("_exps") != std::string::npos && l < n_cpu_moe);
+    });
+    // ubatch 16 >= 8 streams; the 8-token tail ubatch (40 = 2 x 16 + 8) and decode do not.
+    const Run ref = greedy(*model, prompt, 16, nullptr, nullptr, 16);
+    int64_t streamed = 0;
+    const Run got = greedy(*model, prompt, 16, dev.get(), &h, 16, true, 9, &streamed);
+    CHECK(streamed == 2 * n_cpu_moe);  // two 16-token ubatches; not the 8-token one, not decode
+    MESSAGE("--n-cpu-moe ", n_cpu_moe, " streamed: NMSE ", nmse(got, ref));
+    CHECK(nmse(got, ref) < placement_nmse("q8_0"));
+    CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+  }
 }

@@ -70,6 +70,11 @@ class Device {
   virtual void host_fn(int s, void (*fn)(void*), void* arg) = 0;
   /// Work enqueued on `s` after this call waits for everything enqueued on `on` before it.
   virtual void wait(int s, int on) = 0;
+  /// Marks the current end of stream `s`; returns a handle for wait_event(). Handles are reused
+  /// after 4096 further records: wait on a mark before that many more are made.
+  virtual int record(int s) = 0;
+  /// Work enqueued on `s` after this call waits for the work before mark `ev`.
+  virtual void wait_event(int s, int ev) = 0;
   /// Blocks the calling thread until all streams are idle.
   virtual void synchronize() = 0;
 

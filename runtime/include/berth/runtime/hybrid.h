@@ -49,6 +49,12 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
 struct HybridOptions {
   /// Capture decode steps (1 token) as a Device graph and replay them.
   bool graphs = true;
+  /// Prefill: a ubatch of at least this many tokens computes the routed experts that live on
+  /// the CPU on the device instead, streaming each layer's expert tensors from pinned host
+  /// memory through two device buffers (layer l+1 copies while layer l computes). Costs a pinned
+  /// copy of those tensors in host memory and two layers' expert tensors on the device.
+  /// 0: never (the CPU computes them at every batch size).
+  int32_t stream_experts_min_tokens = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -84,6 +90,8 @@ class HybridExecutor {
   size_t device_weight_bytes() const { return dev_weight_bytes_; }
   size_t device_kv_bytes() const { return dev_kv_bytes_; }
   size_t device_scratch_bytes() const;
+  /// moe_experts ops run on the device with streamed weights since construction.
+  int64_t streamed_ops() const { return n_streamed_; }
   CpuExecutor& cpu() { return cpu_; }
   Device& device() { return dev_; }
 
@@ -92,7 +100,8 @@ class HybridExecutor {
  private:
   StepPlan& plan_for(const graph::Graph& g);
   void enqueue_step(StepPlan& sp);
-  void enqueue_op(StepPlan& sp, size_t i);
+  void enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr);
+  void stream_copy(const graph::Op& op, int buf);
   static void run_segment(void* arg);
   void release();  // frees everything on the device (destructor, failed constructor)
 
@@ -104,6 +113,9 @@ class HybridExecutor {
   HybridOptions opt_;
   CpuExecutor cpu_;
   std::vector<void*> dev_weight_;  // per WeightId: device copy, or nullptr
+  std::vector<void*> pinned_weight_;  // per WeightId: pinned host copy (streamed experts)
+  void* stage_[2] = {nullptr, nullptr};  // device buffers of streamed expert layers
+  size_t stage_bytes_ = 0;
   std::vector<uint16_t*> dev_k_, dev_v_;  // per layer: f16 KV cache, or nullptr
   size_t dev_weight_bytes_ = 0, dev_kv_bytes_ = 0;
   int32_t* tokens_host_ = nullptr;  // pinned, max_tokens_
@@ -113,6 +125,7 @@ class HybridExecutor {
   int64_t max_tokens_ = 0;
   std::vector<std::unique_ptr<StepPlan>> plans_;
   double last_step_s_ = 0, last_cpu_s_ = 0;
+  int64_t n_streamed_ = 0;
 };
 
 }  // namespace berth

@@ -1,0 +1,40 @@
+// From placement flags to a session that follows them: picks the device, plans, fills
+// SessionParams. Shared by `berth run`, `berth bench model` and `berth plan`.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "berth/models/model.h"
+#include "berth/placement/plan.h"
+#include "berth/runtime/device.h"
+#include "berth/runtime/session.h"
+
+namespace berth {
+
+struct PlacementSetup {
+  std::unique_ptr<Device> device;  ///< null: CPU only
+  placement::Request request;
+  placement::Plan plan;
+  /// One line for stderr, e.g. "placement (automatic): 17.2 GiB of weights + 0.4 GiB KV on
+  /// CUDA0 (NVIDIA H200), 0.0 GiB on the CPU".
+  std::string summary() const;
+};
+
+/// The device to plan for: the first CUDA device when this build and machine have one; else, when
+/// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a SimDevice of that size
+/// (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU); else
+/// none. Throws Error(invalid_argument) for a bad BERTH_SIM_DEVICE.
+std::unique_ptr<Device> default_device();
+
+/// Plans `model` with `flags` for default_device() (or none when flags.n_gpu_layers == 0 and no
+/// -ot names the GPU, so a CPU-only run touches no device), using params.n_ctx (0: the
+/// default) and params.n_ubatch, and sets params.device, weight_home and kv_home (device null
+/// when nothing is on it). Uploads happen when the Session is built; `progress_to_stderr` sets
+/// params.hybrid.progress to a progress bar on stderr (a bar on a terminal, one summary line
+/// otherwise). Throws what placement::make_plan throws (Error(out_of_memory) naming every term
+/// when the plan cannot fit).
+PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
+                     bool progress_to_stderr);
+
+}  // namespace berth
