@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <cstring>
 #include <random>
 
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/runtime/thread_pool.h"
 
@@ -26,27 +28,45 @@ Rate rate_of(std::vector<double> seconds, double units) {
   return r;
 }
 
-// Bytes one decode step reads from the weights: see the module comment.
-uint64_t decode_weight_bytes(const Model& m) {
+// Bytes one decode step reads from the weights: see the module comment. With `home` (one per
+// weight), only the weights whose home is `side`.
+uint64_t decode_weight_bytes(const Model& m, const std::vector<placement::Home>* home = nullptr,
+                             placement::Home side = placement::Home::cpu) {
   const graph::Graph g = m.build_step(1, 1);
   const graph::WeightTable& w = m.weights();
   uint64_t bytes = 0;
+  auto on = [&](graph::WeightId id) { return !home || (*home)[static_cast<size_t>(id)] == side; };
   for (const graph::Op& op : g.ops) {
     switch (op.kind) {
       case graph::OpKind::embed:
-        bytes += row_bytes(w[op.weight].type, w[op.weight].ne[0]);
+        if (on(op.weight)) bytes += row_bytes(w[op.weight].type, w[op.weight].ne[0]);
         break;
       case graph::OpKind::moe_experts: {
         for (graph::WeightId id : {op.moe.gate, op.moe.up, op.moe.down})
-          bytes += w[id].n_bytes / static_cast<uint64_t>(op.moe.n_expert) *
-                   static_cast<uint64_t>(op.moe.n_expert_used);
+          if (on(id))
+            bytes += w[id].n_bytes / static_cast<uint64_t>(op.moe.n_expert) *
+                     static_cast<uint64_t>(op.moe.n_expert_used);
         break;
       }
       default:
-        if (op.weight != graph::kNoWeight) bytes += w[op.weight].n_bytes;
+        if (op.weight != graph::kNoWeight && on(op.weight)) bytes += w[op.weight].n_bytes;
     }
   }
   return bytes;
+}
+
+// GB/s of `bytes` moved by `copy` (median of 5 after a warm-up); `count` bytes per copy.
+double copy_gbps(Device& dev, const std::function<void()>& copy, double count) {
+  std::vector<double> secs;
+  for (int i = 0; i < 6; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    copy();
+    dev.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) secs.push_back(s);
+  }
+  std::sort(secs.begin(), secs.end());
+  return count / secs[secs.size() / 2] / 1e9;
 }
 
 std::vector<OpShare> shares(const std::vector<CpuExecutor::OpTime>& prof, int runs) {
@@ -91,6 +111,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("bench model: {} tokens exceed the model's context_length {}", sp.n_ctx,
                             hp.n_ctx_train));
+  PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
+  sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
+  r.placement = placed.plan.how;
+  if (sp.device) {
+    r.device = sp.device->name();
+    say(placed.summary());
+  }
   Session session(*model, sp);
   r.n_threads = session.pool().n_threads();
   o.n_threads = r.n_threads;
@@ -114,6 +141,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       (void)session.eval(t);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep > 0) secs.push_back(s);
+      if (rep > 0 && session.hybrid()) r.pp_cpu_busy += session.hybrid()->last_cpu_seconds() / s / o.repetitions;
       say(fmt::format("pp{}   run {}{}  {:8.2f} tok/s", o.n_prompt, rep, rep ? "" : " (warm-up)",
                       o.n_prompt / s));
     }
@@ -127,8 +155,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       session.reset();
       if (rep == 1) session.executor().reset_profile();
       const auto t0 = std::chrono::steady_clock::now();
-      for (int32_t id : t) (void)session.eval(std::span<const int32_t>(&id, 1));
+      double cpu_s = 0;
+      for (int32_t id : t) {
+        (void)session.eval(std::span<const int32_t>(&id, 1));
+        if (session.hybrid()) cpu_s += session.hybrid()->last_cpu_seconds();
+      }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) r.tg_cpu_busy += cpu_s / s / o.repetitions;
       if (rep > 0) secs.push_back(s);
       say(fmt::format("tg{}   run {}{}  {:8.2f} tok/s", o.n_gen, rep, rep ? "" : " (warm-up)",
                       o.n_gen / s));
@@ -152,6 +185,36 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (o.n_gen > 0) {
     r.fraction_of_bound = r.tg_tok_s.median / r.bound_tok_s;
     r.decode_gbps = r.tg_tok_s.median * bytes / 1e9;
+  }
+  if (sp.device) {
+    Device& dev = *sp.device;
+    const auto& home = placed.plan.home;
+    r.gpu_weight_bytes = placed.plan.gpu_weight_bytes;
+    uint64_t kv_gpu = 0, kv_cpu = 0;
+    const auto kvl = model->kv_layers();
+    for (size_t l = 0; l < kvl.size(); ++l) {
+      const uint64_t avg = static_cast<uint64_t>(kvl[l].k_dim + kvl[l].v_dim) *
+                           static_cast<uint64_t>(o.n_gen + 1) / 2;
+      if (placed.plan.kv_home[l] == placement::Home::gpu)
+        kv_gpu += avg * 2;  // f16
+      else
+        kv_cpu += avg * 4;  // f32
+    }
+    r.decode_gpu_bytes = decode_weight_bytes(*model, &home, placement::Home::gpu) + kv_gpu;
+    r.decode_cpu_bytes = decode_weight_bytes(*model, &home, placement::Home::cpu) + kv_cpu;
+    const size_t n = std::min<size_t>(size_t{1} << 30, dev.free_bytes() / 4);
+    void* a = dev.alloc(n, "bandwidth test");
+    void* b = dev.alloc(n, "bandwidth test");
+    void* h = dev.alloc_host(n / 4, "bandwidth test");
+    std::memset(h, 1, n / 4);
+    r.hbm_gbps = copy_gbps(dev, [&] { dev.copy_d2d(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
+    r.h2d_gbps = copy_gbps(dev, [&] { dev.copy_h2d(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
+    dev.dealloc(a), dev.dealloc(b), dev.dealloc_host(h);
+    const double t = static_cast<double>(r.decode_cpu_bytes) / (r.dram.gbps.median * 1e9) +
+                     static_cast<double>(r.decode_gpu_bytes) / (r.hbm_gbps * 1e9);
+    r.hybrid_bound_tok_s = t > 0 ? 1.0 / t : 0;
+    if (o.n_gen > 0) r.fraction_of_bound = r.tg_tok_s.median / r.hybrid_bound_tok_s;
+    r.bound_tok_s = r.hybrid_bound_tok_s;
   }
   r.options = o;
   return r;
@@ -203,6 +266,17 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"bound_tok_s", r.bound_tok_s},
       {"fraction_of_bound", r.fraction_of_bound},
       {"decode_gbps", r.decode_gbps},
+      {"device", r.device},
+      {"placement", r.placement},
+      {"gpu_weight_bytes", r.gpu_weight_bytes},
+      {"decode_gpu_bytes", r.decode_gpu_bytes},
+      {"decode_cpu_bytes", r.decode_cpu_bytes},
+      {"hbm_copy_gbps", r.hbm_gbps},
+      {"h2d_pinned_gbps", r.h2d_gbps},
+      {"hybrid_bound_tok_s", r.hybrid_bound_tok_s},
+      {"tg_cpu_busy", r.tg_cpu_busy},
+      {"pp_cpu_busy", r.pp_cpu_busy},
+      {"stream_min_tokens", r.options.stream_min_tokens},
       {"pp_profile", prof(r.pp_profile)},
       {"tg_profile", prof(r.tg_profile)},
   };
@@ -231,9 +305,20 @@ std::string format_text(const ModelBenchResult& r) {
       static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes) / 1e9,
       static_cast<double>(r.decode_weight_bytes) / 1e9,
       static_cast<double>(r.decode_kv_bytes) / 1e9, r.dram.gbps.median, r.bound_tok_s);
+  if (!r.device.empty()) {
+    s += fmt::format(
+        "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
+        "{:.1f} GB/s\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token from "
+        "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
+        "step\n",
+        r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
+        r.h2d_gbps, static_cast<double>(r.decode_gpu_bytes) / 1e9,
+        static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s,
+        100 * r.tg_cpu_busy, 100 * r.pp_cpu_busy);
+  }
   if (r.options.n_gen > 0)
-    s += fmt::format("decode reaches {:.1f} GB/s = {:.0f}% of the bound\n", r.decode_gbps,
-                     100 * r.fraction_of_bound);
+    s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
+                     r.device.empty() ? "DRAM " : "hybrid ");
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {
     if (p.empty()) return;
     s += fmt::format("\n{} time by op (per run):\n", what);

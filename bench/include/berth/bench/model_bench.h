@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "berth/bench/kernel_bench.h"
+#include "berth/placement/plan.h"
 
 namespace berth::bench {
 
@@ -35,6 +36,11 @@ struct ModelBenchOptions {
   size_t dram_bytes = 0;  ///< DRAM bandwidth buffer; 0: max(1 GiB, 8 x LLC)
   uint64_t seed = 1;
   bool profile = false;
+  /// Placement flags (-ngl, -ot, --cpu-moe, --n-cpu-moe, --vram-budget); with a device the
+  /// default is the automatic plan, without one everything runs on the CPU.
+  placement::Flags placement;
+  /// HybridOptions::stream_experts_min_tokens (0: CPU-held experts stay on the CPU in prefill).
+  int32_t stream_min_tokens = 0;
   std::function<void(std::string_view)> progress;
 };
 
@@ -60,6 +66,20 @@ struct ModelBenchResult {
   double fraction_of_bound = 0;      ///< tg_tok_s.median / bound_tok_s
   double decode_gbps = 0;            ///< tg tok/s x bytes per token / 1e9
   std::vector<OpShare> pp_profile, tg_profile;
+  // With a device (hybrid runs):
+  std::string device;                 ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
+  std::string placement;              ///< the plan's description ("automatic", "--cpu-moe", ...)
+  uint64_t gpu_weight_bytes = 0;      ///< weights resident on the device
+  uint64_t decode_gpu_bytes = 0;      ///< per decode token: weights + KV read on the device
+  uint64_t decode_cpu_bytes = 0;      ///< per decode token: weights + KV read from host DRAM
+  double hbm_gbps = 0;                ///< device-to-device copy, bytes read + written per s
+  double h2d_gbps = 0;                ///< pinned host-to-device copy
+  /// Decode bound with the per-layer dependency (each side waits for the other):
+  /// 1 / (decode_cpu_bytes / DRAM + decode_gpu_bytes / HBM).
+  double hybrid_bound_tok_s = 0;
+  /// Share of the timed tg steps' wall time spent in CPU segments (host callbacks); the rest is
+  /// device work, copies and hand-offs.
+  double tg_cpu_busy = 0, pp_cpu_busy = 0;
 };
 
 /// Loads the model and runs the measurements above. Throws what loading throws (GgufError,
