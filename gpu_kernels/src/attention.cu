@@ -1,0 +1,408 @@
+// Causal grouped-query attention over an f16 KV cache, flash-style (FlashAttention: Dao et al.,
+// arXiv:2205.14135; split-KV decoding as in "Flash-Decoding"). One kernel serves decode and
+// prefill:
+//
+// - A block takes kQB query rows that share one KV head (rows are (token, query head) pairs of
+//   that head's group, token-major), and streams K/V tiles of kT cache rows through shared memory
+//   with an online softmax per row (running max m and sum l, in the log2 domain: q is scaled by
+//   scale * log2(e) on load so scores go straight into exp2f). The score matrix is never stored
+//   beyond one kQB x kT tile.
+// - Warp w owns rows w, w+4, w+8, w+12 of the block for the whole tile loop (scores, softmax,
+//   P.V), so only the tile loads need the whole block. In the score step a lane owns two cache
+//   rows; in P.V a lane owns head-dim pairs lane + 32c.
+// - The KV range of a block, [0, last position of its rows + 1), is read from positions[] on the
+//   device and cut into gridDim.x equal splits (a multiple of kT each); the number of splits is a
+//   function of shapes only (attention_splits), so a graph captured at one position replays at
+//   any other. With one split the kernel writes the normalised output; with more, each split
+//   writes (m, l, unnormalised acc) to the workspace and attn_combine_kernel merges them.
+//
+// K/V of this ubatch are first written (rounded to f16) into the cache rows positions[t] by
+// kv_write_kernel, launched before the attention kernel in the same stream.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "berth/gpu_kernels/kernels.h"
+#include "check.cuh"
+
+namespace berth::gpu {
+namespace {
+
+constexpr int kQB = 16;          // query rows per block
+constexpr int kWarps = 4;        // warps per block
+constexpr int kRowsPerWarp = kQB / kWarps;
+constexpr int kT = 64;           // cache rows per tile
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / 32;  // head-dim pairs a lane owns in P.V
+constexpr int kMaxSplits = 64;
+
+void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
+
+// Shared memory of the attention kernel for a head dim, in 32-bit words: Q [kQB][hd] f32,
+// P [kQB][kT] f32, K [kT][hd/2 + 1] half2 (one pad word: lanes reading different rows at the
+// same column hit different banks), V [kT][hd/2] half2.
+constexpr size_t smem_words(int hd) {
+  return static_cast<size_t>(kQB) * hd + kQB * kT + kT * (hd / 2 + 1) + kT * (hd / 2);
+}
+
+// Number of KV splits: enough blocks to fill the GPU for short query batches (about 512 blocks,
+// guessing 8 query rows per block), at most one per 128 cache positions and kMaxSplits.
+int64_t attention_splits(int64_t n_tok, int64_t n_ctx, int32_t n_head) {
+  const int64_t blocks = (n_tok * n_head + 7) / 8;
+  int64_t s = (512 + blocks - 1) / blocks;
+  const int64_t by_ctx = (n_ctx + 127) / 128;
+  if (s > by_ctx) s = by_ctx;
+  if (s > kMaxSplits) s = kMaxSplits;
+  return s < 1 ? 1 : s;
+}
+
+__global__ void kv_write_kernel(const float* k, const float* v, int64_t n_tok,
+                                const int32_t* positions, __half* k_cache, __half* v_cache,
+                                int64_t n_ctx, int64_t kv_dim) {
+  const int64_t n = n_tok * kv_dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / kv_dim, c = i % kv_dim;
+    const int64_t row = positions[t];
+    if (row < 0 || row >= n_ctx) continue;  // the host validates positions; never write outside
+    k_cache[row * kv_dim + c] = __float2half_rn(k[i]);
+    v_cache[row * kv_dim + c] = __float2half_rn(v[i]);
+  }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float2 h2f(uint32_t w) {
+  __half2 h;
+  memcpy(&h, &w, 4);
+  return __half22float2(h);
+}
+
+// Copies cache rows [j0, j0 + kT) of one KV head into the K/V tiles (rows at or past `end`
+// become zeros, never stale cache bits). Units of W 32-bit words (W = 2: 8-byte loads when
+// head_dim % 4 == 0); each thread issues kBatch units of K and of V before storing any, so a
+// tile costs a few memory latencies instead of one per unit.
+template <int W>
+__device__ __forceinline__ void load_tile(const uint32_t* __restrict__ k_cache,
+                                          const uint32_t* __restrict__ v_cache, uint32_t* Ks,
+                                          uint32_t* Vs, int64_t j0, int64_t end,
+                                          int64_t kv_stride2, int32_t kvh, int hd2, int tid) {
+  using Unit = typename std::conditional<W == 2, uint2, uint32_t>::type;
+  constexpr int kBatch = 8;
+  const int units_per_row = hd2 / W;
+  const int total = kT * units_per_row;
+  for (int base = 0; base < total; base += kBatch * kThreads) {
+    Unit kw[kBatch], vw[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * kThreads + tid;
+      kw[u] = vw[u] = Unit{};
+      if (i < total) {
+        const int r = i / units_per_row, c = (i % units_per_row) * W;
+        const int64_t j = j0 + r;
+        if (j < end) {
+          const int64_t g = j * kv_stride2 + static_cast<int64_t>(kvh) * hd2 + c;
+          kw[u] = *reinterpret_cast<const Unit*>(k_cache + g);
+          vw[u] = *reinterpret_cast<const Unit*>(v_cache + g);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * kThreads + tid;
+      if (i < total) {
+        const int r = i / units_per_row, c = (i % units_per_row) * W;
+        const uint32_t* kp = reinterpret_cast<const uint32_t*>(&kw[u]);
+        const uint32_t* vp = reinterpret_cast<const uint32_t*>(&vw[u]);
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          Ks[r * (hd2 + 1) + c + w] = kp[w];
+          Vs[r * hd2 + c + w] = vp[w];
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    attention_kernel(const float* __restrict__ q, const uint32_t* __restrict__ k_cache,
+                     const uint32_t* __restrict__ v_cache, const int32_t* __restrict__ positions,
+                     int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
+                     float q_scale, bool wide, float* __restrict__ out,
+                     float* __restrict__ ws_acc, float* __restrict__ ws_ml) {
+  extern __shared__ float4 smem4[];
+  float* Qs = reinterpret_cast<float*>(smem4);
+  float* Ps = Qs + kQB * hd;
+  const int hd2 = hd / 2;
+  uint32_t* Ks = reinterpret_cast<uint32_t*>(Ps + kQB * kT);
+  uint32_t* Vs = Ks + kT * (hd2 + 1);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int32_t group = n_head / n_head_kv;
+  const int32_t kvh = static_cast<int32_t>(blockIdx.z);
+  const int64_t rows_total = n_tok * group;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kQB;
+  const int64_t q_stride = static_cast<int64_t>(n_head) * hd;
+  const int64_t kv_stride2 = static_cast<int64_t>(n_head_kv) * hd2;  // cache row, in half2
+
+  for (int i = tid; i < kQB * hd; i += kThreads) {
+    const int lr = i / hd, d = i % hd;
+    const int64_t gr = r0 + lr;
+    float x = 0.0f;
+    if (gr < rows_total) {
+      const int64_t t = gr / group;
+      const int32_t h = kvh * group + static_cast<int32_t>(gr % group);
+      x = q[t * q_stride + static_cast<int64_t>(h) * hd + d] * q_scale;
+    }
+    Qs[i] = x;
+  }
+
+  // This warp's rows and their positions (-1: no row). The block's KV extent is the last row's
+  // position + 1 (positions are consecutive, so the last token has the largest).
+  int64_t pos[kRowsPerWarp];
+  int64_t warp_max_pos = -1;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t gr = r0 + warp + kWarps * i;
+    pos[i] = gr < rows_total ? static_cast<int64_t>(positions[gr / group]) : -1;
+    if (pos[i] > warp_max_pos) warp_max_pos = pos[i];
+  }
+  const int64_t gr_last = (r0 + kQB < rows_total ? r0 + kQB : rows_total) - 1;
+  int64_t n_kv = static_cast<int64_t>(positions[gr_last / group]) + 1;
+  if (n_kv > n_ctx) n_kv = n_ctx;
+  const int64_t n_splits = gridDim.x;
+  int64_t chunk = (n_kv + n_splits - 1) / n_splits;
+  chunk = (chunk + kT - 1) / kT * kT;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t end = start + chunk < n_kv ? start + chunk : n_kv;
+
+  float m[kRowsPerWarp], l[kRowsPerWarp];
+  float acc[kRowsPerWarp][kMaxPairsPerLane][2];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    m[i] = -CUDART_INF_F;
+    l[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kMaxPairsPerLane; ++c) acc[i][c][0] = acc[i][c][1] = 0.0f;
+  }
+
+  for (int64_t j0 = start; j0 < end; j0 += kT) {
+    __syncthreads();  // previous tile fully consumed (and Q stored, on the first pass)
+    if (wide)
+      load_tile<2>(k_cache, v_cache, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
+    else
+      load_tile<1>(k_cache, v_cache, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
+    __syncthreads();
+    if (j0 > warp_max_pos) continue;  // every row of this warp is before this tile (causal)
+
+    // Scores: lane owns cache rows lane and lane + 32 of the tile, for the warp's rows.
+    float s[kRowsPerWarp][2];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) s[i][0] = s[i][1] = 0.0f;
+    const uint32_t* k0 = Ks + lane * (hd2 + 1);
+    const uint32_t* k1 = Ks + (lane + 32) * (hd2 + 1);
+    for (int c = 0; c < hd2; ++c) {
+      const float2 ka = h2f(k0[c]);
+      const float2 kb = h2f(k1[c]);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const float2 qv = *reinterpret_cast<const float2*>(Qs + (warp + kWarps * i) * hd + 2 * c);
+        s[i][0] = fmaf(qv.x, ka.x, fmaf(qv.y, ka.y, s[i][0]));
+        s[i][1] = fmaf(qv.x, kb.x, fmaf(qv.y, kb.y, s[i][1]));
+      }
+    }
+    // Online softmax per row (log2 domain).
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int64_t j = j0 + lane + 32 * jj;
+        if (j > pos[i] || j >= end) s[i][jj] = -CUDART_INF_F;
+      }
+      const float m_new = fmaxf(m[i], warp_max(fmaxf(s[i][0], s[i][1])));
+      float p0 = 0.0f, p1 = 0.0f, alpha = 1.0f;
+      if (m_new != -CUDART_INF_F) {
+        p0 = exp2f(s[i][0] - m_new);
+        p1 = exp2f(s[i][1] - m_new);
+        alpha = exp2f(m[i] - m_new);
+      }
+      l[i] = l[i] * alpha + warp_sum(p0 + p1);
+      m[i] = m_new;
+#pragma unroll
+      for (int c = 0; c < kMaxPairsPerLane; ++c) {
+        acc[i][c][0] *= alpha;
+        acc[i][c][1] *= alpha;
+      }
+      float* prow = Ps + (warp + kWarps * i) * kT;
+      prow[lane] = p0;
+      prow[lane + 32] = p1;
+    }
+    __syncwarp();
+    // P.V: lane owns head-dim pairs lane + 32c.
+    const int tile_len = static_cast<int>(end - j0 < kT ? end - j0 : kT);
+    for (int r = 0; r < tile_len; ++r) {
+      float p[kRowsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) p[i] = Ps[(warp + kWarps * i) * kT + r];
+      const uint32_t* vr = Vs + r * hd2;
+#pragma unroll
+      for (int c = 0; c < kMaxPairsPerLane; ++c) {
+        const int cc = lane + 32 * c;
+        if (cc < hd2) {
+          const float2 vv = h2f(vr[cc]);
+#pragma unroll
+          for (int i = 0; i < kRowsPerWarp; ++i) {
+            acc[i][c][0] = fmaf(p[i], vv.x, acc[i][c][0]);
+            acc[i][c][1] = fmaf(p[i], vv.y, acc[i][c][1]);
+          }
+        }
+      }
+    }
+  }
+
+  const int64_t n_rows_all = n_tok * n_head;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t gr = r0 + warp + kWarps * i;
+    if (gr >= rows_total) continue;
+    const int64_t t = gr / group;
+    const int64_t row = t * n_head + kvh * group + gr % group;  // output row (token, head)
+    float* dst;
+    float mul;
+    if (gridDim.x == 1) {
+      dst = out + row * hd;
+      mul = 1.0f / l[i];
+    } else {
+      const int64_t wrow = static_cast<int64_t>(blockIdx.x) * n_rows_all + row;
+      dst = ws_acc + wrow * hd;
+      mul = 1.0f;
+      if (lane == 0) {
+        ws_ml[2 * wrow] = m[i];
+        ws_ml[2 * wrow + 1] = l[i];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kMaxPairsPerLane; ++c) {
+      const int cc = lane + 32 * c;
+      if (cc < hd2) {
+        dst[2 * cc] = acc[i][c][0] * mul;
+        dst[2 * cc + 1] = acc[i][c][1] * mul;
+      }
+    }
+  }
+}
+
+// Merges the splits of each output row: weights 2^(m_s - M), M the largest m_s.
+__global__ void attn_combine_kernel(const float* ws_acc, const float* ws_ml, int64_t n_rows_all,
+                                    int32_t n_splits, int32_t hd, float* out) {
+  const int64_t row = blockIdx.x;
+  float M = -CUDART_INF_F;
+  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ws_ml[2 * (s * n_rows_all + row)]);
+  float L = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float ms = ws_ml[2 * (s * n_rows_all + row)];
+    if (ms != -CUDART_INF_F) L += ws_ml[2 * (s * n_rows_all + row) + 1] * exp2f(ms - M);
+  }
+  const float inv = 1.0f / L;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+      const float ms = ws_ml[2 * (s * n_rows_all + row)];
+      if (ms != -CUDART_INF_F) a += ws_acc[(s * n_rows_all + row) * hd + d] * exp2f(ms - M);
+    }
+    out[row * hd + d] = a * inv;
+  }
+}
+
+// Opts the attention kernel into more than 48 KiB of dynamic shared memory, once per device.
+void ensure_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit && (done.load() & bit)) return;
+  BERTH_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_words(kMaxHeadDim) * 4)));
+  done.fetch_or(bit);
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
+                                 int32_t head_dim) {
+  const int64_t s = attention_splits(n_tok, n_ctx, n_head);
+  if (s <= 1) return 0;
+  return static_cast<size_t>(s * n_tok * n_head * (head_dim + 2)) * sizeof(float);
+}
+
+void attention(const float* q, const float* k, const float* v, int64_t n_tok,
+               const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
+               int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
+    bad_arg("gpu::attention: n_head " + std::to_string(n_head) +
+            " is not a multiple of n_head_kv " + std::to_string(n_head_kv));
+  if (head_dim < 2 || head_dim > kMaxHeadDim || head_dim % 2 != 0)
+    throw Error(ErrorCategory::unsupported, "gpu::attention: head_dim " +
+                                                std::to_string(head_dim) +
+                                                " (must be even and <= 256)");
+  if (n_ctx <= 0) bad_arg("gpu::attention: n_ctx must be positive");
+  if (n_tok <= 0) return;
+  const int64_t splits = attention_splits(n_tok, n_ctx, n_head);
+  const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);
+  if (workspace_bytes < need)
+    bad_arg("gpu::attention: workspace of " + std::to_string(workspace_bytes) +
+            " bytes, needs " + std::to_string(need));
+  const int64_t group = n_head / n_head_kv;
+  const int64_t q_blocks = (n_tok * group + kQB - 1) / kQB;
+  if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");
+
+  const int64_t kv_dim = static_cast<int64_t>(n_head_kv) * head_dim;
+  {
+    const int64_t n = n_tok * kv_dim;
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 4096) blocks = 4096;
+    kv_write_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        k, v, n_tok, positions, reinterpret_cast<__half*>(k_cache),
+        reinterpret_cast<__half*>(v_cache), n_ctx, kv_dim);
+    BERTH_LAUNCH_CHECK("kv_write_kernel");
+  }
+
+  // Head dims up to 128 fit the default 48 KiB; larger ones opt in (once per device, on the
+  // first such call, which should therefore not be the first call inside a stream capture).
+  if (smem_words(head_dim) * 4 > 48 * 1024) ensure_smem_attribute();
+  float* ws_acc = static_cast<float*>(workspace);
+  float* ws_ml = splits > 1 ? ws_acc + splits * n_tok * n_head * head_dim : nullptr;
+  const float q_scale = scale * 1.4426950408889634f;  // log2(e): scores in the log2 domain
+  // 8-byte cache loads when every row offset is a multiple of 8 bytes (head_dim % 4 == 0 and
+  // 8-byte aligned cache pointers); 4-byte loads otherwise.
+  const bool wide = head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_cache) % 8 == 0;
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(q_blocks),
+                  static_cast<unsigned>(n_head_kv));
+  attention_kernel<<<grid, kThreads, smem_words(head_dim) * 4, stream>>>(
+      q, reinterpret_cast<const uint32_t*>(k_cache), reinterpret_cast<const uint32_t*>(v_cache),
+      positions, n_tok, n_ctx, n_head, n_head_kv, head_dim, q_scale, wide, out, ws_acc, ws_ml);
+  BERTH_LAUNCH_CHECK("attention_kernel");
+  if (splits > 1) {
+    attn_combine_kernel<<<static_cast<unsigned>(n_tok * n_head), 64, 0, stream>>>(
+        ws_acc, ws_ml, n_tok * n_head, static_cast<int32_t>(splits), head_dim, out);
+    BERTH_LAUNCH_CHECK("attn_combine_kernel");
+  }
+}
+
+}  // namespace berth::gpu

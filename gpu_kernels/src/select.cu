@@ -1,0 +1,233 @@
+// Selection kernels: the MoE router (moe_route), greedy argmax and top-k of a logits row.
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cstdint>
+#include <string>
+
+#include "berth/gpu_kernels/kernels.h"
+#include "check.cuh"
+
+namespace berth::gpu {
+namespace {
+
+void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
+
+// ---- moe_route -------------------------------------------------------------------------------
+// One thread per token, replaying berth::cpu::moe_topk's arithmetic in the same order: keys are
+// the logits in double (NaN -> -inf); the k best by (key descending, id ascending) — a strict
+// total order, so any selection method yields the same ids; max, then the softmax denominator
+// summed sequentially over e = 0..n-1, then the selected sum in slot order, then p or p / sel
+// rounded once to float. The only possible difference from the host is the last bit of a double
+// exp (both libraries are within 1 ulp), which the final rounding to float absorbs except in
+// vanishingly rare cases.
+__device__ __forceinline__ double route_key(float l) {
+  return isnan(l) ? -CUDART_INF : static_cast<double>(l);
+}
+
+__global__ void moe_route_kernel(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
+                                 bool norm, float* out) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= n_tok) return;
+  const float* l = logits + t * n_expert;
+  float* o = out + t * 2 * k;
+  double mx = -CUDART_INF;
+  for (int32_t e = 0; e < n_expert; ++e) mx = fmax(mx, route_key(l[e]));
+  double sum = 0.0;
+  for (int32_t e = 0; e < n_expert; ++e) sum += exp(route_key(l[e]) - mx);
+  // Selection: slot j takes the best expert strictly after slot j-1's in the total order.
+  double prev_key = CUDART_INF;
+  int32_t prev_id = -1;
+  double sel = 0.0;
+  for (int32_t j = 0; j < k; ++j) {
+    int32_t best = -1;
+    double best_key = 0.0;
+    for (int32_t e = 0; e < n_expert; ++e) {
+      const double ke = route_key(l[e]);
+      const bool after_prev = ke < prev_key || (ke == prev_key && e > prev_id);
+      if (!after_prev) continue;
+      if (best < 0 || ke > best_key) {  // ties keep the lower id (scanned first)
+        best = e;
+        best_key = ke;
+      }
+    }
+    o[j] = static_cast<float>(best);
+    prev_key = best_key;
+    prev_id = best;
+    sel += exp(best_key - mx) / sum;
+  }
+  for (int32_t j = 0; j < k; ++j) {
+    const int32_t e = static_cast<int32_t>(o[j]);
+    const double p = exp(route_key(l[e]) - mx) / sum;
+    o[k + j] = static_cast<float>(norm ? p / sel : p);
+  }
+}
+
+// ---- argmax ----------------------------------------------------------------------------------
+constexpr int kArgmaxThreads = 512;
+
+// (v, i) better than (bv, bi): larger value, or equal value and lower id. NaN counts as -inf.
+__device__ __forceinline__ bool better(float v, int32_t i, float bv, int32_t bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const float* logits, int64_t n_vocab, int32_t* ids) {
+  const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_vocab;
+  float bv = -CUDART_INF_F;
+  int32_t bi = 0x7fffffff;
+  for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+    float v = l[i];
+    if (isnan(v)) v = -CUDART_INF_F;
+    if (better(v, static_cast<int32_t>(i), bv, bi)) {
+      bv = v;
+      bi = static_cast<int32_t>(i);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ int32_t si[kArgmaxThreads / 32];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / 32; ++w)
+      if (better(sv[w], si[w], bv, bi)) {
+        bv = sv[w];
+        bi = si[w];
+      }
+    ids[blockIdx.x] = bi < n_vocab ? bi : 0;
+  }
+}
+
+// ---- top_k -----------------------------------------------------------------------------------
+// Rounds of chunked selection: each block bitonic-sorts a chunk of kChunk candidates in shared
+// memory and keeps its k best; rounds repeat on the survivors until one chunk is left. A
+// candidate is one 64-bit key, (order-preserving bits of the value) << 32 | ~id, so one unsigned
+// comparison orders by value descending, then id ascending. NaN maps below every number, -0 to
+// +0 (they compare equal as floats), padding is key 0 (below everything real).
+constexpr int kChunk = 4096;
+constexpr int kTopkThreads = 1024;
+
+__device__ __forceinline__ uint64_t topk_key(float v, uint32_t id) {
+  uint32_t ord;
+  if (isnan(v)) {
+    ord = 0;
+  } else {
+    if (v == 0.0f) v = 0.0f;
+    const uint32_t b = __float_as_uint(v);
+    ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  }
+  return (static_cast<uint64_t>(ord) << 32) | static_cast<uint64_t>(~id);
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+    topk_round_kernel(const float* logits, const uint64_t* in_keys, int64_t n_in, int32_t k,
+                      uint64_t* out_keys, int32_t* ids, float* values) {
+  __shared__ uint64_t s[kChunk];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk;
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    const int64_t g = base + i;
+    uint64_t key = 0;
+    if (g < n_in)
+      key = in_keys ? in_keys[g] : topk_key(logits[g], static_cast<uint32_t>(g));
+    s[i] = key;
+  }
+  __syncthreads();
+  // Bitonic sort, descending overall.
+  for (int size = 2; size <= kChunk; size <<= 1) {
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < kChunk / 2; i += blockDim.x) {
+        const int pos = 2 * i - (i & (stride - 1));
+        const int partner = pos + stride;
+        const bool desc = (pos & size) == 0;
+        const uint64_t a = s[pos], b = s[partner];
+        if (desc ? a < b : a > b) {
+          s[pos] = b;
+          s[partner] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const uint64_t key = s[j];
+    if (ids) {
+      const uint32_t id = ~static_cast<uint32_t>(key & 0xffffffffu);
+      ids[j] = static_cast<int32_t>(id);
+      values[j] = logits[id];
+    } else {
+      out_keys[static_cast<int64_t>(blockIdx.x) * k + j] = key;
+    }
+  }
+}
+
+int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+}  // namespace
+
+void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
+               float* out, cudaStream_t stream) {
+  if (k < 1 || k > n_expert)
+    bad_arg("gpu::moe_route: k = " + std::to_string(k) + " must be in [1, n_expert = " +
+            std::to_string(n_expert) + "]");
+  if (n_tok <= 0) return;
+  const int threads = 64;
+  moe_route_kernel<<<static_cast<unsigned>((n_tok + threads - 1) / threads), threads, 0,
+                     stream>>>(logits, n_tok, n_expert, k, norm, out);
+  BERTH_LAUNCH_CHECK("moe_route_kernel");
+}
+
+void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids,
+            cudaStream_t stream) {
+  if (n_vocab <= 0 || n_vocab > 0x7fffffff) bad_arg("gpu::argmax: bad n_vocab");
+  if (rows <= 0) return;
+  argmax_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, n_vocab, ids);
+  BERTH_LAUNCH_CHECK("argmax_kernel");
+}
+
+size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k) {
+  if (n_vocab <= kChunk) return 0;
+  // Ping-pong buffers of the first round's survivors (later rounds have fewer).
+  return static_cast<size_t>(2 * chunks(n_vocab) * k) * sizeof(uint64_t);
+}
+
+void top_k(const float* logits, int64_t n_vocab, int32_t k, int32_t* ids, float* values,
+           void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (k < 1 || k > 256 || k > n_vocab)
+    bad_arg("gpu::top_k: k = " + std::to_string(k) + " must be in [1, min(256, n_vocab = " +
+            std::to_string(n_vocab) + ")]");
+  if (n_vocab > 0x7fffffff) bad_arg("gpu::top_k: n_vocab too large");
+  if (workspace_bytes < top_k_workspace_bytes(n_vocab, k))
+    bad_arg("gpu::top_k: workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
+            std::to_string(top_k_workspace_bytes(n_vocab, k)));
+  uint64_t* buf[2] = {static_cast<uint64_t*>(workspace), nullptr};
+  if (n_vocab > kChunk) buf[1] = buf[0] + chunks(n_vocab) * k;
+  const uint64_t* in = nullptr;
+  int64_t n = n_vocab;
+  int which = 0;
+  for (;;) {
+    const int64_t c = chunks(n);
+    const bool last = c == 1;
+    topk_round_kernel<<<static_cast<unsigned>(c), kTopkThreads, 0, stream>>>(
+        logits, in, n, k, last ? nullptr : buf[which], last ? ids : nullptr,
+        last ? values : nullptr);
+    BERTH_LAUNCH_CHECK("topk_round_kernel");
+    if (last) break;
+    in = buf[which];
+    n = c * k;
+    which ^= 1;
+  }
+}
+
+}  // namespace berth::gpu

@@ -1,0 +1,585 @@
+// GPU kernels of gpu_kernels/kernels.h (the non-matmul ones) against the CPU path's reference
+// kernels (berth::ref, berth::cpu::moe_topk) and a double-precision attention that reads the same
+// f16-rounded K/V as the GPU cache. House rules as tests/core/kernel_harness.h: inputs come from
+// seeded generators (never zeros), outputs are poisoned (all bits set: NaN floats, -1 ints)
+// before each run so an element the kernel did not write fails, and each op's tolerance (NMSE =
+// sum (gpu - ref)^2 / sum ref^2) is written next to it with its reason. Selections (moe_route,
+// argmax, top_k) must match exactly.
+//
+// Needs a CUDA device: without one every case fails with a message saying so.
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "berth/core/fp16.h"
+#include "berth/cpu_kernels/ops.h"
+#include "berth/gpu_kernels/kernels.h"
+
+namespace berth {
+namespace {
+
+// Tolerances, each with its reason.
+// add, add_bias: one IEEE addition per element on both sides: exact.
+constexpr double kTolAdd = 0.0;
+// rms_norm: both sum squares in double (in another order); the float scale can differ by one
+// rounding.
+constexpr double kTolRmsNorm = 1e-13;
+// swiglu: the device expf and the host's differ by at most a couple of ulp, damped by 1/(1+e).
+constexpr double kTolSwiglu = 1e-13;
+// rope: angles in double on both sides (device pow/sincos vs libm, rounded to float), products
+// contracted to FMA on the device.
+constexpr double kTolRope = 1e-13;
+// attention: the device keeps scores and sums in f32 (dot products over head_dim, exp2f of
+// log2-domain scores, P.V sums over up to a few thousand rows, split merging); the reference is
+// double throughout on the same f16 K/V. A masking slip of one row moves the NMSE to ~1e-6 or
+// more at these lengths.
+constexpr double kTolAttention = 1e-9;
+
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_DEVICE() \
+  REQUIRE_MESSAGE(have_device(), "no CUDA device: test_gpu must run on a machine with a GPU")
+
+void ck(cudaError_t e, const char* what) {
+  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorString(e));
+}
+
+// A device array of T, freed on scope exit.
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) {
+    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
+  }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  void up(const std::vector<T>& h) {
+    ck(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  }
+  std::vector<T> down() const {
+    std::vector<T> h(n);
+    ck(cudaDeviceSynchronize(), "kernel");
+    ck(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+    return h;
+  }
+  void poison() {  // synchronous, so work on any stream sees it
+    ck(cudaMemset(p, 0xff, n * sizeof(T)), "poison");
+    ck(cudaDeviceSynchronize(), "poison");
+  }
+};
+
+double nmse(const std::vector<float>& ref, const std::vector<float>& got) {
+  REQUIRE(ref.size() == got.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i]) || !std::isfinite(ref[i]))
+      return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den > 0 ? num / den : num;
+}
+
+std::vector<float> gaussian(size_t n, uint64_t seed, float sd = 1.0f, float mean = 0.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(mean, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST_CASE("gpu: add, add_bias, swiglu") {
+  REQUIRE_DEVICE();
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{300000}}) {
+    CAPTURE(n);
+    const size_t un = static_cast<size_t>(n);
+    const auto a = gaussian(un, 10 + un), b = gaussian(un, 20 + un, 2.0f, 0.5f);
+    auto gate = gaussian(un, 30 + un, 4.0f);
+    if (n >= 7) gate[1] = -100.0f, gate[3] = 95.0f, gate[5] = -88.5f;
+    Dev<float> da(a), db(b), dg(gate), dout(un);
+    std::vector<float> ref(un);
+
+    dout.poison();
+    gpu::add(da.p, db.p, dout.p, n, nullptr);
+    ref::add(a.data(), b.data(), ref.data(), n);
+    CHECK(nmse(ref, dout.down()) <= kTolAdd);
+
+    dout.poison();
+    gpu::swiglu(dg.p, db.p, dout.p, n, nullptr);
+    ref::swiglu(gate.data(), b.data(), ref.data(), n);
+    CHECK(nmse(ref, dout.down()) <= kTolSwiglu);
+
+    // In place (out aliases a).
+    Dev<float> dx(a);
+    gpu::add(dx.p, db.p, dx.p, n, nullptr);
+    ref::add(a.data(), b.data(), ref.data(), n);
+    CHECK(nmse(ref, dx.down()) <= kTolAdd);
+  }
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{1, 5}, {7, 96}, {64, 4096}}) {
+    CAPTURE(rows);
+    CAPTURE(cols);
+    const auto x = gaussian(static_cast<size_t>(rows * cols), 40 + cols);
+    const auto bias = gaussian(static_cast<size_t>(cols), 50 + cols, 0.5f, 0.2f);
+    std::vector<float> ref(x.size());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) ref[r * cols + c] = x[r * cols + c] + bias[c];
+    Dev<float> dx(x), db(bias), dout(x.size());
+    dout.poison();
+    gpu::add_bias(dx.p, db.p, dout.p, rows, cols, nullptr);
+    CHECK(nmse(ref, dout.down()) <= kTolAdd);
+    gpu::add_bias(dx.p, db.p, dx.p, rows, cols, nullptr);  // in place
+    CHECK(nmse(ref, dx.down()) <= kTolAdd);
+  }
+}
+
+TEST_CASE("gpu: rms_norm, whole rows and per-head groups") {
+  REQUIRE_DEVICE();
+  struct Case {
+    int64_t rows, cols, group;
+    bool weight;
+  };
+  const Case cases[] = {{1, 7, 7, true},      {5, 4096, 4096, true}, {3, 1000, 1000, false},
+                        {9, 4096, 128, true}, {4, 64, 8, true},      {2, 96, 32, false}};
+  for (const Case& c : cases) {
+    CAPTURE(c.rows);
+    CAPTURE(c.cols);
+    CAPTURE(c.group);
+    const size_t n = static_cast<size_t>(c.rows * c.cols);
+    const auto x = gaussian(n, 60 + n, 1.5f, 0.3f);
+    const auto w = gaussian(static_cast<size_t>(c.group), 70 + n, 0.3f, 1.0f);
+    std::vector<float> ref(n);
+    for (int64_t r = 0; r < c.rows * (c.cols / c.group); ++r)
+      ref::rms_norm(x.data() + r * c.group, c.weight ? w.data() : nullptr,
+                    ref.data() + r * c.group, c.group, 1e-6f);
+    Dev<float> dx(x), dw(w), dout(n);
+    dout.poison();
+    gpu::rms_norm(dx.p, c.weight ? dw.p : nullptr, dout.p, c.rows, c.cols, c.group, 1e-6f,
+                  nullptr);
+    CHECK(nmse(ref, dout.down()) <= kTolRmsNorm);
+    gpu::rms_norm(dx.p, c.weight ? dw.p : nullptr, dx.p, c.rows, c.cols, c.group, 1e-6f,
+                  nullptr);  // in place
+    CHECK(nmse(ref, dx.down()) <= kTolRmsNorm);
+  }
+}
+
+TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
+  REQUIRE_DEVICE();
+  struct Case {
+    int32_t n_head, head_dim, n_rot;
+    float base;
+  };
+  const Case cases[] = {{4, 64, 64, 10000.0f}, {3, 128, 64, 1000000.0f}, {2, 8, 8, 10000.0f},
+                        {5, 96, 32, 500000.0f}};
+  const std::vector<int32_t> positions = {0, 1, 2, 17, 511, 4095, 32767};
+  const int64_t rows = static_cast<int64_t>(positions.size());
+  Dev<int32_t> dpos(positions);
+  for (const Case& c : cases) {
+    for (const bool neox : {false, true}) {
+      CAPTURE(c.n_head);
+      CAPTURE(c.head_dim);
+      CAPTURE(c.n_rot);
+      CAPTURE(neox);
+      const int64_t cols = static_cast<int64_t>(c.n_head) * c.head_dim;
+      const auto x = gaussian(static_cast<size_t>(rows * cols), 80 + cols + c.n_rot);
+      // The reference: the CPU backend's table (angles in double, rounded to float) and
+      // ref::rope_inplace.
+      std::vector<float> ref = x;
+      const int32_t half = c.n_rot / 2;
+      std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int32_t i = 0; i < half; ++i) {
+          const double theta = static_cast<double>(positions[static_cast<size_t>(r)]) *
+                               std::pow(static_cast<double>(c.base), -2.0 * i / c.n_rot);
+          cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+          sn[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+        }
+        ref::rope_inplace(ref.data() + r * cols, c.n_head, c.head_dim, c.n_rot, cs.data(),
+                          sn.data(), !neox);
+      }
+      Dev<float> dx(x), dout(x.size());
+      dout.poison();
+      gpu::rope(dx.p, dout.p, rows, c.n_head, c.head_dim, c.n_rot, c.base, neox, dpos.p,
+                nullptr);
+      CHECK(nmse(ref, dout.down()) <= kTolRope);
+      gpu::rope(dx.p, dx.p, rows, c.n_head, c.head_dim, c.n_rot, c.base, neox, dpos.p, nullptr);
+      CHECK(nmse(ref, dx.down()) <= kTolRope);
+    }
+  }
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+struct AttnShape {
+  int32_t n_head, n_head_kv, head_dim;
+};
+
+// The f16 round trip of the cache.
+float f16r(float x) { return fp16_to_f32(f32_to_fp16(x)); }
+
+// One attention call on a cache whose rows [0, n_past) hold earlier keys/values and whose rows
+// past the ubatch hold f16 NaN (never to be read). Checks the written cache rows (bit exact)
+// and returns the NMSE of the output against a double-precision reference on the f16 K/V.
+double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t n_tok,
+                      uint64_t seed) {
+  const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;
+  const int64_t q_dim = static_cast<int64_t>(s.n_head) * s.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const auto q = gaussian(static_cast<size_t>(n_tok * q_dim), seed, 1.5f);
+  const auto k = gaussian(static_cast<size_t>(n_tok * kv_dim), seed + 1, 1.5f);
+  const auto v = gaussian(static_cast<size_t>(n_tok * kv_dim), seed + 2);
+  const auto old_k = gaussian(static_cast<size_t>(n_past * kv_dim), seed + 3, 1.5f);
+  const auto old_v = gaussian(static_cast<size_t>(n_past * kv_dim), seed + 4);
+  std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim), 0xffff);  // f16 NaN
+  std::vector<uint16_t> vc = kc;
+  for (size_t i = 0; i < old_k.size(); ++i) kc[i] = f32_to_fp16(old_k[i]), vc[i] = f32_to_fp16(old_v[i]);
+  std::vector<int32_t> pos(static_cast<size_t>(n_tok));
+  std::iota(pos.begin(), pos.end(), static_cast<int32_t>(n_past));
+
+  Dev<float> dq(q), dk(k), dv(v), dout(static_cast<size_t>(n_tok * q_dim));
+  Dev<uint16_t> dkc(kc), dvc(vc);
+  Dev<int32_t> dpos(pos);
+  const size_t ws_bytes = gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim);
+  Dev<uint8_t> ws(ws_bytes);
+  dout.poison();
+  gpu::attention(dq.p, dk.p, dv.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
+                 s.head_dim, scale, dout.p, ws.p, ws_bytes, nullptr);
+  const std::vector<float> got = dout.down();
+
+  // The cache rows of this ubatch: k, v rounded to f16 (round to nearest even), bit exact.
+  const std::vector<uint16_t> gk = dkc.down(), gv = dvc.down();
+  bool cache_ok = true;
+  for (int64_t i = 0; i < n_tok * kv_dim; ++i) {
+    const size_t c = static_cast<size_t>(n_past * kv_dim + i);
+    cache_ok = cache_ok && gk[c] == f32_to_fp16(k[static_cast<size_t>(i)]) &&
+               gv[c] == f32_to_fp16(v[static_cast<size_t>(i)]);
+  }
+  CHECK(cache_ok);
+
+  // Reference: double precision on the f16-rounded K/V.
+  std::vector<float> kf(static_cast<size_t>((n_past + n_tok) * kv_dim)), vf(kf.size());
+  for (size_t i = 0; i < old_k.size(); ++i) kf[i] = f16r(old_k[i]), vf[i] = f16r(old_v[i]);
+  for (size_t i = 0; i < k.size(); ++i)
+    kf[old_k.size() + i] = f16r(k[i]), vf[old_k.size() + i] = f16r(v[i]);
+  const int32_t group = s.n_head / s.n_head_kv;
+  std::vector<float> ref(got.size());
+  std::vector<double> sc(static_cast<size_t>(n_past + n_tok));
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const int64_t n_kv = n_past + t + 1;
+    for (int32_t h = 0; h < s.n_head; ++h) {
+      const float* qh = q.data() + t * q_dim + static_cast<int64_t>(h) * s.head_dim;
+      const int64_t koff = static_cast<int64_t>(h / group) * s.head_dim;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n_kv; ++j) {
+        double dot = 0;
+        for (int32_t d = 0; d < s.head_dim; ++d)
+          dot += static_cast<double>(qh[d]) * kf[static_cast<size_t>(j * kv_dim + koff + d)];
+        sc[static_cast<size_t>(j)] = static_cast<double>(scale) * dot;
+        mx = std::max(mx, sc[static_cast<size_t>(j)]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < n_kv; ++j) sum += (sc[static_cast<size_t>(j)] = std::exp(sc[static_cast<size_t>(j)] - mx));
+      for (int32_t d = 0; d < s.head_dim; ++d) {
+        double a = 0;
+        for (int64_t j = 0; j < n_kv; ++j)
+          a += sc[static_cast<size_t>(j)] * vf[static_cast<size_t>(j * kv_dim + koff + d)];
+        ref[static_cast<size_t>(t * q_dim + static_cast<int64_t>(h) * s.head_dim + d)] =
+            static_cast<float>(a / sum);
+      }
+    }
+  }
+  return nmse(ref, got);
+}
+
+const AttnShape kAttnShapes[] = {
+    {2, 2, 8},   {8, 2, 8},     // head_dim 8 (stories260K-like), GQA ratios 1 and 4
+    {2, 2, 64},  {8, 2, 64},    //
+    {2, 2, 128}, {8, 2, 128},   //
+    {4, 1, 256},                // the largest head_dim, ratio 4
+    {4, 2, 6},                  // head_dim % 4 != 0: the 4-byte cache-load path
+};
+
+TEST_CASE("gpu: attention decode at several cache lengths") {
+  REQUIRE_DEVICE();
+  const int64_t n_ctx = 2048;  // split into 8 at full length (>= 256 positions a split)
+  double worst = 0;
+  for (const AttnShape& s : kAttnShapes) {
+    for (const int64_t pos : {int64_t{0}, int64_t{1}, int64_t{63}, int64_t{64}, int64_t{300},
+                              int64_t{1000}, int64_t{2047}}) {
+      CAPTURE(s.n_head);
+      CAPTURE(s.n_head_kv);
+      CAPTURE(s.head_dim);
+      CAPTURE(pos);
+      const double e = attention_case(s, n_ctx, pos, 1, 1000 + pos + s.head_dim);
+      worst = std::max(worst, e);
+      CHECK(e <= kTolAttention);
+    }
+  }
+  MESSAGE("attention decode: worst NMSE " << worst);
+}
+
+TEST_CASE("gpu: attention prefill after a non-zero n_past") {
+  REQUIRE_DEVICE();
+  double worst = 0;
+  for (const AttnShape& s : kAttnShapes) {
+    for (const int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{64}, int64_t{512}}) {
+      if (s.head_dim == 256 && n_tok == 512) continue;  // keeps the host reference short
+      CAPTURE(s.n_head);
+      CAPTURE(s.n_head_kv);
+      CAPTURE(s.head_dim);
+      CAPTURE(n_tok);
+      const double e = attention_case(s, 1024, 37, n_tok, 2000 + n_tok + s.head_dim);
+      worst = std::max(worst, e);
+      CHECK(e <= kTolAttention);
+    }
+  }
+  // No history at all, a full ubatch from position 0.
+  const double e0 = attention_case({8, 2, 128}, 600, 0, 512, 77);
+  CHECK(e0 <= kTolAttention);
+  MESSAGE("attention prefill: worst NMSE " << std::max(worst, e0));
+}
+
+TEST_CASE("gpu: a captured decode graph replays at later positions like eager launches") {
+  REQUIRE_DEVICE();
+  const AttnShape s{8, 2, 128};
+  const int64_t n_ctx = 4096, p = 1000;
+  const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;
+  const int64_t q_dim = static_cast<int64_t>(s.n_head) * s.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim)), vc(kc.size());
+  {
+    const auto a = gaussian(kc.size(), 91, 1.5f), b = gaussian(kc.size(), 92);
+    for (size_t i = 0; i < kc.size(); ++i) kc[i] = f32_to_fp16(a[i]), vc[i] = f32_to_fp16(b[i]);
+  }
+  Dev<float> dq(gaussian(static_cast<size_t>(q_dim), 93, 1.5f));
+  Dev<float> dk(gaussian(static_cast<size_t>(kv_dim), 94, 1.5f));
+  Dev<float> dv(gaussian(static_cast<size_t>(kv_dim), 95));
+  Dev<uint16_t> dkc(kc), dvc(vc);
+  Dev<int32_t> dpos(std::vector<int32_t>{static_cast<int32_t>(p)});
+  Dev<float> dout(static_cast<size_t>(q_dim));
+  const size_t ws_bytes = gpu::attention_workspace_bytes(1, n_ctx, s.n_head, s.head_dim);
+  REQUIRE(ws_bytes > 0);  // this shape splits the KV range
+  Dev<uint8_t> ws(ws_bytes);
+
+  cudaStream_t stream;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  auto launch = [&] {
+    gpu::attention(dq.p, dk.p, dv.p, 1, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
+                   s.head_dim, scale, dout.p, ws.p, ws_bytes, stream);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+  launch();
+  ck(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+  ck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+
+  std::vector<float> prev;
+  for (int64_t step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    dpos.up({static_cast<int32_t>(p + step)});
+    dout.poison();
+    ck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+    ck(cudaStreamSynchronize(stream), "replay");
+    const std::vector<float> replayed = dout.down();
+    dout.poison();
+    launch();
+    ck(cudaStreamSynchronize(stream), "eager");
+    const std::vector<float> eager = dout.down();
+    CHECK(same_bits(replayed, eager));
+    CHECK(std::all_of(eager.begin(), eager.end(), [](float x) { return std::isfinite(x); }));
+    if (!prev.empty()) CHECK(!same_bits(prev, eager));  // the position really moved
+    prev = eager;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---- selection --------------------------------------------------------------------------------
+
+TEST_CASE("gpu: moe_route equals cpu::moe_topk exactly, ties included") {
+  REQUIRE_DEVICE();
+  struct Case {
+    int32_t n_expert, k;
+  };
+  const Case cases[] = {{8, 2}, {60, 4}, {64, 8}, {128, 8}, {7, 7}, {128, 1}};
+  const int64_t n_tok = 1000;
+  for (const Case& c : cases) {
+    for (const bool norm : {false, true}) {
+      CAPTURE(c.n_expert);
+      CAPTURE(c.k);
+      CAPTURE(norm);
+      const size_t n = static_cast<size_t>(n_tok * c.n_expert);
+      std::vector<float> logits = gaussian(n, 300 + c.n_expert + c.k, 3.0f);
+      // A third of the rows quantised to a few levels (many exact ties), some rows all equal,
+      // some with -inf and NaN entries.
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* row = logits.data() + t * c.n_expert;
+        if (t % 3 == 1)
+          for (int32_t e = 0; e < c.n_expert; ++e) row[e] = std::round(row[e]) * 0.5f;
+        if (t % 50 == 7)
+          for (int32_t e = 0; e < c.n_expert; ++e) row[e] = 1.25f;
+        if (t % 10 == 3) row[t % c.n_expert] = -std::numeric_limits<float>::infinity();
+        if (t % 10 == 5) row[(t / 10) % c.n_expert] = std::numeric_limits<float>::quiet_NaN();
+      }
+      std::vector<float> ref(static_cast<size_t>(n_tok * 2 * c.k));
+      std::vector<int32_t> ids(static_cast<size_t>(c.k));
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* o = ref.data() + t * 2 * c.k;
+        cpu::moe_topk(logits.data() + t * c.n_expert, c.n_expert, c.k, norm, ids.data(), o + c.k);
+        for (int32_t j = 0; j < c.k; ++j) o[j] = static_cast<float>(ids[static_cast<size_t>(j)]);
+      }
+      Dev<float> dl(logits), dout(ref.size());
+      dout.poison();
+      gpu::moe_route(dl.p, n_tok, c.n_expert, c.k, norm, dout.p, nullptr);
+      const std::vector<float> got = dout.down();
+      int64_t bad_rows = 0;
+      for (int64_t t = 0; t < n_tok; ++t)
+        if (std::memcmp(ref.data() + t * 2 * c.k, got.data() + t * 2 * c.k,
+                        static_cast<size_t>(2 * c.k) * sizeof(float)) != 0)
+          ++bad_rows;
+      CHECK(bad_rows == 0);
+    }
+  }
+}
+
+TEST_CASE("gpu: argmax, ties give the lowest id") {
+  REQUIRE_DEVICE();
+  for (const int64_t n_vocab : {int64_t{1}, int64_t{33}, int64_t{32000}, int64_t{151936}}) {
+    CAPTURE(n_vocab);
+    const int64_t rows = 6;
+    std::vector<float> l = gaussian(static_cast<size_t>(rows * n_vocab), 500 + n_vocab);
+    // Row 1: the maximum twice; row 2: all equal; row 3: NaNs and a tie at the top; row 4:
+    // quantised (many ties).
+    auto row = [&](int64_t r) { return l.data() + r * n_vocab; };
+    row(1)[n_vocab - 1] = 10.0f, row(1)[n_vocab / 2] = 10.0f;
+    std::fill(row(2), row(2) + n_vocab, -3.5f);
+    row(3)[0] = std::numeric_limits<float>::quiet_NaN();
+    row(3)[n_vocab - 1] = 9.0f, row(3)[n_vocab / 3] = 9.0f;
+    for (int64_t i = 0; i < n_vocab; ++i) row(4)[i] = std::round(row(4)[i]);
+    std::vector<int32_t> ref(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t best = 0;
+      float bv = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n_vocab; ++i)
+        if (row(r)[i] > bv) bv = row(r)[i], best = static_cast<int32_t>(i);
+      ref[static_cast<size_t>(r)] = best;
+    }
+    Dev<float> dl(l);
+    Dev<int32_t> dids(static_cast<size_t>(rows));
+    dids.poison();
+    gpu::argmax(dl.p, rows, n_vocab, dids.p, nullptr);
+    CHECK(dids.down() == ref);
+  }
+}
+
+TEST_CASE("gpu: top_k order and ties") {
+  REQUIRE_DEVICE();
+  for (const int64_t n_vocab : {int64_t{300}, int64_t{4096}, int64_t{5000}, int64_t{151936}}) {
+    for (const int32_t k : {1, 40, 256}) {
+      if (k > n_vocab) continue;
+      for (const bool quantised : {false, true}) {
+        CAPTURE(n_vocab);
+        CAPTURE(k);
+        CAPTURE(quantised);
+        std::vector<float> l = gaussian(static_cast<size_t>(n_vocab), 600 + n_vocab + k, 2.0f);
+        if (quantised)  // few distinct values: long runs of ties across the top k
+          for (float& x : l) x = std::round(x * 2.0f);
+        l[static_cast<size_t>(n_vocab / 7)] = -0.0f;
+        std::vector<int32_t> order(static_cast<size_t>(n_vocab));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+          return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)];
+        });
+        std::vector<int32_t> ref_ids(order.begin(), order.begin() + k);
+        std::vector<float> ref_vals(static_cast<size_t>(k));
+        for (int32_t j = 0; j < k; ++j)
+          ref_vals[static_cast<size_t>(j)] = l[static_cast<size_t>(ref_ids[static_cast<size_t>(j)])];
+        const size_t ws_bytes = gpu::top_k_workspace_bytes(n_vocab, k);
+        Dev<float> dl(l), dvals(static_cast<size_t>(k));
+        Dev<int32_t> dids(static_cast<size_t>(k));
+        Dev<uint8_t> ws(ws_bytes);
+        dids.poison();
+        dvals.poison();
+        gpu::top_k(dl.p, n_vocab, k, dids.p, dvals.p, ws.p, ws_bytes, nullptr);
+        CHECK(dids.down() == ref_ids);
+        CHECK(same_bits(dvals.down(), ref_vals));
+      }
+    }
+  }
+}
+
+// ---- timing (printed, never asserted) ---------------------------------------------------------
+
+TEST_CASE("gpu: attention timing (printed only)") {
+  REQUIRE_DEVICE();
+  const AttnShape s{32, 8, 128};  // Qwen3-8B-like
+  const int64_t n_ctx = 4096;
+  const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;
+  const int64_t q_dim = static_cast<int64_t>(s.n_head) * s.head_dim;
+  const int64_t n_tok_max = 512;
+  std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim));
+  {
+    const auto a = gaussian(kc.size(), 7);
+    for (size_t i = 0; i < kc.size(); ++i) kc[i] = f32_to_fp16(a[i]);
+  }
+  Dev<uint16_t> dkc(kc), dvc(kc);
+  Dev<float> dq(gaussian(static_cast<size_t>(n_tok_max * q_dim), 8));
+  Dev<float> dk(gaussian(static_cast<size_t>(n_tok_max * kv_dim), 9));
+  Dev<float> dout(static_cast<size_t>(n_tok_max * q_dim));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto time_us = [&](int64_t n_tok, int32_t pos0) {
+    std::vector<int32_t> pos(static_cast<size_t>(n_tok));
+    std::iota(pos.begin(), pos.end(), pos0);
+    Dev<int32_t> dpos(pos);
+    const size_t ws_bytes = gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim);
+    Dev<uint8_t> ws(ws_bytes);
+    auto run = [&] {
+      gpu::attention(dq.p, dk.p, dk.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head,
+                     s.n_head_kv, s.head_dim, 0.088f, dout.p, ws.p, ws_bytes, nullptr);
+    };
+    for (int i = 0; i < 5; ++i) run();
+    const int iters = 50;
+    cudaEventRecord(e0);
+    for (int i = 0; i < iters; ++i) run();
+    cudaEventRecord(e1);
+    ck(cudaEventSynchronize(e1), "timing");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return 1000.0 * ms / iters;
+  };
+  const double dec = time_us(1, 4095);
+  const double pre = time_us(512, 0);
+  const double pre_late = time_us(512, 3584);
+  MESSAGE("attention 32q/8kv heads x 128, n_ctx 4096: decode at position 4095: "
+          << dec << " us (K+V " << (2.0 * 4096 * kv_dim * 2 / 1e6) << " MB -> "
+          << (2.0 * 4096 * kv_dim * 2 / (dec * 1e-6) / 1e9) << " GB/s); prefill 512 from 0: "
+          << pre << " us; prefill 512 at 3584: " << pre_late << " us");
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
+}  // namespace
+}  // namespace berth
