@@ -22,9 +22,9 @@ namespace {
 // their long names so users' habits carry over.
 std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
-      {"-ub", "--ubatch-size"},
-      {"-cnv", "--chat"},
-      {"-sys", "--system-prompt"},
+      {"-ub", "--ubatch-size"},   {"-cnv", "--chat"},           {"-sys", "--system-prompt"},
+      {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"}, {"-cmoe", "--cpu-moe"},
+      {"-ncmoe", "--n-cpu-moe"},
   };
   std::vector<std::string> out;
   for (int i = 1; i < argc; ++i) {
@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
   berth::cli::Runner quantize = berth::cli::add_quantize(app);
   berth::cli::Runner bench = berth::cli::add_bench(app);
   berth::cli::Runner synth = berth::cli::add_synth(app);
+  berth::cli::Runner plan = berth::cli::add_plan(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -89,6 +90,7 @@ int main(int argc, char** argv) {
       if (name == "quantize") return quantize();
       if (name == "bench") return bench();
       if (name == "synth") return synth();
+      if (name == "plan") return plan();
     }
     return 2;
   } catch (const berth::Error& e) {

@@ -3,17 +3,29 @@
 //
 // Flags keep llama.cpp's meanings (common/arg.cpp, tools/main/README.md):
 // - `-ngl N` (--n-gpu-layers): the last N of the n_layer repeating layers on the GPU, the output
-//   layer (output_norm, output) too when N > n_layer; token_embd stays on the CPU.
+//   layer (output_norm, output) too when N > n_layer; token_embd stays on the CPU (unless the
+//   model has no output.weight: then the head reuses token_embd, which counts as the output
+//   layer's matrix).
 // - `-ot REGEX=DEVICE` (--override-tensor, repeatable; comma-separated lists allowed): tensors
 //   whose name matches REGEX (ECMAScript, searched anywhere in the name) go to DEVICE ("CPU",
-//   "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl.
+//   "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl, --cpu-moe and --n-cpu-moe.
 // - `--cpu-moe`: every routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`) on the CPU.
 // - `--n-cpu-moe N`: the routed-expert tensors of the first N layers on the CPU.
 // - `--vram-budget SIZE` (berth's own): plan as if the device had only SIZE free.
-// Without -ngl and with a device, the automatic plan fills the budget in order of time saved
-// per byte: output norm, each layer's non-expert tensors (attention, norms, router, shared
-// experts) together with its KV cache, the output matrix, then whole layers' routed experts
-// (last layers first, so it agrees with --n-cpu-moe), token_embd last.
+// Attention and KV cache: everything of blk.N that is not a routed expert moves with the layer,
+// and the layer's KV cache lives where its attention runs (kv_home[N] = home of blk.N.attn_q or
+// blk.N.attn_qkv, else of its first attn_ tensor, when -ot splits a layer).
+//
+// Without -ngl and with a device, the automatic plan fills the budget (what is left after
+// scratch, margin and tensors that -ot sends to the GPU) in order of time saved per byte: output
+// norm, each layer's non-expert tensors (attention, norms, router, shared experts) together with
+// its KV cache (last layers first), the output matrix, then whole layers' routed experts (last
+// layers first, stopping at the first layer that does not fit, so it agrees with --n-cpu-moe),
+// token_embd last; a unit that does not fit is skipped. If not all layers' non-expert parts fit
+// it places whole layers instead, from the last layer down while they fit (what -ngl would
+// do), and nothing when none fits or scratch + margin alone exceed the budget. Tensors that
+// -ot, --cpu-moe or --n-cpu-moe pin are honoured and not counted in the units. The automatic
+// plan only fails (out_of_memory) when -ot pins more to the GPU than the budget holds.
 #pragma once
 
 #include <cstddef>
@@ -31,21 +43,24 @@ std::string_view home_name(Home h);  ///< "CPU" / "GPU"
 
 /// One weight tensor, in the model's WeightTable order.
 struct TensorEntry {
-  std::string name;   ///< GGUF name, e.g. "blk.3.ffn_gate_exps.weight"
-  size_t bytes = 0;   ///< as stored
-  int32_t layer = -1; ///< N of "blk.N.", -1 for token_embd/output_norm/output
+  std::string name;            ///< GGUF name, e.g. "blk.3.ffn_gate_exps.weight"
+  size_t bytes = 0;            ///< as stored
+  int32_t layer = -1;          ///< N of "blk.N.", -1 for token_embd/output_norm/output
   bool routed_expert = false;  ///< a stacked routed-expert tensor (name contains "_exps")
+  std::string type;            ///< ggml type name for the table ("q4_K"); may be empty
 };
 
 /// Placement flags as the CLI parses them.
 struct Flags {
-  int32_t n_gpu_layers = -1;  ///< -ngl; -1 = automatic
-  std::vector<std::pair<std::string, std::string>> overrides;  ///< -ot (regex, device), in order
-  bool cpu_moe = false;                                        ///< --cpu-moe
-  int32_t n_cpu_moe = 0;                                       ///< --n-cpu-moe
-  std::optional<size_t> vram_budget;                           ///< --vram-budget, bytes
+  int32_t n_gpu_layers = -1;  ///< -ngl; -1 = automatic; more than n_layer = all (e.g. 99)
+  /// -ot rules (regex, device as typed: "CPU", "GPU", "CUDA0", any case), in order.
+  std::vector<std::pair<std::string, std::string>> overrides;
+  bool cpu_moe = false;               ///< --cpu-moe
+  int32_t n_cpu_moe = 0;              ///< --n-cpu-moe (layers)
+  std::optional<size_t> vram_budget;  ///< --vram-budget, bytes
 };
 
+/// Everything make_plan needs; plan_request() (runtime/plan_request.h) fills it from a model.
 struct Request {
   std::vector<TensorEntry> tensors;
   int32_t n_layer = 0;
@@ -55,8 +70,8 @@ struct Request {
   size_t scratch_bytes = 0;
   /// Kept free for the CUDA context, allocator slack and fragmentation.
   size_t margin_bytes = size_t{512} << 20;
-  bool has_device = false;     ///< a GPU is present (or planned for with --vram-budget)
-  std::string device_name;     ///< for messages, e.g. "CUDA0 (NVIDIA H200)"
+  bool has_device = false;       ///< a GPU is present (or planned for with --vram-budget)
+  std::string device_name;       ///< for messages, e.g. "CUDA0 (NVIDIA H200)"
   size_t device_free_bytes = 0;  ///< what the device reports free
   Flags flags;
 };
@@ -69,29 +84,47 @@ struct Plan {
   size_t gpu_kv_bytes = 0, cpu_kv_bytes = 0;
   size_t scratch_bytes = 0, margin_bytes = 0;  ///< 0 when nothing is on the GPU
   std::string how;  ///< "automatic", "-ngl 12", "-ngl 99 --cpu-moe", ... (for the table)
+  /// Remarks shown with the plan (flags ignored for lack of a GPU, an automatic plan that fell
+  /// back to the CPU); make_plan also logs them as warnings. Callers may append their own.
+  std::vector<std::string> notes;
   /// Total device bytes the plan needs.
-  size_t gpu_total() const { return gpu_weight_bytes + gpu_kv_bytes + scratch_bytes + margin_bytes; }
+  size_t gpu_total() const {
+    return gpu_weight_bytes + gpu_kv_bytes + scratch_bytes + margin_bytes;
+  }
 };
 
-/// Parses "24G", "512M", "1.5GiB", "1000000" (bytes); K/M/G/T are powers of 1024.
-/// Throws Error(invalid_argument) naming `flag` and the text.
+/// Parses a size in bytes: "1000000", "24G", "512M", "1.5GiB", "64k"; the unit (any case, "B"
+/// optional: K, KB, KiB, M, MB, MiB, G, ..., T, ...) is a power of 1024; a fraction needs a
+/// unit and is rounded down to whole bytes. Throws Error(invalid_argument) naming `flag` and
+/// the text for an empty, negative or malformed value or one above SIZE_MAX.
 size_t parse_size(std::string_view text, std::string_view flag);
 
 /// Parses one -ot argument "REGEX=DEVICE[,REGEX=DEVICE...]" and appends to flags.overrides.
-/// Throws Error(invalid_argument) for a missing '=', an invalid regex or an unknown device name.
+/// The list splits at commas outside (), [] and {} (so "blk\.[0-9]{1,2}=CPU" is one rule); each
+/// rule splits at its last '='. Throws Error(invalid_argument) naming -ot and the rule for a
+/// missing '=', an empty or invalid regex or an unknown device name (CPU, GPU, CUDA0 are known).
+/// Nothing is appended when any rule is bad.
 void add_override(Flags& flags, std::string_view arg);
 
-/// The plan for `req`. Throws Error(invalid_argument) for inconsistent flags (e.g. -ngl < 0 other
-/// than -1, --n-cpu-moe < 0, -ot/-ngl naming the GPU when there is none is only a warning) and
+/// The plan for `req` (see the file comment). Throws Error(invalid_argument) for inconsistent
+/// flags or requests (-ngl < -1, --n-cpu-moe < 0, a bad -ot rule, kv_bytes not n_layer long, a
+/// tensor's layer outside [-1, n_layer)); -ngl > 0 or -ot naming the GPU when there is none
+/// (has_device false) is only a warning and everything goes to the CPU. Throws
 /// Error(out_of_memory) when the GPU share does not fit the budget, with one message naming
-/// every term: "plan needs 30512 MiB on CUDA0 (NVIDIA H200) but the budget is 24576 MiB: weights
-/// 28000 MiB + KV cache 1536 MiB + scratch 464 MiB + margin 512 MiB".
+/// every term: "plan needs 30512.0 MiB on CUDA0 (NVIDIA H200) but the budget is 24576.0 MiB:
+/// weights 28000.0 MiB + KV cache 1536.0 MiB + scratch 464.0 MiB + margin 512.0 MiB (-ngl 99)".
+/// Scratch and margin count only when something is on the GPU.
 Plan make_plan(const Request& req);
 
-/// Human-readable table: one line per tensor (name, bytes, home) then totals per device.
+/// Human-readable table: the notes, one line per tensor (name, type, MiB, home), the KV cache as
+/// runs of consecutive layers with the same home, then totals per device (weights, KV cache,
+/// scratch, margin, total; the GPU's against the budget).
 std::string plan_table(const Request& req, const Plan& plan);
-/// The same as JSON: {"how", "budget_bytes", "devices": {"GPU": {...}, "CPU": {...}},
-/// "tensors": [{"name", "bytes", "layer", "home"}...], "kv": [{"layer", "bytes", "home"}...]}.
+/// The same as JSON (sizes in bytes): {"how", "budget_bytes", "notes": [...],
+/// "devices": {"GPU": {"name", "weights_bytes", "kv_bytes", "scratch_bytes", "margin_bytes",
+/// "total_bytes", "budget_bytes"}, "CPU": {"weights_bytes", "kv_bytes", "total_bytes"}},
+/// "tensors": [{"name", "type", "bytes", "layer", "home"}...],
+/// "kv": [{"layer", "bytes", "home"}...]}; "GPU" is absent when the request has no device.
 std::string plan_json(const Request& req, const Plan& plan);
 
 }  // namespace berth::placement

@@ -1,0 +1,57 @@
+#include "placement_flags.h"
+
+#include <limits>
+
+#include "berth/core/error.h"
+
+namespace berth::cli {
+
+void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
+  cmd.add_option("--n-gpu-layers,--gpu-layers", f.n_gpu_layers,
+                 "-ngl: the last N layers on the GPU (more than the model has, e.g. 99: all, "
+                 "with the output layer); -1: the automatic plan")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, std::numeric_limits<int32_t>::max()));
+  cmd.add_option_function<std::vector<std::string>>(
+         "--override-tensor",
+         [&f](const std::vector<std::string>& rules) {
+           for (const std::string& r : rules) placement::add_override(f, r);  // checked below
+         },
+         "-ot REGEX=DEVICE[,...]: tensors whose name matches REGEX on DEVICE (CPU, GPU or "
+         "CUDA0); repeatable, the first matching rule wins")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->allow_extra_args(false)
+      ->check(CLI::Validator(
+          [](std::string& arg) -> std::string {
+            try {
+              placement::Flags scratch;
+              placement::add_override(scratch, arg);
+              return {};
+            } catch (const Error& e) {
+              return e.what();
+            }
+          },
+          "REGEX=DEVICE"));
+  cmd.add_flag("--cpu-moe", f.cpu_moe, "-cmoe: every layer's routed experts on the CPU");
+  cmd.add_option("--n-cpu-moe", f.n_cpu_moe,
+                 "-ncmoe: the routed experts of the first N layers on the CPU")
+      ->capture_default_str()
+      ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
+  cmd.add_option_function<std::string>(
+         "--vram-budget",
+         [&f](const std::string& s) { f.vram_budget = placement::parse_size(s, "--vram-budget"); },
+         "plan as if the GPU had only SIZE free (24G, 1.5GiB, 512M, bytes); without a GPU, plan "
+         "for one of that size")
+      ->check(CLI::Validator(
+          [](std::string& s) -> std::string {
+            try {
+              (void)placement::parse_size(s, "--vram-budget");
+              return {};
+            } catch (const Error& e) {
+              return e.what();
+            }
+          },
+          "SIZE"));
+}
+
+}  // namespace berth::cli

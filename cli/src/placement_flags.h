@@ -1,0 +1,19 @@
+// The placement flags shared by the commands that put weights on a GPU (plan; run and bench to
+// follow), with llama.cpp's names and meanings (see placement/plan.h).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include "berth/placement/plan.h"
+
+namespace berth::cli {
+
+/// Registers on `cmd`, writing into `f` (which must outlive the parse):
+/// `--n-gpu-layers,--gpu-layers N` (-ngl; -1 = automatic), `--override-tensor REGEX=DEVICE`
+/// (-ot; repeatable, comma-separated lists), `--cpu-moe` (-cmoe), `--n-cpu-moe N` (-ncmoe) and
+/// `--vram-budget SIZE` (e.g. 24G, 1.5GiB, 512M). CLI11 cannot declare multi-letter short flags,
+/// so main.cpp maps -ngl, -ot, -cmoe and -ncmoe to the long names. A bad -ot rule or size is a
+/// usage error (exit code 2) whose message names the flag and the value.
+void add_placement_flags(CLI::App& cmd, placement::Flags& f);
+
+}  // namespace berth::cli

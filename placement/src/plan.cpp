@@ -1,0 +1,435 @@
+// Placement: flags -> a home per tensor and per layer's KV cache (see plan.h).
+#include "berth/placement/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <limits>
+#include <regex>
+
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+
+namespace berth::placement {
+
+std::string_view home_name(Home h) { return h == Home::gpu ? "GPU" : "CPU"; }
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string mib(size_t bytes) {
+  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / kMiB);
+}
+
+[[noreturn]] void bad(std::string message) {
+  throw Error(ErrorCategory::invalid_argument, message);
+}
+
+std::string lower(std::string_view s) {
+  std::string r(s);
+  for (char& c : r) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return r;
+}
+
+// "CPU" -> cpu; "GPU", "CUDA", "CUDA0" -> gpu (berth drives one GPU); anything else: none.
+std::optional<Home> device_home(std::string_view device) {
+  const std::string d = lower(device);
+  if (d == "cpu") return Home::cpu;
+  if (d == "gpu" || d == "cuda" || d == "cuda0") return Home::gpu;
+  return std::nullopt;
+}
+
+struct Rule {
+  std::regex re;
+  Home home;
+  std::string text;  // "REGEX=DEVICE" as given, for messages
+};
+
+Rule compile_rule(const std::string& regex, const std::string& device) {
+  const std::string text = regex + "=" + device;
+  if (regex.empty()) bad(fmt::format("-ot '{}': the regex before '=' is empty", text));
+  const std::optional<Home> home = device_home(device);
+  if (!home)
+    bad(fmt::format("-ot '{}': unknown device '{}' (expected CPU, GPU or CUDA0)", text, device));
+  try {
+    return Rule{std::regex(regex, std::regex::ECMAScript), *home, text};
+  } catch (const std::regex_error& e) {
+    bad(fmt::format("-ot '{}': invalid regex '{}': {}", text, regex, e.what()));
+  }
+}
+
+std::vector<Rule> compile_rules(const Flags& flags) {
+  std::vector<Rule> rules;
+  rules.reserve(flags.overrides.size());
+  for (const auto& [regex, device] : flags.overrides) rules.push_back(compile_rule(regex, device));
+  return rules;
+}
+
+// Splits an -ot list at commas outside (), [] and {}; a backslash protects the next character.
+std::vector<std::string> split_rules(std::string_view arg) {
+  std::vector<std::string> parts;
+  std::string cur;
+  int depth = 0;
+  bool in_class = false;
+  for (size_t i = 0; i < arg.size(); ++i) {
+    const char c = arg[i];
+    if (c == '\\' && i + 1 < arg.size()) {
+      cur += c;
+      cur += arg[++i];
+      continue;
+    }
+    if (in_class) {
+      if (c == ']') in_class = false;
+    } else if (c == '[') {
+      in_class = true;
+    } else if (c == '(' || c == '{') {
+      ++depth;
+    } else if ((c == ')' || c == '}') && depth > 0) {
+      --depth;
+    } else if (c == ',' && depth == 0) {
+      parts.push_back(std::move(cur));
+      cur.clear();
+      continue;
+    }
+    cur += c;
+  }
+  parts.push_back(std::move(cur));
+  return parts;
+}
+
+std::string describe_flags(const Flags& f) {
+  std::string s = f.n_gpu_layers < 0 ? "automatic" : fmt::format("-ngl {}", f.n_gpu_layers);
+  if (f.cpu_moe) s += " --cpu-moe";
+  if (f.n_cpu_moe > 0) s += fmt::format(" --n-cpu-moe {}", f.n_cpu_moe);
+  for (const auto& [regex, device] : f.overrides) s += fmt::format(" -ot {}={}", regex, device);
+  return s;
+}
+
+bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
+
+// The component after "blk.N." up to the next '.', e.g. "attn_q" of "blk.3.attn_q.weight".
+std::string_view layer_component(std::string_view name) {
+  if (!starts_with(name, "blk.")) return {};
+  const size_t a = name.find('.', 4);
+  if (a == std::string_view::npos) return {};
+  std::string_view rest = name.substr(a + 1);
+  return rest.substr(0, rest.find('.'));
+}
+
+enum class Group { embd, out_norm, out, attn, exps };
+
+struct Unit {
+  std::vector<size_t> tensors;  // indices of unpinned tensors
+  bool has_kv = false;          // the layer's KV cache moves with this unit
+  int32_t layer = -1;
+  size_t bytes = 0;
+};
+
+}  // namespace
+
+size_t parse_size(std::string_view text, std::string_view flag) {
+  const auto fail = [&](std::string_view why) -> size_t {
+    bad(fmt::format("{} '{}': {} (expected a size such as 24G, 512M, 1.5GiB or a number of bytes)",
+                    flag, text, why));
+  };
+  if (text.empty()) return fail("empty value");
+  if (text[0] == '-') return fail("a size cannot be negative");
+  size_t i = 0;
+  uint64_t whole = 0;
+  size_t n_digits = 0;
+  for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i, ++n_digits) {
+    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
+    if (whole > (std::numeric_limits<uint64_t>::max() - d) / 10) return fail("too large");
+    whole = whole * 10 + d;
+  }
+  // The fraction as digits over 10^n (at most 18 digits kept: finer than a byte at any unit).
+  uint64_t frac = 0, frac_den = 1;
+  bool has_frac = false;
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i, ++n_digits) {
+      has_frac = true;
+      if (frac_den < uint64_t{1000000000000000000}) {
+        frac = frac * 10 + static_cast<uint64_t>(text[i] - '0');
+        frac_den *= 10;
+      }
+    }
+  }
+  if (n_digits == 0) return fail("not a number");
+  const std::string unit = lower(text.substr(i));
+  uint64_t mult = 0;
+  static constexpr std::pair<const char*, int> kUnits[] = {
+      {"", 0},    {"b", 0}, {"k", 1},  {"kb", 1},  {"kib", 1}, {"m", 2},  {"mb", 2},
+      {"mib", 2}, {"g", 3}, {"gb", 3}, {"gib", 3}, {"t", 4},   {"tb", 4}, {"tib", 4}};
+  for (const auto& [name, power] : kUnits)
+    if (unit == name) mult = uint64_t{1} << (10 * power);
+  if (mult == 0) return fail(fmt::format("unknown unit '{}' (K, M, G, T: powers of 1024)", unit));
+  if (has_frac && frac != 0 && mult == 1) return fail("a fraction of a byte needs a unit");
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(whole, mult, &bytes)) return fail("too large");
+  const unsigned __int128 part = static_cast<unsigned __int128>(frac) * mult / frac_den;
+  if (__builtin_add_overflow(bytes, static_cast<uint64_t>(part), &bytes)) return fail("too large");
+  if (bytes > std::numeric_limits<size_t>::max()) return fail("too large");
+  return static_cast<size_t>(bytes);
+}
+
+void add_override(Flags& flags, std::string_view arg) {
+  if (arg.empty()) bad("-ot '': expected REGEX=DEVICE (e.g. -ot exps=CPU)");
+  std::vector<std::pair<std::string, std::string>> parsed;
+  for (const std::string& part : split_rules(arg)) {
+    const size_t eq = part.rfind('=');
+    if (part.empty() || eq == std::string::npos)
+      bad(fmt::format("-ot '{}': rule '{}' has no '=' (expected REGEX=DEVICE, e.g. exps=CPU)", arg,
+                      part));
+    std::string regex = part.substr(0, eq), device = part.substr(eq + 1);
+    (void)compile_rule(regex, device);  // throws for a bad regex or device
+    parsed.emplace_back(std::move(regex), std::move(device));
+  }
+  flags.overrides.insert(flags.overrides.end(), parsed.begin(), parsed.end());
+}
+
+Plan make_plan(const Request& req) {
+  const Flags& f = req.flags;
+  const int32_t n_layer = req.n_layer;
+  if (n_layer < 0) bad(fmt::format("placement request: n_layer {} is negative", n_layer));
+  if (req.kv_bytes.size() != static_cast<size_t>(n_layer))
+    bad(fmt::format("placement request: {} KV cache sizes for {} layers", req.kv_bytes.size(),
+                    n_layer));
+  for (const TensorEntry& t : req.tensors)
+    if (t.layer < -1 || t.layer >= n_layer)
+      bad(fmt::format("placement request: tensor '{}' has layer {} outside [0, {})", t.name,
+                      t.layer, n_layer));
+  if (f.n_gpu_layers < -1)
+    bad(fmt::format("-ngl {}: must be >= 0 (or -1 for the automatic plan)", f.n_gpu_layers));
+  if (f.n_cpu_moe < 0) bad(fmt::format("--n-cpu-moe {}: must be >= 0", f.n_cpu_moe));
+  const std::vector<Rule> rules = compile_rules(f);
+
+  const size_t n = req.tensors.size();
+  Plan plan;
+  plan.home.assign(n, Home::cpu);
+  plan.kv_home.assign(static_cast<size_t>(n_layer), Home::cpu);
+  plan.how = describe_flags(f);
+  const auto note = [&](std::string s) {
+    log::warn("{}", s);
+    plan.notes.push_back(std::move(s));
+  };
+
+  // Groups. Without output.weight the head reuses token_embd, which then belongs to the output.
+  const bool tied = std::none_of(req.tensors.begin(), req.tensors.end(),
+                                 [](const TensorEntry& t) { return t.name == "output.weight"; });
+  std::vector<Group> group(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (t.layer >= 0)
+      group[i] = t.routed_expert ? Group::exps : Group::attn;
+    else if (starts_with(t.name, "token_embd"))
+      group[i] = tied && t.name == "token_embd.weight" ? Group::out : Group::embd;
+    else if (starts_with(t.name, "output_norm"))
+      group[i] = Group::out_norm;
+    else
+      group[i] = Group::out;
+  }
+
+  // The tensor whose home is the layer's KV cache's home (-1: the layer has no non-expert one).
+  std::vector<int64_t> anchor(static_cast<size_t>(n_layer), -1);
+  {
+    std::vector<int> rank(static_cast<size_t>(n_layer), 3);  // 0 attn_q/qkv, 1 attn_*, 2 other
+    for (size_t i = 0; i < n; ++i) {
+      if (group[i] != Group::attn) continue;
+      const std::string_view c = layer_component(req.tensors[i].name);
+      const int r = (c == "attn_q" || c == "attn_qkv") ? 0 : starts_with(c, "attn_") ? 1 : 2;
+      const auto l = static_cast<size_t>(req.tensors[i].layer);
+      if (r < rank[l]) rank[l] = r, anchor[l] = static_cast<int64_t>(i);
+    }
+  }
+
+  if (!req.has_device) {
+    if (f.n_gpu_layers > 0)
+      note(
+          fmt::format("-ngl {} ignored: no GPU found, everything runs on the CPU", f.n_gpu_layers));
+    for (const Rule& r : rules)
+      if (r.home == Home::gpu)
+        note(fmt::format("-ot {} ignored: no GPU found, the tensors it matches stay on the CPU",
+                         r.text));
+    plan.how += " (no GPU: all on the CPU)";
+  } else {
+    // Pins: -ot (first match), then --cpu-moe / --n-cpu-moe.
+    std::vector<std::optional<Home>> pin(n);
+    for (size_t i = 0; i < n; ++i) {
+      const TensorEntry& t = req.tensors[i];
+      for (const Rule& r : rules)
+        if (std::regex_search(t.name, r.re)) {
+          pin[i] = r.home;
+          break;
+        }
+      if (!pin[i] && t.routed_expert && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
+        pin[i] = Home::cpu;
+    }
+
+    if (f.n_gpu_layers >= 0) {
+      const int32_t first_gpu = n_layer - std::min(f.n_gpu_layers, n_layer);
+      const bool out_on_gpu = f.n_gpu_layers > n_layer;
+      for (size_t i = 0; i < n; ++i) {
+        const TensorEntry& t = req.tensors[i];
+        Home h = Home::cpu;
+        if (group[i] == Group::attn || group[i] == Group::exps)
+          h = t.layer >= first_gpu ? Home::gpu : Home::cpu;
+        else if (group[i] == Group::out || group[i] == Group::out_norm)
+          h = out_on_gpu ? Home::gpu : Home::cpu;
+        plan.home[i] = pin[i].value_or(h);
+      }
+      for (int32_t l = 0; l < n_layer; ++l) {
+        const int64_t a = anchor[static_cast<size_t>(l)];
+        plan.kv_home[static_cast<size_t>(l)] =
+            a >= 0 ? plan.home[static_cast<size_t>(a)] : (l >= first_gpu ? Home::gpu : Home::cpu);
+      }
+    } else {
+      // Automatic. Pinned tensors first; the rest in units, by priority.
+      size_t pinned_gpu = 0;
+      for (size_t i = 0; i < n; ++i)
+        if (pin[i]) {
+          plan.home[i] = *pin[i];
+          if (*pin[i] == Home::gpu) pinned_gpu += req.tensors[i].bytes;
+        }
+      Unit out_norm, out, embd;
+      std::vector<Unit> attn(static_cast<size_t>(n_layer)), exps(static_cast<size_t>(n_layer));
+      for (int32_t l = 0; l < n_layer; ++l) {
+        const auto L = static_cast<size_t>(l);
+        attn[L].layer = exps[L].layer = l;
+        const int64_t a = anchor[L];
+        if (a < 0 || !pin[static_cast<size_t>(a)]) {
+          attn[L].has_kv = true;
+          attn[L].bytes += req.kv_bytes[L];
+        } else if (*pin[static_cast<size_t>(a)] == Home::gpu) {
+          pinned_gpu += req.kv_bytes[L];
+        }
+      }
+      for (size_t i = 0; i < n; ++i) {
+        if (pin[i]) continue;
+        const TensorEntry& t = req.tensors[i];
+        Unit& u = group[i] == Group::attn       ? attn[static_cast<size_t>(t.layer)]
+                  : group[i] == Group::exps     ? exps[static_cast<size_t>(t.layer)]
+                  : group[i] == Group::out      ? out
+                  : group[i] == Group::out_norm ? out_norm
+                                                : embd;
+        u.tensors.push_back(i);
+        u.bytes += t.bytes;
+      }
+
+      const size_t budget = std::min(req.device_free_bytes,
+                                     f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
+      const size_t overhead = req.scratch_bytes + req.margin_bytes;
+      size_t left = budget >= overhead + pinned_gpu ? budget - overhead - pinned_gpu : 0;
+      const auto place = [&](const Unit& u) {
+        for (size_t i : u.tensors) plan.home[i] = Home::gpu;
+        if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::gpu;
+        left -= u.bytes;
+      };
+      const auto try_place = [&](const Unit& u) {
+        if (u.bytes > left) return false;
+        place(u);
+        return true;
+      };
+
+      if (overhead > budget) {
+        if (pinned_gpu == 0)
+          note(fmt::format(
+              "automatic plan: scratch {} + margin {} exceed the GPU budget of {}; everything "
+              "runs on the CPU",
+              mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget)));
+        plan.how += " (the budget holds nothing: all on the CPU)";
+      } else if (budget >= overhead + pinned_gpu) {
+        size_t all_attn = out_norm.bytes;
+        for (const Unit& u : attn) all_attn += u.bytes;
+        if (all_attn <= left) {
+          place(out_norm);
+          for (int32_t l = n_layer - 1; l >= 0; --l) place(attn[static_cast<size_t>(l)]);
+          const bool out_fits = try_place(out);
+          bool any_exps = false;
+          for (int32_t l = n_layer - 1; l >= 0; --l) {
+            any_exps = any_exps || !exps[static_cast<size_t>(l)].tensors.empty();
+            if (!try_place(exps[static_cast<size_t>(l)])) break;
+          }
+          try_place(embd);
+          // The equivalent flags: the leading layers with no routed expert on the GPU.
+          int32_t n_cpu = 0;
+          for (; n_cpu < n_layer; ++n_cpu) {
+            const Unit& u = exps[static_cast<size_t>(n_cpu)];
+            if (!u.tensors.empty() && plan.home[u.tensors.front()] == Home::gpu) break;
+          }
+          const std::string with_out = out_fits ? " and the output" : "";
+          plan.how += any_exps
+                          ? fmt::format(
+                                " (attention of all layers{}, routed experts of the "
+                                "last {}: like -ngl {} --n-cpu-moe {})",
+                                with_out, n_layer - n_cpu, out_fits ? n_layer + 1 : n_layer, n_cpu)
+                          : fmt::format(" (all layers{})", with_out);
+        } else {
+          int32_t k = 0;
+          for (int32_t l = n_layer - 1; l >= 0; --l) {
+            const auto L = static_cast<size_t>(l);
+            if (attn[L].bytes + exps[L].bytes > left) break;
+            place(attn[L]);
+            place(exps[L]);
+            ++k;
+          }
+          plan.how += fmt::format(" (whole layers: like -ngl {})", k);
+          if (k == 0 && pinned_gpu == 0)
+            note(fmt::format(
+                "automatic plan: no layer fits the GPU budget of {} after scratch {} + margin {}; "
+                "everything runs on the CPU",
+                mib(budget), mib(req.scratch_bytes), mib(req.margin_bytes)));
+        }
+      }
+      // else: the pinned tensors alone do not fit; the check below says so.
+    }
+  }
+
+  // Accounting and the budget check.
+  bool any_gpu = false;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t b = req.tensors[i].bytes;
+    if (plan.home[i] == Home::gpu) {
+      plan.gpu_weight_bytes += b;
+      any_gpu = true;
+    } else {
+      plan.cpu_weight_bytes += b;
+    }
+  }
+  for (size_t l = 0; l < plan.kv_home.size(); ++l) {
+    if (plan.kv_home[l] == Home::gpu) {
+      plan.gpu_kv_bytes += req.kv_bytes[l];
+      any_gpu = true;
+    } else {
+      plan.cpu_kv_bytes += req.kv_bytes[l];
+    }
+  }
+  if (req.has_device) {
+    plan.budget_bytes =
+        std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
+  }
+  if (any_gpu) {
+    plan.scratch_bytes = req.scratch_bytes;
+    plan.margin_bytes = req.margin_bytes;
+  }
+  if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
+    const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("plan needs {} on {} but the budget is {} ({}): weights {} + KV cache {} + "
+                    "scratch {} + margin {} ({}); {}",
+                    mib(plan.gpu_total()), req.device_name, mib(plan.budget_bytes),
+                    by_flag ? "--vram-budget" : "free on the device", mib(plan.gpu_weight_bytes),
+                    mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes), mib(plan.margin_bytes),
+                    describe_flags(f),
+                    f.n_gpu_layers >= 0
+                        ? "lower -ngl, add --n-cpu-moe N or --cpu-moe, or leave out -ngl for "
+                          "the automatic plan"
+                        : "the -ot rules send more to the GPU than the budget holds"));
+  }
+  return plan;
+}
+
+}  // namespace berth::placement

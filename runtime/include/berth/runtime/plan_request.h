@@ -1,0 +1,29 @@
+// From a loaded model to a placement request: the tensors, the KV cache and the device scratch
+// that placement::make_plan weighs against the GPU's budget.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "berth/models/model.h"
+#include "berth/placement/plan.h"
+
+namespace berth {
+
+/// The placement request for `model` with a context of `n_ctx` tokens and steps of up to
+/// `n_ubatch` tokens:
+/// - tensors: model.weights() in order (a name appearing twice is listed once), with their
+///   stored bytes and type; layer N for a "blk.N." name, -1 otherwise; routed_expert when the
+///   name contains "_exps";
+/// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
+///   (model.kv_layers(); a layer without an entry gets 0);
+/// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) (runtime/hybrid.h);
+/// - the device fields and flags as given (device_free_bytes in bytes).
+/// Throws Error(invalid_argument) for n_ctx < 1 or n_ubatch < 1 (naming -c / -ub and the value)
+/// and for a "blk.N." name whose N is not below the model's n_layer.
+placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
+                                const placement::Flags& flags, std::string device_name,
+                                size_t device_free_bytes, bool has_device);
+
+}  // namespace berth

@@ -1,0 +1,65 @@
+#include "berth/runtime/plan_request.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <string_view>
+#include <unordered_set>
+
+#include "berth/core/error.h"
+#include "berth/runtime/hybrid.h"
+
+namespace berth {
+namespace {
+
+// N of "blk.N.", or -1 when the name has no such prefix.
+int32_t layer_of(std::string_view name) {
+  if (name.substr(0, 4) != "blk.") return -1;
+  const std::string_view rest = name.substr(4);
+  int32_t n = -1;
+  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), n);
+  if (ec != std::errc() || end == rest.data() || end == rest.data() + rest.size() || *end != '.')
+    return -1;
+  return n;
+}
+
+}  // namespace
+
+placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
+                                const placement::Flags& flags, std::string device_name,
+                                size_t device_free_bytes, bool has_device) {
+  if (n_ctx < 1)
+    throw Error(ErrorCategory::invalid_argument, fmt::format("-c {}: must be >= 1", n_ctx));
+  if (n_ubatch < 1)
+    throw Error(ErrorCategory::invalid_argument, fmt::format("-ub {}: must be >= 1", n_ubatch));
+  placement::Request req;
+  req.n_layer = static_cast<int32_t>(model.hparams().n_layer);
+  std::unordered_set<std::string_view> seen;
+  for (const TensorView& t : model.weights().tensors) {
+    if (!seen.insert(t.name).second) continue;
+    placement::TensorEntry e;
+    e.name = t.name;
+    e.bytes = t.n_bytes;
+    e.layer = layer_of(t.name);
+    if (e.layer >= req.n_layer)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("tensor '{}' names layer {} but the model has {} layers", t.name,
+                              e.layer, req.n_layer));
+    e.routed_expert = t.name.find("_exps") != std::string::npos;
+    e.type = std::string(type_name(t.type));
+    req.tensors.push_back(std::move(e));
+  }
+  const std::vector<KvLayer> kv = model.kv_layers();
+  req.kv_bytes.assign(static_cast<size_t>(req.n_layer), 0);
+  for (size_t l = 0; l < kv.size() && l < req.kv_bytes.size(); ++l)
+    req.kv_bytes[l] =
+        static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx);
+  req.scratch_bytes = device_scratch_bytes(model, n_ubatch, n_ctx);
+  req.has_device = has_device;
+  req.device_name = std::move(device_name);
+  req.device_free_bytes = device_free_bytes;
+  req.flags = flags;
+  return req;
+}
+
+}  // namespace berth
