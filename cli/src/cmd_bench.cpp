@@ -10,6 +10,7 @@
 #include "berth/bench/model_bench.h"
 #include "berth/core/error.h"
 #include "commands.h"
+#include "placement_flags.h"
 
 namespace berth::cli {
 namespace {
@@ -118,6 +119,11 @@ Runner add_bench(CLI::App& app) {
   m->add_option("--dram-mib", o->model_dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
   m->add_flag("--profile", o->m.profile, "also report time per op kind");
+  add_placement_flags(*m, o->m.placement);
+  m->add_option("--stream-experts", o->m.stream_min_tokens,
+                "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "
+                "streaming their weights (0: off)")
+      ->check(CLI::Range(0, 1 << 20));
   m->add_option("--json", o->json_path, "also write every number as JSON to this file");
   m->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] {

@@ -18,8 +18,10 @@
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/chat.h"
 #include "berth/runtime/sampler.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "commands.h"
+#include "placement_flags.h"
 
 namespace berth::cli {
 
@@ -43,6 +45,8 @@ struct RunOptions {
   std::string prompt_file;
   int32_t n_predict = -1;
   SessionParams session;
+  placement::Flags placement;
+  int32_t stream_min = 0;
   SamplerParams sampling;
   bool display_prompt = false;
   bool no_bos = false;
@@ -173,7 +177,11 @@ int run(const RunOptions& o) {
     log::warn("-c {} is more than the {} tokens the model was trained on ({}.context_length)",
               n_ctx, model->hparams().n_ctx_train, model->hparams().arch);
 
-  Session session(*model, o.session);
+  SessionParams params = o.session;
+  const PlacementSetup placed = place(*model, o.placement, params, true);
+  params.hybrid.stream_experts_min_tokens = o.stream_min;
+  log::info("{}", placed.summary());
+  Session session(*model, params);
   log::info("{}: {} {}, {} layers, n_embd {}, vocab {}; context {} tokens, KV cache {:.1f} MiB",
             o.model, model->hparams().arch, file.get_string_opt("general.name").value_or(""),
             model->hparams().n_layer, model->hparams().n_embd, model->hparams().n_vocab,
@@ -228,6 +236,12 @@ Runner add_run(CLI::App& app) {
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
+  add_placement_flags(*sub, o->placement);
+  sub->add_option("--stream-experts", o->stream_min,
+                  "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "
+                  "streaming their weights (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();
