@@ -1,0 +1,583 @@
+// Matrix products with ggml-typed weights: supports, matmul, embed, and the GEMV / dequantization
+// kernels moe.cu shares (matmul_internal.h).
+//
+// Decode (n_tok <= gemv_max_tok()): the activations are quantized on the device to int8 in
+// groups of 32 (scale d, plus d * the sum of each half's quants for the weight offsets), and a
+// GEMV takes integer dot products (__dp4a) against each 32-element group of weights, decoded
+// as sc*q + m per half (quant_blocks.cuh). A row is split over `lpr` lanes of a warp (32, 16,
+// ..., chosen so that the groups of a row fill the lanes), 4 warps per block; each lane walks
+// its row's groups with stride lpr (consecutive lanes read consecutive blocks: coalesced) and
+// keeps up to kGemvTok token accumulators, so each weight is read once per 8 tokens; the lanes
+// of a row finish with a butterfly reduction. Float weights: the same layout with 8 elements
+// (one 16-byte load of f16/bf16, two of f32) per lane step and f32 activations.
+//
+// Prefill: x is converted to f16, the weights are dequantized to f16 in chunks of at most
+// kChunkBytes, and cuBLAS (cublasGemmEx, f16 inputs, f32 accumulation and output) multiplies
+// each chunk; F16 weights go to cuBLAS directly. cuBLAS gets a slice of our workspace, so it
+// allocates nothing at run time; its handle is created once per (device, stream).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "berth/core/error.h"
+#include "berth/gpu_kernels/kernels.h"
+#include "check.cuh"
+#include "matmul_internal.h"
+#include "quant_blocks.cuh"
+
+namespace berth::gpu {
+namespace detail {
+
+// Crossover between the GEMV (token chunks of 8, each re-reading the weights) and dequantize +
+// cuBLAS (writes and reads 2 bytes per weight, then runs at tensor-core speed). Measured on an
+// H200 ("timing" case of tests/gpu/test_gpu_matmul.cpp), 4096 x 4096: Q4_K GEMV 0.026 ms at 8
+// tokens, 0.049 at 16, cuBLAS path 0.047 flat; Q8_0 0.031 / 0.059 vs 0.045; F16 GEMV 0.042 ms
+// at 8 tokens vs cuBLAS 0.022 (the float GEMV reads 4x the bytes per token and is slower per
+// token, crossing near 3 tokens).
+int& gemv_max_tok() {
+  static int v = 8;
+  return v;
+}
+int& gemv_max_tok_float() {
+  static int v = 3;
+  return v;
+}
+bool matmul_uses_gemv(GgmlType t, int64_t n_tok) {
+  return n_tok <= (is_float_type(t) ? gemv_max_tok_float() : gemv_max_tok());
+}
+// MoE: the per-pair GEMV re-reads an expert for every token that picks it; the grouped GEMM
+// reads it once per 64 tokens but is a plain WMMA kernel. Measured (128 experts, 8 used,
+// 2048 -> 768, Q4_K/Q6_K): GEMV path 0.50 ms vs grouped 1.38 ms at 32 tokens, 0.96 vs 1.55 at
+// 64, 7.3 vs 1.8 at 512.
+int& moe_gemv_max_tok() {
+  static int v = 64;
+  return v;
+}
+
+bool is_quantized(GgmlType t) { return !is_float_type(t); }
+
+void check_type(GgmlType t, int64_t n, const char* what) {
+  if (!supports(t))
+    throw Error(ErrorCategory::unsupported,
+                std::string(what) + ": weight type " + std::string(type_name(t)) +
+                    " is not supported on the GPU");
+  if (n < 0 || n % block_elems(t) != 0)
+    throw Error(ErrorCategory::invalid_argument,
+                std::string(what) + ": row length " + std::to_string(n) +
+                    " is not a multiple of the block size of " + std::string(type_name(t)));
+}
+
+size_t qact_bytes(int64_t rows, int64_t n) {
+  return align_up(static_cast<size_t>(rows * n)) + static_cast<size_t>(rows * (n / 32)) * 16;
+}
+
+QAct qact_at(void* p, int64_t rows, int64_t n) {
+  auto* b = static_cast<uint8_t*>(p);
+  return {reinterpret_cast<int8_t*>(b),
+          reinterpret_cast<float4*>(b + align_up(static_cast<size_t>(rows * n)))};
+}
+
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps per GEMV block
+
+__device__ __forceinline__ float silu(float z) { return z / (1.0f + __expf(-z)); }
+
+// One warp per group of 32 values.
+__global__ void quantize_act_kernel(const float* __restrict__ x, const float* __restrict__ up,
+                                    int64_t n_groups, int8_t* __restrict__ q,
+                                    float4* __restrict__ meta) {
+  const int lane = threadIdx.x & 31;
+  const int64_t grp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (grp >= n_groups) return;  // whole warps
+  const int64_t i = grp * 32 + lane;
+  float v = x[i];
+  if (up) v = silu(v) * up[i];
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.0f;
+  int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
+  qi = max(-127, min(127, qi));
+  q[i] = static_cast<int8_t>(qi);
+  int s = qi;
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const int s1 = __shfl_sync(0xffffffffu, s, 16);
+  if (lane == 0) meta[grp] = make_float4(d, d * static_cast<float>(s), d * static_cast<float>(s1), 0.0f);
+}
+
+struct GemvArgs {
+  const uint8_t* w;
+  size_t row_bytes;
+  int64_t n_in, n_out;
+  const float* xf;
+  const int8_t* xq;
+  const float4* xm;
+  int n_tok;
+  float* out;
+  int64_t out_stride;
+  GemvRoute r;
+  int lpr;   // lanes per row (power of two <= 32)
+  bool vec;  // float kernel: 16-byte loads allowed
+};
+
+// Resolves the routed expert of this block (blockIdx.y = pair). False: slot skipped.
+__device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w, int64_t& act0,
+                                           int64_t& out0) {
+  w = a.w;
+  act0 = 0;
+  out0 = 0;
+  if (a.r.route == nullptr) return true;
+  const int64_t p = blockIdx.y;
+  const int64_t t = p / a.r.k, j = p % a.r.k;
+  const float ev = a.r.route[t * 2 * a.r.k + j];
+  if (!(ev >= 0.0f && ev < static_cast<float>(a.r.n_expert))) return false;
+  const int e = static_cast<int>(ev);
+  if (a.r.mask && a.r.mask[e] == 0) return false;
+  w += static_cast<size_t>(e) * a.r.expert_bytes;
+  act0 = p / a.r.act_div;
+  out0 = p;
+  return true;
+}
+
+// NT: accumulators per thread (1 for single-token calls, kGemvTok otherwise).
+template <GgmlType T, int NT>
+__global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
+  const uint8_t* w;
+  int64_t act0, out0;
+  if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_per_warp = 32 / a.lpr;
+  const int sl = lane & (a.lpr - 1);
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp +
+                    lane / a.lpr;
+  const bool active = r < a.n_out;
+  const int G = static_cast<int>(a.n_in / 32);
+  const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  if (active) {
+#pragma unroll 2
+    for (int g = sl; g < G; g += a.lpr) {
+      const QGroup q = load_group<T>(row, g);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (NT == 1 || t < a.n_tok) {
+          const int64_t ar = act0 + t;
+          const uint4* xp = reinterpret_cast<const uint4*>(a.xq + ar * a.n_in + 32 * g);
+          const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+          const float4 m = __ldg(a.xm + ar * G + g);
+          int s0 = __dp4a(static_cast<int>(q.q[0]), static_cast<int>(x0.x), 0);
+          s0 = __dp4a(static_cast<int>(q.q[1]), static_cast<int>(x0.y), s0);
+          s0 = __dp4a(static_cast<int>(q.q[2]), static_cast<int>(x0.z), s0);
+          s0 = __dp4a(static_cast<int>(q.q[3]), static_cast<int>(x0.w), s0);
+          int s1 = __dp4a(static_cast<int>(q.q[4]), static_cast<int>(x1.x), 0);
+          s1 = __dp4a(static_cast<int>(q.q[5]), static_cast<int>(x1.y), s1);
+          s1 = __dp4a(static_cast<int>(q.q[6]), static_cast<int>(x1.z), s1);
+          s1 = __dp4a(static_cast<int>(q.q[7]), static_cast<int>(x1.w), s1);
+          acc[t] += m.x * (q.sc0 * static_cast<float>(s0) + q.sc1 * static_cast<float>(s1)) +
+                    q.m0 * m.y + q.m1 * m.z;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+  if (active && sl == 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
+  }
+}
+
+// 8 consecutive weights from a 16-byte aligned address.
+template <GgmlType T>
+__device__ __forceinline__ void load8(const uint8_t* p, float* v) {
+  if constexpr (T == GgmlType::F32) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (T == GgmlType::F16) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&wd[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      } else {
+        v[2 * i] = __uint_as_float(wd[i] << 16);
+        v[2 * i + 1] = __uint_as_float(wd[i] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+template <GgmlType T, int NT>
+__global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
+  const uint8_t* w;
+  int64_t act0, out0;
+  if (!gemv_setup(a, w, act0, out0)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_per_warp = 32 / a.lpr;
+  const int sl = lane & (a.lpr - 1);
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp +
+                    lane / a.lpr;
+  const bool active = r < a.n_out;
+  const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  if (active) {
+    int64_t done = 0;
+    if (a.vec) {
+      const int64_t C = a.n_in / 8;
+      constexpr int kEs = T == GgmlType::F32 ? 4 : 2;
+      for (int64_t c = sl; c < C; c += a.lpr) {
+        float wv[8];
+        load8<T>(row + c * 8 * kEs, wv);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (NT == 1 || t < a.n_tok) {
+            const float4* xp = reinterpret_cast<const float4*>(a.xf + (act0 + t) * a.n_in + c * 8);
+            const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+            acc[t] += wv[0] * x0.x + wv[1] * x0.y + wv[2] * x0.z + wv[3] * x0.w + wv[4] * x1.x +
+                      wv[5] * x1.y + wv[6] * x1.z + wv[7] * x1.w;
+          }
+        }
+      }
+      done = C * 8;
+    }
+    for (int64_t i = done + sl; i < a.n_in; i += a.lpr) {
+      const float wv = float_elem<T>(row, i);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (NT == 1 || t < a.n_tok) acc[t] += wv * a.xf[(act0 + t) * a.n_in + i];
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+  if (active && sl == 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
+  }
+}
+
+// One thread per (row, 32-element group).
+template <GgmlType T, class O>
+__global__ void dequant_q_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
+                                 int64_t n_w_rows, const int32_t* __restrict__ rows,
+                                 int64_t row0, int64_t n_rows, O* __restrict__ dst) {
+  const int64_t G = n_in / 32;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n_rows * G) return;
+  const int64_t i = idx / G, g = idx % G;
+  const int64_t src = rows ? rows[i] : row0 + i;
+  O* o = dst + i * n_in + g * 32;
+  if (src < 0 || src >= n_w_rows) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[e] = from_f32<O>(0.0f);
+    return;
+  }
+  const QGroup q = load_group<T>(w + static_cast<size_t>(src) * row_bytes, static_cast<int>(g));
+  if constexpr (sizeof(O) == 2) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      __align__(16) __half h[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = __float2half_rn(group_value(q, 8 * c + e));
+      reinterpret_cast<uint4*>(o)[c] = *reinterpret_cast<const uint4*>(h);
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      reinterpret_cast<float4*>(o)[c] =
+          make_float4(group_value(q, 4 * c), group_value(q, 4 * c + 1), group_value(q, 4 * c + 2),
+                      group_value(q, 4 * c + 3));
+  }
+}
+
+// One thread per element (float weight types).
+template <GgmlType T, class O>
+__global__ void dequant_f_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
+                                 int64_t n_w_rows, const int32_t* __restrict__ rows,
+                                 int64_t row0, int64_t n_rows, O* __restrict__ dst) {
+  const int64_t total = n_rows * n_in;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx / n_in, c = idx % n_in;
+    const int64_t src = rows ? rows[i] : row0 + i;
+    const float v = (src < 0 || src >= n_w_rows)
+                        ? 0.0f
+                        : float_elem<T>(w + static_cast<size_t>(src) * row_bytes, c);
+    dst[idx] = from_f32<O>(v);
+  }
+}
+
+__global__ void to_half_kernel(const float* __restrict__ x, int64_t n,
+                               const int32_t* __restrict__ src_rows, int div,
+                               const int32_t* __restrict__ count, __half* __restrict__ dst) {
+  const int64_t i = blockIdx.x;
+  if (count && i >= *count) return;
+  const int64_t s = src_rows ? src_rows[i] / div : i;
+  const float* xr = x + s * n;
+  __half* o = dst + i * n;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) o[c] = __float2half_rn(xr[c]);
+}
+
+// Lanes per row: the largest power of two <= 32 that wastes at most 1/8 of the lane steps
+// on a row of `units` groups.
+int lanes_per_row(int64_t units) {
+  int l = 32;
+  while (l > 1) {
+    const int64_t steps = (units + l - 1) / l;
+    if ((steps * l - units) * 8 <= units) break;
+    l >>= 1;
+  }
+  return l;
+}
+
+unsigned blocks_for(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+template <GgmlType T>
+void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
+  if constexpr (is_float_type(T)) {
+    if (a.n_tok == 1) gemv_f_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
+    else gemv_f_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
+    BERTH_LAUNCH_CHECK("gemv_f_kernel");
+  } else {
+    if (a.n_tok == 1) gemv_q_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
+    else gemv_q_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
+    BERTH_LAUNCH_CHECK("gemv_q_kernel");
+  }
+}
+
+template <GgmlType T>
+void launch_dequant_t(const void* w, int64_t n_in, int64_t n_w_rows, const int32_t* rows,
+                      int64_t row0, int64_t n_rows, void* dst, bool half_out, cudaStream_t s) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const size_t rb = row_bytes(T, n_in);
+  if constexpr (is_float_type(T)) {
+    const int64_t total = n_rows * n_in;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks_for(total, 256), 1 << 20));
+    if (half_out)
+      dequant_f_kernel<T, __half><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
+                                                      static_cast<__half*>(dst));
+    else
+      dequant_f_kernel<T, float><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
+                                                     static_cast<float*>(dst));
+    BERTH_LAUNCH_CHECK("dequant_f_kernel");
+  } else {
+    const unsigned grid = blocks_for(n_rows * (n_in / 32), 128);
+    if (half_out)
+      dequant_q_kernel<T, __half><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
+                                                      static_cast<__half*>(dst));
+    else
+      dequant_q_kernel<T, float><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
+                                                     static_cast<float*>(dst));
+    BERTH_LAUNCH_CHECK("dequant_q_kernel");
+  }
+}
+
+}  // namespace
+
+void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa,
+                  cudaStream_t s) {
+  const int64_t groups = rows * (n / 32);
+  if (groups == 0) return;
+  quantize_act_kernel<<<blocks_for(groups * 32, 256), 256, 0, s>>>(x, up, groups, qa.q, qa.meta);
+  BERTH_LAUNCH_CHECK("quantize_act_kernel");
+}
+
+void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
+          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route,
+          cudaStream_t s) {
+  if (n_out == 0 || n_tok == 0 || (route.route && route.pairs == 0)) return;
+  BERTH_CHECK(n_tok <= kGemvTok, "gemv: n_tok " + std::to_string(n_tok));
+  GemvArgs a{};
+  a.w = static_cast<const uint8_t*>(w);
+  a.row_bytes = row_bytes(type, n_in);
+  a.n_in = n_in;
+  a.n_out = n_out;
+  a.xf = xf;
+  a.xq = qa.q;
+  a.xm = qa.meta;
+  a.n_tok = static_cast<int>(n_tok);
+  a.out = out;
+  a.out_stride = out_stride;
+  a.r = route;
+  const bool q = is_quantized(type);
+  a.lpr = lanes_per_row(q ? n_in / 32 : std::max<int64_t>(1, n_in / 8));
+  a.vec = !q && n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
+          (reinterpret_cast<uintptr_t>(xf) & 15) == 0;
+  if (!q && route.route) a.vec = a.vec && route.expert_bytes % 16 == 0;
+  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
+  dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block)),
+            route.route ? static_cast<unsigned>(route.pairs) : 1u);
+  BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
+}
+
+void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows,
+                  const int32_t* rows, int64_t row0, int64_t n_rows, void* dst, bool half_out,
+                  cudaStream_t s) {
+  if (n_rows == 0 || n_in == 0) return;
+  BERTH_DISPATCH(type, launch_dequant_t, w, n_in, n_w_rows, rows, row0, n_rows, dst, half_out, s)
+}
+
+void to_half(const float* x, int64_t rows, int64_t n, const int32_t* src_rows, int div,
+             const int32_t* count, void* dst, cudaStream_t s) {
+  if (rows == 0 || n == 0) return;
+  to_half_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(x, n, src_rows, div, count,
+                                                             static_cast<__half*>(dst));
+  BERTH_LAUNCH_CHECK("to_half_kernel");
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+namespace {
+
+constexpr size_t kChunkBytes = size_t{64} << 20;   // dequantized f16 weights per GEMM call
+constexpr size_t kCublasWs = size_t{32} << 20;     // cuBLAS workspace (its Hopper recommendation)
+
+const char* cublas_status(cublasStatus_t st) { return cublasGetStatusString(st); }
+
+#define BERTH_CUBLAS_CHECK(call)                                                          \
+  do {                                                                                    \
+    cublasStatus_t berth_st_ = (call);                                                    \
+    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                               \
+      throw Error(ErrorCategory::internal,                                                \
+                  std::string("cuBLAS: ") + #call + ": " + cublas_status(berth_st_));     \
+  } while (0)
+
+// One handle per (device, stream), created on first use; the map is guarded by a mutex.
+// Handles live until the process ends (a stream that is destroyed and whose address is reused
+// gets the same handle back, re-bound to it below).
+cublasHandle_t cublas_handle(cudaStream_t s) {
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  cublasHandle_t& h = handles[{dev, s}];
+  if (h == nullptr) BERTH_CUBLAS_CHECK(cublasCreate(&h));
+  BERTH_CUBLAS_CHECK(cublasSetStream(h, s));
+  return h;
+}
+
+int64_t chunk_rows(int64_t n_in, int64_t n_out) {
+  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes) / (n_in * 2));
+  return std::min(n_out, per);
+}
+
+
+}  // namespace
+
+bool supports(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q8_0:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok) {
+  check_type(type, n_in, "matmul_workspace_bytes");
+  if (n_tok <= 0 || n_out <= 0 || n_in == 0) return 0;
+  if (matmul_uses_gemv(type, n_tok)) return is_quantized(type) ? qact_bytes(n_tok, n_in) : 0;
+  size_t b = align_up(static_cast<size_t>(n_tok * n_in) * 2) + kCublasWs;
+  if (type != GgmlType::F16) b += align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
+  return b;
+}
+
+void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
+            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes,
+            cudaStream_t stream) {
+  check_type(type, n_in, "matmul");
+  if (n_tok <= 0 || n_out <= 0) return;
+  const size_t need = matmul_workspace_bytes(type, n_in, n_out, n_tok);
+  if (workspace_bytes < need || (need > 0 && workspace == nullptr))
+    throw Error(ErrorCategory::invalid_argument,
+                "matmul: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                    std::to_string(need) + " needed");
+  if (n_in == 0) {
+    BERTH_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(n_tok * n_out) * 4, stream));
+    return;
+  }
+  if (matmul_uses_gemv(type, n_tok)) {
+    QAct qa{};
+    if (is_quantized(type)) {
+      qa = qact_at(workspace, n_tok, n_in);
+      quantize_act(x, nullptr, n_tok, n_in, qa, stream);
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kGemvTok) {
+      const int64_t nt = std::min<int64_t>(kGemvTok, n_tok - t0);
+      QAct part{};
+      if (qa.q) part = {qa.q + t0 * n_in, qa.meta + t0 * (n_in / 32)};
+      gemv(type, w, n_in, n_out, x + t0 * n_in, part, nt, out + t0 * n_out, n_out, GemvRoute{},
+           stream);
+    }
+    return;
+  }
+  // Tensor-core path.
+  auto* ws = static_cast<uint8_t*>(workspace);
+  void* xh = ws;
+  void* cublas_ws = ws + align_up(static_cast<size_t>(n_tok * n_in) * 2);
+  void* wh = static_cast<uint8_t*>(cublas_ws) + kCublasWs;
+  to_half(x, n_tok, n_in, nullptr, 1, nullptr, xh, stream);
+  cublasHandle_t h = cublas_handle(stream);
+  BERTH_CUBLAS_CHECK(cublasSetWorkspace(h, cublas_ws, kCublasWs));
+  const float alpha = 1.0f, beta = 0.0f;
+  const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
+  for (int64_t r0 = 0; r0 < n_out; r0 += step) {
+    const int64_t rows = std::min(step, n_out - r0);
+    const void* a = w;
+    if (type != GgmlType::F16) {
+      dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
+      a = wh;
+    }
+    // Column-major view: C [rows x n_tok] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x n_tok).
+    BERTH_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
+                                    static_cast<int>(n_tok), static_cast<int>(n_in), &alpha, a,
+                                    CUDA_R_16F, static_cast<int>(n_in), xh, CUDA_R_16F,
+                                    static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F,
+                                    static_cast<int>(n_out), CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const int32_t* tokens,
+           int64_t n_tok, float* out, cudaStream_t stream) {
+  check_type(type, n_embd, "embed");
+  if (n_tok <= 0 || n_embd == 0) return;
+  dequant_rows(type, w, n_embd, n_vocab, tokens, 0, n_tok, out, false, stream);
+}
+
+}  // namespace berth::gpu

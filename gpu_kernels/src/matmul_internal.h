@@ -1,0 +1,109 @@
+// Pieces of the matmul family shared by matmul.cu and moe.cu (host-side launchers; the kernels
+// live in matmul.cu so each template is compiled once).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include <string>
+
+#include "berth/core/error.h"
+#include "berth/core/types.h"
+
+namespace berth::gpu::detail {
+
+// Calls FN<T>(args...) for the runtime type t (CUDA code is C++17: no template lambdas).
+#define BERTH_TYPE_CASE(FN, T, ...) \
+  case ::berth::GgmlType::T:                 \
+    FN<::berth::GgmlType::T>(__VA_ARGS__);   \
+    break;
+#define BERTH_DISPATCH(t, FN, ...)                                                          \
+  switch (t) {                                                                              \
+    BERTH_TYPE_CASE(FN, F32, __VA_ARGS__)                                                   \
+    BERTH_TYPE_CASE(FN, F16, __VA_ARGS__)                                                   \
+    BERTH_TYPE_CASE(FN, BF16, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q4_0, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q4_1, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q5_0, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q5_1, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q8_0, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q2_K, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q3_K, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q4_K, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q5_K, __VA_ARGS__)                                                  \
+    BERTH_TYPE_CASE(FN, Q6_K, __VA_ARGS__)                                                  \
+    default:                                                                                \
+      throw ::berth::Error(::berth::ErrorCategory::unsupported,                                               \
+                  "GPU kernels: weight type " + std::string(::berth::type_name(t)) + " is not supported"); \
+  }
+
+
+/// Tokens handled by one GEMV launch (accumulators per thread).
+inline constexpr int kGemvTok = 8;
+
+/// Largest n_tok matmul serves with the GEMV path (token chunks of kGemvTok) for quantized
+/// (resp. float) weights, and moe_experts with its GEMV path; above, the f16 tensor-core paths.
+/// Defaults and measurements in matmul.cu; tests and benchmarks may change them (not thread
+/// safe: set before launching).
+int& gemv_max_tok();
+int& gemv_max_tok_float();
+int& moe_gemv_max_tok();
+bool matmul_uses_gemv(GgmlType t, int64_t n_tok);
+
+inline size_t align_up(size_t v, size_t a = 256) { return (v + a - 1) / a * a; }
+
+bool is_quantized(GgmlType t);
+/// Throws Error(unsupported) when `t` is not supported, Error(invalid_argument) when n is not a
+/// multiple of its block size.
+void check_type(GgmlType t, int64_t n, const char* what);
+
+/// Bytes of the int8 activations (plus the per-32 metadata) of `rows` rows of n elements.
+size_t qact_bytes(int64_t rows, int64_t n);
+
+/// Quantized activations: q [rows, n] int8, then meta [rows, n/32] float4 {d, d*sum(q[0..15]),
+/// d*sum(q[16..31]), 0} at byte offset align_up(rows * n).
+struct QAct {
+  int8_t* q;
+  float4* meta;
+};
+QAct qact_at(void* p, int64_t rows, int64_t n);
+
+/// Quantizes rows of x ([rows, n], n % 32 == 0) into qa. When `up` is given, the values are
+/// silu(x) * up (SwiGLU fused into the quantization).
+void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa,
+                  cudaStream_t s);
+
+/// Expert routing of a GEMV launch: one grid row per (token, slot) pair p = t * k + j; the
+/// weights are expert route[t * 2k + j]'s (skipped when masked out or invalid); the activation
+/// row is p / act_div and the output row p.
+struct GemvRoute {
+  const float* route = nullptr;
+  int k = 0;
+  int act_div = 1;
+  const uint8_t* mask = nullptr;
+  int n_expert = 0;
+  int64_t pairs = 0;
+  size_t expert_bytes = 0;
+};
+
+/// out[t * out_stride + r] = W[r] . x[t] for r < n_out, t < n_tok (n_tok <= kGemvTok; 1 with a
+/// route). Quantized types read qa, float types read xf.
+void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
+          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route,
+          cudaStream_t s);
+
+/// Dequantizes rows of W into dst [n_rows, n_in] (f16 when `half_out`, else f32). Row i of dst
+/// is row rows[i] of W (zeros when outside [0, n_w_rows)) when `rows` is given, else row
+/// row0 + i.
+void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows,
+                  const int32_t* rows, int64_t row0, int64_t n_rows, void* dst, bool half_out,
+                  cudaStream_t s);
+
+/// dst [rows, n] f16 = x rows (row i of dst is row src_rows[i] / div of x when src_rows is
+/// given; rows i >= *count are skipped when count is given).
+void to_half(const float* x, int64_t rows, int64_t n, const int32_t* src_rows, int div,
+             const int32_t* count, void* dst, cudaStream_t s);
+
+}  // namespace berth::gpu::detail

@@ -1,0 +1,409 @@
+// Routed experts of a MoE layer: moe_workspace_bytes, moe_experts.
+//
+// Decode (n_tok <= moe_gemv_max_tok()): h is quantized once; one routed GEMV launch per matrix
+// covers all n_tok * k (token, slot) pairs (grid row = pair; the expert id is read from `route`
+// on the device, masked or invalid slots exit at once): gate, up, then SwiGLU fused into the
+// quantization of the down input, then down; a combine kernel sums each token's slots in slot
+// order.
+//
+// Prefill: a one-warp kernel lists the valid pairs grouped by expert (experts ascending, pairs
+// in token order within each: a stable counting sort with warp match/popc, no atomics) and
+// writes per-expert offsets and 64-row tile offsets; h rows are gathered to f16 in that order;
+// a grouped tensor-core GEMM (WMMA, f16 in / f32 accumulate, 64x64 tiles, weights dequantized
+// into shared memory group by group) runs gate, then up with SwiGLU in its epilogue, then
+// down. Its grid is (n_out / 64) x (an upper bound on the tile count, ceil(P / 64) + n_expert);
+// blocks past the real tile count exit. The combine reads each pair's row in slot order.
+// Everything is deterministic: each output element is computed by one thread in a fixed order.
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <string>
+
+#include "berth/core/error.h"
+#include "berth/gpu_kernels/kernels.h"
+#include "check.cuh"
+#include "matmul_internal.h"
+#include "quant_blocks.cuh"
+
+namespace berth::gpu {
+namespace {
+
+using namespace detail;
+
+constexpr int kBM = 64, kBN = 64, kBK = 32, kGemmThreads = 128;
+
+__device__ __forceinline__ float silu_f(float z) { return z / (1.0f + __expf(-z)); }
+
+// Expert of slot j of token t, or -1 when invalid or masked out.
+__device__ __forceinline__ int slot_expert(const float* route, int64_t t, int k, int j,
+                                           const uint8_t* mask, int n_expert) {
+  const float ev = route[t * 2 * k + j];
+  if (!(ev >= 0.0f && ev < static_cast<float>(n_expert))) return -1;
+  const int e = static_cast<int>(ev);
+  if (mask && mask[e] == 0) return -1;
+  return e;
+}
+
+// One warp. Outputs: expert_off / tile_off [n_expert + 1], list [valid pairs] (pair ids grouped
+// by expert), pos [P] (row of each pair in the list, -1 when skipped).
+__global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok, int k,
+                                  const uint8_t* __restrict__ mask, int n_expert,
+                                  int32_t* __restrict__ expert_off, int32_t* __restrict__ tile_off,
+                                  int32_t* __restrict__ list, int32_t* __restrict__ pos) {
+  extern __shared__ int32_t cnt[];
+  const int lane = threadIdx.x;
+  const int64_t P = n_tok * k;
+  for (int e = lane; e < n_expert; e += 32) cnt[e] = 0;
+  __syncwarp();
+  for (int64_t base = 0; base < P; base += 32) {
+    const int64_t p = base + lane;
+    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == __ffs(same) - 1) cnt[e] += __popc(same);
+    __syncwarp();
+  }
+  if (lane == 0) {
+    int32_t off = 0, toff = 0;
+    for (int e = 0; e < n_expert; ++e) {
+      const int32_t c = cnt[e];
+      expert_off[e] = off;
+      tile_off[e] = toff;
+      cnt[e] = off;  // becomes the cursor
+      off += c;
+      toff += (c + kBM - 1) / kBM;
+    }
+    expert_off[n_expert] = off;
+    tile_off[n_expert] = toff;
+  }
+  __syncwarp();
+  const unsigned lt = (1u << lane) - 1u;
+  for (int64_t base = 0; base < P; base += 32) {
+    const int64_t p = base + lane;
+    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (p < P) {
+      if (e >= 0) {
+        const int32_t q = cnt[e] + __popc(same & lt);
+        list[q] = static_cast<int32_t>(p);
+        pos[p] = q;
+      } else {
+        pos[p] = -1;
+      }
+    }
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(same) - 1) cnt[e] += __popc(same);
+    __syncwarp();
+  }
+}
+
+struct GemmArgs {
+  const uint8_t* w;
+  size_t row_bytes, expert_bytes;
+  int n_out, K;
+  const __half* A;  // [rows, K], rows grouped by expert
+  const int32_t* expert_off;
+  const int32_t* tile_off;
+  int n_expert;
+  int mode;  // 0: C = result (f32); 1: act = f16(silu(G) * result)
+  float* C;
+  const float* G;
+  __half* act;
+};
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) {
+  using namespace nvcuda;
+  const int tile = blockIdx.y;
+  if (tile >= a.tile_off[a.n_expert]) return;
+  int lo = 0, hi = a.n_expert - 1;  // last expert whose first tile is <= tile
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.tile_off[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo;
+  const int m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
+  const int m_end = a.expert_off[e + 1];
+  const int n0 = blockIdx.x * kBN;
+  const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
+
+  __shared__ __align__(128) __half As[kBM][kBK + 8];
+  __shared__ __align__(128) __half Bs[kBN][kBK + 8];
+  __shared__ __align__(128) float Cs[kBM][kBN + 4];
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+  const int brow = tid >> 1, bhalf = tid & 1;  // B: two threads per weight row
+  const int bn = n0 + brow;
+  const uint8_t* wrow = we + static_cast<size_t>(bn < a.n_out ? bn : 0) * a.row_bytes;
+
+  for (int k0 = 0; k0 < a.K; k0 += kBK) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = tid + i * kGemmThreads, r = idx >> 2, c = idx & 3;
+      const int m = m0 + r;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < m_end)
+        v = __ldg(reinterpret_cast<const uint4*>(a.A + static_cast<size_t>(m) * a.K + k0 + c * 8));
+      *reinterpret_cast<uint4*>(&As[r][c * 8]) = v;
+    }
+    {
+      __align__(16) __half h[16];
+      if (bn < a.n_out) {
+        if constexpr (is_float_type(T)) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            h[i] = __float2half_rn(float_elem<T>(wrow, k0 + 16 * bhalf + i));
+        } else {
+          const QGroup q = load_group<T>(wrow, k0 / 32);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) h[i] = __float2half_rn(group_value(q, 16 * bhalf + i));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) h[i] = __float2half_rn(0.0f);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(&Bs[brow][16 * bhalf]);
+      dst[0] = reinterpret_cast<const uint4*>(h)[0];
+      dst[1] = reinterpret_cast<const uint4*>(h)[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &As[wm + 16 * i][kk], kBK + 8);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &Bs[wn + 16 * j][kk], kBK + 8);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(&Cs[wm + 16 * i][wn + 16 * j], acc[i][j], kBN + 4,
+                              wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = tid; idx < kBM * kBN; idx += kGemmThreads) {
+    const int r = idx / kBN, c = idx % kBN;
+    const int m = m0 + r, n = n0 + c;
+    if (m >= m_end || n >= a.n_out) continue;
+    const size_t o = static_cast<size_t>(m) * a.n_out + n;
+    const float v = Cs[r][c];
+    if (a.mode == 0) a.C[o] = v;
+    else a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+  }
+}
+
+// g = silu(g) * u over the rows of valid pairs (float down weights in decode).
+__global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u,
+                                   int64_t n, const float* __restrict__ route, int k,
+                                   const uint8_t* __restrict__ mask, int n_expert) {
+  const int64_t p = blockIdx.x;
+  if (slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) < 0) return;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    const int64_t i = p * n + c;
+    g[i] = silu_f(g[i]) * u[i];
+  }
+}
+
+// out[t] = sum over valid slots j, in slot order, of weight[t, j] * y[row of (t, j)].
+__global__ void moe_combine_kernel(const float* __restrict__ route, int k,
+                                   const uint8_t* __restrict__ mask, int n_expert,
+                                   const int32_t* __restrict__ pos, const float* __restrict__ y,
+                                   int64_t n_embd, float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < n_embd; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      if (slot_expert(route, t, k, j, mask, n_expert) < 0) continue;
+      const int64_t p = t * k + j;
+      const int64_t row = pos ? pos[p] : p;
+      acc += route[t * 2 * k + k + j] * y[row * n_embd + c];
+    }
+    out[t * n_embd + c] = acc;
+  }
+}
+
+template <GgmlType T>
+void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
+  grouped_gemm_kernel<T><<<grid, kGemmThreads, 0, s>>>(a);
+  BERTH_LAUNCH_CHECK("grouped_gemm_kernel");
+}
+
+// Workspace layout of one call (both paths); total() is moe_workspace_bytes.
+struct MoeLayout {
+  bool decode;
+  size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                   // decode
+  size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
+  size_t end = 0;
+
+  MoeLayout(const MoeWeights& w, int64_t n_tok) {
+    const int64_t P = n_tok * w.n_expert_used;
+    decode = n_tok <= moe_gemv_max_tok();
+    auto take = [&](size_t bytes) {
+      const size_t at = end;
+      end += align_up(bytes);
+      return at;
+    };
+    if (decode) {
+      if (is_quantized(w.gate_type) || is_quantized(w.up_type)) hq = take(qact_bytes(n_tok, w.n_embd));
+      g = take(static_cast<size_t>(P * w.n_ff) * 4);
+      u = take(static_cast<size_t>(P * w.n_ff) * 4);
+      if (is_quantized(w.down_type)) aq = take(qact_bytes(P, w.n_ff));
+      y = take(static_cast<size_t>(P * w.n_embd) * 4);
+    } else {
+      eoff = take(static_cast<size_t>(w.n_expert + 1) * 4);
+      toff = take(static_cast<size_t>(w.n_expert + 1) * 4);
+      list = take(static_cast<size_t>(P) * 4);
+      pos = take(static_cast<size_t>(P) * 4);
+      a = take(static_cast<size_t>(P * w.n_embd) * 2);
+      g = take(static_cast<size_t>(P * w.n_ff) * 4);
+      act = take(static_cast<size_t>(P * w.n_ff) * 2);
+      y = take(static_cast<size_t>(P * w.n_embd) * 4);
+    }
+  }
+};
+
+void check_moe(const MoeWeights& w) {
+  if (w.n_expert < 1 || w.n_expert_used < 1 || w.n_expert_used > w.n_expert || w.n_embd < 1 ||
+      w.n_ff < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                "moe_experts: bad shape (n_embd " + std::to_string(w.n_embd) + ", n_ff " +
+                    std::to_string(w.n_ff) + ", n_expert " + std::to_string(w.n_expert) +
+                    ", n_expert_used " + std::to_string(w.n_expert_used) + ")");
+  check_type(w.gate_type, w.n_embd, "moe_experts (gate)");
+  check_type(w.up_type, w.n_embd, "moe_experts (up)");
+  check_type(w.down_type, w.n_ff, "moe_experts (down)");
+}
+
+}  // namespace
+
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) {
+  check_moe(w);
+  if (n_tok <= 0) return 0;
+  return MoeLayout(w, n_tok).end;
+}
+
+void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
+                 const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream) {
+  check_moe(w);
+  if (n_tok <= 0) return;
+  const MoeLayout L(w, n_tok);
+  if (workspace_bytes < L.end || workspace == nullptr)
+    throw Error(ErrorCategory::invalid_argument,
+                "moe_experts: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                    std::to_string(L.end) + " needed");
+  auto* ws = static_cast<uint8_t*>(workspace);
+  const int k = w.n_expert_used;
+  const int64_t P = n_tok * k;
+  const size_t gate_bytes = static_cast<size_t>(w.n_ff) * row_bytes(w.gate_type, w.n_embd);
+  const size_t up_bytes = static_cast<size_t>(w.n_ff) * row_bytes(w.up_type, w.n_embd);
+  const size_t down_bytes = static_cast<size_t>(w.n_embd) * row_bytes(w.down_type, w.n_ff);
+  auto* G = reinterpret_cast<float*>(ws + L.g);
+  auto* Y = reinterpret_cast<float*>(ws + L.y);
+
+  if (L.decode) {
+    if (P > 65535)
+      throw Error(ErrorCategory::invalid_argument, "moe_experts: too many (token, slot) pairs");
+    QAct hq{}, aq{};
+    if (is_quantized(w.gate_type) || is_quantized(w.up_type)) {
+      hq = qact_at(ws + L.hq, n_tok, w.n_embd);
+      quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream);
+    }
+    auto* U = reinterpret_cast<float*>(ws + L.u);
+    GemvRoute r;
+    r.route = route;
+    r.k = k;
+    r.act_div = k;
+    r.mask = expert_mask;
+    r.n_expert = w.n_expert;
+    r.pairs = P;
+    r.expert_bytes = gate_bytes;
+    gemv(w.gate_type, w.gate, w.n_embd, w.n_ff, h, hq, 1, G, w.n_ff, r, stream);
+    r.expert_bytes = up_bytes;
+    gemv(w.up_type, w.up, w.n_embd, w.n_ff, h, hq, 1, U, w.n_ff, r, stream);
+    if (is_quantized(w.down_type)) {
+      aq = qact_at(ws + L.aq, P, w.n_ff);
+      quantize_act(G, U, P, w.n_ff, aq, stream);
+    } else {
+      swiglu_rows_kernel<<<static_cast<unsigned>(P), 256, 0, stream>>>(G, U, w.n_ff, route, k,
+                                                                       expert_mask, w.n_expert);
+      BERTH_LAUNCH_CHECK("swiglu_rows_kernel");
+    }
+    r.act_div = 1;
+    r.expert_bytes = down_bytes;
+    gemv(w.down_type, w.down, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
+    moe_combine_kernel<<<static_cast<unsigned>(n_tok), 256, 0, stream>>>(
+        route, k, expert_mask, w.n_expert, nullptr, Y, w.n_embd, out);
+    BERTH_LAUNCH_CHECK("moe_combine_kernel");
+    return;
+  }
+
+  if (w.n_embd % kBK != 0 || w.n_ff % kBK != 0)
+    throw Error(ErrorCategory::invalid_argument,
+                "moe_experts: n_embd and n_ff must be multiples of 32 for batched tokens");
+  auto* eoff = reinterpret_cast<int32_t*>(ws + L.eoff);
+  auto* toff = reinterpret_cast<int32_t*>(ws + L.toff);
+  auto* list = reinterpret_cast<int32_t*>(ws + L.list);
+  auto* pos = reinterpret_cast<int32_t*>(ws + L.pos);
+  auto* A = reinterpret_cast<__half*>(ws + L.a);
+  auto* act = reinterpret_cast<__half*>(ws + L.act);
+  moe_gather_kernel<<<1, 32, static_cast<size_t>(w.n_expert) * 4, stream>>>(
+      route, n_tok, k, expert_mask, w.n_expert, eoff, toff, list, pos);
+  BERTH_LAUNCH_CHECK("moe_gather_kernel");
+  to_half(h, P, w.n_embd, list, k, eoff + w.n_expert, A, stream);
+  const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + w.n_expert);
+  GemmArgs a{};
+  a.expert_off = eoff;
+  a.tile_off = toff;
+  a.n_expert = w.n_expert;
+  // gate: G = A . gate_e^T
+  a.w = static_cast<const uint8_t*>(w.gate);
+  a.row_bytes = row_bytes(w.gate_type, w.n_embd);
+  a.expert_bytes = gate_bytes;
+  a.n_out = static_cast<int>(w.n_ff);
+  a.K = static_cast<int>(w.n_embd);
+  a.A = A;
+  a.mode = 0;
+  a.C = G;
+  dim3 grid_ff(static_cast<unsigned>((w.n_ff + kBN - 1) / kBN), max_tiles);
+  BERTH_DISPATCH(w.gate_type, launch_grouped_gemm, a, grid_ff, stream)
+  // up, with act = f16(silu(G) * up) in the epilogue
+  a.w = static_cast<const uint8_t*>(w.up);
+  a.row_bytes = row_bytes(w.up_type, w.n_embd);
+  a.expert_bytes = up_bytes;
+  a.mode = 1;
+  a.G = G;
+  a.act = act;
+  BERTH_DISPATCH(w.up_type, launch_grouped_gemm, a, grid_ff, stream)
+  // down: Y = act . down_e^T
+  a.w = static_cast<const uint8_t*>(w.down);
+  a.row_bytes = row_bytes(w.down_type, w.n_ff);
+  a.expert_bytes = down_bytes;
+  a.n_out = static_cast<int>(w.n_embd);
+  a.K = static_cast<int>(w.n_ff);
+  a.A = act;
+  a.mode = 0;
+  a.C = Y;
+  dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
+  BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
+  moe_combine_kernel<<<static_cast<unsigned>(n_tok), 256, 0, stream>>>(
+      route, k, expert_mask, w.n_expert, pos, Y, w.n_embd, out);
+  BERTH_LAUNCH_CHECK("moe_combine_kernel");
+}
+
+}  // namespace berth::gpu

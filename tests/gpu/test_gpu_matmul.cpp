@@ -1,0 +1,559 @@
+// Oracle tests of the GPU matmul family (gpu_kernels/src/matmul.cu, moe.cu) against double-
+// precision products of weights decoded by ref::dequantize_row:
+//  - matmul: every supported type x row lengths of one and several blocks x n_out {1, 7, 129,
+//    300} x n_tok {1, 2, 7, 12, 64, 512}, through both paths (GEMV at small n_tok, f16
+//    tensor-core GEMM above; 12 tokens also through the GEMV, forced); NMSE per shape and
+//    pooled per type and path.
+//  - embed: bit-identical to ref::dequantize_row; ids outside the vocabulary give zero rows.
+//  - moe_experts: both paths at n_tok 1, 2, 512 against a CPU reference; several tokens share
+//    an expert, one expert is picked by nobody; a mask keeping a subset (a token with no valid
+//    slot gets a zero row); two launches with complementary masks add up to the full result;
+//    repeated launches are bit-identical.
+// Inputs are seeded Gaussians (never zeros); outputs are poisoned (NaN bytes) before each run.
+// A "timing" case (skipped unless asked for with --no-skip -tc=timing) prints speeds.
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "berth/core/error.h"
+#include "berth/core/types.h"
+#include "berth/cpu_kernels/quants_ref.h"
+#include "berth/gpu_kernels/kernels.h"
+#include "core/kernel_harness.h"
+
+// Tuning knobs of the launchers (gpu_kernels/src/matmul_internal.h), used here to force a path.
+namespace berth::gpu::detail {
+int& gemv_max_tok();
+int& gemv_max_tok_float();
+int& moe_gemv_max_tok();
+bool matmul_uses_gemv(GgmlType t, int64_t n_tok);
+}  // namespace berth::gpu::detail
+
+namespace berth {
+namespace {
+
+using test::gaussian;
+using test::nmse;
+
+bool has_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_DEVICE() REQUIRE_MESSAGE(has_device(), "no CUDA device: the GPU suite needs one")
+#define CUDA_OK(call) REQUIRE_MESSAGE((call) == cudaSuccess, #call)
+
+// A device buffer of n bytes.
+struct Dev {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t bytes) : n(bytes) {
+    if (bytes) CUDA_OK(cudaMalloc(&p, bytes));
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+  template <class T>
+  void put(const std::vector<T>& v) {
+    REQUIRE(v.size() * sizeof(T) <= n);
+    CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <class T>
+  std::vector<T> get(size_t count) const {
+    std::vector<T> v(count);
+    CUDA_OK(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+  void poison() const { CUDA_OK(cudaMemset(p, 0xFF, n)); }  // 0xFFFFFFFF is a NaN
+};
+
+constexpr GgmlType kAll[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q4_0,
+                             GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0,
+                             GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K,
+                             GgmlType::Q6_K};
+
+bool quantized(GgmlType t) { return traits(t).block_size > 1; }
+
+// Rows of Gaussian weights with an offset (so the mins matter), quantized by the reference.
+std::vector<uint8_t> make_weights(GgmlType t, int64_t rows, int64_t n, uint64_t seed) {
+  const size_t rb = row_bytes(t, n);
+  std::vector<uint8_t> w(rb * static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto x = gaussian(static_cast<size_t>(n), seed + static_cast<uint64_t>(r), 0.05f, 0.01f);
+    ref::quantize_row(t, x.data(), w.data() + static_cast<size_t>(r) * rb, n);
+  }
+  return w;
+}
+
+std::vector<double> decode(GgmlType t, const std::vector<uint8_t>& w, int64_t rows, int64_t n) {
+  std::vector<float> f(static_cast<size_t>(rows * n));
+  ref::dequantize_rows(t, w.data(), f.data(), rows, n);
+  return {f.begin(), f.end()};
+}
+
+// out [n_tok, n_out] = x [n_tok, n_in] . W^T in double.
+std::vector<double> ref_matmul(const std::vector<double>& W, const std::vector<float>& x,
+                               int64_t n_in, int64_t n_out, int64_t n_tok) {
+  std::vector<double> o(static_cast<size_t>(n_tok * n_out));
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int64_t r = 0; r < n_out; ++r) {
+      double s = 0;
+      const double* wr = &W[static_cast<size_t>(r * n_in)];
+      const float* xr = &x[static_cast<size_t>(t * n_in)];
+      for (int64_t i = 0; i < n_in; ++i) s += wr[i] * xr[i];
+      o[static_cast<size_t>(t * n_out + r)] = s;
+    }
+  return o;
+}
+
+struct Pool {
+  double num = 0, den = 0;
+  bool bad = false;
+  void add(const std::vector<double>& ref, const std::vector<float>& got) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (!std::isfinite(got[i])) bad = true;
+      num += (got[i] - ref[i]) * (got[i] - ref[i]);
+      den += ref[i] * ref[i];
+    }
+  }
+  double value() const {
+    if (bad) return std::numeric_limits<double>::infinity();
+    return den > 0 ? num / den : num;  // an all-zero reference: the plain squared error
+  }
+};
+
+double nmse_d(const std::vector<double>& ref, const std::vector<float>& got) {
+  Pool p;
+  p.add(ref, got);
+  return p.value();
+}
+
+// Tolerances, by path:
+// - dp4a GEMV, quantized weights: activations rounded to int8 per 32 values (step max|x|/127,
+//   variance step^2/12: about 2.5e-5 of the signal for Gaussian inputs). Pooled over the shapes
+//   of a type; a single output (n_out = n_tok = 1) can nearly cancel, hence the loose per-shape
+//   bound, which still catches any wrong quant, scale or offset (NMSE ~1).
+constexpr double kTolGemvQPooled = 1e-4, kTolGemvQShape = 2e-2;
+// - GEMV, float weights: f32 products and sums, vs double: rounding only.
+constexpr double kTolGemvFPooled = 1e-10, kTolGemvFShape = 1e-8;
+// - tensor-core path: x and the weights rounded to f16 (relative 2^-11 each), f32 accumulation.
+constexpr double kTolGemmPooled = 1e-5, kTolGemmShape = 1e-3;
+
+TEST_CASE("gpu supports: the CPU path's set, nothing else") {
+  for (GgmlType t : kAll) CHECK(gpu::supports(t));
+  CHECK_FALSE(gpu::supports(GgmlType::Q8_K));
+  CHECK_FALSE(gpu::supports(GgmlType::IQ2_XXS));
+  CHECK_FALSE(gpu::supports(GgmlType::MXFP4));
+  try {
+    gpu::matmul_workspace_bytes(GgmlType::IQ4_XS, 256, 4, 1);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::unsupported);
+  }
+  try {
+    gpu::matmul_workspace_bytes(GgmlType::Q4_K, 100, 4, 1);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::invalid_argument);
+  }
+}
+
+TEST_CASE("gpu matmul: every type and shape against the double-precision reference") {
+  REQUIRE_DEVICE();
+  const int64_t kOut[] = {1, 7, 129, 300};
+  const int64_t kTok[] = {1, 2, 7, 12, 64, 512};
+  const int64_t max_out = 300, max_tok = 512;
+  uint64_t seed = 100;
+  for (GgmlType t : kAll) {
+    CAPTURE(type_name(t));
+    const int64_t bs = traits(t).block_size;
+    // One block and several; for float types a length that is not a multiple of 8 (scalar
+    // path) and one that is (16-byte loads).
+    std::vector<int64_t> lens = bs == 1 ? std::vector<int64_t>{40, 264}
+                                        : std::vector<int64_t>{bs, bs == 32 ? 320 : 768};
+    Pool pool_gemv, pool_gemm;
+    for (int64_t n_in : lens) {
+      CAPTURE(n_in);
+      const auto wq = make_weights(t, max_out, n_in, seed += 1000);
+      const auto W = decode(t, wq, max_out, n_in);
+      const auto x = gaussian(static_cast<size_t>(max_tok * n_in), seed + 7, 1.0f, 0.1f);
+      Dev dw(wq.size()), dx(x.size() * 4), dout(static_cast<size_t>(max_tok * max_out) * 4);
+      dw.put(wq);
+      dx.put(x);
+      for (int64_t n_out : kOut) {
+        CAPTURE(n_out);
+        const auto ref_all = ref_matmul(W, x, n_in, n_out, max_tok);
+        for (int64_t n_tok : kTok) {
+          // n_tok 12 also through the GEMV forced (two token chunks of 8 and 4).
+          for (bool force : {false, true}) {
+            if (force && n_tok != 12) continue;
+            CAPTURE(n_tok);
+            CAPTURE(force);
+            const int saved_q = gpu::detail::gemv_max_tok(),
+                      saved_f = gpu::detail::gemv_max_tok_float();
+            if (force) gpu::detail::gemv_max_tok() = gpu::detail::gemv_max_tok_float() = 1 << 30;
+            const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
+            const bool gemv = gpu::detail::matmul_uses_gemv(t, n_tok);
+            Dev ws(wsb);
+            dout.poison();
+            gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>(), n_tok, dout.as<float>(), ws.p, wsb,
+                        nullptr);
+            CUDA_OK(cudaDeviceSynchronize());
+            gpu::detail::gemv_max_tok() = saved_q;
+            gpu::detail::gemv_max_tok_float() = saved_f;
+            const auto got = dout.get<float>(static_cast<size_t>(n_tok * n_out));
+            const std::vector<double> ref(ref_all.begin(), ref_all.begin() + n_tok * n_out);
+            const double e = nmse_d(ref, got);
+            CAPTURE(gemv);
+            CAPTURE(e);
+            if (gemv) {
+              CHECK(e <= (quantized(t) ? kTolGemvQShape : kTolGemvFShape));
+              pool_gemv.add(ref, got);
+            } else {
+              CHECK(e <= kTolGemmShape);
+              pool_gemm.add(ref, got);
+            }
+          }
+        }
+      }
+    }
+    const double pg = pool_gemv.value(), pm = pool_gemm.value();
+    MESSAGE(type_name(t), ": pooled NMSE gemv ", pg, ", gemm ", pm);
+    CHECK(pg <= (quantized(t) ? kTolGemvQPooled : kTolGemvFPooled));
+    CHECK(pm <= kTolGemmPooled);
+  }
+}
+
+TEST_CASE("gpu embed: rows equal to ref::dequantize_row, zero rows for bad ids") {
+  REQUIRE_DEVICE();
+  const int64_t n_vocab = 37;
+  const std::vector<int32_t> tokens = {0, 36, 5, 5, -1, 37, 12, 1000};
+  for (GgmlType t : kAll) {
+    CAPTURE(type_name(t));
+    const int64_t bs = traits(t).block_size;
+    for (int64_t n : {bs == 1 ? int64_t{40} : bs, bs == 1 ? int64_t{264} : 3 * bs}) {
+      CAPTURE(n);
+      const auto wq = make_weights(t, n_vocab, n, 77 + static_cast<uint64_t>(n));
+      std::vector<float> ref(static_cast<size_t>(n_vocab * n));
+      ref::dequantize_rows(t, wq.data(), ref.data(), n_vocab, n);
+      Dev dw(wq.size()), dt(tokens.size() * 4), dout(tokens.size() * static_cast<size_t>(n) * 4);
+      dw.put(wq);
+      dt.put(tokens);
+      dout.poison();
+      gpu::embed(t, dw.p, n, n_vocab, dt.as<int32_t>(), static_cast<int64_t>(tokens.size()),
+                 dout.as<float>(), nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto got = dout.get<float>(tokens.size() * static_cast<size_t>(n));
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        CAPTURE(i);
+        const int32_t id = tokens[i];
+        std::vector<float> want(static_cast<size_t>(n), 0.0f);
+        if (id >= 0 && id < n_vocab)
+          std::memcpy(want.data(), &ref[static_cast<size_t>(id) * n], static_cast<size_t>(n) * 4);
+        // == rather than memcmp: the reference may produce -0 where the kernel gives +0.
+        bool same = true;
+        for (int64_t c = 0; c < n; ++c)
+          same = same && got[i * static_cast<size_t>(n) + static_cast<size_t>(c)] ==
+                             want[static_cast<size_t>(c)];
+        CHECK(same);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE
+
+struct MoeCase {
+  GgmlType gate_t, up_t, down_t;
+  int64_t n_embd = 256, n_ff = 512;
+  int n_expert = 8, k = 3;
+  std::vector<uint8_t> gq, uq, dq;        // stacked expert weights
+  std::vector<double> G, U, D;            // decoded
+  Dev *dg = nullptr, *du = nullptr, *dd = nullptr;
+
+  MoeCase(GgmlType g, GgmlType u, GgmlType d) : gate_t(g), up_t(u), down_t(d) {
+    gq = make_weights(g, n_expert * n_ff, n_embd, 11);
+    uq = make_weights(u, n_expert * n_ff, n_embd, 22000);
+    dq = make_weights(d, n_expert * n_embd, n_ff, 33000);
+    G = decode(g, gq, n_expert * n_ff, n_embd);
+    U = decode(u, uq, n_expert * n_ff, n_embd);
+    D = decode(d, dq, n_expert * n_embd, n_ff);
+    dg = new Dev(gq.size());
+    du = new Dev(uq.size());
+    dd = new Dev(dq.size());
+    dg->put(gq);
+    du->put(uq);
+    dd->put(dq);
+  }
+  ~MoeCase() {
+    delete dg;
+    delete du;
+    delete dd;
+  }
+  gpu::MoeWeights weights() const {
+    gpu::MoeWeights w{};
+    w.gate_type = gate_t;
+    w.up_type = up_t;
+    w.down_type = down_t;
+    w.gate = dg->p;
+    w.up = du->p;
+    w.down = dd->p;
+    w.n_embd = n_embd;
+    w.n_ff = n_ff;
+    w.n_expert = n_expert;
+    w.n_expert_used = k;
+    return w;
+  }
+  // Token t picks experts (t + 3j) % 7, j < 3: tokens share experts, expert 7 is never picked.
+  std::vector<float> route(int64_t n_tok) const {
+    std::vector<float> r(static_cast<size_t>(n_tok * 2 * k));
+    std::mt19937_64 rng(5);
+    std::uniform_real_distribution<float> u(0.1f, 1.0f);
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int j = 0; j < k; ++j) {
+        r[static_cast<size_t>(t * 2 * k + j)] = static_cast<float>((t + 3 * j) % 7);
+        r[static_cast<size_t>(t * 2 * k + k + j)] = u(rng);
+      }
+    return r;
+  }
+  std::vector<double> reference(const std::vector<float>& h, const std::vector<float>& r,
+                                int64_t n_tok, const std::vector<uint8_t>& mask) const {
+    std::vector<double> out(static_cast<size_t>(n_tok * n_embd), 0.0);
+    std::vector<double> a(static_cast<size_t>(n_ff));
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int j = 0; j < k; ++j) {
+        const int e = static_cast<int>(r[static_cast<size_t>(t * 2 * k + j)]);
+        if (!mask[static_cast<size_t>(e)]) continue;
+        const double wt = r[static_cast<size_t>(t * 2 * k + k + j)];
+        for (int64_t f = 0; f < n_ff; ++f) {
+          double g = 0, u = 0;
+          const size_t row = static_cast<size_t>((e * n_ff + f) * n_embd);
+          for (int64_t i = 0; i < n_embd; ++i) {
+            g += G[row + i] * h[static_cast<size_t>(t * n_embd + i)];
+            u += U[row + i] * h[static_cast<size_t>(t * n_embd + i)];
+          }
+          a[static_cast<size_t>(f)] = g / (1.0 + std::exp(-g)) * u;
+        }
+        for (int64_t c = 0; c < n_embd; ++c) {
+          double y = 0;
+          const size_t row = static_cast<size_t>((e * n_embd + c) * n_ff);
+          for (int64_t f = 0; f < n_ff; ++f) y += D[row + f] * a[static_cast<size_t>(f)];
+          out[static_cast<size_t>(t * n_embd + c)] += wt * y;
+        }
+      }
+    return out;
+  }
+};
+
+// Runs moe_experts with the decode (GEMV) or prefill (grouped GEMM) path forced.
+std::vector<float> run_moe(const MoeCase& mc, const Dev& h, const Dev& route, int64_t n_tok,
+                           const std::vector<uint8_t>& mask, bool decode_path) {
+  gpu::detail::moe_gemv_max_tok() = decode_path ? 1 << 30 : 0;
+  const auto w = mc.weights();
+  const size_t wsb = gpu::moe_workspace_bytes(w, n_tok);
+  Dev ws(wsb), dm(mask.size()), out(static_cast<size_t>(n_tok * mc.n_embd) * 4);
+  dm.put(mask);
+  out.poison();
+  ws.poison();
+  gpu::moe_experts(w, h.as<float>(), route.as<float>(), n_tok, dm.as<uint8_t>(), out.as<float>(),
+                   ws.p, wsb, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  return out.get<float>(static_cast<size_t>(n_tok * mc.n_embd));
+}
+
+// Decode: h and the SwiGLU output rounded to int8 per 32 (two stages of the GEMV bound).
+constexpr double kTolMoeDecode = 3e-4;
+// Prefill: h, the weights and the SwiGLU output rounded to f16.
+constexpr double kTolMoePrefill = 2e-5;
+// Two complementary masks vs the full mask: the slot sums regrouped (f32 rounding only).
+constexpr double kTolMoeSplit = 1e-10;
+
+TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determinism") {
+  REQUIRE_DEVICE();
+  const int saved = gpu::detail::moe_gemv_max_tok();
+  struct Types {
+    GgmlType g, u, d;
+  };
+  for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
+                   Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_0}}) {
+    MoeCase mc(ty.g, ty.u, ty.d);
+    CAPTURE(type_name(ty.g));
+    CAPTURE(type_name(ty.u));
+    CAPTURE(type_name(ty.d));
+    const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0},
+                                          rest = {1, 0, 1, 1, 0, 0, 1, 1};
+    for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
+      CAPTURE(n_tok);
+      const auto h = gaussian(static_cast<size_t>(n_tok * mc.n_embd), 900 + n_tok, 1.0f, 0.05f);
+      const auto r = mc.route(n_tok);
+      Dev dh(h.size() * 4), dr(r.size() * 4);
+      dh.put(h);
+      dr.put(r);
+      const auto ref_all = mc.reference(h, r, n_tok, all);
+      const auto ref_keep = mc.reference(h, r, n_tok, keep);
+      for (bool dec : {true, false}) {
+        CAPTURE(dec);
+        const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
+        const auto full = run_moe(mc, dh, dr, n_tok, all, dec);
+        const double e_full = nmse_d(ref_all, full);
+        CAPTURE(e_full);
+        CHECK(e_full <= tol);
+        const auto a = run_moe(mc, dh, dr, n_tok, keep, dec);
+        const double e_keep = nmse_d(ref_keep, a);
+        CAPTURE(e_keep);
+        CHECK(e_keep <= tol);
+        // Token 0 picks experts 0, 3, 6, all masked out by `keep`: an exact zero row.
+        bool zero = true;
+        for (int64_t c = 0; c < mc.n_embd; ++c) zero = zero && a[static_cast<size_t>(c)] == 0.0f;
+        CHECK(zero);
+        const auto b = run_moe(mc, dh, dr, n_tok, rest, dec);
+        std::vector<float> sum(a.size());
+        for (size_t i = 0; i < a.size(); ++i) sum[i] = a[i] + b[i];
+        const double e_split = nmse(full.data(), sum.data(), sum.size());
+        CAPTURE(e_split);
+        CHECK(e_split <= kTolMoeSplit);
+        const auto again = run_moe(mc, dh, dr, n_tok, all, dec);
+        CHECK(std::memcmp(full.data(), again.data(), full.size() * 4) == 0);
+      }
+    }
+  }
+  gpu::detail::moe_gemv_max_tok() = saved;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speeds (printed, never asserted). Run with: test_gpu --no-skip -tc='*timing*'
+
+template <class F>
+double time_ms(F&& f, int reps = 20) {
+  f();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a);
+  for (int i = 0; i < reps; ++i) f();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / reps;
+}
+
+TEST_CASE("gpu matmul timing" * doctest::skip()) {
+  REQUIRE_DEVICE();
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const int saved = gpu::detail::gemv_max_tok(), saved_f = gpu::detail::gemv_max_tok_float(),
+            saved_moe = gpu::detail::moe_gemv_max_tok();
+  auto bench = [&](GgmlType t, int64_t n_in, int64_t n_out, int64_t n_tok, bool gemv) {
+    gpu::detail::gemv_max_tok() = gpu::detail::gemv_max_tok_float() = gemv ? 1 << 30 : 0;
+    const size_t wb = row_bytes(t, n_in) * static_cast<size_t>(n_out);
+    Dev w(wb), x(static_cast<size_t>(n_tok * n_in) * 4), o(static_cast<size_t>(n_tok * n_out) * 4);
+    CUDA_OK(cudaMemset(w.p, 0x11, wb));
+    x.put(gaussian(static_cast<size_t>(n_tok * n_in), 3));
+    const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
+    Dev ws(wsb);
+    const double ms = time_ms([&] {
+      gpu::matmul(t, w.p, n_in, n_out, x.as<float>(), n_tok, o.as<float>(), ws.p, wsb, nullptr);
+    });
+    CUDA_OK(cudaDeviceSynchronize());
+    return std::pair<double, double>(ms, wb / ms / 1e6);  // ms, GB/s of weights
+  };
+  // Decode GEMV bandwidth: the stacked 128 experts of a 2048 -> 768 layer as one matrix.
+  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K,
+                     GgmlType::Q6_K, GgmlType::Q3_K, GgmlType::F16, GgmlType::BF16}) {
+    for (int64_t nt : {1, 8}) {
+      const auto [ms, gbs] = bench(t, 2048, 768 * 128, nt, true);
+      std::printf("gemv %-5s 2048x98304 n_tok %ld: %.3f ms, %.0f GB/s\n",
+                  std::string(type_name(t)).c_str(), static_cast<long>(nt), ms, gbs);
+    }
+  }
+  // Crossover GEMV (token chunks of 8) vs dequantize + cuBLAS.
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16})
+    for (int64_t nt : {8, 16, 24, 32, 48, 64}) {
+      const double g = bench(t, 4096, 4096, nt, true).first;
+      const double m = bench(t, 4096, 4096, nt, false).first;
+      std::printf("crossover %-5s 4096x4096 n_tok %2ld: gemv %.3f ms, gemm %.3f ms\n",
+                  std::string(type_name(t)).c_str(), static_cast<long>(nt), g, m);
+    }
+  {
+    const double m = bench(GgmlType::Q6_K, 2048, 151936, 512, false).first;
+    std::printf("gemm q6_K 2048x151936 n_tok 512: %.3f ms, %.0f TFLOP/s\n", m,
+                2.0 * 2048 * 151936 * 512 / m / 1e9);
+    const double m2 = bench(GgmlType::Q4_K, 4096, 4096, 512, false).first;
+    std::printf("gemm q4_K 4096x4096 n_tok 512: %.3f ms, %.0f TFLOP/s\n", m2,
+                2.0 * 4096 * 4096 * 512 / m2 / 1e9);
+  }
+  // MoE layer: 128 experts, 8 used, 2048 -> 768 -> 2048, Q4_K gate/up, Q6_K down.
+  {
+    gpu::MoeWeights w{};
+    w.gate_type = w.up_type = GgmlType::Q4_K;
+    w.down_type = GgmlType::Q6_K;
+    w.n_embd = 2048;
+    w.n_ff = 768;
+    w.n_expert = 128;
+    w.n_expert_used = 8;
+    const size_t gb = row_bytes(GgmlType::Q4_K, 2048) * 768 * 128,
+                 db = row_bytes(GgmlType::Q6_K, 768) * 2048 * 128;
+    Dev g(gb), u(gb), d(db);
+    CUDA_OK(cudaMemset(g.p, 0x11, gb));
+    CUDA_OK(cudaMemset(u.p, 0x11, gb));
+    CUDA_OK(cudaMemset(d.p, 0x11, db));
+    w.gate = g.p;
+    w.up = u.p;
+    w.down = d.p;
+    std::vector<uint8_t> mask(128, 1);
+    Dev dm(128);
+    dm.put(mask);
+    for (int64_t nt : {1, 4, 8, 16, 32, 64, 512}) {
+      std::mt19937_64 rng(static_cast<uint64_t>(nt));
+      std::vector<float> r(static_cast<size_t>(nt * 16));
+      for (int64_t t = 0; t < nt; ++t) {
+        std::vector<int> ids(128);
+        for (int i = 0; i < 128; ++i) ids[static_cast<size_t>(i)] = i;
+        std::shuffle(ids.begin(), ids.end(), rng);
+        for (int j = 0; j < 8; ++j) {
+          r[static_cast<size_t>(t * 16 + j)] = static_cast<float>(ids[static_cast<size_t>(j)]);
+          r[static_cast<size_t>(t * 16 + 8 + j)] = 0.125f;
+        }
+      }
+      Dev dr(r.size() * 4), dh(static_cast<size_t>(nt * 2048) * 4),
+          o(static_cast<size_t>(nt * 2048) * 4);
+      dr.put(r);
+      dh.put(gaussian(static_cast<size_t>(nt * 2048), 9));
+      double ms[2];
+      for (int dec = 0; dec < 2; ++dec) {
+        gpu::detail::moe_gemv_max_tok() = dec ? 1 << 30 : 0;
+        const size_t wsb = gpu::moe_workspace_bytes(w, nt);
+        Dev ws(wsb);
+        ms[dec] = time_ms([&] {
+          gpu::moe_experts(w, dh.as<float>(), dr.as<float>(), nt, dm.as<uint8_t>(),
+                           o.as<float>(), ws.p, wsb, nullptr);
+        });
+        CUDA_OK(cudaDeviceSynchronize());
+      }
+      std::printf("moe 128x(2048,768) k8 n_tok %3ld: gemv path %.3f ms, grouped gemm %.3f ms\n",
+                  static_cast<long>(nt), ms[1], ms[0]);
+    }
+  }
+  gpu::detail::gemv_max_tok() = saved;
+  gpu::detail::gemv_max_tok_float() = saved_f;
+  gpu::detail::moe_gemv_max_tok() = saved_moe;
+}
+
+}  // namespace
+}  // namespace berth
