@@ -543,6 +543,15 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   const auto launch_ready = [&](int32_t after) {
     for (; next_seg < sp.segs.size() && sp.segs[next_seg].ready == after; ++next_seg) {
       Segment& s = sp.segs[next_seg];
+      if (after < 0) {
+        // Reads nothing from the device (e.g. embed with token_embd on the CPU): run() ran it on
+        // the calling thread before this step was enqueued; only its outputs travel.
+        for (ValueId v : s.h2d)
+          dev_.copy_h2d(kMain, sp.dev_val[static_cast<size_t>(v)],
+                        sp.host_val[static_cast<size_t>(v)],
+                        value_bytes(g.values[static_cast<size_t>(v)]));
+        continue;
+      }
       for (ValueId v : s.d2h)
         dev_.copy_d2h(kMain, sp.host_val[static_cast<size_t>(v)],
                       sp.dev_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
@@ -620,6 +629,9 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
   std::copy(positions.begin(), positions.end(), positions_host_);
   sp.error = nullptr;
   sp.cpu_seconds = 0;
+  for (Segment& s : sp.segs)
+    if (s.ready < 0) run_segment(&s);
+  if (sp.error) std::rethrow_exception(sp.error);
   if (sp.n_tokens == 1 && opt_.graphs) {
     if (sp.graph < 0) {
       dev_.begin_capture();

@@ -8,7 +8,9 @@
 // the Device in graph order: GPU ops on the main stream; each CPU segment as a host callback on
 // the aux stream, forked from the main stream right after the last GPU op that produces one of
 // its inputs (whose values are copied into pinned host buffers first) and joined back before the
-// first GPU op that reads one of its outputs (copied to the device on the aux stream). So GPU
+// first GPU op that reads one of its outputs (copied to the device on the aux stream). A segment
+// that reads nothing from the device (embed with token_embd on the CPU) runs on the calling
+// thread before the step is enqueued, so it costs no host callback. So GPU
 // ops that do not depend on a CPU segment run while it runs, and nothing on the host waits per
 // layer: the host thread enqueues the whole step and waits once at the end. Decode steps
 // (one token) are captured as a Device graph the first time and replayed after that; token ids
