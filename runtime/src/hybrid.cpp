@@ -290,10 +290,16 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
         h = kv_home_.at(static_cast<size_t>(op.attn.layer));
         break;
       default:
-        if (op.weight != graph::kNoWeight)
+        if (op.weight != graph::kNoWeight) {
           h = home_of(op.weight);
-        else
-          h = sp.value_home[static_cast<size_t>(op.inputs.at(0))];
+        } else {
+          // Weightless ops (add, swiglu, rope, routing, last rows) run on the device as soon as
+          // one input lives there: following only the first input would keep a residual chain
+          // that starts on the CPU (token_embd there) on the CPU for the whole step.
+          h = Home::cpu;
+          for (ValueId v : op.inputs)
+            if (sp.value_home[static_cast<size_t>(v)] == Home::gpu) h = Home::gpu;
+        }
     }
     sp.op_home[i] = h;
     sp.value_home[static_cast<size_t>(op.output)] = h;
