@@ -5,8 +5,8 @@
 // How a step runs. Each op gets a side: an op with weights runs where they live (moe_experts:
 // where its expert tensors live), attention where its layer's KV cache lives, any other op on
 // the device when one of its inputs was produced there, else on the CPU. Consecutive CPU ops
-// form a segment. Everything is enqueued on the Device in graph order: GPU ops on the main stream; each CPU segment as a host callback on
-// the aux stream, forked from the main stream right after the last GPU op that produces one of
+// form a segment. Everything is enqueued on the Device in graph order: GPU ops on the main
+// stream; each CPU segment as a host callback on the aux stream, forked from the main stream right after the last GPU op that produces one of
 // its inputs (whose values are copied into pinned host buffers first) and joined back before the
 // first GPU op that reads one of its outputs (copied to the device on the aux stream). A segment
 // that reads nothing from the device (embed with token_embd on the CPU) runs on the calling
