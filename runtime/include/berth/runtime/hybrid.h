@@ -2,19 +2,19 @@
 // decides), GPU ops on Device streams and CPU ops on the pinned worker pool, at the same time
 // where the graph allows.
 //
-// How a step runs. Each op gets a side: an op with weights runs where they live (moe_experts:
-// where its expert tensors live), attention where its layer's KV cache lives, any other op on
-// the device when one of its inputs was produced there, else on the CPU. Consecutive CPU ops
-// form a segment. Everything is enqueued on the Device in graph order: GPU ops on the main
-// stream; each CPU segment as a host callback on the aux stream, forked from the main stream right after the last GPU op that produces one of
-// its inputs (whose values are copied into pinned host buffers first) and joined back before the
-// first GPU op that reads one of its outputs (copied to the device on the aux stream). A segment
-// that reads nothing from the device (embed with token_embd on the CPU) runs on the calling
-// thread before the step is enqueued, so it costs no host callback. So GPU
-// ops that do not depend on a CPU segment run while it runs, and nothing on the host waits per
-// layer: the host thread enqueues the whole step and waits once at the end. Decode steps
-// (one token) are captured as a Device graph the first time and replayed after that; token ids
-// and positions travel through fixed pinned/device buffers, so a replay sees the new ones.
+// How a step runs. Each op gets a side: an op with weights runs where they live (moe_experts: where
+// its expert tensors live), attention where its layer's KV cache lives, any other op on the device
+// when one of its inputs was produced there, else on the CPU. Consecutive CPU ops form a segment.
+// Everything is enqueued on the Device in graph order: GPU ops on the main stream; each CPU segment
+// as a host callback on the aux stream, forked from the main stream right after the last GPU op
+// that produces one of its inputs (whose values are copied into pinned host buffers first) and
+// joined back before the first GPU op that reads one of its outputs (copied to the device on the
+// aux stream). A segment that reads nothing from the device (embed with token_embd on the CPU) runs
+// on the calling thread before the step is enqueued, so it costs no host callback. So GPU ops that
+// do not depend on a CPU segment run while it runs, and nothing on the host waits per layer: the
+// host thread enqueues the whole step and waits once at the end. Decode steps (one token) are
+// captured as a Device graph the first time and replayed after that; token ids and positions travel
+// through fixed pinned/device buffers, so a replay sees the new ones.
 //
 // Memory: GPU-resident weights are uploaded once (1-D tensors such as norm scales and biases as
 // f32); device activations share one arena, offsets assigned by liveness in enqueue order
