@@ -113,6 +113,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                             hp.n_ctx_train));
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
+  if (o.handoff == "flags")
+    sp.hybrid.handoff = Handoff::flags;
+  else if (o.handoff == "callback")
+    sp.hybrid.handoff = Handoff::callback;
+  else if (o.handoff != "auto")
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
   r.placement = placed.plan.how;
   if (sp.device) {
     r.device = sp.device->name();
@@ -131,12 +138,23 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     return t;
   };
   session.executor().set_profiling(o.profile);
+  if (session.hybrid()) {
+    session.hybrid()->set_profiling(o.profile);
+    r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
+  }
+  auto reset_gpu = [&] {
+    if (session.hybrid()) session.hybrid()->reset_gpu_profile();
+  };
+  auto gpu_shares = [&] {
+    return session.hybrid() ? shares(session.hybrid()->gpu_profile(), o.repetitions)
+                            : std::vector<OpShare>{};
+  };
   if (o.n_prompt > 0) {
     std::vector<double> secs;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       const std::vector<int32_t> t = tokens(o.n_prompt);
       session.reset();
-      if (rep == 1) session.executor().reset_profile();
+      if (rep == 1) session.executor().reset_profile(), reset_gpu();
       const auto t0 = std::chrono::steady_clock::now();
       (void)session.eval(t);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -147,13 +165,14 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     }
     r.pp_tok_s = rate_of(secs, o.n_prompt);
     r.pp_profile = shares(session.executor().profile(), o.repetitions);
+    r.pp_gpu_profile = gpu_shares();
   }
   if (o.n_gen > 0) {
     std::vector<double> secs;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       const std::vector<int32_t> t = tokens(o.n_gen);
       session.reset();
-      if (rep == 1) session.executor().reset_profile();
+      if (rep == 1) session.executor().reset_profile(), reset_gpu();
       const auto t0 = std::chrono::steady_clock::now();
       double cpu_s = 0;
       for (int32_t id : t) {
@@ -168,6 +187,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     }
     r.tg_tok_s = rate_of(secs, o.n_gen);
     r.tg_profile = shares(session.executor().profile(), o.repetitions);
+    r.tg_gpu_profile = gpu_shares();
   }
   const size_t llc = r.machine.llc_bytes;
   r.dram =
@@ -277,6 +297,9 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_cpu_busy", r.tg_cpu_busy},
       {"pp_cpu_busy", r.pp_cpu_busy},
       {"stream_min_tokens", r.options.stream_min_tokens},
+      {"handoff", r.handoff},
+      {"pp_gpu_profile", prof(r.pp_gpu_profile)},
+      {"tg_gpu_profile", prof(r.tg_gpu_profile)},
       {"pp_profile", prof(r.pp_profile)},
       {"tg_profile", prof(r.tg_profile)},
   };
@@ -308,11 +331,11 @@ std::string format_text(const ModelBenchResult& r) {
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token from "
+        "{:.1f} GB/s; hand-off {}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token from "
         "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
         "step\n",
         r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
-        r.h2d_gbps, static_cast<double>(r.decode_gpu_bytes) / 1e9,
+        r.h2d_gbps, r.handoff, static_cast<double>(r.decode_gpu_bytes) / 1e9,
         static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s,
         100 * r.tg_cpu_busy, 100 * r.pp_cpu_busy);
   }
@@ -327,6 +350,8 @@ std::string format_text(const ModelBenchResult& r) {
   };
   prof("pp", r.pp_profile);
   prof("tg", r.tg_profile);
+  prof("pp device", r.pp_gpu_profile);
+  prof("tg device", r.tg_gpu_profile);
   return s;
 }
 

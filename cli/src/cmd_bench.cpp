@@ -118,7 +118,13 @@ Runner add_bench(CLI::App& app) {
       ->check(CLI::Range(1, 1000));
   m->add_option("--dram-mib", o->model_dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
-  m->add_flag("--profile", o->m.profile, "also report time per op kind");
+  m->add_flag("--profile", o->m.profile,
+              "also report time per op kind (with a device: decode steps run without graph "
+              "replay, each device op timed)");
+  m->add_option("--handoff", o->m.handoff,
+                "how CPU segments hand over with the device: auto, flags (pinned-memory flags "
+                "polled by the calling thread) or callback (host callbacks)")
+      ->check(CLI::IsMember({"auto", "flags", "callback"}));
   add_placement_flags(*m, o->m.placement);
   m->add_option("--stream-experts", o->m.stream_min_tokens,
                 "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "

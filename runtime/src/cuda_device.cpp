@@ -3,6 +3,7 @@
 // graphs, and the gpu_kernels launchers. Compiled only with BERTH_CUDA.
 #ifdef BERTH_HAVE_CUDA
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -25,6 +26,12 @@ constexpr size_t kMiB = size_t{1} << 20;
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(e, what);
 }
+void drv(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* msg = nullptr;
+  cuGetErrorString(r, &msg);
+  throw Error(ErrorCategory::internal, fmt::format("CUDA: {}: {}", what, msg ? msg : "error"));
+}
 
 class CudaDevice final : public Device {
  public:
@@ -38,7 +45,16 @@ class CudaDevice final : public Device {
     if (index < 0 || index >= n)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("CUDA device {} does not exist ({} found)", index, n));
+    // The host thread sleeps in synchronize() instead of spinning on a core that a CPU worker
+    // needs (the hybrid step runs CPU experts on every core while it waits).
+    cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+    cudaGetLastError();
     check(cudaSetDevice(index), "cudaSetDevice");
+    // Stream memory operations (cuStreamWaitValue32/WriteValue32) are always available since
+    // CUDA 12; on host memory they need the host pointer to be usable by the device.
+    int host_ptr = 0;
+    cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, index);
+    flags_ = host_ptr != 0;
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);
@@ -119,7 +135,7 @@ class CudaDevice final : public Device {
   int record(int s) override {
     if (marks_.size() < kMarks) {
       cudaEvent_t e = nullptr;
-      check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreate(&e), "cudaEventCreate");  // timed: elapsed_ms
       marks_.push_back(e);
     }
     const int id = static_cast<int>(next_mark_++ % kMarks);
@@ -128,6 +144,25 @@ class CudaDevice final : public Device {
   }
   void wait_event(int s, int ev) override {
     check(cudaStreamWaitEvent(st(s), marks_.at(static_cast<size_t>(ev)), 0), "cudaStreamWaitEvent");
+  }
+  double elapsed_ms(int from, int to) override {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, marks_.at(static_cast<size_t>(from)),
+                               marks_.at(static_cast<size_t>(to))),
+          "cudaEventElapsedTime");
+    return ms;
+  }
+  bool supports_flags() const override { return flags_; }
+  void write_flag(int s, uint32_t* flag, uint32_t value) override {
+    drv(cuStreamWriteValue32(reinterpret_cast<CUstream>(st(s)),
+                             reinterpret_cast<CUdeviceptr>(flag), value,
+                             CU_STREAM_WRITE_VALUE_DEFAULT),
+        "cuStreamWriteValue32");
+  }
+  void wait_flag(int s, const uint32_t* flag, uint32_t value) override {
+    drv(cuStreamWaitValue32(reinterpret_cast<CUstream>(st(s)),
+                            reinterpret_cast<CUdeviceptr>(flag), value, CU_STREAM_WAIT_VALUE_GEQ),
+        "cuStreamWaitValue32");
   }
   void synchronize() override {
     for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -243,6 +278,7 @@ class CudaDevice final : public Device {
   std::array<cudaEvent_t, kNumStreams * kNumStreams> pair_events_{};
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;
+  bool flags_ = false;  // stream memory operations on host memory work
   static constexpr size_t kMarks = 4096;
   std::vector<cudaEvent_t> marks_;
   size_t next_mark_ = 0;

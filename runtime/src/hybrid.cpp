@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 #include <cstring>
 #include <exception>
 
@@ -89,6 +91,7 @@ struct HybridExecutor::StepPlan {
   void* ws = nullptr;
   size_t ws_bytes = 0;
   float* out_host = nullptr;  // pinned copy of a GPU-produced output
+  uint32_t* flags = nullptr;  // Handoff::flags: per segment, ready then done (pinned)
   int graph = -1;             // captured Device graph (decode)
   double cpu_seconds = 0;
   std::exception_ptr error;
@@ -113,6 +116,13 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("placement names the KV cache of {} layers but the model has {}",
                             kv_home_.size(), cpu_kv_.n_layer()));
+  handoff_ = opt_.handoff == Handoff::automatic
+                 ? (dev_.supports_flags() ? Handoff::flags : Handoff::callback)
+                 : opt_.handoff;
+  if (handoff_ == Handoff::flags && !dev_.supports_flags())
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("{} cannot wait on flags in host memory; use the callback hand-off",
+                            dev_.name()));
   try {
     size_t total = 0, done = 0;
     for (size_t i = 0; i < weights_.size(); ++i)
@@ -410,6 +420,10 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
       }
     }
     sp.out_host = sp.host_val[out];
+    if (handoff_ == Handoff::flags && !sp.segs.empty()) {
+      sp.flags = static_cast<uint32_t*>(dev_.alloc_host(sp.segs.size() * 8, "hand-off flags"));
+      sp.pinned.push_back(sp.flags);
+    }
     sp.masks.assign(n_ops, nullptr);
     for (size_t i = 0; i < n_ops; ++i) {
       const Op& op = g.ops[i];
@@ -562,7 +576,13 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
         dev_.copy_d2h(kMain, sp.host_val[static_cast<size_t>(v)],
                       sp.dev_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
       dev_.wait(kAux, kMain);
-      dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
+      if (sp.flags) {
+        const size_t si = static_cast<size_t>(&s - sp.segs.data());
+        dev_.write_flag(kAux, &sp.flags[2 * si], 1);
+        dev_.wait_flag(kAux, &sp.flags[2 * si + 1], 1);
+      } else {
+        dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
+      }
       for (ValueId v : s.h2d) {
         dev_.copy_h2d(kAux, sp.dev_val[static_cast<size_t>(v)],
                       sp.host_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
@@ -607,6 +627,10 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       enqueue_op(sp, i, w);
       const int done = dev_.record(kMain);
       if (j + 2 < streamed.size()) start_copy(j + 2, done);
+    } else if (profiling_) {
+      const int a = dev_.record(kMain);
+      enqueue_op(sp, i);
+      marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
     } else {
       enqueue_op(sp, i);
     }
@@ -638,7 +662,11 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
   for (Segment& s : sp.segs)
     if (s.ready < 0) run_segment(&s);
   if (sp.error) std::rethrow_exception(sp.error);
-  if (sp.n_tokens == 1 && opt_.graphs) {
+  if (sp.flags)
+    for (size_t i = 0; i < 2 * sp.segs.size(); ++i)
+      std::atomic_ref<uint32_t>(sp.flags[i]).store(0, std::memory_order_relaxed);
+  marks_.clear();
+  if (sp.n_tokens == 1 && opt_.graphs && !profiling_) {
     if (sp.graph < 0) {
       dev_.begin_capture();
       try {
@@ -656,12 +684,57 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
   } else {
     enqueue_step(sp);
   }
+  if (sp.flags) serve_segments(sp);
   dev_.synchronize();
+  for (const auto& [kind, ab] : marks_) {
+    if (gpu_prof_.empty()) gpu_prof_.resize(static_cast<size_t>(OpKind::moe_experts) + 1);
+    auto& t = gpu_prof_[static_cast<size_t>(kind)];
+    t.seconds += dev_.elapsed_ms(ab.first, ab.second) / 1e3;
+    ++t.calls;
+  }
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = sp.cpu_seconds;
   if (sp.error) std::rethrow_exception(sp.error);
   const graph::ValueInfo& oi = sp.g.values[static_cast<size_t>(sp.g.output)];
   return {sp.out_host, static_cast<size_t>(oi.rows * oi.cols)};
+}
+
+void HybridExecutor::serve_segments(StepPlan& sp) {
+  // The device writes segment i's ready flag once its inputs are on the host, then waits for
+  // its done flag; segments become ready in order.
+  for (size_t i = 0; i < sp.segs.size(); ++i) {
+    Segment& s = sp.segs[i];
+    if (s.ready < 0) continue;
+    std::atomic_ref<uint32_t> ready(sp.flags[2 * i]);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
+      if ((spin & 0xffff) == 0xffff) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
+          // Never signalled: release every waiting stream so the device can finish, then fail.
+          for (size_t j = i; j < sp.segs.size(); ++j)
+            std::atomic_ref<uint32_t>(sp.flags[2 * j + 1]).store(1, std::memory_order_release);
+          dev_.synchronize();
+          throw Error(ErrorCategory::internal,
+                      fmt::format("{}: CPU segment {} of the step was not signalled in 60 s",
+                                  dev_.name(), i));
+        }
+        std::this_thread::yield();
+      }
+    }
+    run_segment(&s);
+    std::atomic_ref<uint32_t>(sp.flags[2 * i + 1]).store(1, std::memory_order_release);
+  }
+}
+
+std::vector<CpuExecutor::OpTime> HybridExecutor::gpu_profile() const {
+  std::vector<CpuExecutor::OpTime> out;
+  for (size_t k = 0; k < gpu_prof_.size(); ++k)
+    if (gpu_prof_[k].calls > 0) {
+      out.push_back(gpu_prof_[k]);
+      out.back().kind = graph::op_name(static_cast<OpKind>(k));
+    }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -93,6 +93,11 @@ class SimDevice final : public Device {
     return 0;
   }
   void wait_event(int s, int) override { check_stream(s); }
+  double elapsed_ms(int, int) override { return 0; }
+  // Work runs at enqueue time here, so a wait for a host thread's flag could never be met.
+  bool supports_flags() const override { return false; }
+  void write_flag(int, uint32_t*, uint32_t) override { no_flags(); }
+  void wait_flag(int, const uint32_t*, uint32_t) override { no_flags(); }
   void synchronize() override {}
 
   void begin_capture() override {
@@ -284,6 +289,9 @@ class SimDevice final : public Device {
   static void check_stream(int s) {
     if (s < 0 || s >= kNumStreams)
       throw Error(ErrorCategory::internal, fmt::format("SIM0: no stream {}", s));
+  }
+  [[noreturn]] static void no_flags() {
+    throw Error(ErrorCategory::unsupported, "SIM0 runs work at enqueue time and has no flags");
   }
   void enqueue(int s, std::function<void()> f) {
     check_stream(s);

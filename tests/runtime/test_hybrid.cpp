@@ -21,6 +21,7 @@
 #include "berth/runtime/hybrid.h"
 #include "berth/runtime/session.h"
 #include "berth/runtime/synth.h"
+#include "naive_llama.h"
 #include "test_util.h"
 
 using namespace berth;
@@ -69,7 +70,8 @@ int32_t argmax(std::span<const float> x) {
 
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
            const Homes* homes, int32_t n_ubatch = 512, bool graphs = true,
-           int32_t stream_min = 0, int64_t* streamed = nullptr) {
+           int32_t stream_min = 0, int64_t* streamed = nullptr,
+           Handoff handoff = Handoff::automatic) {
   SessionParams sp;
   sp.n_threads = 2;
   sp.n_ctx = 256;
@@ -80,6 +82,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
     sp.kv_home = homes->kv;
     sp.hybrid.graphs = graphs;
     sp.hybrid.stream_experts_min_tokens = stream_min;
+    sp.hybrid.handoff = handoff;
   }
   Session s(m, sp);
   Run r;
@@ -121,12 +124,21 @@ int hard_mismatches(const Run& got, const Run& ref, double band) {
   return bad;
 }
 
-// NMSE between a placement's logits and the CPU-only run's: the device keeps K and V in f16
-// (relative rounding 2^-11), which moves f32 logits by about that much relative (measured on
-// SimDevice: <= 7e-8). With 8-bit activations (q8_0 weights) a moved value now and then rounds
-// to the next integer step, which the next layers amplify (measured: 4.8e-5): still 30x below
-// what the q8_0 weights themselves cost against the f64 oracle (test_arch_oracle: ~1.6e-3).
-double placement_nmse(const std::string& type) { return type == "f32" ? 1e-6 : 1e-4; }
+// NMSE between a placement's logits and the CPU-only run's. f32: the device keeps K and V in f16
+// (relative rounding 2^-11), which moves f32 logits by about that much relative (measured:
+// <= 7e-8 on SimDevice, <= 5.6e-7 on the H200). Quantized weights: on SimDevice (the CPU's own
+// kernels) an f16-moved value now and then rounds to the next 8-bit activation step, which the
+// next layers amplify (measured 4.8e-5): 1e-4. On CUDA the activations are quantized by other
+// kernels (int8 per 32 for every type in the GEMV, f16 in the tensor-core GEMM), so the two runs
+// are two equally valid roundings, each about as far from the exact result as 8-bit
+// activations allow: the bound is the band test_arch_oracle grants the CPU path against the
+// f64 oracle, 5e-3 (measured on the H200: 1.9e-4 at ubatch 512, 4.0e-3 at ubatch 1-2). That
+// each side stays within that band of the exact result is checked against the oracle below.
+constexpr double kQuantOracleBand = 5e-3;
+double placement_nmse(const std::string& type) {
+  if (type == "f32") return 1e-6;
+  return use_cuda() ? kQuantOracleBand : 1e-4;
+}
 // Top-2 logit gap under which an f16 KV cache may flip a greedy choice.
 constexpr double kTieBand = 1e-2;
 
@@ -228,6 +240,13 @@ TEST_CASE("hybrid: replaying captured decode graphs equals eager steps bit for b
     });
     const Run eager = greedy(*model, prompt, 20, dev.get(), &h, 512, false);
     const Run replayed = greedy(*model, prompt, 20, dev.get(), &h, 512, true);
+    // The two hand-offs run the same kernels in the same order: identical bits.
+    const Run by_callback =
+        greedy(*model, prompt, 20, dev.get(), &h, 512, true, 0, nullptr, Handoff::callback);
+    CHECK(by_callback.tokens == replayed.tokens);
+    for (size_t s = 0; s < by_callback.logits.size(); ++s)
+      CHECK(std::memcmp(by_callback.logits[s].data(), replayed.logits[s].data(),
+                        by_callback.logits[s].size() * 4) == 0);
     CHECK(eager.tokens == replayed.tokens);
     bool same = eager.logits.size() == replayed.logits.size();
     for (size_t s = 0; same && s < eager.logits.size(); ++s)
@@ -329,5 +348,55 @@ TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the 
     MESSAGE("--n-cpu-moe ", n_cpu_moe, " streamed: NMSE ", nmse(got, ref));
     CHECK(nmse(got, ref) < placement_nmse("q8_0"));
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+  }
+}
+
+TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 oracle anywhere") {
+  // Dense (no routing ties to flip), so the exact forward is a meaningful reference for every
+  // step: each placement must be as close to it as the CPU path is required to be.
+  for (const std::string type : {"q8_0", "q4_k"}) {
+    CAPTURE(type);
+    SynthSpec spec = synth_preset("tiny-qwen3");
+    spec.type = type;
+    spec.seed = 3;
+    const auto path = test::temp_dir("hybrid") / fmt::format("tiny-qwen3-{}.gguf", type);
+    if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
+    gguf::File file = gguf::File::open(path.string());
+    auto model = load_model(file);
+    const int n_layer = static_cast<int>(model->hparams().n_layer);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 24; ++i) prompt.push_back((i * 41 + 9) % 200 + 3);
+    auto dev = test_device();
+    struct Case {
+      const char* name;
+      std::function<bool(const std::string&, int)> gpu;
+    };
+    const std::vector<Case> cases = {
+        {"CPU only", nullptr},
+        {"all GPU", [](const std::string&, int) { return true; }},
+        {"last layer", [&](const std::string&, int l) { return l == n_layer - 1; }},
+    };
+    for (const Case& c : cases) {
+      CAPTURE(std::string(c.name));
+      Homes h;
+      if (c.gpu) h = homes_by(*model, c.gpu);
+      const Run got = greedy(*model, prompt, 12, c.gpu ? dev.get() : nullptr, &h, 8);
+      oracle::NaiveModel naive(file, 256);
+      std::vector<double> want;
+      for (int32_t t : prompt) want = naive.step(t);
+      double worst = 0;
+      for (size_t s = 0; s < got.logits.size(); ++s) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          const double d = got.logits[s][i] - want[i];
+          num += d * d;
+          den += want[i] * want[i];
+        }
+        worst = std::max(worst, num / den);
+        want = naive.step(got.tokens[s]);
+      }
+      MESSAGE(type, " ", std::string(c.name), ": worst step NMSE vs the f64 oracle ", worst);
+      CHECK(worst < kQuantOracleBand);
+    }
   }
 }

@@ -41,6 +41,8 @@ struct ModelBenchOptions {
   placement::Flags placement;
   /// HybridOptions::stream_experts_min_tokens (0: CPU-held experts stay on the CPU in prefill).
   int32_t stream_min_tokens = 0;
+  /// HybridOptions::handoff: "auto", "flags" or "callback".
+  std::string handoff = "auto";
   std::function<void(std::string_view)> progress;
 };
 
@@ -66,6 +68,9 @@ struct ModelBenchResult {
   double fraction_of_bound = 0;      ///< tg_tok_s.median / bound_tok_s
   double decode_gbps = 0;            ///< tg tok/s x bytes per token / 1e9
   std::vector<OpShare> pp_profile, tg_profile;
+  /// With `profile` and a device: device time per op kind (steps run without graph replay).
+  std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
+  std::string handoff;  ///< "flags" or "callback"
   // With a device (hybrid runs):
   std::string device;                 ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
   std::string placement;              ///< the plan's description ("automatic", "--cpu-moe", ...)

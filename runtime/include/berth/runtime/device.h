@@ -75,6 +75,18 @@ class Device {
   virtual int record(int s) = 0;
   /// Work enqueued on `s` after this call waits for the work before mark `ev`.
   virtual void wait_event(int s, int ev) = 0;
+  /// Milliseconds between two marks whose work has completed (after synchronize()).
+  virtual double elapsed_ms(int from, int to) = 0;
+
+  /// Flags in page-locked host memory (from alloc_host), written and awaited by a stream without
+  /// a host callback: the CPU side polls and writes them itself. supports_flags() says whether
+  /// this device can (CUDA: stream memory operations on host memory).
+  virtual bool supports_flags() const = 0;
+  /// When the work before it in `s` is done, stores `value` to *flag (visible to host threads).
+  virtual void write_flag(int s, uint32_t* flag, uint32_t value) = 0;
+  /// Work enqueued on `s` after this call waits until *flag >= value (written by a host thread).
+  virtual void wait_flag(int s, const uint32_t* flag, uint32_t value) = 0;
+
   /// Blocks the calling thread until all streams are idle.
   virtual void synchronize() = 0;
 

@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "berth/graph/graph.h"
@@ -48,7 +49,21 @@ namespace berth {
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
                             Device* dev = nullptr);
 
+/// How a CPU segment and the device's streams hand over.
+enum class Handoff {
+  automatic,  ///< flags when the device supports them, else callback
+  /// The aux stream runs the segment as a host callback (cudaLaunchHostFunc) on the driver's
+  /// thread.
+  callback,
+  /// The aux stream writes a "ready" flag in pinned memory and waits for a "done" flag
+  /// (cuStreamWriteValue32 / cuStreamWaitValue32); the thread that called run() polls the
+  /// ready flags in order, runs each segment itself and writes its done flag. No driver
+  /// callback thread, and the caller's thread does the work instead of sleeping.
+  flags,
+};
+
 struct HybridOptions {
+  Handoff handoff = Handoff::automatic;
   /// Capture decode steps (1 token) as a Device graph and replay them.
   bool graphs = true;
   /// Prefill: a ubatch of at least this many tokens computes the routed experts that live on
@@ -92,6 +107,14 @@ class HybridExecutor {
   size_t device_weight_bytes() const { return dev_weight_bytes_; }
   size_t device_kv_bytes() const { return dev_kv_bytes_; }
   size_t device_scratch_bytes() const;
+  /// Device time per op kind: when on, steps run eagerly (no graph replay) with a timed mark
+  /// around each device op; gpu_profile() sums them since the last reset.
+  void set_profiling(bool on) { profiling_ = on; }
+  std::vector<CpuExecutor::OpTime> gpu_profile() const;
+  void reset_gpu_profile() { gpu_prof_.clear(); }
+  /// The hand-off in use (automatic resolved).
+  Handoff handoff() const { return handoff_; }
+
   /// moe_experts ops run on the device with streamed weights since construction.
   int64_t streamed_ops() const { return n_streamed_; }
   CpuExecutor& cpu() { return cpu_; }
@@ -105,6 +128,7 @@ class HybridExecutor {
   void enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr);
   void stream_copy(const graph::Op& op, int buf);
   static void run_segment(void* arg);
+  void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
   void release();  // frees everything on the device (destructor, failed constructor)
 
   ThreadPool& pool_;
@@ -127,6 +151,10 @@ class HybridExecutor {
   int64_t max_tokens_ = 0;
   std::vector<std::unique_ptr<StepPlan>> plans_;
   double last_step_s_ = 0, last_cpu_s_ = 0;
+  Handoff handoff_ = Handoff::callback;
+  bool profiling_ = false;
+  std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
+  std::vector<CpuExecutor::OpTime> gpu_prof_;                         // indexed by OpKind
   int64_t n_streamed_ = 0;
 };
 
