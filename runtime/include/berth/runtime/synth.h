@@ -155,8 +155,8 @@ struct SynthStats {
 /// quantized while the file is written, one tensor at a time in slabs of rows split across
 /// `n_threads` workers (<= 0: all physical cores): memory holds the largest tensor in its
 /// target type (the gguf::Writer's producer buffer) plus one f32 row per worker, never a whole
-/// f32 model. Quantization uses ggml's reference quantizers (ref::quantize_row_fast: Q4_K without
-/// the scale search, about 10x faster on these random values). Row r of the
+/// f32 model. Quantization uses ggml's reference quantizers (ref::quantize_row_fast: Q4_K and
+/// Q6_K without the scale search, several times faster on these random values). Row r of the
 /// tensor at index t (file order) draws from SplitMix64 (Steele et al. 2014) seeded with a hash
 /// of (seed, t, r), so the bytes depend only on the spec, not on the thread count.
 /// `progress` (optional) is called on the calling thread with the fraction of tensor bytes
