@@ -14,52 +14,87 @@ namespace {
 void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
 
 // ---- moe_route -------------------------------------------------------------------------------
-// One thread per token, replaying berth::cpu::moe_topk's arithmetic in the same order: keys are
-// the logits in double (NaN -> -inf); the k best by (key descending, id ascending) — a strict
-// total order, so any selection method yields the same ids; max, then the softmax denominator
-// summed sequentially over e = 0..n-1, then the selected sum in slot order, then p or p / sel
-// rounded once to float. The only possible difference from the host is the last bit of a double
-// exp (both libraries are within 1 ulp), which the final rounding to float absorbs except in
-// vanishingly rare cases.
+// One block per token, replaying berth::cpu::moe_topk's arithmetic: keys are the logits in
+// double (NaN -> -inf); the k best by (key descending, id ascending), a strict total order, so
+// the parallel selection below picks exactly the serial one's ids; max (order-free), each
+// exp(key - max) computed once by its thread, then the softmax denominator summed by one thread
+// sequentially over e = 0..n-1 and the selected sum in slot order, then p or p / sel rounded once
+// to float: the same operations on the same values as the host. The only possible difference
+// from the host is the last bit of a double exp (both libraries are within 1 ulp), which the
+// final rounding to float absorbs except in vanishingly rare cases.
+constexpr int kRouteThreads = 128;
+
 __device__ __forceinline__ double route_key(float l) {
   return isnan(l) ? -CUDART_INF : static_cast<double>(l);
 }
 
-__global__ void moe_route_kernel(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
-                                 bool norm, float* out) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= n_tok) return;
-  const float* l = logits + t * n_expert;
-  float* o = out + t * 2 * k;
+// (key, id) ahead of (bkey, bid) in the selection order; id < 0 is "none".
+__device__ __forceinline__ bool route_ahead(double key, int32_t id, double bkey, int32_t bid) {
+  return bid < 0 || (id >= 0 && (key > bkey || (key == bkey && id < bid)));
+}
+
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out) {
+  extern __shared__ double ex[];  // n_expert: exp(key - max); then n_expert chosen flags
+  auto* chosen = reinterpret_cast<unsigned char*>(ex + n_expert);
+  __shared__ double red_key[kRouteThreads / 32];
+  __shared__ int32_t red_id[kRouteThreads / 32];
+  __shared__ double mx_s;
+  const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_expert;
+  float* o = out + static_cast<int64_t>(blockIdx.x) * 2 * k;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  constexpr int kWarps = kRouteThreads / 32;
+
   double mx = -CUDART_INF;
-  for (int32_t e = 0; e < n_expert; ++e) mx = fmax(mx, route_key(l[e]));
-  double sum = 0.0;
-  for (int32_t e = 0; e < n_expert; ++e) sum += exp(route_key(l[e]) - mx);
-  // Selection: slot j takes the best expert strictly after slot j-1's in the total order.
-  double prev_key = CUDART_INF;
-  int32_t prev_id = -1;
-  double sel = 0.0;
-  for (int32_t j = 0; j < k; ++j) {
-    int32_t best = -1;
-    double best_key = 0.0;
-    for (int32_t e = 0; e < n_expert; ++e) {
-      const double ke = route_key(l[e]);
-      const bool after_prev = ke < prev_key || (ke == prev_key && e > prev_id);
-      if (!after_prev) continue;
-      if (best < 0 || ke > best_key) {  // ties keep the lower id (scanned first)
-        best = e;
-        best_key = ke;
-      }
-    }
-    o[j] = static_cast<float>(best);
-    prev_key = best_key;
-    prev_id = best;
-    sel += exp(best_key - mx) / sum;
+  for (int32_t e = tid; e < n_expert; e += kRouteThreads) {
+    mx = fmax(mx, route_key(l[e]));
+    chosen[e] = 0;
   }
+  for (int off = 16; off > 0; off >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) red_key[warp] = mx;
+  __syncthreads();
+  if (tid == 0) {
+    double m = red_key[0];
+    for (int w = 1; w < kWarps; ++w) m = fmax(m, red_key[w]);
+    mx_s = m;
+  }
+  __syncthreads();
+  mx = mx_s;
+  for (int32_t e = tid; e < n_expert; e += kRouteThreads) ex[e] = exp(route_key(l[e]) - mx);
+  __syncthreads();
+
+  // Slot j: the best expert not chosen yet (block-wide argmax in the selection order).
   for (int32_t j = 0; j < k; ++j) {
-    const int32_t e = static_cast<int32_t>(o[j]);
-    const double p = exp(route_key(l[e]) - mx) / sum;
-    o[k + j] = static_cast<float>(norm ? p / sel : p);
+    double bkey = 0.0;
+    int32_t bid = -1;
+    for (int32_t e = tid; e < n_expert; e += kRouteThreads)
+      if (!chosen[e] && route_ahead(route_key(l[e]), e, bkey, bid)) bkey = route_key(l[e]), bid = e;
+    for (int off = 16; off > 0; off >>= 1) {
+      const double ok = __shfl_xor_sync(0xffffffffu, bkey, off);
+      const int32_t oi = __shfl_xor_sync(0xffffffffu, bid, off);
+      if (route_ahead(ok, oi, bkey, bid)) bkey = ok, bid = oi;
+    }
+    if (lane == 0) red_key[warp] = bkey, red_id[warp] = bid;
+    __syncthreads();
+    if (tid == 0) {
+      double k0 = red_key[0];
+      int32_t i0 = red_id[0];
+      for (int w = 1; w < kWarps; ++w)
+        if (route_ahead(red_key[w], red_id[w], k0, i0)) k0 = red_key[w], i0 = red_id[w];
+      chosen[i0] = 1;
+      o[j] = static_cast<float>(i0);
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    double sum = 0.0;
+    for (int32_t e = 0; e < n_expert; ++e) sum += ex[e];
+    double sel = 0.0;
+    for (int32_t j = 0; j < k; ++j) sel += ex[static_cast<int32_t>(o[j])] / sum;
+    for (int32_t j = 0; j < k; ++j) {
+      const double p = ex[static_cast<int32_t>(o[j])] / sum;
+      o[k + j] = static_cast<float>(norm ? p / sel : p);
+    }
   }
 }
 
@@ -182,9 +217,12 @@ void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, 
     bad_arg("gpu::moe_route: k = " + std::to_string(k) + " must be in [1, n_expert = " +
             std::to_string(n_expert) + "]");
   if (n_tok <= 0) return;
-  const int threads = 64;
-  moe_route_kernel<<<static_cast<unsigned>((n_tok + threads - 1) / threads), threads, 0,
-                     stream>>>(logits, n_tok, n_expert, k, norm, out);
+  if (n_tok > 0x7fffffff) bad_arg("gpu::moe_route: too many tokens");
+  const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + 1);
+  if (smem > 48 * 1024)
+    bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 5000");
+  moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(
+      logits, n_expert, k, norm, out);
   BERTH_LAUNCH_CHECK("moe_route_kernel");
 }
 
