@@ -113,6 +113,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                             hp.n_ctx_train));
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
+  sp.hybrid.host_expert_share = o.host_expert_share;
   if (o.handoff == "flags")
     sp.hybrid.handoff = Handoff::flags;
   else if (o.handoff == "callback")
@@ -297,6 +298,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_cpu_busy", r.tg_cpu_busy},
       {"pp_cpu_busy", r.pp_cpu_busy},
       {"stream_min_tokens", r.options.stream_min_tokens},
+      {"host_expert_share", r.options.host_expert_share},
       {"handoff", r.handoff},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},

@@ -47,6 +47,7 @@ struct RunOptions {
   SessionParams session;
   placement::Flags placement;
   int32_t stream_min = 0;
+  double host_expert_share = 0;
   SamplerParams sampling;
   bool display_prompt = false;
   bool no_bos = false;
@@ -180,6 +181,7 @@ int run(const RunOptions& o) {
   SessionParams params = o.session;
   const PlacementSetup placed = place(*model, o.placement, params, true);
   params.hybrid.stream_experts_min_tokens = o.stream_min;
+  params.hybrid.host_expert_share = o.host_expert_share;
   log::info("{}", placed.summary());
   Session session(*model, params);
   log::info("{}: {} {}, {} layers, n_embd {}, vocab {}; context {} tokens, KV cache {:.1f} MiB",
@@ -242,6 +244,11 @@ Runner add_run(CLI::App& app) {
                   "streaming their weights (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
+  sub->add_option("--host-expert-share", o->host_expert_share,
+                "decode: the GPU computes this fraction of each CPU-held layer's experts by "
+                "reading them over PCIe from pinned host memory, while the CPU computes the rest "
+                "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
+      ->check(CLI::Range(0.0, 1.0));
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();

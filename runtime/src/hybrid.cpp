@@ -76,6 +76,8 @@ struct Segment {
 
 struct HybridExecutor::StepPlan {
   std::vector<bool> streamed;  // per op: CPU-held experts computed on the device (prefill)
+  std::vector<bool> host_w;    // per op: device op reading expert weights from pinned host memory
+  std::vector<int32_t> orig_index;  // op of the model's graph -> op of g
   int32_t n_tokens = 0;
   int64_t out_rows = 0;
   size_t n_ops = 0;
@@ -167,8 +169,9 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
       dev_v_[l] = static_cast<uint16_t*>(dev_.alloc(vb, fmt::format("the V cache of layer {}", l)));
       dev_kv_bytes_ += kb + vb;
     }
-    if (opt_.stream_experts_min_tokens > 0) {
-      // Per layer: the CPU-held expert tensors of one layer (gate, up, down) share a stage.
+    if (opt_.stream_experts_min_tokens > 0 || opt_.host_expert_share > 0) {
+      // Pinned copies of the CPU-held expert tensors: streamed to the device (prefill) or read
+      // by it in place over PCIe (host_expert_share).
       pinned_weight_.assign(weights_.size(), nullptr);
       for (size_t i = 0; i < weights_.size(); ++i) {
         const TensorView& w = weights_.tensors[i];
@@ -228,7 +231,69 @@ size_t HybridExecutor::device_scratch_bytes() const {
 }
 
 Home HybridExecutor::op_home(const graph::Graph& g, size_t i) {
-  return plan_for(g).op_home.at(i);
+  StepPlan& sp = plan_for(g);
+  return sp.op_home.at(static_cast<size_t>(sp.orig_index.at(i)));
+}
+
+void HybridExecutor::split_host_experts(StepPlan& sp) const {
+  // Each moe_experts op whose experts live on the CPU, whose input comes from a device-held norm
+  // and that is not streamed becomes: the CPU's share (the op over the other experts), the
+  // device's share (the op over every 1/f-th expert, weights read from the pinned host copy) and
+  // an add. The graph's contract: ops over disjoint expert sets add up to the layer.
+  graph::Graph& g = sp.g;
+  const double f = opt_.host_expert_share;
+  std::vector<Op> ops;
+  std::vector<int32_t> producer(g.values.size(), -1);
+  sp.orig_index.clear();
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const Op& op = g.ops[i];
+    const int32_t p = op.kind == OpKind::moe_experts ? producer[static_cast<size_t>(op.inputs[0])] : -1;
+    const bool split =
+        f > 0 && p >= 0 && weight_home_[static_cast<size_t>(op.moe.gate)] == Home::cpu &&
+        !pinned_weight_.empty() && pinned_weight_[static_cast<size_t>(op.moe.gate)] &&
+        pinned_weight_[static_cast<size_t>(op.moe.up)] &&
+        pinned_weight_[static_cast<size_t>(op.moe.down)] && ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
+        weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
+        !(opt_.stream_experts_min_tokens > 0 && g.n_tokens >= opt_.stream_experts_min_tokens);
+    sp.orig_index.push_back(static_cast<int32_t>(ops.size() + (split ? 2 : 0)));
+    if (!split) {
+      producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size());
+      ops.push_back(op);
+      sp.host_w.push_back(false);
+      continue;
+    }
+    Op cpu_op = op, dev_op = op;
+    cpu_op.moe.experts.clear();
+    dev_op.moe.experts.clear();
+    // Every 1/f-th expert (evenly spread over the ids), among those the op computes.
+    int64_t taken = 0, seen = 0;
+    for (int32_t e = 0; e < op.moe.n_expert; ++e) {
+      if (!op.moe.has_expert(e)) continue;
+      ++seen;
+      const bool dev = static_cast<int64_t>(static_cast<double>(seen) * f) > taken;
+      taken += dev;
+      (dev ? dev_op : cpu_op).moe.experts.push_back(e);
+    }
+    const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
+    cpu_op.output = static_cast<ValueId>(g.values.size());
+    g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
+    dev_op.output = static_cast<ValueId>(g.values.size());
+    g.values.push_back({vi.rows, vi.cols, vi.name + ".gpu"});
+    cpu_op.name += ".cpu";
+    dev_op.name += ".gpu";
+    Op sum;
+    sum.kind = OpKind::add;
+    sum.inputs = {dev_op.output, cpu_op.output};
+    sum.output = op.output;
+    sum.name = op.name + ".sum";
+    ops.push_back(cpu_op);
+    ops.push_back(dev_op);
+    ops.push_back(sum);
+    sp.host_w.insert(sp.host_w.end(), {false, true, false});
+    producer.resize(g.values.size(), -1);
+    producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size() - 1);
+  }
+  g.ops = std::move(ops);
 }
 
 namespace {
@@ -257,17 +322,20 @@ size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable
 
 }  // namespace
 
-HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
-  const int64_t out_rows = g.values.at(static_cast<size_t>(g.output)).rows;
+HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_graph) {
+  const int64_t out_rows = model_graph.values.at(static_cast<size_t>(model_graph.output)).rows;
   for (auto& sp : plans_)
-    if (sp->n_tokens == g.n_tokens && sp->out_rows == out_rows && sp->n_ops == g.ops.size())
+    if (sp->n_tokens == model_graph.n_tokens && sp->out_rows == out_rows &&
+        sp->n_ops == model_graph.ops.size())
       return *sp;
   auto owned = std::make_unique<StepPlan>();
   StepPlan& sp = *owned;
-  sp.n_tokens = g.n_tokens;
+  sp.n_tokens = model_graph.n_tokens;
   sp.out_rows = out_rows;
-  sp.n_ops = g.ops.size();
-  sp.g = g;
+  sp.n_ops = model_graph.ops.size();
+  sp.g = model_graph;
+  split_host_experts(sp);
+  const graph::Graph& g = sp.g;
   const size_t n_ops = g.ops.size(), n_val = g.values.size();
   const auto home_of = [&](graph::WeightId id) { return weight_home_.at(static_cast<size_t>(id)); };
 
@@ -288,7 +356,9 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& g) {
                                   "tensors of one layer must live together",
                                   weights_[op.moe.gate].name, weights_[op.moe.up].name,
                                   weights_[op.moe.down].name));
-        if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 &&
+        if (sp.host_w[i]) {
+          h = Home::gpu;
+        } else if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 &&
             g.n_tokens >= opt_.stream_experts_min_tokens &&
             sp.value_home[static_cast<size_t>(op.inputs[0])] == Home::gpu) {
           h = Home::gpu;
@@ -627,12 +697,18 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       enqueue_op(sp, i, w);
       const int done = dev_.record(kMain);
       if (j + 2 < streamed.size()) start_copy(j + 2, done);
-    } else if (profiling_) {
-      const int a = dev_.record(kMain);
-      enqueue_op(sp, i);
-      marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
     } else {
-      enqueue_op(sp, i);
+      const void* host_w[3];
+      if (sp.host_w[i]) {
+        const auto& m = g.ops[i].moe;
+        host_w[0] = pinned_weight_[static_cast<size_t>(m.gate)];
+        host_w[1] = pinned_weight_[static_cast<size_t>(m.up)];
+        host_w[2] = pinned_weight_[static_cast<size_t>(m.down)];
+        ++n_host_w_;
+      }
+      const int a = profiling_ ? dev_.record(kMain) : -1;
+      enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
+      if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
     }
     launch_ready(static_cast<int32_t>(i));
   }

@@ -71,7 +71,7 @@ int32_t argmax(std::span<const float> x) {
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
            const Homes* homes, int32_t n_ubatch = 512, bool graphs = true,
            int32_t stream_min = 0, int64_t* streamed = nullptr,
-           Handoff handoff = Handoff::automatic) {
+           Handoff handoff = Handoff::automatic, double host_share = 0) {
   SessionParams sp;
   sp.n_threads = 2;
   sp.n_ctx = 256;
@@ -83,6 +83,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
     sp.hybrid.graphs = graphs;
     sp.hybrid.stream_experts_min_tokens = stream_min;
     sp.hybrid.handoff = handoff;
+    sp.hybrid.host_expert_share = host_share;
   }
   Session s(m, sp);
   Run r;
@@ -399,4 +400,43 @@ TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 o
       CHECK(worst < kQuantOracleBand);
     }
   }
+}
+
+TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned host memory") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back((i * 31 + 17) % 200 + 3);
+  auto dev = test_device();
+  const Homes h = homes_by(*model, [](const std::string& n, int) {
+    return n.find("_exps") == std::string::npos;
+  });
+  for (int32_t ub : {512, 3}) {
+    CAPTURE(ub);
+    const Run ref = greedy(*model, prompt, 16, nullptr, nullptr, ub);
+    const Run got = greedy(*model, prompt, 16, dev.get(), &h, ub, true, 0, nullptr,
+                           Handoff::automatic, 0.34);
+    MESSAGE("host expert share 0.34, ub ", ub, ": NMSE ", nmse(got, ref));
+    CHECK(nmse(got, ref) < placement_nmse("q8_0"));
+    CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+  }
+  // Where the ops went: per layer, the CPU's share on the CPU, the device's share and the sum
+  // on the device; the model's other ops where they were.
+  SessionParams sp;
+  sp.n_threads = 1;
+  sp.n_ctx = 64;
+  sp.device = dev.get();
+  sp.weight_home = h.w;
+  sp.kv_home = h.kv;
+  sp.hybrid.host_expert_share = 0.5;
+  Session s(*model, sp);
+  const int32_t tok = 9;
+  s.eval(std::span<const int32_t>(&tok, 1));
+  const graph::Graph g = model->build_step(1, 1);
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    // The model's moe_experts op became the sum: on the device.
+    CHECK(s.hybrid()->op_home(g, i) == Home::gpu);
+  }
+  CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
+  CHECK(s.hybrid()->last_cpu_seconds() > 0);                          // and the CPU's share ran
 }

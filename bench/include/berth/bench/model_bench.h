@@ -41,6 +41,8 @@ struct ModelBenchOptions {
   placement::Flags placement;
   /// HybridOptions::stream_experts_min_tokens (0: CPU-held experts stay on the CPU in prefill).
   int32_t stream_min_tokens = 0;
+  /// HybridOptions::host_expert_share (0: off).
+  double host_expert_share = 0;
   /// HybridOptions::handoff: "auto", "flags" or "callback".
   std::string handoff = "auto";
   std::function<void(std::string_view)> progress;

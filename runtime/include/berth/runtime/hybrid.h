@@ -72,6 +72,12 @@ struct HybridOptions {
   /// copy of those tensors in host memory and two layers' expert tensors on the device.
   /// 0: never (the CPU computes them at every batch size).
   int32_t stream_experts_min_tokens = 0;
+  /// Decode and small ubatches: the device computes this fraction (0..1) of each CPU-held
+  /// layer's experts (every 1/f-th expert id) by reading their weights over PCIe from a pinned
+  /// host copy, at the same time as the CPU computes the rest; the two partial sums are added
+  /// on the device. Balances when f ~ PCIe / (PCIe + DRAM) bandwidth. Needs the pinned copy (as
+  /// stream_experts_min_tokens). 0: off.
+  double host_expert_share = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -117,13 +123,16 @@ class HybridExecutor {
 
   /// moe_experts ops run on the device with streamed weights since construction.
   int64_t streamed_ops() const { return n_streamed_; }
+  /// Device ops enqueued that read expert weights from pinned host memory (host_expert_share).
+  int64_t host_expert_ops() const { return n_host_w_; }
   CpuExecutor& cpu() { return cpu_; }
   Device& device() { return dev_; }
 
   struct StepPlan;  // per graph shape (defined in hybrid.cpp)
 
  private:
-  StepPlan& plan_for(const graph::Graph& g);
+  StepPlan& plan_for(const graph::Graph& model_graph);
+  void split_host_experts(StepPlan& sp) const;
   void enqueue_step(StepPlan& sp);
   void enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr);
   void stream_copy(const graph::Op& op, int buf);
@@ -155,7 +164,7 @@ class HybridExecutor {
   bool profiling_ = false;
   std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
   std::vector<CpuExecutor::OpTime> gpu_prof_;                         // indexed by OpKind
-  int64_t n_streamed_ = 0;
+  int64_t n_streamed_ = 0, n_host_w_ = 0;
 };
 
 }  // namespace berth
