@@ -254,7 +254,7 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
         pinned_weight_[static_cast<size_t>(op.moe.up)] &&
         pinned_weight_[static_cast<size_t>(op.moe.down)] && ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
         weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
-        !(opt_.stream_experts_min_tokens > 0 && g.n_tokens >= opt_.stream_experts_min_tokens);
+        g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
     sp.orig_index.push_back(static_cast<int32_t>(ops.size() + (split ? 2 : 0)));
     if (!split) {
       producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size());
