@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <nlohmann/json.hpp>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "berth/core/error.h"
@@ -160,7 +160,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       (void)session.eval(t);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep > 0) secs.push_back(s);
-      if (rep > 0 && session.hybrid()) r.pp_cpu_busy += session.hybrid()->last_cpu_seconds() / s / o.repetitions;
+      if (rep > 0 && session.hybrid())
+        r.pp_cpu_busy += session.hybrid()->last_cpu_seconds() / s / o.repetitions;
       say(fmt::format("pp{}   run {}{}  {:8.2f} tok/s", o.n_prompt, rep, rep ? "" : " (warm-up)",
                       o.n_prompt / s));
     }
@@ -228,8 +229,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     void* b = dev.alloc(n, "bandwidth test");
     void* h = dev.alloc_host(n / 4, "bandwidth test");
     std::memset(h, 1, n / 4);
-    r.hbm_gbps = copy_gbps(dev, [&] { dev.copy_d2d(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
-    r.h2d_gbps = copy_gbps(dev, [&] { dev.copy_h2d(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
+    r.hbm_gbps = copy_gbps(
+        dev, [&] { dev.copy_d2d(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
+    r.h2d_gbps = copy_gbps(
+        dev, [&] { dev.copy_h2d(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
     dev.dealloc(a), dev.dealloc(b), dev.dealloc_host(h);
     const double t = static_cast<double>(r.decode_cpu_bytes) / (r.dram.gbps.median * 1e9) +
                      static_cast<double>(r.decode_gpu_bytes) / (r.hbm_gbps * 1e9);
@@ -333,13 +336,14 @@ std::string format_text(const ModelBenchResult& r) {
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s; hand-off {}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token from "
+        "{:.1f} GB/s; hand-off {}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token "
+        "from "
         "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
         "step\n",
         r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
         r.h2d_gbps, r.handoff, static_cast<double>(r.decode_gpu_bytes) / 1e9,
-        static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s,
-        100 * r.tg_cpu_busy, 100 * r.pp_cpu_busy);
+        static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s, 100 * r.tg_cpu_busy,
+        100 * r.pp_cpu_busy);
   }
   if (r.options.n_gen > 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,

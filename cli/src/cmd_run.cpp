@@ -17,8 +17,8 @@
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/chat.h"
-#include "berth/runtime/sampler.h"
 #include "berth/runtime/placed.h"
+#include "berth/runtime/sampler.h"
 #include "berth/runtime/session.h"
 #include "commands.h"
 #include "placement_flags.h"
@@ -245,9 +245,9 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
   sub->add_option("--host-expert-share", o->host_expert_share,
-                "decode: the GPU computes this fraction of each CPU-held layer's experts by "
-                "reading them over PCIe from pinned host memory, while the CPU computes the rest "
-                "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
+                  "decode: the GPU computes this fraction of each CPU-held layer's experts by "
+                  "reading them over PCIe from pinned host memory, while the CPU computes the rest "
+                  "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
       ->check(CLI::Range(0.0, 1.0));
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();

@@ -33,10 +33,10 @@
 namespace berth::gpu {
 namespace {
 
-constexpr int kQB = 16;          // query rows per block
-constexpr int kWarps = 4;        // warps per block
+constexpr int kQB = 16;    // query rows per block
+constexpr int kWarps = 4;  // warps per block
 constexpr int kRowsPerWarp = kQB / kWarps;
-constexpr int kT = 64;           // cache rows per tile
+constexpr int kT = 64;  // cache rows per tile
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / 32;  // head-dim pairs a lane owns in P.V
@@ -97,8 +97,8 @@ __device__ __forceinline__ float2 h2f(uint32_t w) {
 template <int W>
 __device__ __forceinline__ void load_tile(const uint32_t* __restrict__ k_cache,
                                           const uint32_t* __restrict__ v_cache, uint32_t* Ks,
-                                          uint32_t* Vs, int64_t j0, int64_t end,
-                                          int64_t kv_stride2, int32_t kvh, int hd2, int tid) {
+                                          uint32_t* Vs, int64_t j0, int64_t end, int64_t kv_stride2,
+                                          int32_t kvh, int hd2, int tid) {
   using Unit = typename std::conditional<W == 2, uint2, uint32_t>::type;
   constexpr int kBatch = 8;
   const int units_per_row = hd2 / W;
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(kThreads)
     attention_kernel(const float* __restrict__ q, const uint32_t* __restrict__ k_cache,
                      const uint32_t* __restrict__ v_cache, const int32_t* __restrict__ positions,
                      int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
-                     float q_scale, bool wide, float* __restrict__ out,
-                     float* __restrict__ ws_acc, float* __restrict__ ws_ml) {
+                     float q_scale, bool wide, float* __restrict__ out, float* __restrict__ ws_acc,
+                     float* __restrict__ ws_ml) {
   extern __shared__ float4 smem4[];
   float* Qs = reinterpret_cast<float*>(smem4);
   float* Ps = Qs + kQB * hd;
@@ -342,8 +342,7 @@ void ensure_smem_attribute() {
 
 }  // namespace
 
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
-                                 int32_t head_dim) {
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim) {
   const int64_t s = attention_splits(n_tok, n_ctx, n_head);
   if (s <= 1) return 0;
   return static_cast<size_t>(s * n_tok * n_head * (head_dim + 2)) * sizeof(float);
@@ -357,16 +356,15 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
     bad_arg("gpu::attention: n_head " + std::to_string(n_head) +
             " is not a multiple of n_head_kv " + std::to_string(n_head_kv));
   if (head_dim < 2 || head_dim > kMaxHeadDim || head_dim % 2 != 0)
-    throw Error(ErrorCategory::unsupported, "gpu::attention: head_dim " +
-                                                std::to_string(head_dim) +
+    throw Error(ErrorCategory::unsupported, "gpu::attention: head_dim " + std::to_string(head_dim) +
                                                 " (must be even and <= 256)");
   if (n_ctx <= 0) bad_arg("gpu::attention: n_ctx must be positive");
   if (n_tok <= 0) return;
   const int64_t splits = attention_splits(n_tok, n_ctx, n_head);
   const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);
   if (workspace_bytes < need)
-    bad_arg("gpu::attention: workspace of " + std::to_string(workspace_bytes) +
-            " bytes, needs " + std::to_string(need));
+    bad_arg("gpu::attention: workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
+            std::to_string(need));
   const int64_t group = n_head / n_head_kv;
   const int64_t q_blocks = (n_tok * group + kQB - 1) / kQB;
   if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");

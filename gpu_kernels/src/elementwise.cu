@@ -86,8 +86,7 @@ __global__ void rope_kernel(const float* x, float* out, int64_t rows, int32_t n_
     const int64_t r = rh / n_head;
     const int64_t off = rh * head_dim;
     if (s < half) {
-      const double theta =
-          static_cast<double>(positions[r]) * pow(freq_base, -2.0 * s / n_rot);
+      const double theta = static_cast<double>(positions[r]) * pow(freq_base, -2.0 * s / n_rot);
       double sn, cs;
       sincos(theta, &sn, &cs);
       const float c = static_cast<float>(cs), si = static_cast<float>(sn);
@@ -107,8 +106,8 @@ void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argum
 
 }  // namespace
 
-void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols,
-              int64_t group, float eps, cudaStream_t stream) {
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols, int64_t group,
+              float eps, cudaStream_t stream) {
   if (group <= 0 || cols % group != 0)
     bad_arg("gpu::rms_norm: group " + std::to_string(group) + " does not divide cols " +
             std::to_string(cols));
@@ -142,17 +141,15 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStrea
   BERTH_LAUNCH_CHECK("swiglu_kernel");
 }
 
-void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
-          int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
-          cudaStream_t stream) {
+void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim, int32_t n_rot,
+          float freq_base, bool neox, const int32_t* positions, cudaStream_t stream) {
   if (n_rot < 0 || n_rot % 2 != 0 || n_rot > head_dim || n_head <= 0)
     bad_arg("gpu::rope: n_rot " + std::to_string(n_rot) + " must be even and <= head_dim " +
             std::to_string(head_dim));
   const int64_t n = rows * n_head * (n_rot / 2 + (head_dim - n_rot));
   if (n <= 0) return;
-  rope_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, out, rows, n_head, head_dim, n_rot,
-                                                    static_cast<double>(freq_base), neox,
-                                                    positions);
+  rope_kernel<<<grid_for(n), kThreads, 0, stream>>>(
+      x, out, rows, n_head, head_dim, n_rot, static_cast<double>(freq_base), neox, positions);
   BERTH_LAUNCH_CHECK("rope_kernel");
 }
 

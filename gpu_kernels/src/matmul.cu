@@ -64,9 +64,9 @@ bool is_quantized(GgmlType t) { return !is_float_type(t); }
 
 void check_type(GgmlType t, int64_t n, const char* what) {
   if (!supports(t))
-    throw Error(ErrorCategory::unsupported,
-                std::string(what) + ": weight type " + std::string(type_name(t)) +
-                    " is not supported on the GPU");
+    throw Error(ErrorCategory::unsupported, std::string(what) + ": weight type " +
+                                                std::string(type_name(t)) +
+                                                " is not supported on the GPU");
   if (n < 0 || n % block_elems(t) != 0)
     throw Error(ErrorCategory::invalid_argument,
                 std::string(what) + ": row length " + std::to_string(n) +
@@ -110,7 +110,8 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   const int s1 = __shfl_sync(0xffffffffu, s, 16);
-  if (lane == 0) meta[grp] = make_float4(d, d * static_cast<float>(s), d * static_cast<float>(s1), 0.0f);
+  if (lane == 0)
+    meta[grp] = make_float4(d, d * static_cast<float>(s), d * static_cast<float>(s1), 0.0f);
 }
 
 struct GemvArgs {
@@ -148,6 +149,20 @@ __device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w,
 }
 
 // NT: accumulators per thread (1 for single-token calls, kGemvTok otherwise).
+// Epilogue of both GEMVs: the lanes of a row sum their partial dot products, lane 0 stores them.
+template <int NT>
+__device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], bool active, int sl,
+                                           int64_t out0, int64_t r) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+  if (active && sl == 0) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
+  }
+}
+
 template <GgmlType T, int NT>
 __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
   const uint8_t* w;
@@ -156,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_warp = 32 / a.lpr;
   const int sl = lane & (a.lpr - 1);
-  const int64_t r = (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp +
-                    lane / a.lpr;
+  const int64_t r =
+      (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
   const bool active = r < a.n_out;
   const int G = static_cast<int>(a.n_in / 32);
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
@@ -189,14 +204,7 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
       }
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-  if (active && sl == 0) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
-  }
+  gemv_store<NT>(a, acc, active, sl, out0, r);
 }
 
 // 8 consecutive weights from a 16-byte aligned address.
@@ -230,8 +238,8 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_warp = 32 / a.lpr;
   const int sl = lane & (a.lpr - 1);
-  const int64_t r = (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp +
-                    lane / a.lpr;
+  const int64_t r =
+      (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
   const bool active = r < a.n_out;
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
   float acc[NT];
@@ -264,21 +272,14 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
         if (NT == 1 || t < a.n_tok) acc[t] += wv * a.xf[(act0 + t) * a.n_in + i];
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-  if (active && sl == 0) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
-  }
+  gemv_store<NT>(a, acc, active, sl, out0, r);
 }
 
 // One thread per (row, 32-element group).
 template <GgmlType T, class O>
 __global__ void dequant_q_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
-                                 int64_t n_w_rows, const int32_t* __restrict__ rows,
-                                 int64_t row0, int64_t n_rows, O* __restrict__ dst) {
+                                 int64_t n_w_rows, const int32_t* __restrict__ rows, int64_t row0,
+                                 int64_t n_rows, O* __restrict__ dst) {
   const int64_t G = n_in / 32;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n_rows * G) return;
@@ -311,8 +312,8 @@ __global__ void dequant_q_kernel(const uint8_t* __restrict__ w, size_t row_bytes
 // One thread per element (float weight types).
 template <GgmlType T, class O>
 __global__ void dequant_f_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
-                                 int64_t n_w_rows, const int32_t* __restrict__ rows,
-                                 int64_t row0, int64_t n_rows, O* __restrict__ dst) {
+                                 int64_t n_w_rows, const int32_t* __restrict__ rows, int64_t row0,
+                                 int64_t n_rows, O* __restrict__ dst) {
   const int64_t total = n_rows * n_in;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -355,12 +356,16 @@ unsigned blocks_for(int64_t n, int threads) {
 template <GgmlType T>
 void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
   if constexpr (is_float_type(T)) {
-    if (a.n_tok == 1) gemv_f_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
-    else gemv_f_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
+    if (a.n_tok == 1)
+      gemv_f_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
+    else
+      gemv_f_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
     BERTH_LAUNCH_CHECK("gemv_f_kernel");
   } else {
-    if (a.n_tok == 1) gemv_q_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
-    else gemv_q_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
+    if (a.n_tok == 1)
+      gemv_q_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
+    else
+      gemv_q_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
     BERTH_LAUNCH_CHECK("gemv_q_kernel");
   }
 }
@@ -375,19 +380,19 @@ void launch_dequant_t(const void* w, int64_t n_in, int64_t n_w_rows, const int32
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks_for(total, 256), 1 << 20));
     if (half_out)
       dequant_f_kernel<T, __half><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                      static_cast<__half*>(dst));
+                                                       static_cast<__half*>(dst));
     else
       dequant_f_kernel<T, float><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                     static_cast<float*>(dst));
+                                                      static_cast<float*>(dst));
     BERTH_LAUNCH_CHECK("dequant_f_kernel");
   } else {
     const unsigned grid = blocks_for(n_rows * (n_in / 32), 128);
     if (half_out)
       dequant_q_kernel<T, __half><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                      static_cast<__half*>(dst));
+                                                       static_cast<__half*>(dst));
     else
       dequant_q_kernel<T, float><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                     static_cast<float*>(dst));
+                                                      static_cast<float*>(dst));
     BERTH_LAUNCH_CHECK("dequant_q_kernel");
   }
 }
@@ -403,8 +408,7 @@ void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct
 }
 
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
-          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route,
-          cudaStream_t s) {
+          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s) {
   if (n_out == 0 || n_tok == 0 || (route.route && route.pairs == 0)) return;
   BERTH_CHECK(n_tok <= kGemvTok, "gemv: n_tok " + std::to_string(n_tok));
   GemvArgs a{};
@@ -430,9 +434,8 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
 }
 
-void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows,
-                  const int32_t* rows, int64_t row0, int64_t n_rows, void* dst, bool half_out,
-                  cudaStream_t s) {
+void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows, const int32_t* rows,
+                  int64_t row0, int64_t n_rows, void* dst, bool half_out, cudaStream_t s) {
   if (n_rows == 0 || n_in == 0) return;
   BERTH_DISPATCH(type, launch_dequant_t, w, n_in, n_w_rows, rows, row0, n_rows, dst, half_out, s)
 }
@@ -451,17 +454,17 @@ using namespace detail;
 
 namespace {
 
-constexpr size_t kChunkBytes = size_t{64} << 20;   // dequantized f16 weights per GEMM call
-constexpr size_t kCublasWs = size_t{32} << 20;     // cuBLAS workspace (its Hopper recommendation)
+constexpr size_t kChunkBytes = size_t{64} << 20;  // dequantized f16 weights per GEMM call
+constexpr size_t kCublasWs = size_t{32} << 20;    // cuBLAS workspace (its Hopper recommendation)
 
 const char* cublas_status(cublasStatus_t st) { return cublasGetStatusString(st); }
 
-#define BERTH_CUBLAS_CHECK(call)                                                          \
-  do {                                                                                    \
-    cublasStatus_t berth_st_ = (call);                                                    \
-    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                               \
-      throw Error(ErrorCategory::internal,                                                \
-                  std::string("cuBLAS: ") + #call + ": " + cublas_status(berth_st_));     \
+#define BERTH_CUBLAS_CHECK(call)                                                      \
+  do {                                                                                \
+    cublasStatus_t berth_st_ = (call);                                                \
+    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                           \
+      throw Error(ErrorCategory::internal,                                            \
+                  std::string("cuBLAS: ") + #call + ": " + cublas_status(berth_st_)); \
   } while (0)
 
 // One handle per (device, stream), created on first use; the map is guarded by a mutex.
@@ -483,7 +486,6 @@ int64_t chunk_rows(int64_t n_in, int64_t n_out) {
   const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes) / (n_in * 2));
   return std::min(n_out, per);
 }
-
 
 }  // namespace
 
@@ -524,9 +526,9 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
   if (n_tok <= 0 || n_out <= 0) return;
   const size_t need = matmul_workspace_bytes(type, n_in, n_out, n_tok);
   if (workspace_bytes < need || (need > 0 && workspace == nullptr))
-    throw Error(ErrorCategory::invalid_argument,
-                "matmul: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                    std::to_string(need) + " needed");
+    throw Error(ErrorCategory::invalid_argument, "matmul: workspace of " +
+                                                     std::to_string(workspace_bytes) + " bytes, " +
+                                                     std::to_string(need) + " needed");
   if (n_in == 0) {
     BERTH_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(n_tok * n_out) * 4, stream));
     return;
@@ -564,12 +566,11 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
       a = wh;
     }
     // Column-major view: C [rows x n_tok] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x n_tok).
-    BERTH_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
-                                    static_cast<int>(n_tok), static_cast<int>(n_in), &alpha, a,
-                                    CUDA_R_16F, static_cast<int>(n_in), xh, CUDA_R_16F,
-                                    static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F,
-                                    static_cast<int>(n_out), CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+    BERTH_CUBLAS_CHECK(
+        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n_tok),
+                     static_cast<int>(n_in), &alpha, a, CUDA_R_16F, static_cast<int>(n_in), xh,
+                     CUDA_R_16F, static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F,
+                     static_cast<int>(n_out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
 

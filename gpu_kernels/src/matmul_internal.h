@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-
 #include <string>
 
 #include "berth/core/error.h"
@@ -15,30 +14,30 @@
 namespace berth::gpu::detail {
 
 // Calls FN<T>(args...) for the runtime type t (CUDA code is C++17: no template lambdas).
-#define BERTH_TYPE_CASE(FN, T, ...) \
-  case ::berth::GgmlType::T:                 \
-    FN<::berth::GgmlType::T>(__VA_ARGS__);   \
+#define BERTH_TYPE_CASE(FN, T, ...)        \
+  case ::berth::GgmlType::T:               \
+    FN<::berth::GgmlType::T>(__VA_ARGS__); \
     break;
-#define BERTH_DISPATCH(t, FN, ...)                                                          \
-  switch (t) {                                                                              \
-    BERTH_TYPE_CASE(FN, F32, __VA_ARGS__)                                                   \
-    BERTH_TYPE_CASE(FN, F16, __VA_ARGS__)                                                   \
-    BERTH_TYPE_CASE(FN, BF16, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q4_0, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q4_1, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q5_0, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q5_1, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q8_0, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q2_K, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q3_K, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q4_K, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q5_K, __VA_ARGS__)                                                  \
-    BERTH_TYPE_CASE(FN, Q6_K, __VA_ARGS__)                                                  \
-    default:                                                                                \
-      throw ::berth::Error(::berth::ErrorCategory::unsupported,                                               \
-                  "GPU kernels: weight type " + std::string(::berth::type_name(t)) + " is not supported"); \
+#define BERTH_DISPATCH(t, FN, ...)                                                                 \
+  switch (t) {                                                                                     \
+    BERTH_TYPE_CASE(FN, F32, __VA_ARGS__)                                                          \
+    BERTH_TYPE_CASE(FN, F16, __VA_ARGS__)                                                          \
+    BERTH_TYPE_CASE(FN, BF16, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q4_0, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q4_1, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q5_0, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q5_1, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q8_0, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q2_K, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q3_K, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q4_K, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q5_K, __VA_ARGS__)                                                         \
+    BERTH_TYPE_CASE(FN, Q6_K, __VA_ARGS__)                                                         \
+    default:                                                                                       \
+      throw ::berth::Error(                                                                        \
+          ::berth::ErrorCategory::unsupported,                                                     \
+          "GPU kernels: weight type " + std::string(::berth::type_name(t)) + " is not supported"); \
   }
-
 
 /// Tokens handled by one GEMV launch (accumulators per thread).
 inline constexpr int kGemvTok = 8;
@@ -91,15 +90,13 @@ struct GemvRoute {
 /// out[t * out_stride + r] = W[r] . x[t] for r < n_out, t < n_tok (n_tok <= kGemvTok; 1 with a
 /// route). Quantized types read qa, float types read xf.
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
-          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route,
-          cudaStream_t s);
+          int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s);
 
 /// Dequantizes rows of W into dst [n_rows, n_in] (f16 when `half_out`, else f32). Row i of dst
 /// is row rows[i] of W (zeros when outside [0, n_w_rows)) when `rows` is given, else row
 /// row0 + i.
-void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows,
-                  const int32_t* rows, int64_t row0, int64_t n_rows, void* dst, bool half_out,
-                  cudaStream_t s);
+void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows, const int32_t* rows,
+                  int64_t row0, int64_t n_rows, void* dst, bool half_out, cudaStream_t s);
 
 /// dst [rows, n] f16 = x rows (row i of dst is row src_rows[i] / div of x when src_rows is
 /// given; rows i >= *count are skipped when count is given).

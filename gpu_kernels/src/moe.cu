@@ -57,7 +57,8 @@ __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok
   __syncwarp();
   for (int64_t base = 0; base < P; base += 32) {
     const int64_t p = base + lane;
-    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const int e =
+        p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, e);
     if (e >= 0 && lane == __ffs(same) - 1) cnt[e] += __popc(same);
     __syncwarp();
@@ -79,7 +80,8 @@ __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok
   const unsigned lt = (1u << lane) - 1u;
   for (int64_t base = 0; base < P; base += 32) {
     const int64_t p = base + lane;
-    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const int e =
+        p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, e);
     if (p < P) {
       if (e >= 0) {
@@ -118,8 +120,10 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
   int lo = 0, hi = a.n_expert - 1;  // last expert whose first tile is <= tile
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (a.tile_off[mid] <= tile) lo = mid;
-    else hi = mid - 1;
+    if (a.tile_off[mid] <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int e = lo;
   const int m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
@@ -202,14 +206,16 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
     if (m >= m_end || n >= a.n_out) continue;
     const size_t o = static_cast<size_t>(m) * a.n_out + n;
     const float v = Cs[r][c];
-    if (a.mode == 0) a.C[o] = v;
-    else a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+    if (a.mode == 0)
+      a.C[o] = v;
+    else
+      a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
   }
 }
 
 // g = silu(g) * u over the rows of valid pairs (float down weights in decode).
-__global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u,
-                                   int64_t n, const float* __restrict__ route, int k,
+__global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u, int64_t n,
+                                   const float* __restrict__ route, int k,
                                    const uint8_t* __restrict__ mask, int n_expert) {
   const int64_t p = blockIdx.x;
   if (slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) < 0) return;
@@ -246,7 +252,7 @@ void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
 // Workspace layout of one call (both paths); total() is moe_workspace_bytes.
 struct MoeLayout {
   bool decode;
-  size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                   // decode
+  size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                    // decode
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
   size_t end = 0;
 
@@ -259,7 +265,8 @@ struct MoeLayout {
       return at;
     };
     if (decode) {
-      if (is_quantized(w.gate_type) || is_quantized(w.up_type)) hq = take(qact_bytes(n_tok, w.n_embd));
+      if (is_quantized(w.gate_type) || is_quantized(w.up_type))
+        hq = take(qact_bytes(n_tok, w.n_embd));
       g = take(static_cast<size_t>(P * w.n_ff) * 4);
       u = take(static_cast<size_t>(P * w.n_ff) * 4);
       if (is_quantized(w.down_type)) aq = take(qact_bytes(P, w.n_ff));
@@ -304,9 +311,9 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   if (n_tok <= 0) return;
   const MoeLayout L(w, n_tok);
   if (workspace_bytes < L.end || workspace == nullptr)
-    throw Error(ErrorCategory::invalid_argument,
-                "moe_experts: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
-                    std::to_string(L.end) + " needed");
+    throw Error(ErrorCategory::invalid_argument, "moe_experts: workspace of " +
+                                                     std::to_string(workspace_bytes) + " bytes, " +
+                                                     std::to_string(L.end) + " needed");
   auto* ws = static_cast<uint8_t*>(workspace);
   const int k = w.n_expert_used;
   const int64_t P = n_tok * k;

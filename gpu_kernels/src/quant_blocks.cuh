@@ -79,18 +79,30 @@ constexpr int block_elems(GgmlType t) {
 }
 constexpr int block_nbytes(GgmlType t) {
   switch (t) {
-    case GgmlType::Q4_0: return 18;
-    case GgmlType::Q4_1: return 20;
-    case GgmlType::Q5_0: return 22;
-    case GgmlType::Q5_1: return 24;
-    case GgmlType::Q8_0: return 34;
-    case GgmlType::Q2_K: return 84;
-    case GgmlType::Q3_K: return 110;
-    case GgmlType::Q4_K: return 144;
-    case GgmlType::Q5_K: return 176;
-    case GgmlType::Q6_K: return 210;
-    case GgmlType::F32: return 4;
-    default: return 2;  // F16, BF16
+    case GgmlType::Q4_0:
+      return 18;
+    case GgmlType::Q4_1:
+      return 20;
+    case GgmlType::Q5_0:
+      return 22;
+    case GgmlType::Q5_1:
+      return 24;
+    case GgmlType::Q8_0:
+      return 34;
+    case GgmlType::Q2_K:
+      return 84;
+    case GgmlType::Q3_K:
+      return 110;
+    case GgmlType::Q4_K:
+      return 144;
+    case GgmlType::Q5_K:
+      return 176;
+    case GgmlType::Q6_K:
+      return 210;
+    case GgmlType::F32:
+      return 4;
+    default:
+      return 2;  // F16, BF16
   }
 }
 
@@ -163,7 +175,8 @@ __device__ __forceinline__ QGroup load_group(const uint8_t* row, int g) {
     const int j = g & 7, h = j >> 2, k = j & 3;
     const float d = f16_at(b + 80), dmin = f16_at(b + 82);
 #pragma unroll
-    for (int w = 0; w < 8; ++w) r.q[w] = (ld32_a4(b + 16 + 32 * h + 4 * w) >> (2 * k)) & 0x03030303u;
+    for (int w = 0; w < 8; ++w)
+      r.q[w] = (ld32_a4(b + 16 + 32 * h + 4 * w) >> (2 * k)) & 0x03030303u;
     const int s0 = b[2 * j], s1 = b[2 * j + 1];
     r.sc0 = d * static_cast<float>(s0 & 0xF);
     r.sc1 = d * static_cast<float>(s1 & 0xF);
@@ -227,9 +240,13 @@ __device__ __forceinline__ float to_f32(float v) { return v; }
 template <class O>
 __device__ __forceinline__ O from_f32(float v);
 template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 /// Element e (0..31) of a decoded group as float (sc*q + m, one rounding).
 __device__ __forceinline__ float group_value(const QGroup& g, int e) {

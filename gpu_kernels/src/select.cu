@@ -174,8 +174,7 @@ __global__ void __launch_bounds__(kTopkThreads)
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     const int64_t g = base + i;
     uint64_t key = 0;
-    if (g < n_in)
-      key = in_keys ? in_keys[g] : topk_key(logits[g], static_cast<uint32_t>(g));
+    if (g < n_in) key = in_keys ? in_keys[g] : topk_key(logits[g], static_cast<uint32_t>(g));
     s[i] = key;
   }
   __syncthreads();
@@ -214,20 +213,19 @@ int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
                float* out, cudaStream_t stream) {
   if (k < 1 || k > n_expert)
-    bad_arg("gpu::moe_route: k = " + std::to_string(k) + " must be in [1, n_expert = " +
-            std::to_string(n_expert) + "]");
+    bad_arg("gpu::moe_route: k = " + std::to_string(k) +
+            " must be in [1, n_expert = " + std::to_string(n_expert) + "]");
   if (n_tok <= 0) return;
   if (n_tok > 0x7fffffff) bad_arg("gpu::moe_route: too many tokens");
   const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + 1);
   if (smem > 48 * 1024)
     bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 5000");
-  moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(
-      logits, n_expert, k, norm, out);
+  moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(logits, n_expert,
+                                                                                  k, norm, out);
   BERTH_LAUNCH_CHECK("moe_route_kernel");
 }
 
-void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids,
-            cudaStream_t stream) {
+void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream) {
   if (n_vocab <= 0 || n_vocab > 0x7fffffff) bad_arg("gpu::argmax: bad n_vocab");
   if (rows <= 0) return;
   argmax_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, n_vocab, ids);
@@ -243,8 +241,8 @@ size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k) {
 void top_k(const float* logits, int64_t n_vocab, int32_t k, int32_t* ids, float* values,
            void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (k < 1 || k > 256 || k > n_vocab)
-    bad_arg("gpu::top_k: k = " + std::to_string(k) + " must be in [1, min(256, n_vocab = " +
-            std::to_string(n_vocab) + ")]");
+    bad_arg("gpu::top_k: k = " + std::to_string(k) +
+            " must be in [1, min(256, n_vocab = " + std::to_string(n_vocab) + ")]");
   if (n_vocab > 0x7fffffff) bad_arg("gpu::top_k: n_vocab too large");
   if (workspace_bytes < top_k_workspace_bytes(n_vocab, k))
     bad_arg("gpu::top_k: workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +

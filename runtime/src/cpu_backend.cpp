@@ -104,8 +104,8 @@ void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> subset
 }
 
 std::span<const float> CpuExecutor::value(const graph::Graph& g, graph::ValueId v) const {
-  if (v < 0 || static_cast<size_t>(v) >= g.values.size() || static_cast<size_t>(v) >= ptrs_.size() ||
-      ptrs_[static_cast<size_t>(v)] == nullptr)
+  if (v < 0 || static_cast<size_t>(v) >= g.values.size() ||
+      static_cast<size_t>(v) >= ptrs_.size() || ptrs_[static_cast<size_t>(v)] == nullptr)
     throw Error(ErrorCategory::invalid_argument, fmt::format("no value {} in the last run", v));
   const graph::ValueInfo& vi = g.values[static_cast<size_t>(v)];
   return {ptrs_[static_cast<size_t>(v)], static_cast<size_t>(vi.rows * vi.cols)};

@@ -39,9 +39,9 @@ class CudaDevice final : public Device {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
-      throw Error(ErrorCategory::io, fmt::format("no CUDA device: {}", e != cudaSuccess
-                                                                       ? cudaGetErrorString(e)
-                                                                       : "none found"));
+      throw Error(ErrorCategory::io,
+                  fmt::format("no CUDA device: {}",
+                              e != cudaSuccess ? cudaGetErrorString(e) : "none found"));
     if (index < 0 || index >= n)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("CUDA device {} does not exist ({} found)", index, n));
@@ -58,7 +58,8 @@ class CudaDevice final : public Device {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);
-    for (auto& s : streams_) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (auto& s : streams_)
+      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   ~CudaDevice() override {
     cudaSetDevice(index_);
@@ -86,10 +87,10 @@ class CudaDevice final : public Device {
     const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
     if (e != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-free error state of a failed allocation
-      throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free): {}", name_,
-                              (bytes + kMiB - 1) / kMiB, what, free_bytes() / kMiB,
-                              cudaGetErrorString(e)));
+      throw Error(
+          ErrorCategory::out_of_memory,
+          fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free): {}", name_,
+                      (bytes + kMiB - 1) / kMiB, what, free_bytes() / kMiB, cudaGetErrorString(e)));
     }
     return p;
   }
@@ -154,14 +155,13 @@ class CudaDevice final : public Device {
   }
   bool supports_flags() const override { return flags_; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
-    drv(cuStreamWriteValue32(reinterpret_cast<CUstream>(st(s)),
-                             reinterpret_cast<CUdeviceptr>(flag), value,
-                             CU_STREAM_WRITE_VALUE_DEFAULT),
+    drv(cuStreamWriteValue32(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
+                             value, CU_STREAM_WRITE_VALUE_DEFAULT),
         "cuStreamWriteValue32");
   }
   void wait_flag(int s, const uint32_t* flag, uint32_t value) override {
-    drv(cuStreamWaitValue32(reinterpret_cast<CUstream>(st(s)),
-                            reinterpret_cast<CUdeviceptr>(flag), value, CU_STREAM_WAIT_VALUE_GEQ),
+    drv(cuStreamWaitValue32(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
+                            value, CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32");
   }
   void synchronize() override {
@@ -227,20 +227,19 @@ class CudaDevice final : public Device {
                  const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                  int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
                  void* ws, size_t ws_bytes) override {
-    gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv,
-                   head_dim, scale, out, ws, ws_bytes, st(s));
+    gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv, head_dim,
+                   scale, out, ws, ws_bytes, st(s));
   }
-  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
-                 bool norm, float* out) override {
+  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
+                 float* out) override {
     gpu::moe_route(logits, n_tok, n_expert, k, norm, out, st(s));
   }
-  size_t moe_workspace_bytes(const DeviceMoeWeights& w, int64_t n_tok) override {
-    return gpu::moe_workspace_bytes(convert(w), n_tok);
+  size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) override {
+    return gpu::moe_workspace_bytes(w, n_tok);
   }
-  void moe_experts(int s, const DeviceMoeWeights& w, const float* h, const float* route,
-                   int64_t n_tok, const uint8_t* mask, float* out, void* ws,
-                   size_t ws_bytes) override {
-    gpu::moe_experts(convert(w), h, route, n_tok, mask, out, ws, ws_bytes, st(s));
+  void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
+                   const uint8_t* mask, float* out, void* ws, size_t ws_bytes) override {
+    gpu::moe_experts(w, h, route, n_tok, mask, out, ws, ws_bytes, st(s));
   }
   void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) override {
     gpu::argmax(logits, rows, n_vocab, ids, st(s));
@@ -261,14 +260,6 @@ class CudaDevice final : public Device {
       return e;
     }
     return pair_events_[static_cast<size_t>(s * kNumStreams + on)];
-  }
-  static gpu::MoeWeights convert(const DeviceMoeWeights& w) {
-    gpu::MoeWeights m{w.gate_type, w.up_type, w.down_type, w.gate, w.up, w.down};
-    m.n_embd = w.n_embd;
-    m.n_ff = w.n_ff;
-    m.n_expert = w.n_expert;
-    m.n_expert_used = w.n_expert_used;
-    return m;
   }
 
   int index_;

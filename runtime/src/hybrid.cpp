@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <thread>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
@@ -99,8 +99,8 @@ struct HybridExecutor::StepPlan {
   std::exception_ptr error;
 };
 
-HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights,
-                               KvCache& cpu_kv, Device& dev, std::vector<Home> weight_home,
+HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& cpu_kv,
+                               Device& dev, std::vector<Home> weight_home,
                                std::vector<Home> kv_home, HybridOptions options)
     : pool_(pool),
       weights_(weights),
@@ -112,8 +112,8 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
       cpu_(pool, weights, cpu_kv) {
   if (weight_home_.size() != weights_.size())
     throw Error(ErrorCategory::invalid_argument,
-                fmt::format("placement names {} tensors but the model has {}",
-                            weight_home_.size(), weights_.size()));
+                fmt::format("placement names {} tensors but the model has {}", weight_home_.size(),
+                            weights_.size()));
   if (kv_home_.size() != static_cast<size_t>(cpu_kv_.n_layer()))
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("placement names the KV cache of {} layers but the model has {}",
@@ -247,12 +247,14 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
   sp.orig_index.clear();
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
-    const int32_t p = op.kind == OpKind::moe_experts ? producer[static_cast<size_t>(op.inputs[0])] : -1;
+    const int32_t p =
+        op.kind == OpKind::moe_experts ? producer[static_cast<size_t>(op.inputs[0])] : -1;
     const bool split =
         f > 0 && p >= 0 && weight_home_[static_cast<size_t>(op.moe.gate)] == Home::cpu &&
         !pinned_weight_.empty() && pinned_weight_[static_cast<size_t>(op.moe.gate)] &&
         pinned_weight_[static_cast<size_t>(op.moe.up)] &&
-        pinned_weight_[static_cast<size_t>(op.moe.down)] && ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
+        pinned_weight_[static_cast<size_t>(op.moe.down)] &&
+        ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
         weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
         g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
     sp.orig_index.push_back(static_cast<int32_t>(ops.size() + (split ? 2 : 0)));
@@ -298,9 +300,25 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
 
 namespace {
 
+// A moe_experts op's stacked expert tensors, at `ptrs` (gate, up, down; null: no pointers).
+MoeWeights moe_weights(const graph::WeightTable& w, const graph::MoeParams& p,
+                       const void* const* ptrs) {
+  const TensorView& gt = w[p.gate];
+  MoeWeights m;
+  m.gate_type = gt.type;
+  m.up_type = w[p.up].type;
+  m.down_type = w[p.down].type;
+  if (ptrs) m.gate = ptrs[0], m.up = ptrs[1], m.down = ptrs[2];
+  m.n_embd = gt.ne[0];
+  m.n_ff = gt.ne[1];
+  m.n_expert = p.n_expert;
+  m.n_expert_used = p.n_expert_used;
+  return m;
+}
+
 // Workspace the op needs on the device.
-size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable& w,
-                    const Op& op, int64_t n_ctx) {
+size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable& w, const Op& op,
+                    int64_t n_ctx) {
   const int64_t rows = g.values[static_cast<size_t>(op.output)].rows;
   switch (op.kind) {
     case OpKind::matmul: {
@@ -310,10 +328,7 @@ size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable
     case OpKind::attention:
       return dev.attention_workspace_bytes(rows, n_ctx, op.attn.n_head, op.attn.head_dim);
     case OpKind::moe_experts: {
-      const TensorView& gt = w[op.moe.gate];
-      DeviceMoeWeights mw{gt.type, w[op.moe.up].type, w[op.moe.down].type, nullptr, nullptr,
-                          nullptr, gt.ne[0], gt.ne[1], op.moe.n_expert, op.moe.n_expert_used};
-      return dev.moe_workspace_bytes(mw, rows);
+      return dev.moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows);
     }
     default:
       return 0;
@@ -359,8 +374,8 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
         if (sp.host_w[i]) {
           h = Home::gpu;
         } else if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 &&
-            g.n_tokens >= opt_.stream_experts_min_tokens &&
-            sp.value_home[static_cast<size_t>(op.inputs[0])] == Home::gpu) {
+                   g.n_tokens >= opt_.stream_experts_min_tokens &&
+                   sp.value_home[static_cast<size_t>(op.inputs[0])] == Home::gpu) {
           h = Home::gpu;
           sp.streamed[i] = true;
         }
@@ -415,7 +430,9 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
     const int32_t p = producer[v];
     if (p < 0) continue;
     (sp.value_home[v] == Home::gpu ? need_dev : need_host)[v] = true;
-    birth[v] = sp.value_home[v] == Home::gpu ? p : sp.segs[static_cast<size_t>(seg_of[static_cast<size_t>(p)])].ready + 1;
+    birth[v] = sp.value_home[v] == Home::gpu
+                   ? p
+                   : sp.segs[static_cast<size_t>(seg_of[static_cast<size_t>(p)])].ready + 1;
     death[v] = birth[v];
   }
   for (size_t i = 0; i < n_ops; ++i) {
@@ -453,14 +470,15 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   sp.ws_bytes = 0;
   for (size_t i = 0; i < n_ops; ++i)
     if (sp.op_home[i] == Home::gpu)
-      sp.ws_bytes = std::max(sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx()));
+      sp.ws_bytes =
+          std::max(sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx()));
   try {
     size_t stage = 0;
     for (size_t i = 0; i < n_ops; ++i)
       if (sp.streamed[i]) {
         const auto& m = g.ops[i].moe;
-        stage = std::max(stage, weights_[m.gate].n_bytes + weights_[m.up].n_bytes +
-                                    weights_[m.down].n_bytes);
+        stage = std::max(
+            stage, weights_[m.gate].n_bytes + weights_[m.up].n_bytes + weights_[m.down].n_bytes);
       }
     if (stage > stage_bytes_) {
       for (void*& p : stage_)
@@ -499,7 +517,8 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
       const Op& op = g.ops[i];
       if (op.kind != OpKind::moe_experts || sp.op_home[i] != Home::gpu) continue;
       std::vector<uint8_t> m(static_cast<size_t>(op.moe.n_expert));
-      for (int32_t e = 0; e < op.moe.n_expert; ++e) m[static_cast<size_t>(e)] = op.moe.has_expert(e);
+      for (int32_t e = 0; e < op.moe.n_expert; ++e)
+        m[static_cast<size_t>(e)] = op.moe.has_expert(e);
       sp.masks[i] = static_cast<uint8_t*>(dev_.alloc(m.size(), "expert mask"));
       dev_.upload(sp.masks[i], m.data(), m.size());
     }
@@ -526,7 +545,6 @@ void HybridExecutor::run_segment(void* arg) {
   try {
     HybridExecutor& ex = *s->ex;
     const size_t n = static_cast<size_t>(sp.n_tokens);
-    ex.cpu_.begin_external(sp.g, sp.host_val);
     ex.cpu_.run_subset(sp.g, s->ops, std::span<const int32_t>(ex.tokens_host_, n),
                        std::span<const int32_t>(ex.positions_host_, n));
   } catch (...) {
@@ -559,7 +577,8 @@ void HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* strea
       return;
     }
     case OpKind::rms_norm: {
-      const float* w = op.weight == graph::kNoWeight ? nullptr : static_cast<const float*>(wdev(op.weight));
+      const float* w =
+          op.weight == graph::kNoWeight ? nullptr : static_cast<const float*>(wdev(op.weight));
       dev_.rms_norm(kMain, in(0), w, out, rows, cols, op.norm_group > 0 ? op.norm_group : cols,
                     op.eps);
       return;
@@ -600,22 +619,13 @@ void HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* strea
       dev_.add_bias(kMain, in(0), static_cast<const float*>(wdev(op.weight)), out, rows, cols);
       return;
     case OpKind::moe_route:
-      dev_.moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used,
-                     op.moe.norm_weights, out);
+      dev_.moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights,
+                     out);
       return;
     case OpKind::moe_experts: {
-      const TensorView& gt = weights_[op.moe.gate];
-      DeviceMoeWeights mw{gt.type,
-                          weights_[op.moe.up].type,
-                          weights_[op.moe.down].type,
-                          stream_w ? stream_w[0] : wdev(op.moe.gate),
-                          stream_w ? stream_w[1] : wdev(op.moe.up),
-                          stream_w ? stream_w[2] : wdev(op.moe.down),
-                          gt.ne[0],
-                          gt.ne[1],
-                          op.moe.n_expert,
-                          op.moe.n_expert_used};
-      dev_.moe_experts(kMain, mw, in(0), in(1), rows, sp.masks[i], out, sp.ws, sp.ws_bytes);
+      const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
+      dev_.moe_experts(kMain, moe_weights(weights_, op.moe, stream_w ? stream_w : dw), in(0), in(1),
+                       rows, sp.masks[i], out, sp.ws, sp.ws_bytes);
       return;
     }
   }
@@ -644,7 +654,8 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       }
       for (ValueId v : s.d2h)
         dev_.copy_d2h(kMain, sp.host_val[static_cast<size_t>(v)],
-                      sp.dev_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
+                      sp.dev_val[static_cast<size_t>(v)],
+                      value_bytes(g.values[static_cast<size_t>(v)]));
       dev_.wait(kAux, kMain);
       if (sp.flags) {
         const size_t si = static_cast<size_t>(&s - sp.segs.data());
@@ -654,8 +665,8 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
         dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
       }
       for (ValueId v : s.h2d) {
-        dev_.copy_h2d(kAux, sp.dev_val[static_cast<size_t>(v)],
-                      sp.host_val[static_cast<size_t>(v)], value_bytes(g.values[static_cast<size_t>(v)]));
+        dev_.copy_h2d(kAux, sp.dev_val[static_cast<size_t>(v)], sp.host_val[static_cast<size_t>(v)],
+                      value_bytes(g.values[static_cast<size_t>(v)]));
         pending[static_cast<size_t>(v)] = true;
       }
       any_pending = true;
@@ -735,6 +746,7 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
   std::copy(positions.begin(), positions.end(), positions_host_);
   sp.error = nullptr;
   sp.cpu_seconds = 0;
+  cpu_.begin_external(sp.g, sp.host_val);  // every segment of this step works on these buffers
   for (Segment& s : sp.segs)
     if (s.ready < 0) run_segment(&s);
   if (sp.error) std::rethrow_exception(sp.error);
@@ -809,7 +821,8 @@ std::vector<CpuExecutor::OpTime> HybridExecutor::gpu_profile() const {
       out.push_back(gpu_prof_[k]);
       out.back().kind = graph::op_name(static_cast<OpKind>(k));
     }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
   return out;
 }
 

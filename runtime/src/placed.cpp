@@ -19,8 +19,8 @@ double gib(size_t b) { return static_cast<double>(b) / (1ull << 30); }
 
 std::string PlacementSetup::summary() const {
   if (!device)
-    return fmt::format("placement: all {:.2f} GiB of weights on the CPU ({})", gib(plan.cpu_weight_bytes),
-                       plan.how);
+    return fmt::format("placement: all {:.2f} GiB of weights on the CPU ({})",
+                       gib(plan.cpu_weight_bytes), plan.how);
   return fmt::format(
       "placement ({}): {:.2f} GiB of weights + {:.2f} GiB KV cache + {:.2f} GiB scratch on {}, "
       "{:.2f} GiB of weights on the CPU",
@@ -43,11 +43,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     if (dev != "CPU" && dev != "cpu") wants_gpu = true;
   if (wants_gpu) s.device = default_device();
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  const bool has = s.device != nullptr || flags.vram_budget.has_value();
   s.request = plan_request(model, n_ctx, params.n_ubatch, flags,
                            s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
                            s.device ? s.device->free_bytes() : 0, s.device != nullptr);
-  (void)has;
   s.plan = placement::make_plan(s.request);
   bool any_gpu = false;
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
@@ -63,22 +61,24 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (progress_to_stderr) {
     const bool tty = isatty(STDERR_FILENO) == 1;
     const std::string name = s.device->name();
-    auto t0 = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+    auto t0 =
+        std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
     auto last = std::make_shared<int>(-1);
     params.hybrid.progress = [tty, name, t0, last](size_t done, size_t total) {
       const int pct = total ? static_cast<int>(done * 100 / total) : 100;
       if (tty && pct != *last) {
         const int fill = pct / 4;
         std::fprintf(stderr, "\rloading weights to %s [%-25s] %3d%% %.2f/%.2f GiB", name.c_str(),
-                     std::string(static_cast<size_t>(fill), '#').c_str(), pct, gib(done), gib(total));
+                     std::string(static_cast<size_t>(fill), '#').c_str(), pct, gib(done),
+                     gib(total));
         std::fflush(stderr);
       }
       *last = pct;
       if (done == total) {
         const double sec =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - *t0).count();
-        std::fprintf(stderr, "%sloaded %.2f GiB of weights to %s in %.1f s\n", tty ? "\r\x1b[K" : "",
-                     gib(total), name.c_str(), sec);
+        std::fprintf(stderr, "%sloaded %.2f GiB of weights to %s in %.1f s\n",
+                     tty ? "\r\x1b[K" : "", gib(total), name.c_str(), sec);
       }
     };
   }

@@ -27,9 +27,9 @@ Session::Session(const Model& model, SessionParams params)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));
   if (params_.device)
-    hybrid_ = std::make_unique<HybridExecutor>(*pool_, model.weights(), kv_, *params_.device,
-                                               params_.weight_home, params_.kv_home,
-                                               params_.hybrid);
+    hybrid_ =
+        std::make_unique<HybridExecutor>(*pool_, model.weights(), kv_, *params_.device,
+                                         params_.weight_home, params_.kv_home, params_.hybrid);
 }
 
 const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs) {
@@ -61,11 +61,13 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
     const bool last = done + nt == n;
     const int32_t n_out = all_logits ? nt : (last ? 1 : 0);
     positions_.resize(static_cast<size_t>(nt));
-    for (int32_t i = 0; i < nt; ++i) positions_[static_cast<size_t>(i)] = static_cast<int32_t>(start + done + i);
+    for (int32_t i = 0; i < nt; ++i)
+      positions_[static_cast<size_t>(i)] = static_cast<int32_t>(start + done + i);
     // A ubatch whose logits nobody wants still needs one output row to make a valid graph.
     const graph::Graph& g = graph_for(nt, std::max(n_out, 1));
     const auto ub = tokens.subspan(static_cast<size_t>(done), nt);
-    std::span<const float> out = hybrid_ ? hybrid_->run(g, ub, positions_) : exec_.run(g, ub, positions_);
+    std::span<const float> out =
+        hybrid_ ? hybrid_->run(g, ub, positions_) : exec_.run(g, ub, positions_);
     if (all_logits) {
       std::memcpy(logits_.data() + done * n_vocab, out.data(), out.size_bytes());
     } else if (last) {

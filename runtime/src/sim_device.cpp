@@ -45,9 +45,9 @@ class SimDevice final : public Device {
                               (bytes + kMiB - 1) / kMiB, what, (capacity_ - used_) / kMiB));
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
     if (!p)
-      throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("{}: host memory for {} MiB of {} is exhausted", name(),
-                              bytes / kMiB, what));
+      throw Error(
+          ErrorCategory::out_of_memory,
+          fmt::format("{}: host memory for {} MiB of {} is exhausted", name(), bytes / kMiB, what));
     // Fresh device memory holds garbage, not zeros: make reads of unwritten bytes visible.
     std::memset(p, 0x7f, bytes);
     sizes_[p] = bytes;
@@ -77,13 +77,17 @@ class SimDevice final : public Device {
     host_.erase(it);
   }
   void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void download(void* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-  }
+  void download(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
-  void copy_h2d(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
-  void copy_d2h(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
-  void copy_d2d(int s, void* dst, const void* src, size_t bytes) override { copy(s, dst, src, bytes); }
+  void copy_h2d(int s, void* dst, const void* src, size_t bytes) override {
+    copy(s, dst, src, bytes);
+  }
+  void copy_d2h(int s, void* dst, const void* src, size_t bytes) override {
+    copy(s, dst, src, bytes);
+  }
+  void copy_d2d(int s, void* dst, const void* src, size_t bytes) override {
+    copy(s, dst, src, bytes);
+  }
   void host_fn(int s, void (*fn)(void*), void* arg) override {
     enqueue(s, [fn, arg] { fn(arg); });
   }
@@ -219,8 +223,8 @@ class SimDevice final : public Device {
       }
     });
   }
-  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
-                 bool norm, float* out) override {
+  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
+                 float* out) override {
     enqueue(s, [=] {
       std::vector<int32_t> ids(static_cast<size_t>(k));
       for (int64_t t = 0; t < n_tok; ++t) {
@@ -230,14 +234,14 @@ class SimDevice final : public Device {
       }
     });
   }
-  size_t moe_workspace_bytes(const DeviceMoeWeights& w, int64_t) override {
+  size_t moe_workspace_bytes(const MoeWeights& w, int64_t) override {
     const size_t a = std::max(cpu::activation_row_bytes(w.gate_type, w.n_embd),
                               cpu::activation_row_bytes(w.up_type, w.n_embd));
     const size_t b = cpu::activation_row_bytes(w.down_type, w.n_ff);
     return a + b + static_cast<size_t>(3 * w.n_ff + w.n_embd) * 4 + 256;
   }
-  void moe_experts(int s, const DeviceMoeWeights& w, const float* h, const float* route,
-                   int64_t n_tok, const uint8_t* mask, float* out, void* ws, size_t) override {
+  void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
+                   const uint8_t* mask, float* out, void* ws, size_t) override {
     enqueue(s, [=] {
       const int32_t k = w.n_expert_used;
       const size_t gate_row = row_bytes(w.gate_type, w.n_embd);
@@ -248,7 +252,8 @@ class SimDevice final : public Device {
                                       cpu::activation_row_bytes(w.up_type, w.n_embd));
       float* g = reinterpret_cast<float*>(
           (reinterpret_cast<uintptr_t>(act_d + cpu::activation_row_bytes(w.down_type, w.n_ff)) +
-           63) / 64 * 64);
+           63) /
+          64 * 64);
       float* u = g + w.n_ff;
       float* y = u + w.n_ff;
       for (int64_t t = 0; t < n_tok; ++t) {

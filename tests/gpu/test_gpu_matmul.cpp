@@ -63,7 +63,9 @@ struct Dev {
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
   template <class T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const {
+    return static_cast<T*>(p);
+  }
   template <class T>
   void put(const std::vector<T>& v) {
     REQUIRE(v.size() * sizeof(T) <= n);
@@ -180,8 +182,8 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
     const int64_t bs = traits(t).block_size;
     // One block and several; for float types a length that is not a multiple of 8 (scalar
     // path) and one that is (16-byte loads).
-    std::vector<int64_t> lens = bs == 1 ? std::vector<int64_t>{40, 264}
-                                        : std::vector<int64_t>{bs, bs == 32 ? 320 : 768};
+    std::vector<int64_t> lens =
+        bs == 1 ? std::vector<int64_t>{40, 264} : std::vector<int64_t>{bs, bs == 32 ? 320 : 768};
     Pool pool_gemv, pool_gemm;
     for (int64_t n_in : lens) {
       CAPTURE(n_in);
@@ -279,8 +281,8 @@ struct MoeCase {
   GgmlType gate_t, up_t, down_t;
   int64_t n_embd = 256, n_ff = 512;
   int n_expert = 8, k = 3;
-  std::vector<uint8_t> gq, uq, dq;        // stacked expert weights
-  std::vector<double> G, U, D;            // decoded
+  std::vector<uint8_t> gq, uq, dq;  // stacked expert weights
+  std::vector<double> G, U, D;      // decoded
   Dev *dg = nullptr, *du = nullptr, *dd = nullptr;
 
   MoeCase(GgmlType g, GgmlType u, GgmlType d) : gate_t(g), up_t(u), down_t(d) {
@@ -474,8 +476,8 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
     return std::pair<double, double>(ms, wb / ms / 1e6);  // ms, GB/s of weights
   };
   // Decode GEMV bandwidth: the stacked 128 experts of a 2048 -> 768 layer as one matrix.
-  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K,
-                     GgmlType::Q6_K, GgmlType::Q3_K, GgmlType::F16, GgmlType::BF16}) {
+  for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,
+                     GgmlType::Q3_K, GgmlType::F16, GgmlType::BF16}) {
     for (int64_t nt : {1, 8}) {
       const auto [ms, gbs] = bench(t, 2048, 768 * 128, nt, true);
       std::printf("gemv %-5s 2048x98304 n_tok %ld: %.3f ms, %.0f GB/s\n",
@@ -541,8 +543,8 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
         const size_t wsb = gpu::moe_workspace_bytes(w, nt);
         Dev ws(wsb);
         ms[dec] = time_ms([&] {
-          gpu::moe_experts(w, dh.as<float>(), dr.as<float>(), nt, dm.as<uint8_t>(),
-                           o.as<float>(), ws.p, wsb, nullptr);
+          gpu::moe_experts(w, dh.as<float>(), dr.as<float>(), nt, dm.as<uint8_t>(), o.as<float>(),
+                           ws.p, wsb, nullptr);
         });
         CUDA_OK(cudaDeviceSynchronize());
       }

@@ -169,12 +169,11 @@ TEST_CASE("gpu: rms_norm, whole rows and per-head groups") {
     const auto w = gaussian(static_cast<size_t>(c.group), 70 + n, 0.3f, 1.0f);
     std::vector<float> ref(n);
     for (int64_t r = 0; r < c.rows * (c.cols / c.group); ++r)
-      ref::rms_norm(x.data() + r * c.group, c.weight ? w.data() : nullptr,
-                    ref.data() + r * c.group, c.group, 1e-6f);
+      ref::rms_norm(x.data() + r * c.group, c.weight ? w.data() : nullptr, ref.data() + r * c.group,
+                    c.group, 1e-6f);
     Dev<float> dx(x), dw(w), dout(n);
     dout.poison();
-    gpu::rms_norm(dx.p, c.weight ? dw.p : nullptr, dout.p, c.rows, c.cols, c.group, 1e-6f,
-                  nullptr);
+    gpu::rms_norm(dx.p, c.weight ? dw.p : nullptr, dout.p, c.rows, c.cols, c.group, 1e-6f, nullptr);
     CHECK(nmse(ref, dout.down()) <= kTolRmsNorm);
     gpu::rms_norm(dx.p, c.weight ? dw.p : nullptr, dx.p, c.rows, c.cols, c.group, 1e-6f,
                   nullptr);  // in place
@@ -188,8 +187,8 @@ TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
     int32_t n_head, head_dim, n_rot;
     float base;
   };
-  const Case cases[] = {{4, 64, 64, 10000.0f}, {3, 128, 64, 1000000.0f}, {2, 8, 8, 10000.0f},
-                        {5, 96, 32, 500000.0f}};
+  const Case cases[] = {
+      {4, 64, 64, 10000.0f}, {3, 128, 64, 1000000.0f}, {2, 8, 8, 10000.0f}, {5, 96, 32, 500000.0f}};
   const std::vector<int32_t> positions = {0, 1, 2, 17, 511, 4095, 32767};
   const int64_t rows = static_cast<int64_t>(positions.size());
   Dev<int32_t> dpos(positions);
@@ -218,8 +217,7 @@ TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
       }
       Dev<float> dx(x), dout(x.size());
       dout.poison();
-      gpu::rope(dx.p, dout.p, rows, c.n_head, c.head_dim, c.n_rot, c.base, neox, dpos.p,
-                nullptr);
+      gpu::rope(dx.p, dout.p, rows, c.n_head, c.head_dim, c.n_rot, c.base, neox, dpos.p, nullptr);
       CHECK(nmse(ref, dout.down()) <= kTolRope);
       gpu::rope(dx.p, dx.p, rows, c.n_head, c.head_dim, c.n_rot, c.base, neox, dpos.p, nullptr);
       CHECK(nmse(ref, dx.down()) <= kTolRope);
@@ -251,7 +249,8 @@ double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t
   const auto old_v = gaussian(static_cast<size_t>(n_past * kv_dim), seed + 4);
   std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim), 0xffff);  // f16 NaN
   std::vector<uint16_t> vc = kc;
-  for (size_t i = 0; i < old_k.size(); ++i) kc[i] = f32_to_fp16(old_k[i]), vc[i] = f32_to_fp16(old_v[i]);
+  for (size_t i = 0; i < old_k.size(); ++i)
+    kc[i] = f32_to_fp16(old_k[i]), vc[i] = f32_to_fp16(old_v[i]);
   std::vector<int32_t> pos(static_cast<size_t>(n_tok));
   std::iota(pos.begin(), pos.end(), static_cast<int32_t>(n_past));
 
@@ -297,7 +296,8 @@ double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t
         mx = std::max(mx, sc[static_cast<size_t>(j)]);
       }
       double sum = 0;
-      for (int64_t j = 0; j < n_kv; ++j) sum += (sc[static_cast<size_t>(j)] = std::exp(sc[static_cast<size_t>(j)] - mx));
+      for (int64_t j = 0; j < n_kv; ++j)
+        sum += (sc[static_cast<size_t>(j)] = std::exp(sc[static_cast<size_t>(j)] - mx));
       for (int32_t d = 0; d < s.head_dim; ++d) {
         double a = 0;
         for (int64_t j = 0; j < n_kv; ++j)
@@ -311,11 +311,11 @@ double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t
 }
 
 const AttnShape kAttnShapes[] = {
-    {2, 2, 8},   {8, 2, 8},     // head_dim 8 (stories260K-like), GQA ratios 1 and 4
-    {2, 2, 64},  {8, 2, 64},    //
-    {2, 2, 128}, {8, 2, 128},   //
-    {4, 1, 256},                // the largest head_dim, ratio 4
-    {4, 2, 6},                  // head_dim % 4 != 0: the 4-byte cache-load path
+    {2, 2, 8},   {8, 2, 8},    // head_dim 8 (stories260K-like), GQA ratios 1 and 4
+    {2, 2, 64},  {8, 2, 64},   //
+    {2, 2, 128}, {8, 2, 128},  //
+    {4, 1, 256},               // the largest head_dim, ratio 4
+    {4, 2, 6},                 // head_dim % 4 != 0: the 4-byte cache-load path
 };
 
 TEST_CASE("gpu: attention decode at several cache lengths") {
@@ -514,7 +514,8 @@ TEST_CASE("gpu: top_k order and ties") {
         std::vector<int32_t> ref_ids(order.begin(), order.begin() + k);
         std::vector<float> ref_vals(static_cast<size_t>(k));
         for (int32_t j = 0; j < k; ++j)
-          ref_vals[static_cast<size_t>(j)] = l[static_cast<size_t>(ref_ids[static_cast<size_t>(j)])];
+          ref_vals[static_cast<size_t>(j)] =
+              l[static_cast<size_t>(ref_ids[static_cast<size_t>(j)])];
         const size_t ws_bytes = gpu::top_k_workspace_bytes(n_vocab, k);
         Dev<float> dl(l), dvals(static_cast<size_t>(k));
         Dev<int32_t> dids(static_cast<size_t>(k));
@@ -557,8 +558,8 @@ TEST_CASE("gpu: attention timing (printed only)") {
     const size_t ws_bytes = gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim);
     Dev<uint8_t> ws(ws_bytes);
     auto run = [&] {
-      gpu::attention(dq.p, dk.p, dk.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head,
-                     s.n_head_kv, s.head_dim, 0.088f, dout.p, ws.p, ws_bytes, nullptr);
+      gpu::attention(dq.p, dk.p, dk.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
+                     s.head_dim, 0.088f, dout.p, ws.p, ws_bytes, nullptr);
     };
     for (int i = 0; i < 5; ++i) run();
     const int iters = 50;
@@ -575,8 +576,8 @@ TEST_CASE("gpu: attention timing (printed only)") {
   const double pre_late = time_us(512, 3584);
   MESSAGE("attention 32q/8kv heads x 128, n_ctx 4096: decode at position 4095: "
           << dec << " us (K+V " << (2.0 * 4096 * kv_dim * 2 / 1e6) << " MB -> "
-          << (2.0 * 4096 * kv_dim * 2 / (dec * 1e-6) / 1e9) << " GB/s); prefill 512 from 0: "
-          << pre << " us; prefill 512 at 3584: " << pre_late << " us");
+          << (2.0 * 4096 * kv_dim * 2 / (dec * 1e-6) / 1e9) << " GB/s); prefill 512 from 0: " << pre
+          << " us; prefill 512 at 3584: " << pre_late << " us");
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }

@@ -59,6 +59,17 @@ Homes homes_by(const Model& m, const std::function<bool(const std::string&, int)
   return h;
 }
 
+/// Session parameters that place the model on `dev` as `h` says.
+SessionParams on_device(Device* dev, const Homes& h, int64_t n_ctx, int32_t n_threads = 0) {
+  SessionParams sp;
+  sp.n_threads = n_threads;
+  sp.n_ctx = n_ctx;
+  sp.device = dev;
+  sp.weight_home = h.w;
+  sp.kv_home = h.kv;
+  return sp;
+}
+
 struct Run {
   std::vector<int32_t> tokens;
   std::vector<std::vector<float>> logits;  // per step: prompt's last, then each decode step
@@ -69,9 +80,9 @@ int32_t argmax(std::span<const float> x) {
 }
 
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
-           const Homes* homes, int32_t n_ubatch = 512, bool graphs = true,
-           int32_t stream_min = 0, int64_t* streamed = nullptr,
-           Handoff handoff = Handoff::automatic, double host_share = 0) {
+           const Homes* homes, int32_t n_ubatch = 512, bool graphs = true, int32_t stream_min = 0,
+           int64_t* streamed = nullptr, Handoff handoff = Handoff::automatic,
+           double host_share = 0) {
   SessionParams sp;
   sp.n_threads = 2;
   sp.n_ctx = 256;
@@ -163,8 +174,7 @@ TEST_CASE("hybrid: stories260K gives the CPU-only greedy tokens under every plac
       {"-ngl 99 without token_embd",
        [](const std::string& n, int) { return n.rfind("token_embd", 0) != 0; }},
       {"odd layers on the GPU", [](const std::string&, int l) { return l >= 0 && l % 2 == 1; }},
-      {"only the output head",
-       [](const std::string& n, int) { return n.rfind("output", 0) == 0; }},
+      {"only the output head", [](const std::string& n, int) { return n.rfind("output", 0) == 0; }},
   };
   for (const Case& c : cases) {
     CAPTURE(c.name);
@@ -261,23 +271,15 @@ TEST_CASE("hybrid: ops run where their weights live and CPU segments fork and jo
   gguf::File file = gguf::File::open(tiny_moe_file("f32"));
   auto model = load_model(file);
   auto dev = test_device();
-  const Homes h = homes_by(*model, [](const std::string& n, int) {
-    return n.find("_exps") == std::string::npos;
-  });
-  SessionParams sp;
-  sp.n_threads = 1;
-  sp.n_ctx = 64;
-  sp.device = dev.get();
-  sp.weight_home = h.w;
-  sp.kv_home = h.kv;
-  Session s(*model, sp);
+  const Homes h = homes_by(
+      *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  Session s(*model, on_device(dev.get(), h, 64, 1));
   const int32_t tok = 5;
   s.eval(std::span<const int32_t>(&tok, 1));
   const graph::Graph g = model->build_step(1, 1);
   int cpu_ops = 0;
   for (size_t i = 0; i < g.ops.size(); ++i) {
-    const Home want =
-        g.ops[i].kind == graph::OpKind::moe_experts ? Home::cpu : Home::gpu;
+    const Home want = g.ops[i].kind == graph::OpKind::moe_experts ? Home::cpu : Home::gpu;
     CHECK(s.hybrid()->op_home(g, i) == want);
     cpu_ops += want == Home::cpu;
   }
@@ -292,13 +294,8 @@ TEST_CASE("hybrid: a device that runs out of memory names itself, the MiB needed
   auto model = load_model(file);
   auto dev = make_sim_device(size_t{1} << 20);  // 1 MiB
   const Homes h = homes_by(*model, [](const std::string&, int) { return true; });
-  SessionParams sp;
-  sp.n_ctx = 64;
-  sp.device = dev.get();
-  sp.weight_home = h.w;
-  sp.kv_home = h.kv;
   try {
-    Session s(*model, sp);
+    Session s(*model, on_device(dev.get(), h, 64));
     FAIL("a 1 MiB device held the whole model");
   } catch (const Error& e) {
     CHECK(e.category() == ErrorCategory::out_of_memory);
@@ -315,12 +312,8 @@ TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a fu
   auto model = load_model(file);
   auto dev = make_sim_device(size_t{2} << 30);
   const Homes h = homes_by(*model, [](const std::string&, int) { return true; });
-  SessionParams sp;
-  sp.n_ctx = 128;
+  SessionParams sp = on_device(dev.get(), h, 128);
   sp.n_ubatch = 64;
-  sp.device = dev.get();
-  sp.weight_home = h.w;
-  sp.kv_home = h.kv;
   Session s(*model, sp);
   std::vector<int32_t> prompt(64, 7);
   s.eval(prompt);
@@ -408,26 +401,20 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   std::vector<int32_t> prompt;
   for (int i = 0; i < 24; ++i) prompt.push_back((i * 31 + 17) % 200 + 3);
   auto dev = test_device();
-  const Homes h = homes_by(*model, [](const std::string& n, int) {
-    return n.find("_exps") == std::string::npos;
-  });
+  const Homes h = homes_by(
+      *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
   for (int32_t ub : {512, 3}) {
     CAPTURE(ub);
     const Run ref = greedy(*model, prompt, 16, nullptr, nullptr, ub);
-    const Run got = greedy(*model, prompt, 16, dev.get(), &h, ub, true, 0, nullptr,
-                           Handoff::automatic, 0.34);
+    const Run got =
+        greedy(*model, prompt, 16, dev.get(), &h, ub, true, 0, nullptr, Handoff::automatic, 0.34);
     MESSAGE("host expert share 0.34, ub ", ub, ": NMSE ", nmse(got, ref));
     CHECK(nmse(got, ref) < placement_nmse("q8_0"));
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);
   }
   // Where the ops went: per layer, the CPU's share on the CPU, the device's share and the sum
   // on the device; the model's other ops where they were.
-  SessionParams sp;
-  sp.n_threads = 1;
-  sp.n_ctx = 64;
-  sp.device = dev.get();
-  sp.weight_home = h.w;
-  sp.kv_home = h.kv;
+  SessionParams sp = on_device(dev.get(), h, 64, 1);
   sp.hybrid.host_expert_share = 0.5;
   Session s(*model, sp);
   const int32_t tok = 9;
@@ -438,5 +425,5 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
     CHECK(s.hybrid()->op_home(g, i) == Home::gpu);
   }
   CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
-  CHECK(s.hybrid()->last_cpu_seconds() > 0);                          // and the CPU's share ran
+  CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
 }

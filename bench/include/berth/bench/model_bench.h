@@ -74,13 +74,13 @@ struct ModelBenchResult {
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
   std::string handoff;  ///< "flags" or "callback"
   // With a device (hybrid runs):
-  std::string device;                 ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
-  std::string placement;              ///< the plan's description ("automatic", "--cpu-moe", ...)
-  uint64_t gpu_weight_bytes = 0;      ///< weights resident on the device
-  uint64_t decode_gpu_bytes = 0;      ///< per decode token: weights + KV read on the device
-  uint64_t decode_cpu_bytes = 0;      ///< per decode token: weights + KV read from host DRAM
-  double hbm_gbps = 0;                ///< device-to-device copy, bytes read + written per s
-  double h2d_gbps = 0;                ///< pinned host-to-device copy
+  std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
+  std::string placement;          ///< the plan's description ("automatic", "--cpu-moe", ...)
+  uint64_t gpu_weight_bytes = 0;  ///< weights resident on the device
+  uint64_t decode_gpu_bytes = 0;  ///< per decode token: weights + KV read on the device
+  uint64_t decode_cpu_bytes = 0;  ///< per decode token: weights + KV read from host DRAM
+  double hbm_gbps = 0;            ///< device-to-device copy, bytes read + written per s
+  double h2d_gbps = 0;            ///< pinned host-to-device copy
   /// Decode bound with the per-layer dependency (each side waits for the other):
   /// 1 / (decode_cpu_bytes / DRAM + decode_gpu_bytes / HBM).
   double hybrid_bound_tok_s = 0;

@@ -33,4 +33,17 @@ struct TensorView {
   }
 };
 
+/// Stacked expert weights of one MoE layer, in ggml's layout (GGUF ffn_{gate,up,down}_exps):
+/// gate/up ne = {n_embd, n_ff, n_expert}, down ne = {n_ff, n_embd, n_expert}; expert e's matrix
+/// starts at byte e * (rows * row bytes) of its tensor. Pointers are wherever the reader of the
+/// struct computes (device memory, or pinned host memory a device can read).
+struct MoeWeights {
+  GgmlType gate_type = GgmlType::F32, up_type = GgmlType::F32, down_type = GgmlType::F32;
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+  int64_t n_embd = 0, n_ff = 0;
+  int32_t n_expert = 0, n_expert_used = 0;
+};
+
 }  // namespace berth

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "berth/core/tensor.h"
 #include "berth/core/types.h"
 
 namespace berth::gpu {
@@ -49,8 +50,8 @@ void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const 
 /// RMSNorm (Zhang & Sennrich 2019): each run of `group` consecutive values of x [rows, cols]
 /// (group divides cols; group == cols for a whole row) becomes v / sqrt(mean(v^2) + eps) * w,
 /// w [group] f32 (nullptr: no scale). out may equal x.
-void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols,
-              int64_t group, float eps, cudaStream_t stream);
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols, int64_t group,
+              float eps, cudaStream_t stream);
 
 /// out = a + b, n elements. out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
@@ -64,13 +65,11 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStrea
 /// equal x): in each head the first n_rot dims rotate by theta_i = positions[r] *
 /// freq_base^(-2i/n_rot); pairs are (2i, 2i+1) when !neox, (i, i + n_rot/2) when neox.
 /// positions: rows int32 in device memory.
-void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
-          int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
-          cudaStream_t stream);
+void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim, int32_t n_rot,
+          float freq_base, bool neox, const int32_t* positions, cudaStream_t stream);
 
 /// Workspace bytes of attention for n_tok query rows over a cache of n_ctx positions.
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
-                                 int32_t head_dim);
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim);
 
 /// Causal grouped-query attention with an f16 KV cache, flash-style (online softmax; the score
 /// matrix is never materialised). q [n_tok, n_head*head_dim], k/v [n_tok, n_head_kv*head_dim]
@@ -92,16 +91,8 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
                float* out, cudaStream_t stream);
 
-/// Stacked expert weights of one MoE layer (ggml layout): gate/up ne = {n_embd, n_ff, n_expert},
-/// down ne = {n_ff, n_embd, n_expert}; expert e's matrix starts at byte e * (rows * row bytes).
-struct MoeWeights {
-  GgmlType gate_type, up_type, down_type;
-  const void* gate;
-  const void* up;
-  const void* down;
-  int64_t n_embd = 0, n_ff = 0;
-  int32_t n_expert = 0, n_expert_used = 0;
-};
+/// Stacked expert weights of one MoE layer: berth::MoeWeights (core/tensor.h).
+using berth::MoeWeights;
 
 /// Workspace bytes of moe_experts for n_tok tokens.
 size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok);
@@ -117,8 +108,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
                  cudaStream_t stream);
 
 /// Greedy selection: ids[r] = argmax of logits row r ([rows, n_vocab]); ties: lowest id.
-void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids,
-            cudaStream_t stream);
+void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream);
 
 /// Workspace bytes of top_k for one row of n_vocab logits.
 size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k);

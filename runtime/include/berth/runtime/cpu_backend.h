@@ -81,8 +81,8 @@ class CpuExecutor {
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
   KvCache& kv_;
-  std::vector<std::vector<float>> owned_;  // value buffers of run(), kept between runs
-  std::vector<float*> ptrs_;                // where each value of the current step lives
+  std::vector<std::vector<float>> owned_;    // value buffers of run(), kept between runs
+  std::vector<float*> ptrs_;                 // where each value of the current step lives
   std::vector<std::vector<float>> scratch_;  // one per worker
   std::vector<float> small_weight_;          // decoded norm weights
   std::vector<uint8_t> act_;                 // quantized activations of the current matmul

@@ -22,6 +22,7 @@
 #include <string>
 #include <string_view>
 
+#include "berth/core/tensor.h"
 #include "berth/core/types.h"
 
 namespace berth {
@@ -29,16 +30,6 @@ namespace berth {
 /// Stream indices: kMain runs the step, kAux runs work that overlaps it (e.g. GPU-held experts
 /// while the main stream waits for the CPU's), kCopy streams weights ahead of use.
 enum : int { kMain = 0, kAux = 1, kCopy = 2, kNumStreams = 3 };
-
-/// Stacked expert weights of one MoE layer in device memory (see gpu_kernels/kernels.h).
-struct DeviceMoeWeights {
-  GgmlType gate_type, up_type, down_type;
-  const void* gate;
-  const void* up;
-  const void* down;
-  int64_t n_embd = 0, n_ff = 0;
-  int32_t n_expert = 0, n_expert_used = 0;
-};
 
 class Device {
  public:
@@ -121,12 +112,11 @@ class Device {
                          float scale, float* out, void* ws, size_t ws_bytes) = 0;
   virtual void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
                          bool norm, float* out) = 0;
-  virtual size_t moe_workspace_bytes(const DeviceMoeWeights& w, int64_t n_tok) = 0;
-  virtual void moe_experts(int s, const DeviceMoeWeights& w, const float* h, const float* route,
+  virtual size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) = 0;
+  virtual void moe_experts(int s, const MoeWeights& w, const float* h, const float* route,
                            int64_t n_tok, const uint8_t* expert_mask, float* out, void* ws,
                            size_t ws_bytes) = 0;
-  virtual void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab,
-                      int32_t* ids) = 0;
+  virtual void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) = 0;
 };
 
 /// A simulated device with `capacity_bytes` of memory (see the file comment).

@@ -91,9 +91,9 @@ class HybridExecutor {
   /// `kv_home` is GPU. `cpu_kv` serves the CPU layers. `weights`, `pool`, `cpu_kv` and `dev`
   /// must outlive the executor. Throws Error(out_of_memory) from the device (naming it, the MiB
   /// needed and free) and Error(invalid_argument) when the homes do not match the table.
-  HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& cpu_kv,
-                 Device& dev, std::vector<placement::Home> weight_home,
-                 std::vector<placement::Home> kv_home, HybridOptions options = {});
+  HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& cpu_kv, Device& dev,
+                 std::vector<placement::Home> weight_home, std::vector<placement::Home> kv_home,
+                 HybridOptions options = {});
   ~HybridExecutor();
   HybridExecutor(const HybridExecutor&) = delete;
   HybridExecutor& operator=(const HybridExecutor&) = delete;
@@ -149,8 +149,8 @@ class HybridExecutor {
   std::vector<placement::Home> weight_home_, kv_home_;
   HybridOptions opt_;
   CpuExecutor cpu_;
-  std::vector<void*> dev_weight_;  // per WeightId: device copy, or nullptr
-  std::vector<void*> pinned_weight_;  // per WeightId: pinned host copy (streamed experts)
+  std::vector<void*> dev_weight_;        // per WeightId: device copy, or nullptr
+  std::vector<void*> pinned_weight_;     // per WeightId: pinned host copy (streamed experts)
   void* stage_[2] = {nullptr, nullptr};  // device buffers of streamed expert layers
   size_t stage_bytes_ = 0;
   std::vector<uint16_t*> dev_k_, dev_v_;  // per layer: f16 KV cache, or nullptr
