@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -93,6 +94,9 @@ struct HybridExecutor::StepPlan {
   void* ws = nullptr;
   size_t ws_bytes = 0;
   float* out_host = nullptr;  // pinned copy of a GPU-produced output
+  bool select = false;        // run_argmax: the device picks the token (GPU-produced output)
+  int32_t* id_dev = nullptr;  // select: the token id, on the device and its pinned copy
+  int32_t* id_host = nullptr;
   uint32_t* flags = nullptr;  // Handoff::flags: per segment, ready then done (pinned)
   int graph = -1;             // captured Device graph (decode)
   double cpu_seconds = 0;
@@ -202,6 +206,7 @@ void HybridExecutor::release() {
   for (auto& sp : plans_) {
     if (sp->arena) dev_.dealloc(sp->arena);
     if (sp->ws) dev_.dealloc(sp->ws);
+    if (sp->id_dev) dev_.dealloc(sp->id_dev);
     for (uint8_t* m : sp->masks)
       if (m) dev_.dealloc(m);
     for (void* p : sp->pinned) dev_.dealloc_host(p);
@@ -337,17 +342,19 @@ size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable
 
 }  // namespace
 
-HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_graph) {
+HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_graph,
+                                                   bool select) {
   const int64_t out_rows = model_graph.values.at(static_cast<size_t>(model_graph.output)).rows;
   for (auto& sp : plans_)
     if (sp->n_tokens == model_graph.n_tokens && sp->out_rows == out_rows &&
-        sp->n_ops == model_graph.ops.size())
+        sp->n_ops == model_graph.ops.size() && sp->select == select)
       return *sp;
   auto owned = std::make_unique<StepPlan>();
   StepPlan& sp = *owned;
   sp.n_tokens = model_graph.n_tokens;
   sp.out_rows = out_rows;
   sp.n_ops = model_graph.ops.size();
+  sp.select = select;
   sp.g = model_graph;
   split_host_experts(sp);
   const graph::Graph& g = sp.g;
@@ -508,6 +515,11 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
       }
     }
     sp.out_host = sp.host_val[out];
+    if (select && sp.value_home[out] == Home::gpu) {
+      sp.id_dev = static_cast<int32_t*>(dev_.alloc(sizeof(int32_t), "the selected token"));
+      sp.id_host = static_cast<int32_t*>(dev_.alloc_host(sizeof(int32_t), "the selected token"));
+      sp.pinned.push_back(sp.id_host);
+    }
     if (handoff_ == Handoff::flags && !sp.segs.empty()) {
       sp.flags = static_cast<uint32_t*>(dev_.alloc_host(sp.segs.size() * 8, "hand-off flags"));
       sp.pinned.push_back(sp.flags);
@@ -525,6 +537,7 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   } catch (...) {
     if (sp.arena) dev_.dealloc(sp.arena);
     if (sp.ws) dev_.dealloc(sp.ws);
+    if (sp.id_dev) dev_.dealloc(sp.id_dev);
     for (uint8_t* m : sp.masks)
       if (m) dev_.dealloc(m);
     for (void* p : sp.pinned) dev_.dealloc_host(p);
@@ -726,12 +739,39 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   if (!streamed.empty()) dev_.wait(kMain, kCopy);
   if (any_pending) dev_.wait(kMain, kAux);
   const size_t out = static_cast<size_t>(g.output);
-  if (sp.value_home[out] == Home::gpu)
+  if (sp.id_dev) {
+    // Greedy selection on the device: 4 bytes travel instead of the vocabulary's logits.
+    const graph::ValueInfo& oi = g.values[out];
+    dev_.argmax(kMain, sp.dev_val[out] + (oi.rows - 1) * oi.cols, 1, oi.cols, sp.id_dev);
+    dev_.copy_d2h(kMain, sp.id_host, sp.id_dev, sizeof(int32_t));
+  } else if (sp.value_home[out] == Home::gpu) {
     dev_.copy_d2h(kMain, sp.out_host, sp.dev_val[out], value_bytes(g.values[out]));
+  }
 }
 
 std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
                                            std::span<const int32_t> positions) {
+  StepPlan& sp = step(g, tokens, positions, false);
+  const graph::ValueInfo& oi = sp.g.values[static_cast<size_t>(sp.g.output)];
+  return {sp.out_host, static_cast<size_t>(oi.rows * oi.cols)};
+}
+
+int32_t HybridExecutor::run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
+                                   std::span<const int32_t> positions) {
+  StepPlan& sp = step(g, tokens, positions, true);
+  if (sp.id_host) return *sp.id_host;
+  // The logits were made on the CPU: select there.
+  const graph::ValueInfo& oi = sp.g.values[static_cast<size_t>(sp.g.output)];
+  const float* last = sp.out_host + (oi.rows - 1) * oi.cols;
+  int64_t best = 0;
+  for (int64_t i = 1; i < oi.cols; ++i)
+    if (last[i] > last[best] || (std::isnan(last[best]) && !std::isnan(last[i]))) best = i;
+  return static_cast<int32_t>(best);
+}
+
+HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
+                                               std::span<const int32_t> tokens,
+                                               std::span<const int32_t> positions, bool select) {
   cpu_.check_ubatch(g, tokens, positions);
   for (const Op& op : g.ops)
     if (op.kind == OpKind::embed)
@@ -741,7 +781,7 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
                       fmt::format("token id {} is outside the vocabulary of {} tokens", id,
                                   weights_[op.weight].ne[1]));
   const auto t0 = std::chrono::steady_clock::now();
-  StepPlan& sp = plan_for(g);
+  StepPlan& sp = plan_for(g, select);
   std::copy(tokens.begin(), tokens.end(), tokens_host_);
   std::copy(positions.begin(), positions.end(), positions_host_);
   sp.error = nullptr;
@@ -783,8 +823,7 @@ std::span<const float> HybridExecutor::run(const graph::Graph& g, std::span<cons
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = sp.cpu_seconds;
   if (sp.error) std::rethrow_exception(sp.error);
-  const graph::ValueInfo& oi = sp.g.values[static_cast<size_t>(sp.g.output)];
-  return {sp.out_host, static_cast<size_t>(oi.rows * oi.cols)};
+  return sp;
 }
 
 void HybridExecutor::serve_segments(StepPlan& sp) {

@@ -80,6 +80,28 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
   return logits_;
 }
 
+int32_t Session::eval_argmax(int32_t token) {
+  if (!hybrid_) {
+    std::span<const float> l = eval(std::span<const int32_t>(&token, 1));
+    return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+  }
+  if (n_past_ + 1 > kv_.n_ctx())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("1 token after {} already in the context exceeds the context size of "
+                            "{} (raise -c)",
+                            n_past_, kv_.n_ctx()));
+  if (token < 0 || token >= model_.hparams().n_vocab)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("token id {} is outside the vocabulary of {} tokens", token,
+                            model_.hparams().n_vocab));
+  positions_.assign(1, static_cast<int32_t>(n_past_));
+  const int32_t id =
+      hybrid_->run_argmax(graph_for(1, 1), std::span<const int32_t>(&token, 1), positions_);
+  ++n_past_;
+  ++n_decode_tokens_;
+  return id;
+}
+
 void Session::truncate(int64_t n) {
   if (n < 0 || n > n_past_)
     throw Error(ErrorCategory::invalid_argument,
@@ -101,6 +123,11 @@ GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
   st.prompt_seconds = secs(clock::now() - t0);
   st.n_prompt = static_cast<int64_t>(prompt.size());
 
+  // Greedy decoding with a device: the device picks each token (Session::eval_argmax).
+  const SamplerParams& spar = sampler.params();
+  const bool device_greedy =
+      session.hybrid() != nullptr && spar.temp <= 0 && spar.repeat_penalty == 1.0f;
+  int32_t picked = -1;  // the token the device chose at the last step
   StreamDecoder dec(tok);
   auto t1 = clock::now();
   while (true) {
@@ -108,7 +135,7 @@ GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
       st.stop = StopReason::n_predict;
       break;
     }
-    const int32_t id = sampler.sample(logits);
+    const int32_t id = picked >= 0 ? picked : sampler.sample(logits);
     ++st.n_generated;
     sampler.accept(id);
     if (tok.is_eog(id)) {
@@ -128,8 +155,12 @@ GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
       st.stop = StopReason::context_full;
       break;
     }
-    const int32_t one[1] = {id};
-    logits = session.eval(one);
+    if (device_greedy) {
+      picked = session.eval_argmax(id);
+    } else {
+      const int32_t one[1] = {id};
+      logits = session.eval(one);
+    }
     ++st.n_decode_steps;
   }
   std::string rest = dec.flush();

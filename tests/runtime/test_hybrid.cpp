@@ -427,3 +427,27 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
   CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
 }
+
+TEST_CASE("hybrid: greedy selection on the device picks the CPU-only run's tokens") {
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  const std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  const Run ref = greedy(*model, prompt, 32, nullptr, nullptr);
+  auto dev = test_device();
+  for (const bool head_on_device : {true, false}) {
+    CAPTURE(head_on_device);
+    const Homes h = homes_by(*model, [&](const std::string& n, int) {
+      return head_on_device || n.rfind("output", 0) != 0;
+    });
+    Session s(*model, on_device(dev.get(), h, 256, 2));
+    std::span<const float> l = s.eval(prompt);
+    int32_t t = argmax(l);
+    std::vector<int32_t> got;
+    for (int i = 0; i < 32; ++i) {
+      got.push_back(t);
+      t = s.eval_argmax(t);
+    }
+    CHECK(got == ref.tokens);
+    CHECK(s.n_past() == static_cast<int64_t>(prompt.size()) + 32);
+  }
+}

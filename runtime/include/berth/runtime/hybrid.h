@@ -105,6 +105,12 @@ class HybridExecutor {
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
                              std::span<const int32_t> positions);
 
+  /// Runs `g` as run() does and returns the argmax of the last output row (ties: lowest id;
+  /// NaN counts as -inf), as a greedy sampler would pick it. When the logits are made on the
+  /// device, the selection runs there and only the token id is copied back.
+  int32_t run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
+                     std::span<const int32_t> positions);
+
   /// Where op `i` of `g` runs (after a run of g): for tests and `berth plan`-style reports.
   placement::Home op_home(const graph::Graph& g, size_t i);
 
@@ -133,7 +139,9 @@ class HybridExecutor {
   struct StepPlan;  // per graph shape (defined in hybrid.cpp)
 
  private:
-  StepPlan& plan_for(const graph::Graph& model_graph);
+  StepPlan& plan_for(const graph::Graph& model_graph, bool select = false);
+  StepPlan& step(const graph::Graph& g, std::span<const int32_t> tokens,
+                 std::span<const int32_t> positions, bool select);
   void split_host_experts(StepPlan& sp) const;
   void enqueue_step(StepPlan& sp);
   void enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr);

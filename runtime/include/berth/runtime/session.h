@@ -47,6 +47,12 @@ class Session {
   /// (naming both numbers) or an id is outside the vocabulary; on error n_past() is unchanged.
   std::span<const float> eval(std::span<const int32_t> tokens, bool all_logits = false);
 
+  /// Evaluates one token (a decode step) and returns the argmax of its logits (ties: lowest
+  /// id), as greedy sampling picks it. On a device that makes the logits, the selection runs
+  /// there and only the id comes back; else as eval() followed by an argmax. Same errors as
+  /// eval().
+  int32_t eval_argmax(int32_t token);
+
   int64_t n_past() const { return n_past_; }
   int64_t n_ctx() const { return kv_.n_ctx(); }
   int64_t n_vocab() const { return model_.hparams().n_vocab; }
