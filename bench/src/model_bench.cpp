@@ -349,7 +349,8 @@ std::string format_text(const ModelBenchResult& r) {
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
                      r.device.empty() ? "DRAM " : "hybrid ");
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {
-    if (p.empty()) return;
+    // Nothing measured (e.g. a simulated device has no timer): no table.
+    if (std::none_of(p.begin(), p.end(), [](const OpShare& o) { return o.seconds > 0; })) return;
     s += fmt::format("\n{} time by op (per run):\n", what);
     for (const OpShare& o : p)
       s += fmt::format("  {:<16} {:10.4f} s {:6.1f}%\n", o.kind, o.seconds, 100 * o.fraction);

@@ -9,6 +9,7 @@
 #include "berth/runtime/device.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
+#include "berth/runtime/placed.h"
 #include "commands.h"
 #include "placement_flags.h"
 
@@ -32,8 +33,7 @@ int plan(const PlanOptions& o) {
   size_t free_bytes = 0;
   bool has_device = false;
   std::string note;
-  if (cuda_available()) {
-    std::unique_ptr<Device> dev = make_cuda_device(0);
+  if (std::unique_ptr<Device> dev = default_device()) {  // CUDA, or BERTH_SIM_DEVICE
     device_name = dev->name();
     free_bytes = dev->free_bytes();
     has_device = true;

@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <new>
 #include <string>
 #include <vector>
@@ -26,10 +27,14 @@ std::vector<std::string> normalise_args(int argc, char** argv) {
       {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"}, {"-cmoe", "--cpu-moe"},
       {"-ncmoe", "--n-cpu-moe"},
   };
+  // Options whose value is free text: "-p -ub" is a prompt, not a flag.
+  static const std::set<std::string> text_options = {
+      "-p", "--prompt", "-sys", "--system-prompt", "--chat-template", "-f", "--file"};
   std::vector<std::string> out;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (auto it = aliases.find(a); it != aliases.end()) a = it->second;
+    const bool is_value = i > 1 && text_options.count(argv[i - 1]) > 0;
+    if (auto it = aliases.find(a); it != aliases.end() && !is_value) a = it->second;
     out.push_back(a);
   }
   std::reverse(out.begin(), out.end());  // CLI11 parses a reversed vector

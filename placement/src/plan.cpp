@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <cctype>
 #include <limits>
-#include <regex>
+#include <memory>
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
@@ -41,23 +44,55 @@ std::optional<Home> device_home(std::string_view device) {
   return std::nullopt;
 }
 
+// A compiled -ot regex (PCRE2: Perl-compatible syntax, searched anywhere in the name). Matching
+// runs under a backtracking limit, so a pathological pattern is an error instead of a hang.
 struct Rule {
-  std::regex re;
+  std::shared_ptr<pcre2_code> re;
   Home home;
   std::string text;  // "REGEX=DEVICE" as given, for messages
+  /// True when the regex matches somewhere in `name`. Throws Error(invalid_argument) when the
+  /// match needs more than kMatchLimit backtracking steps.
+  bool search(const std::string& name) const;
 };
+
+constexpr uint32_t kMatchLimit = 1000000;
+
+bool Rule::search(const std::string& name) const {
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(
+      pcre2_match_data_create_from_pattern(re.get(), nullptr), &pcre2_match_data_free);
+  std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> mc(
+      pcre2_match_context_create(nullptr), &pcre2_match_context_free);
+  if (!md || !mc) throw std::bad_alloc();
+  pcre2_set_match_limit(mc.get(), kMatchLimit);
+  pcre2_set_depth_limit(mc.get(), kMatchLimit);
+  const int rc = pcre2_match(re.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0,
+                             0, md.get(), mc.get());
+  if (rc >= 0) return true;
+  if (rc == PCRE2_ERROR_NOMATCH) return false;
+  PCRE2_UCHAR msg[256];
+  pcre2_get_error_message(rc, msg, sizeof msg);
+  bad(fmt::format("-ot '{}': matching tensor '{}' failed: {} (simplify the regex)", text, name,
+                  reinterpret_cast<const char*>(msg)));
+}
 
 Rule compile_rule(const std::string& regex, const std::string& device) {
   const std::string text = regex + "=" + device;
   if (regex.empty()) bad(fmt::format("-ot '{}': the regex before '=' is empty", text));
   const std::optional<Home> home = device_home(device);
   if (!home)
-    bad(fmt::format("-ot '{}': unknown device '{}' (expected CPU, GPU or CUDA0)", text, device));
-  try {
-    return Rule{std::regex(regex, std::regex::ECMAScript), *home, text};
-  } catch (const std::regex_error& e) {
-    bad(fmt::format("-ot '{}': invalid regex '{}': {}", text, regex, e.what()));
+    bad(fmt::format("-ot '{}': unknown device '{}' (expected CPU, GPU, CUDA or CUDA0)", text,
+                    device));
+  int err = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(regex.data()), regex.size(), 0,
+                                   &err, &offset, nullptr);
+  if (!code) {
+    PCRE2_UCHAR msg[256];
+    pcre2_get_error_message(err, msg, sizeof msg);
+    bad(fmt::format("-ot '{}': invalid regex '{}': {} at offset {}", text, regex,
+                    reinterpret_cast<const char*>(msg), offset));
   }
+  return Rule{std::shared_ptr<pcre2_code>(code, &pcre2_code_free), *home, text};
 }
 
 std::vector<Rule> compile_rules(const Flags& flags) {
@@ -65,6 +100,19 @@ std::vector<Rule> compile_rules(const Flags& flags) {
   rules.reserve(flags.overrides.size());
   for (const auto& [regex, device] : flags.overrides) rules.push_back(compile_rule(regex, device));
   return rules;
+}
+
+// What a user can do about a plan that does not fit.
+std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps) {
+  const Flags& f = req.flags;
+  if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes)
+    return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
+           "or run on the CPU with -ngl 0";
+  if (f.n_gpu_layers < 0)
+    return "the -ot rules send more to the GPU than the budget holds";
+  std::string hint = "lower -ngl";
+  if (has_exps && !f.cpu_moe) hint += ", add --n-cpu-moe N or --cpu-moe";
+  return hint + ", or leave out -ngl for the automatic plan";
 }
 
 // Splits an -ot list at commas outside (), [] and {}; a backslash protects the next character.
@@ -260,7 +308,7 @@ Plan make_plan(const Request& req) {
     for (size_t i = 0; i < n; ++i) {
       const TensorEntry& t = req.tensors[i];
       for (const Rule& r : rules)
-        if (std::regex_search(t.name, r.re)) {
+        if (r.search(t.name)) {
           pin[i] = r.home;
           break;
         }
@@ -360,11 +408,14 @@ Plan make_plan(const Request& req) {
             if (!u.tensors.empty() && plan.home[u.tensors.front()] == Home::gpu) break;
           }
           const std::string with_out = out_fits ? " and the output" : "";
+          const std::string exps_part =
+              n_cpu == n_layer ? "no routed experts"
+              : n_cpu == 0     ? "the routed experts of every layer"
+                               : fmt::format("the routed experts of the last {} layers",
+                                             n_layer - n_cpu);
           plan.how += any_exps
-                          ? fmt::format(
-                                " (attention of all layers{}, routed experts of the "
-                                "last {}: like -ngl {} --n-cpu-moe {})",
-                                with_out, n_layer - n_cpu, out_fits ? n_layer + 1 : n_layer, n_cpu)
+                          ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {})",
+                                        with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu)
                           : fmt::format(" (all layers{})", with_out);
         } else {
           int32_t k = 0;
@@ -387,6 +438,37 @@ Plan make_plan(const Request& req) {
     }
   }
 
+  // The executor runs a layer's routed experts as one op: its expert tensors must share a home.
+  {
+    std::vector<std::pair<int64_t, Home>> first(static_cast<size_t>(n_layer), {-1, Home::cpu});
+    for (size_t i = 0; i < n; ++i) {
+      const TensorEntry& t = req.tensors[i];
+      if (!t.routed_expert || t.layer < 0) continue;
+      auto& [j, h] = first[static_cast<size_t>(t.layer)];
+      if (j < 0) {
+        j = static_cast<int64_t>(i), h = plan.home[i];
+      } else if (plan.home[i] != h) {
+        bad(fmt::format("{} would be on the {} but {} on the {}: the routed-expert tensors of a "
+                        "layer must live together (check the -ot rules: {})",
+                        t.name, home_name(plan.home[i]),
+                        req.tensors[static_cast<size_t>(j)].name, home_name(h), describe_flags(f)));
+      }
+    }
+  }
+  // Flags that change nothing.
+  const bool has_exps = std::any_of(req.tensors.begin(), req.tensors.end(),
+                                    [](const TensorEntry& t) { return t.routed_expert; });
+  if (!has_exps && (f.cpu_moe || f.n_cpu_moe > 0))
+    note(fmt::format("{} ignored: the model has no routed experts",
+                     f.cpu_moe ? "--cpu-moe" : "--n-cpu-moe"));
+  else if (f.n_cpu_moe > n_layer)
+    note(fmt::format("--n-cpu-moe {} is more than the {} layers: all routed experts on the CPU",
+                     f.n_cpu_moe, n_layer));
+  for (const Rule& r : rules)
+    if (std::none_of(req.tensors.begin(), req.tensors.end(),
+                     [&](const TensorEntry& t) { return r.search(t.name); }))
+      note(fmt::format("-ot {} matches no tensor of this model", r.text));
+
   // Accounting and the budget check.
   bool any_gpu = false;
   for (size_t i = 0; i < n; ++i) {
@@ -403,7 +485,7 @@ Plan make_plan(const Request& req) {
       plan.gpu_kv_bytes += req.kv_bytes[l];
       any_gpu = true;
     } else {
-      plan.cpu_kv_bytes += req.kv_bytes[l];
+      plan.cpu_kv_bytes += 2 * req.kv_bytes[l];  // the host cache keeps f32
     }
   }
   if (req.has_device) {
@@ -423,11 +505,7 @@ Plan make_plan(const Request& req) {
                     mib(plan.gpu_total()), req.device_name, mib(plan.budget_bytes),
                     by_flag ? "--vram-budget" : "free on the device", mib(plan.gpu_weight_bytes),
                     mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes), mib(plan.margin_bytes),
-                    describe_flags(f),
-                    f.n_gpu_layers >= 0
-                        ? "lower -ngl, add --n-cpu-moe N or --cpu-moe, or leave out -ngl for "
-                          "the automatic plan"
-                        : "the -ot rules send more to the GPU than the budget holds"));
+                    describe_flags(f), refusal_hint(req, plan, has_exps)));
   }
   return plan;
 }

@@ -10,6 +10,12 @@
 namespace berth::placement {
 namespace {
 
+// Bytes of layer l's KV cache where the plan keeps it: f16 on the GPU, f32 on the CPU.
+size_t kv_layer_bytes(const Request& req, const Plan& plan, size_t l) {
+  return req.kv_bytes.at(l) * (plan.kv_home.at(l) == Home::gpu ? 1 : 2);
+}
+
+
 constexpr double kMiB = 1024.0 * 1024.0;
 double to_mib(size_t bytes) { return static_cast<double>(bytes) / kMiB; }
 
@@ -43,13 +49,14 @@ std::string plan_table(const Request& req, const Plan& plan) {
   // The KV cache as runs of consecutive layers with the same home.
   if (!plan.kv_home.empty()) {
     out +=
-        fmt::format("\n{:<{}}  {:>12}  {}\n", "KV cache (f16)", name_w + type_w + 2, "MiB", "home");
+        fmt::format("\n{:<{}}  {:>12}  {}\n", "KV cache (GPU f16, CPU f32)", name_w + type_w + 2,
+                    "MiB", "home");
     size_t a = 0;
     while (a < plan.kv_home.size()) {
       size_t b = a;
       size_t bytes = 0;
       while (b < plan.kv_home.size() && plan.kv_home[b] == plan.kv_home[a])
-        bytes += req.kv_bytes[b++];
+        bytes += kv_layer_bytes(req, plan, b++);
       const std::string layers =
           b - a == 1 ? fmt::format("blk.{}", a) : fmt::format("blk.{}-{}", a, b - 1);
       out += fmt::format("{:<{}}  {:>12.3f}  {}\n", layers, name_w + type_w + 2, to_mib(bytes),
@@ -100,7 +107,7 @@ std::string plan_json(const Request& req, const Plan& plan) {
   json kv = json::array();
   for (size_t l = 0; l < plan.kv_home.size(); ++l)
     kv.push_back({{"layer", l},
-                  {"bytes", req.kv_bytes.at(l)},
+                  {"bytes", kv_layer_bytes(req, plan, l)},
                   {"home", std::string(home_name(plan.kv_home[l]))}});
   j["kv"] = std::move(kv);
   // Names come from the file: replace invalid UTF-8 rather than throw.

@@ -380,7 +380,7 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
                                   weights_[op.moe.down].name));
         if (sp.host_w[i]) {
           h = Home::gpu;
-        } else if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 &&
+        } else if (h == Home::cpu && opt_.stream_experts_min_tokens > 0 && g.n_tokens > 1 &&
                    g.n_tokens >= opt_.stream_experts_min_tokens &&
                    sp.value_home[static_cast<size_t>(op.inputs[0])] == Home::gpu) {
           h = Home::gpu;

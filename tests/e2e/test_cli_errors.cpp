@@ -177,3 +177,14 @@ TEST_CASE("run: prompt file checks, random seed reported, last flag wins, closed
   r = run_command(bin + " run -m " + model + " -p 'Once upon a time' --temp 0 -n 2000 | head -c 5");
   CHECK(r.out == ", the");
 }
+
+TEST_CASE("llama.cpp's short flags are mapped, but not inside a prompt") {
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  CommandResult r = run_command(berth::test::berth_bin() + " run -m " + model +
+                                " -p -ub --display-prompt -n 1 --temp 0 -ub 2");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.rfind("-ub", 0) == 0);  // the prompt as given, not "--ubatch-size"
+  r = run_command(berth::test::berth_bin() + " plan -m " + model + " -ngl 0 --json");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("\"how\"") != std::string::npos);
+}

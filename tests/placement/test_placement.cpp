@@ -153,7 +153,7 @@ TEST_CASE("-ngl 0, 2, 4 and 99 on a MoE model") {
     CHECK(p.kv_home == homes({0, 0, 0, 0}));
     CHECK(p.gpu_total() == 0);
     CHECK(p.cpu_weight_bytes == 571 * MiB);
-    CHECK(p.cpu_kv_bytes == 20 * MiB);
+    CHECK(p.cpu_kv_bytes == 40 * MiB);  // the host keeps f32: twice the 20 MiB of f16
     CHECK(p.how == "-ngl 0");
   }
   SUBCASE("-ngl 2: the last two layers, with their KV cache") {
@@ -273,11 +273,27 @@ TEST_CASE("-ot: first match wins and overrides -ngl, --cpu-moe and --n-cpu-moe")
   SUBCASE("-ot beats --cpu-moe") {
     r.flags.n_gpu_layers = 99;
     r.flags.cpu_moe = true;
-    add_override(r.flags, "blk\\.3\\.ffn_up_exps=GPU");
+    add_override(r.flags, "blk\\.3\\.ffn_(gate|up|down)_exps=GPU");
     const Plan p = make_plan(r);
     CHECK(home_of(r, p, "blk.3.ffn_up_exps.weight") == Home::gpu);
-    CHECK(home_of(r, p, "blk.3.ffn_gate_exps.weight") == Home::cpu);
+    CHECK(home_of(r, p, "blk.3.ffn_gate_exps.weight") == Home::gpu);
     CHECK(home_of(r, p, "blk.2.ffn_up_exps.weight") == Home::cpu);
+  }
+  SUBCASE("a layer's expert tensors split between the devices is refused before loading") {
+    // The executor runs a layer's routed experts as one op over gate, up and down.
+    r.flags.n_gpu_layers = 99;
+    r.flags.cpu_moe = true;
+    add_override(r.flags, "blk\\.3\\.ffn_up_exps=GPU");
+    try {
+      (void)make_plan(r);
+      FAIL("a plan with blk.3's experts on two devices was accepted");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::invalid_argument);
+      const std::string m = e.what();
+      CHECK(m.find("blk.3.ffn_") != std::string::npos);
+      CHECK(m.find("must live together") != std::string::npos);
+      CHECK(m.find("-ot blk\\.3\\.ffn_up_exps=GPU") != std::string::npos);
+    }
   }
   SUBCASE("splitting a layer's attention: the KV cache follows attn_q") {
     r.flags.n_gpu_layers = 99;
@@ -288,7 +304,7 @@ TEST_CASE("-ot: first match wins and overrides -ngl, --cpu-moe and --n-cpu-moe")
     CHECK(home_of(r, p, "blk.1.attn_k.weight") == Home::gpu);
     CHECK(home_of(r, p, "blk.2.attn_k.weight") == Home::cpu);
     CHECK(p.gpu_kv_bytes == 15 * MiB);
-    CHECK(p.cpu_kv_bytes == 5 * MiB);
+    CHECK(p.cpu_kv_bytes == 10 * MiB);  // one layer of 5 MiB f16, kept as f32
   }
   SUBCASE("attn_qkv, else the first attn_ tensor, anchors the KV cache") {
     Request q;
@@ -386,6 +402,23 @@ TEST_CASE("a plan that exceeds the budget is refused with every term named") {
   r.flags.n_gpu_layers = 0;
   CHECK(make_plan(r).gpu_total() == 0);
 
+  // The hint fits the case: --cpu-moe is not suggested twice, nor to a dense model, and a budget
+  // below scratch + margin says so.
+  r = moe_request();
+  r.flags.n_gpu_layers = 99;
+  r.flags.cpu_moe = true;
+  r.flags.vram_budget = 100 * MiB;
+  CHECK(category_of([&] { make_plan(r); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("lower -ngl, or leave out -ngl") != std::string::npos);
+  Request d = dense_request();
+  d.flags.n_gpu_layers = 99;
+  d.flags.vram_budget = 100 * MiB;
+  CHECK(category_of([&] { make_plan(d); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("cpu-moe") == std::string::npos);
+  d.flags.vram_budget = 90 * MiB;  // scratch 64 + margin 32 = 96
+  CHECK(category_of([&] { make_plan(d); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("does not even hold the scratch and margin") != std::string::npos);
+
   // The automatic plan fails only for what -ot pins to the GPU.
   r = moe_request();
   r.flags.vram_budget = 200 * MiB;
@@ -422,7 +455,7 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
     check_homes(r, p, [](const TensorEntry& t) {
       return gpu_if(t.name != "token_embd.weight" && !(t.routed_expert && t.layer < 3));
     });
-    CHECK(p.how.find("like -ngl 5 --n-cpu-moe 3") != std::string::npos);
+    CHECK(p.how.find("about -ngl 5 --n-cpu-moe 3") != std::string::npos);
   }
   SUBCASE("the output matrix does not fit but an expert layer does: it is skipped") {
     Request big = moe_request();
@@ -570,8 +603,8 @@ TEST_CASE("plan_json has the documented fields and agrees with the plan") {
   CHECK(gpu.at("budget_bytes") == 100000 * MiB);
   const auto& cpu = j.at("devices").at("CPU");
   CHECK(cpu.at("weights_bytes") == p.cpu_weight_bytes);
-  CHECK(cpu.at("kv_bytes") == 5 * MiB);
-  CHECK(cpu.at("total_bytes") == p.cpu_weight_bytes + 5 * MiB);
+  CHECK(cpu.at("kv_bytes") == 10 * MiB);  // f32 on the host: twice the 5 MiB of f16
+  CHECK(cpu.at("total_bytes") == p.cpu_weight_bytes + 10 * MiB);
   REQUIRE(j.at("tensors").size() == r.tensors.size());
   for (size_t i = 0; i < r.tensors.size(); ++i) {
     const auto& t = j.at("tensors")[i];
@@ -703,4 +736,49 @@ TEST_CASE("berth plan on the command line") {
   r = run_command(bin + " plan -m " + model + " -ngl -3");
   CHECK(r.exit_code == 2);
   CHECK(r.out.empty());
+}
+
+TEST_CASE("-ot regexes: deep nesting and heavy backtracking end in a message, not a crash or hang") {
+  Flags f;
+  const std::string nested = std::string(20000, '(') + "a" + std::string(20000, ')') + "=CPU";
+  CHECK(category_of([&] { add_override(f, nested); }) == ErrorCategory::invalid_argument);
+  // Catastrophic backtracking for a backtracking engine; PCRE2 either sees through it or stops
+  // at its match limit with an error naming the rule. Either way this returns.
+  for (const char* rule : {"(.*)+Q=CPU", "(.*)*Q$=CPU", ".*.*.*.*.*.*.*.*.*.*Q$=CPU",
+                           "(a|aa)+Q$=CPU"}) {
+    CAPTURE(std::string(rule));
+    Request r = moe_request();
+    r.flags.n_gpu_layers = 99;
+    add_override(r.flags, rule);
+    try {
+      const Plan p = make_plan(r);
+      CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
+        return n.find("matches no tensor") != std::string::npos;
+      }));
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::invalid_argument);
+      CHECK(std::string(e.what()).find("simplify the regex") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("flags that change nothing say so") {
+  Request d = dense_request();
+  d.flags.n_gpu_layers = 99;
+  d.flags.cpu_moe = true;
+  Plan p = make_plan(d);
+  CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
+    return n.find("--cpu-moe ignored: the model has no routed experts") != std::string::npos;
+  }));
+  Request r = moe_request();
+  r.flags.n_gpu_layers = 99;
+  r.flags.n_cpu_moe = 1000;
+  add_override(r.flags, " exps=CPU");
+  p = make_plan(r);
+  CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
+    return n.find("--n-cpu-moe 1000 is more than the 4 layers") != std::string::npos;
+  }));
+  CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
+    return n.find("-ot  exps=CPU matches no tensor") != std::string::npos;
+  }));
 }

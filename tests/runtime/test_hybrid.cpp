@@ -339,6 +339,9 @@ TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the 
     int64_t streamed = 0;
     const Run got = greedy(*model, prompt, 16, dev.get(), &h, 16, true, 9, &streamed);
     CHECK(streamed == 2 * n_cpu_moe);  // two 16-token ubatches; not the 8-token one, not decode
+    // With a threshold of 1 every prefill ubatch streams, still no decode step.
+    (void)greedy(*model, prompt, 4, dev.get(), &h, 16, true, 1, &streamed);
+    CHECK(streamed == 3 * n_cpu_moe);
     MESSAGE("--n-cpu-moe ", n_cpu_moe, " streamed: NMSE ", nmse(got, ref));
     CHECK(nmse(got, ref) < placement_nmse("q8_0"));
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);

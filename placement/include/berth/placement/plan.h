@@ -7,7 +7,7 @@
 //   model has no output.weight: then the head reuses token_embd, which counts as the output
 //   layer's matrix).
 // - `-ot REGEX=DEVICE` (--override-tensor, repeatable; comma-separated lists allowed): tensors
-//   whose name matches REGEX (ECMAScript, searched anywhere in the name) go to DEVICE ("CPU",
+//   whose name matches REGEX (PCRE2, Perl-compatible; searched anywhere in the name) go to DEVICE ("CPU",
 //   "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl, --cpu-moe and --n-cpu-moe.
 // - `--cpu-moe`: every routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`) on the CPU.
 // - `--n-cpu-moe N`: the routed-expert tensors of the first N layers on the CPU.
@@ -65,6 +65,7 @@ struct Request {
   std::vector<TensorEntry> tensors;
   int32_t n_layer = 0;
   /// Device KV cache bytes of each layer (f16 K and V for the context size), n_layer entries.
+  /// A layer on the CPU keeps f32 K and V: twice this.
   std::vector<size_t> kv_bytes;
   /// Device bytes for activations and kernel workspaces at the chosen ubatch size.
   size_t scratch_bytes = 0;

@@ -66,7 +66,7 @@ struct HybridOptions {
   Handoff handoff = Handoff::automatic;
   /// Capture decode steps (1 token) as a Device graph and replay them.
   bool graphs = true;
-  /// Prefill: a ubatch of at least this many tokens computes the routed experts that live on
+  /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes the routed experts that live on
   /// the CPU on the device instead, streaming each layer's expert tensors from pinned host
   /// memory through two device buffers (layer l+1 copies while layer l computes). Costs a pinned
   /// copy of those tensors in host memory and two layers' expert tensors on the device.
