@@ -28,7 +28,10 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
               placement::add_override(scratch, arg);
               return {};
             } catch (const Error& e) {
-              return e.what();
+              // CLI11 puts the flag's name in front already.
+              std::string m = e.what();
+              const std::string flag = "--vram-budget ";
+              return m.rfind(flag, 0) == 0 ? m.substr(flag.size()) : m;
             }
           },
           "REGEX=DEVICE"));
@@ -48,7 +51,10 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
               (void)placement::parse_size(s, "--vram-budget");
               return {};
             } catch (const Error& e) {
-              return e.what();
+              // CLI11 puts the flag's name in front already.
+              std::string m = e.what();
+              const std::string flag = "--vram-budget ";
+              return m.rfind(flag, 0) == 0 ? m.substr(flag.size()) : m;
             }
           },
           "SIZE"));
