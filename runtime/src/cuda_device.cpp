@@ -27,10 +27,22 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(e, what);
 }
 void drv(CUresult r, const char* what) {
-  if (r == CUDA_SUCCESS) return;
-  const char* msg = nullptr;
-  cuGetErrorString(r, &msg);
-  throw Error(ErrorCategory::internal, fmt::format("CUDA: {}: {}", what, msg ? msg : "error"));
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCategory::internal, fmt::format("CUDA: {}: driver error {}", what,
+                                                     static_cast<int>(r)));
+}
+
+// Driver entry points through the runtime, so the binary does not link libcuda (it then loads
+// on machines without the NVIDIA driver, where the device is simply absent).
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+StreamValueFn driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status) !=
+          cudaSuccess ||
+      status != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return reinterpret_cast<StreamValueFn>(fn);
 }
 
 class CudaDevice final : public Device {
@@ -54,7 +66,9 @@ class CudaDevice final : public Device {
     // CUDA 12; on host memory they need the host pointer to be usable by the device.
     int host_ptr = 0;
     cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, index);
-    flags_ = host_ptr != 0;
+    write_value_ = driver_fn("cuStreamWriteValue32");
+    wait_value_ = driver_fn("cuStreamWaitValue32");
+    flags_ = host_ptr != 0 && write_value_ && wait_value_;
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);
@@ -155,12 +169,12 @@ class CudaDevice final : public Device {
   }
   bool supports_flags() const override { return flags_; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
-    drv(cuStreamWriteValue32(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
+    drv(write_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
                              value, CU_STREAM_WRITE_VALUE_DEFAULT),
         "cuStreamWriteValue32");
   }
   void wait_flag(int s, const uint32_t* flag, uint32_t value) override {
-    drv(cuStreamWaitValue32(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
+    drv(wait_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
                             value, CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32");
   }
@@ -270,6 +284,7 @@ class CudaDevice final : public Device {
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;
   bool flags_ = false;  // stream memory operations on host memory work
+  StreamValueFn write_value_ = nullptr, wait_value_ = nullptr;
   static constexpr size_t kMarks = 4096;
   std::vector<cudaEvent_t> marks_;
   size_t next_mark_ = 0;
