@@ -398,6 +398,7 @@ TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 o
   }
 }
 
+
 TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned host memory") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);
@@ -406,13 +407,20 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   auto dev = test_device();
   const Homes h = homes_by(
       *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  // Against the same placement without the share, on the same device: only the experts the
+  // device takes move (their activations rounded to 8 bits by the device's kernels instead of
+  // the CPU's, and two partial sums added), so the bound is the 8-bit-step one of SimDevice,
+  // 1e-4 (measured on the H200: <= 1.8e-5 over ubatches 512, 3 and 1). Comparing with the
+  // CPU-only run instead would test the device's prefill rounding, which the placement cases
+  // above cover: with this prompt at ubatch 512 a top-2 gap of 0.058 at step 12 swaps on CUDA
+  // with the share on or off.
   for (int32_t ub : {512, 3}) {
     CAPTURE(ub);
-    const Run ref = greedy(*model, prompt, 16, nullptr, nullptr, ub);
+    const Run ref = greedy(*model, prompt, 16, dev.get(), &h, ub);
     const Run got =
         greedy(*model, prompt, 16, dev.get(), &h, ub, true, 0, nullptr, Handoff::automatic, 0.34);
     MESSAGE("host expert share 0.34, ub ", ub, ": NMSE ", nmse(got, ref));
-    CHECK(nmse(got, ref) < placement_nmse("q8_0"));
+    CHECK(nmse(got, ref) < 1e-4);
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);
   }
   // Where the ops went: per layer, the CPU's share on the CPU, the device's share and the sum

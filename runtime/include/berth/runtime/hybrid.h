@@ -77,8 +77,9 @@ struct HybridOptions {
   /// host copy, at the same time as the CPU computes the rest; the two partial sums are added
   /// on the device. Balances when f ~ PCIe / (PCIe + DRAM) bandwidth. Needs the pinned copy (as
   /// stream_experts_min_tokens). 0: off. Only single-token steps are split: a 24-token step
-  /// read this way gave wrong sums on the H200 (NMSE 1.9e-2 against the CPU run; the same kernel
-  /// on device memory is right), not yet explained, so multi-token steps keep the CPU path.
+  /// with the device reading host memory did not finish within 120 s on the H200 (the
+  /// multi-token GEMV re-reads each expert per token over PCIe; not investigated further), so
+  /// multi-token steps keep the CPU path.
   double host_expert_share = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
