@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <string>
 
 #include "berth/core/error.h"
@@ -231,7 +232,8 @@ __global__ void moe_combine_kernel(const float* __restrict__ route, int k,
                                    const int32_t* __restrict__ pos, const float* __restrict__ y,
                                    int64_t n_embd, float* __restrict__ out) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < n_embd; c += blockDim.x) {
+  for (int64_t c = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < n_embd;
+       c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
       if (slot_expert(route, t, k, j, mask, n_expert) < 0) continue;
@@ -241,6 +243,13 @@ __global__ void moe_combine_kernel(const float* __restrict__ route, int k,
     }
     out[t * n_embd + c] = acc;
   }
+}
+
+// moe_combine_kernel's grid: a token per x, 256-column chunks of n_embd over y (a decode step's
+// single token used to get one block for all n_embd columns).
+dim3 combine_grid(int64_t n_tok, int64_t n_embd) {
+  return dim3(static_cast<unsigned>(n_tok),
+              static_cast<unsigned>(std::min<int64_t>((n_embd + 255) / 256, 65535)));
 }
 
 template <GgmlType T>
@@ -354,7 +363,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
     r.act_div = 1;
     r.expert_bytes = down_bytes;
     gemv(w.down_type, w.down, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
-    moe_combine_kernel<<<static_cast<unsigned>(n_tok), 256, 0, stream>>>(
+    moe_combine_kernel<<<combine_grid(n_tok, w.n_embd), 256, 0, stream>>>(
         route, k, expert_mask, w.n_expert, nullptr, Y, w.n_embd, out);
     BERTH_LAUNCH_CHECK("moe_combine_kernel");
     return;
@@ -408,7 +417,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   a.C = Y;
   dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
   BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
-  moe_combine_kernel<<<static_cast<unsigned>(n_tok), 256, 0, stream>>>(
+  moe_combine_kernel<<<combine_grid(n_tok, w.n_embd), 256, 0, stream>>>(
       route, k, expert_mask, w.n_expert, pos, Y, w.n_embd, out);
   BERTH_LAUNCH_CHECK("moe_combine_kernel");
 }

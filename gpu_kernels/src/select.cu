@@ -22,7 +22,7 @@ void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argum
 // to float: the same operations on the same values as the host. The only possible difference
 // from the host is the last bit of a double exp (both libraries are within 1 ulp), which the
 // final rounding to float absorbs except in vanishingly rare cases.
-constexpr int kRouteThreads = 128;
+constexpr int kRouteThreads = 32;  // one warp per token: no block-wide barrier per slot
 
 __device__ __forceinline__ double route_key(float l) {
   return isnan(l) ? -CUDART_INF : static_cast<double>(l);
@@ -37,65 +37,51 @@ __global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out) {
   extern __shared__ double ex[];  // n_expert: exp(key - max); then n_expert chosen flags
   auto* chosen = reinterpret_cast<unsigned char*>(ex + n_expert);
-  __shared__ double red_key[kRouteThreads / 32];
-  __shared__ int32_t red_id[kRouteThreads / 32];
-  __shared__ double mx_s;
   const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_expert;
   float* o = out + static_cast<int64_t>(blockIdx.x) * 2 * k;
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  constexpr int kWarps = kRouteThreads / 32;
+  const int lane = static_cast<int>(threadIdx.x);
+  constexpr unsigned kAll = 0xffffffffu;
 
   double mx = -CUDART_INF;
-  for (int32_t e = tid; e < n_expert; e += kRouteThreads) {
+  for (int32_t e = lane; e < n_expert; e += 32) {
     mx = fmax(mx, route_key(l[e]));
     chosen[e] = 0;
   }
-  for (int off = 16; off > 0; off >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) red_key[warp] = mx;
-  __syncthreads();
-  if (tid == 0) {
-    double m = red_key[0];
-    for (int w = 1; w < kWarps; ++w) m = fmax(m, red_key[w]);
-    mx_s = m;
-  }
-  __syncthreads();
-  mx = mx_s;
-  for (int32_t e = tid; e < n_expert; e += kRouteThreads) ex[e] = exp(route_key(l[e]) - mx);
-  __syncthreads();
+  for (int off = 16; off > 0; off >>= 1) mx = fmax(mx, __shfl_xor_sync(kAll, mx, off));
+  for (int32_t e = lane; e < n_expert; e += 32) ex[e] = exp(route_key(l[e]) - mx);
+  __syncwarp();
 
-  // Slot j: the best expert not chosen yet (block-wide argmax in the selection order).
+  // Slot j: the best expert not chosen yet (warp-wide argmax in the selection order). Lane j
+  // keeps slot j's id (k <= 32 is checked by the launcher; larger k keeps them in `o`).
+  int32_t my_id = -1;
   for (int32_t j = 0; j < k; ++j) {
     double bkey = 0.0;
     int32_t bid = -1;
-    for (int32_t e = tid; e < n_expert; e += kRouteThreads)
+    for (int32_t e = lane; e < n_expert; e += 32)
       if (!chosen[e] && route_ahead(route_key(l[e]), e, bkey, bid)) bkey = route_key(l[e]), bid = e;
     for (int off = 16; off > 0; off >>= 1) {
-      const double ok = __shfl_xor_sync(0xffffffffu, bkey, off);
-      const int32_t oi = __shfl_xor_sync(0xffffffffu, bid, off);
+      const double ok = __shfl_xor_sync(kAll, bkey, off);
+      const int32_t oi = __shfl_xor_sync(kAll, bid, off);
       if (route_ahead(ok, oi, bkey, bid)) bkey = ok, bid = oi;
     }
-    if (lane == 0) red_key[warp] = bkey, red_id[warp] = bid;
-    __syncthreads();
-    if (tid == 0) {
-      double k0 = red_key[0];
-      int32_t i0 = red_id[0];
-      for (int w = 1; w < kWarps; ++w)
-        if (route_ahead(red_key[w], red_id[w], k0, i0)) k0 = red_key[w], i0 = red_id[w];
-      chosen[i0] = 1;
-      o[j] = static_cast<float>(i0);
+    // Every lane holds the same winner now.
+    if (lane == 0) {
+      chosen[bid] = 1;
+      o[j] = static_cast<float>(bid);
     }
-    __syncthreads();
+    if (lane == j) my_id = bid;
+    __syncwarp();
   }
-  if (tid == 0) {
-    double sum = 0.0;
+  // The denominator sequentially over e = 0..n-1 (the host's order), by lane 0.
+  double sum = 0.0;
+  if (lane == 0)
     for (int32_t e = 0; e < n_expert; ++e) sum += ex[e];
-    double sel = 0.0;
-    for (int32_t j = 0; j < k; ++j) sel += ex[static_cast<int32_t>(o[j])] / sum;
-    for (int32_t j = 0; j < k; ++j) {
-      const double p = ex[static_cast<int32_t>(o[j])] / sum;
-      o[k + j] = static_cast<float>(norm ? p / sel : p);
-    }
-  }
+  sum = __shfl_sync(kAll, sum, 0);
+  // p_j by lane j in parallel (same division as the host); sel = sum of p_j in slot order.
+  const double p = lane < k ? ex[my_id] / sum : 0.0;
+  double sel = 0.0;
+  for (int32_t j = 0; j < k; ++j) sel += __shfl_sync(kAll, p, j);
+  if (lane < k) o[k + lane] = static_cast<float>(norm ? p / sel : p);
 }
 
 // ---- argmax ----------------------------------------------------------------------------------
@@ -220,6 +206,7 @@ void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, 
   const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + 1);
   if (smem > 48 * 1024)
     bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 5000");
+  if (k > 32) bad_arg("gpu::moe_route: n_expert_used = " + std::to_string(k) + " exceeds 32");
   moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(logits, n_expert,
                                                                                   k, norm, out);
   BERTH_LAUNCH_CHECK("moe_route_kernel");

@@ -398,7 +398,6 @@ TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 o
   }
 }
 
-
 TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned host memory") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);
