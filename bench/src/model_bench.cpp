@@ -188,6 +188,25 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                       o.n_gen / s));
     }
     r.tg_tok_s = rate_of(secs, o.n_gen);
+    if (session.hybrid() && r.tg_cpu_busy > 0) {
+      // The device alone: the same steps with the CPU segments skipped (timing only; the
+      // outputs and KV rows are wrong, so the session is reset after).
+      const std::vector<int32_t> t = tokens(o.n_gen);
+      session.reset();
+      session.hybrid()->set_skip_cpu_segments(true);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        for (int32_t id : t) (void)session.eval(std::span<const int32_t>(&id, 1));
+      } catch (...) {
+        session.hybrid()->set_skip_cpu_segments(false);
+        throw;
+      }
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      session.hybrid()->set_skip_cpu_segments(false);
+      session.reset();
+      r.tg_device_busy = r.tg_tok_s.median > 0 ? s / (o.n_gen / r.tg_tok_s.median) : 0;
+      say(fmt::format("tg{}   device alone  {:8.2f} tok/s", o.n_gen, o.n_gen / s));
+    }
     r.tg_profile = shares(session.executor().profile(), o.repetitions);
     r.tg_gpu_profile = gpu_shares();
   }
@@ -300,6 +319,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"hybrid_bound_tok_s", r.hybrid_bound_tok_s},
       {"tg_cpu_busy", r.tg_cpu_busy},
       {"pp_cpu_busy", r.pp_cpu_busy},
+      {"tg_device_busy", r.tg_device_busy},
       {"stream_min_tokens", r.options.stream_min_tokens},
       {"host_expert_share", r.options.host_expert_share},
       {"handoff", r.handoff},
@@ -344,6 +364,11 @@ std::string format_text(const ModelBenchResult& r) {
         r.h2d_gbps, r.handoff, static_cast<double>(r.decode_gpu_bytes) / 1e9,
         static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s, 100 * r.tg_cpu_busy,
         100 * r.pp_cpu_busy);
+    if (r.tg_device_busy > 0)
+      s += fmt::format(
+          "device busy: tg {:.0f}% of the step (the same steps with the CPU segments skipped: "
+          "device ops plus hand-offs)\n",
+          100 * r.tg_device_busy);
   }
   if (r.options.n_gen > 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,

@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -342,8 +342,7 @@ size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable
 
 }  // namespace
 
-HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_graph,
-                                                   bool select) {
+HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_graph, bool select) {
   const int64_t out_rows = model_graph.values.at(static_cast<size_t>(model_graph.output)).rows;
   for (auto& sp : plans_)
     if (sp->n_tokens == model_graph.n_tokens && sp->out_rows == out_rows &&
@@ -553,7 +552,7 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
 void HybridExecutor::run_segment(void* arg) {
   auto* s = static_cast<Segment*>(arg);
   StepPlan& sp = *s->sp;
-  if (sp.error) return;
+  if (sp.error || s->ex->skip_cpu_) return;
   const auto t0 = std::chrono::steady_clock::now();
   try {
     HybridExecutor& ex = *s->ex;

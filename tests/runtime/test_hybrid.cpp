@@ -438,6 +438,31 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
 }
 
+TEST_CASE("hybrid: skipping CPU segments (bench timing) runs none, and a reset session is exact") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  const Homes h = homes_by(
+      *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  const std::vector<int32_t> prompt = {5, 77, 130, 9};
+  Session s(*model, on_device(dev.get(), h, 64, 1));
+  const std::vector<float> want = [&] {
+    std::span<const float> l = s.eval(prompt);
+    return std::vector<float>(l.begin(), l.end());
+  }();
+  CHECK(s.hybrid()->last_cpu_seconds() > 0);
+  s.reset();
+  s.hybrid()->set_skip_cpu_segments(true);
+  for (int32_t t : prompt) {
+    (void)s.eval(std::span<const int32_t>(&t, 1));
+    CHECK(s.hybrid()->last_cpu_seconds() == 0);  // no segment computed
+  }
+  s.hybrid()->set_skip_cpu_segments(false);
+  s.reset();
+  std::span<const float> l = s.eval(prompt);
+  CHECK(std::vector<float>(l.begin(), l.end()) == want);  // same bits as before the skipped steps
+}
+
 TEST_CASE("hybrid: greedy selection on the device picks the CPU-only run's tokens") {
   gguf::File file = gguf::File::open(test::stories260k().string());
   auto model = load_model(file);

@@ -87,6 +87,11 @@ struct ModelBenchResult {
   /// Share of the timed tg steps' wall time spent in CPU segments (host callbacks); the rest is
   /// device work, copies and hand-offs.
   double tg_cpu_busy = 0, pp_cpu_busy = 0;
+  /// The device's share of a tg step: the same decode steps timed again with the CPU segments
+  /// skipped (HybridExecutor::set_skip_cpu_segments), over the real steps' time. It counts the
+  /// device's ops and the hand-off copies and waits; 0 when the step has no CPU segment
+  /// (then the device is the whole step).
+  double tg_device_busy = 0;
 };
 
 /// Loads the model and runs the measurements above. Throws what loading throws (GgufError,

@@ -66,11 +66,11 @@ struct HybridOptions {
   Handoff handoff = Handoff::automatic;
   /// Capture decode steps (1 token) as a Device graph and replay them.
   bool graphs = true;
-  /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes the routed experts that live on
-  /// the CPU on the device instead, streaming each layer's expert tensors from pinned host
-  /// memory through two device buffers (layer l+1 copies while layer l computes). Costs a pinned
-  /// copy of those tensors in host memory and two layers' expert tensors on the device.
-  /// 0: never (the CPU computes them at every batch size).
+  /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes the
+  /// routed experts that live on the CPU on the device instead, streaming each layer's expert
+  /// tensors from pinned host memory through two device buffers (layer l+1 copies while layer l
+  /// computes). Costs a pinned copy of those tensors in host memory and two layers' expert tensors
+  /// on the device. 0: never (the CPU computes them at every batch size).
   int32_t stream_experts_min_tokens = 0;
   /// Decode steps: the device computes this fraction (0..1) of each CPU-held
   /// layer's experts (every 1/f-th expert id) by reading their weights over PCIe from a pinned
@@ -118,6 +118,10 @@ class HybridExecutor {
   /// Wall time of the last run() and the time its CPU segments took (host callbacks, summed).
   double last_step_seconds() const { return last_step_s_; }
   double last_cpu_seconds() const { return last_cpu_s_; }
+  /// Timing only (`berth bench model`): while on, CPU segments return without computing, so a
+  /// step measures the device's part alone (its ops plus the hand-offs). Outputs, and the KV
+  /// rows a step writes, are wrong while on: reset the session afterwards.
+  void set_skip_cpu_segments(bool on) { skip_cpu_ = on; }
   /// Device bytes held: weights, KV cache, activations + workspace.
   size_t device_weight_bytes() const { return dev_weight_bytes_; }
   size_t device_kv_bytes() const { return dev_kv_bytes_; }
@@ -171,6 +175,7 @@ class HybridExecutor {
   int64_t max_tokens_ = 0;
   std::vector<std::unique_ptr<StepPlan>> plans_;
   double last_step_s_ = 0, last_cpu_s_ = 0;
+  bool skip_cpu_ = false;
   Handoff handoff_ = Handoff::callback;
   bool profiling_ = false;
   std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
