@@ -13,14 +13,18 @@ source .device/env.sh
 model=/tmp/q3-$type.gguf
 t=$(nproc)
 [[ -f $model ]] || berth synth --preset qwen3-30b-a3b --type "$type" --router-skew 1 -s 1 -t "$t" -o "$model" 2>&1 | tail -1
+# Only the JSON goes to OUTDIR (the device tool brings back the first 8 files); text and stderr
+# logs go to $logs.
+logs=${TMPDIR:-/tmp}/gpu-bench-logs
+mkdir -p "$logs"
 bench() {
   local name=$1; shift
   echo "== $name: $*"
-  timeout 150 berth bench model -m "$model" -t "$t" -r "$reps" --json "$out/$name.json" "$@" 2>"$out/$name.err" |
-    tee "$out/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off"
+  timeout 150 berth bench model -m "$model" -t "$t" -r "$reps" --json "$out/$name.json" "$@" 2>"$logs/$name.err" |
+    tee "$logs/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off"
 }
 bench all-gpu -p 512 -n 128 -ngl 99
 bench budget-24g -p 512 -n 128 --vram-budget 24G --stream-experts 64
 bench cpu-moe -p 512 -n 128 -ngl 99 --cpu-moe --stream-experts 64
-bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.33
+bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.15
 bench cpu-only -p 512 -n 32 -ngl 0

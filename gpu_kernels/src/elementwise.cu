@@ -22,10 +22,19 @@ unsigned grid_for(int64_t n) {
 
 // One block per run of `group` values. The sum of squares accumulates in double (as the CPU
 // kernels do), so the float scale matches the reference's to within one rounding.
+// With `b` (add_rms_norm): the normalised values are those of x + b, which are also written to
+// `sum`; each thread reads back only the sums it wrote.
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps) {
+    rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
+                    const float* b = nullptr, float* sum = nullptr) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
   const float* xr = x + base;
+  if (b) {
+    const float* br = b + base;
+    float* sr = sum + base;
+    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) sr[i] = xr[i] + br[i];
+    xr = sr;
+  }
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < group; i += blockDim.x) {
     const double v = xr[i];
@@ -119,6 +128,19 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   while (threads > 32 && threads / 2 >= group) threads /= 2;
   rms_norm_kernel<<<static_cast<unsigned>(runs), threads, 0, stream>>>(x, w, out, group, eps);
   BERTH_LAUNCH_CHECK("rms_norm_kernel");
+}
+
+void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
+                  int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  if (rows > 0x7fffffff) bad_arg("gpu::add_rms_norm: too many rows");
+  // The thread count rms_norm picks for whole rows, so the sums of squares add up in the same
+  // order and the outputs equal add() then rms_norm() bit for bit.
+  int threads = kThreads;
+  while (threads > 32 && threads / 2 >= cols) threads /= 2;
+  rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, w, out, cols, eps, b,
+                                                                       sum);
+  BERTH_LAUNCH_CHECK("rms_norm_kernel (add)");
 }
 
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {

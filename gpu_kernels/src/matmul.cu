@@ -574,6 +574,40 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
   }
 }
 
+void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  bool gemv_all = n_tok > 0 && n_in > 0, any_q = false;
+  for (int j = 0; j < n_jobs; ++j) {
+    check_type(jobs[j].type, n_in, "matmul_group");
+    gemv_all = gemv_all && matmul_uses_gemv(jobs[j].type, n_tok);
+    any_q = any_q || is_quantized(jobs[j].type);
+  }
+  if (!gemv_all || !any_q || n_jobs < 2) {
+    for (int j = 0; j < n_jobs; ++j)
+      matmul(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, workspace,
+             workspace_bytes, stream);
+    return;
+  }
+  const size_t need = qact_bytes(n_tok, n_in);
+  if (workspace_bytes < need || workspace == nullptr)
+    throw Error(ErrorCategory::invalid_argument, "matmul_group: workspace of " +
+                                                     std::to_string(workspace_bytes) + " bytes, " +
+                                                     std::to_string(need) + " needed");
+  // The activation blocks do not depend on the weight type: quantized once, read by every job.
+  const QAct qa = qact_at(workspace, n_tok, n_in);
+  quantize_act(x, nullptr, n_tok, n_in, qa, stream);
+  for (int j = 0; j < n_jobs; ++j) {
+    const MatmulJob& m = jobs[j];
+    for (int64_t t0 = 0; t0 < n_tok && m.n_out > 0; t0 += kGemvTok) {
+      const int64_t nt = std::min<int64_t>(kGemvTok, n_tok - t0);
+      QAct part{};
+      if (is_quantized(m.type)) part = {qa.q + t0 * n_in, qa.meta + t0 * (n_in / 32)};
+      gemv(m.type, m.w, n_in, m.n_out, x + t0 * n_in, part, nt, m.out + t0 * m.n_out, m.n_out,
+           GemvRoute{}, stream);
+    }
+  }
+}
+
 void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const int32_t* tokens,
            int64_t n_tok, float* out, cudaStream_t stream) {
   check_type(type, n_embd, "embed");

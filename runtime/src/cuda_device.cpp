@@ -28,8 +28,8 @@ void check(cudaError_t e, const char* what) {
 }
 void drv(CUresult r, const char* what) {
   if (r != CUDA_SUCCESS)
-    throw Error(ErrorCategory::internal, fmt::format("CUDA: {}: driver error {}", what,
-                                                     static_cast<int>(r)));
+    throw Error(ErrorCategory::internal,
+                fmt::format("CUDA: {}: driver error {}", what, static_cast<int>(r)));
 }
 
 // Driver entry points through the runtime, so the binary does not link libcuda (it then loads
@@ -169,13 +169,13 @@ class CudaDevice final : public Device {
   }
   bool supports_flags() const override { return flags_; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
-    drv(write_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
-                             value, CU_STREAM_WRITE_VALUE_DEFAULT),
+    drv(write_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag), value,
+                     CU_STREAM_WRITE_VALUE_DEFAULT),
         "cuStreamWriteValue32");
   }
   void wait_flag(int s, const uint32_t* flag, uint32_t value) override {
-    drv(wait_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag),
-                            value, CU_STREAM_WAIT_VALUE_GEQ),
+    drv(wait_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag), value,
+                    CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32");
   }
   void synchronize() override {
@@ -211,6 +211,10 @@ class CudaDevice final : public Device {
               int64_t n_tok, float* out, void* ws, size_t ws_bytes) override {
     gpu::matmul(type, w, n_in, n_out, x, n_tok, out, ws, ws_bytes, st(s));
   }
+  void matmul_group(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x,
+                    int64_t n_tok, void* ws, size_t ws_bytes) override {
+    gpu::matmul_group(jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes, st(s));
+  }
   void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
              const int32_t* tokens, int64_t n_tok, float* out) override {
     gpu::embed(type, w, n_embd, n_vocab, tokens, n_tok, out, st(s));
@@ -218,6 +222,10 @@ class CudaDevice final : public Device {
   void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows, int64_t cols,
                 int64_t group, float eps) override {
     gpu::rms_norm(x, w, out, rows, cols, group, eps, st(s));
+  }
+  void add_rms_norm(int s, const float* a, const float* b, float* sum, const float* w, float* out,
+                    int64_t rows, int64_t cols, float eps) override {
+    gpu::add_rms_norm(a, b, sum, w, out, rows, cols, eps, st(s));
   }
   void add(int s, const float* a, const float* b, float* out, int64_t n) override {
     gpu::add(a, b, out, n, st(s));

@@ -702,6 +702,9 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     for (size_t j = 0; j < std::min<size_t>(2, streamed.size()); ++j) start_copy(j, -1);
   }
   size_t next_stream = 0;
+  std::vector<bool> seg_after(g.ops.size(), false);  // a CPU segment forks after op i
+  for (const Segment& s : sp.segs)
+    if (s.ready >= 0) seg_after[static_cast<size_t>(s.ready)] = true;
   for (size_t i = 0; i < g.ops.size(); ++i) {
     if (sp.op_home[i] != Home::gpu) continue;
     bool needs_join = false;
@@ -729,9 +732,51 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
         host_w[2] = pinned_weight_[static_cast<size_t>(m.down)];
         ++n_host_w_;
       }
-      const int a = profiling_ ? dev_.record(kMain) : -1;
-      enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
-      if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
+      // Consecutive device matmuls of one input (a layer's Q, K, V) go as one group: the
+      // device may share work between them. A group ends where a CPU segment forks.
+      size_t end = i + 1;
+      if (!profiling_ && g.ops[i].kind == OpKind::matmul)
+        while (end < g.ops.size() && !seg_after[end - 1] && sp.op_home[end] == Home::gpu &&
+               g.ops[end].kind == OpKind::matmul && g.ops[end].inputs[0] == g.ops[i].inputs[0] &&
+               !sp.streamed[end])
+          ++end;
+      // A residual add and the whole-row norm that reads it: one call (the device may fuse).
+      const Op& op = g.ops[i];
+      const bool add_norm =
+          !profiling_ && op.kind == OpKind::add && !sp.host_w[i] && i + 1 < g.ops.size() &&
+          !seg_after[i] && sp.op_home[i + 1] == Home::gpu &&
+          g.ops[i + 1].kind == OpKind::rms_norm && g.ops[i + 1].inputs[0] == op.output &&
+          (g.ops[i + 1].norm_group <= 0 ||
+           g.ops[i + 1].norm_group == g.values[static_cast<size_t>(op.output)].cols);
+      if (add_norm) {
+        const Op& nm = g.ops[i + 1];
+        const graph::ValueInfo& vi = g.values[static_cast<size_t>(op.output)];
+        const float* w =
+            nm.weight == graph::kNoWeight
+                ? nullptr
+                : static_cast<const float*>(dev_weight_.at(static_cast<size_t>(nm.weight)));
+        const auto dv = [&](ValueId v) { return sp.dev_val[static_cast<size_t>(v)]; };
+        dev_.add_rms_norm(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
+                          dv(nm.output), vi.rows, vi.cols, nm.eps);
+        launch_ready(static_cast<int32_t>(i));  // none forks after the add (seg_after)
+        ++i;
+      } else if (end - i >= 2) {
+        std::vector<MatmulJob> jobs;
+        for (size_t k = i; k < end; ++k) {
+          const TensorView& w = weights_[g.ops[k].weight];
+          jobs.push_back({w.type, dev_weight_.at(static_cast<size_t>(g.ops[k].weight)), w.n_rows(),
+                          sp.dev_val[static_cast<size_t>(g.ops[k].output)]});
+        }
+        const ValueId x = g.ops[i].inputs[0];
+        dev_.matmul_group(kMain, jobs.data(), static_cast<int>(jobs.size()),
+                          weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
+                          g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
+        for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
+      } else {
+        const int a = profiling_ ? dev_.record(kMain) : -1;
+        enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
+        if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
+      }
     }
     launch_ready(static_cast<int32_t>(i));
   }

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -234,6 +235,56 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
     MESSAGE(type_name(t), ": pooled NMSE gemv ", pg, ", gemm ", pm);
     CHECK(pg <= (quantized(t) ? kTolGemvQPooled : kTolGemvFPooled));
     CHECK(pm <= kTolGemmPooled);
+  }
+}
+
+TEST_CASE("gpu matmul_group: the same bits as one matmul per job, mixed types, both paths") {
+  REQUIRE_DEVICE();
+  // A layer's Q, K, V (different types and widths, one input), plus an f32 job (no quantized
+  // activations), at decode sizes (activations quantized once) and at a prefill size.
+  const GgmlType types[] = {GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::F32};
+  const int64_t outs[] = {300, 64, 129, 7};
+  const int64_t n_in = 768;
+  uint64_t seed = 9000;
+  std::vector<std::vector<uint8_t>> wq;
+  std::vector<std::unique_ptr<Dev>> dws;
+  for (int j = 0; j < 4; ++j) {
+    wq.push_back(make_weights(types[j], outs[j], n_in, seed += 17));
+    dws.push_back(std::make_unique<Dev>(wq.back().size()));
+    dws.back()->put(wq.back());
+  }
+  for (const int64_t n_tok : {int64_t{1}, int64_t{5}, int64_t{12}, int64_t{64}}) {
+    CAPTURE(n_tok);
+    const auto x = gaussian(static_cast<size_t>(n_tok * n_in), seed + n_tok, 1.0f, 0.1f);
+    Dev dx(x.size() * 4);
+    dx.put(x);
+    size_t wsb = 0;
+    for (int j = 0; j < 4; ++j)
+      wsb = std::max(wsb, gpu::matmul_workspace_bytes(types[j], n_in, outs[j], n_tok));
+    Dev ws(wsb);
+    std::vector<std::unique_ptr<Dev>> one, grp;
+    std::vector<MatmulJob> jobs;
+    for (int j = 0; j < 4; ++j) {
+      one.push_back(std::make_unique<Dev>(static_cast<size_t>(n_tok * outs[j]) * 4));
+      grp.push_back(std::make_unique<Dev>(static_cast<size_t>(n_tok * outs[j]) * 4));
+      one.back()->poison();
+      grp.back()->poison();
+      gpu::matmul(types[j], dws[static_cast<size_t>(j)]->p, n_in, outs[j], dx.as<float>(), n_tok,
+                  one.back()->as<float>(), ws.p, wsb, nullptr);
+      jobs.push_back({types[j], dws[static_cast<size_t>(j)]->p, outs[j], grp.back()->as<float>()});
+    }
+    for (const int n_jobs : {4, 3, 2}) {  // with and without the f32 job
+      CAPTURE(n_jobs);
+      gpu::matmul_group(jobs.data(), n_jobs, n_in, dx.as<float>(), n_tok, ws.p, wsb, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      for (int j = 0; j < n_jobs; ++j) {
+        CAPTURE(j);
+        const size_t n = static_cast<size_t>(n_tok * outs[j]);
+        const auto a = one[static_cast<size_t>(j)]->get<float>(n);
+        const auto b = grp[static_cast<size_t>(j)]->get<float>(n);
+        CHECK(std::memcmp(a.data(), b.data(), n * 4) == 0);
+      }
+    }
   }
 }
 

@@ -181,6 +181,35 @@ TEST_CASE("gpu: rms_norm, whole rows and per-head groups") {
   }
 }
 
+TEST_CASE("gpu: add_rms_norm equals add then rms_norm bit for bit") {
+  REQUIRE_DEVICE();
+  for (const int64_t cols : {int64_t{7}, int64_t{100}, int64_t{2048}, int64_t{4096}}) {
+    for (const bool weight : {true, false}) {
+      CAPTURE(cols);
+      CAPTURE(weight);
+      const int64_t rows = 3;
+      const size_t n = static_cast<size_t>(rows * cols);
+      const auto a = gaussian(n, 80 + n, 1.5f, 0.3f), b = gaussian(n, 90 + n, 0.7f);
+      const auto w = gaussian(static_cast<size_t>(cols), 95 + n, 0.3f, 1.0f);
+      Dev<float> da(a), db(b), dw(w), sum1(n), out1(n), sum2(n), out2(n);
+      sum1.poison(), out1.poison(), sum2.poison(), out2.poison();
+      gpu::add(da.p, db.p, sum1.p, static_cast<int64_t>(n), nullptr);
+      gpu::rms_norm(sum1.p, weight ? dw.p : nullptr, out1.p, rows, cols, cols, 1e-6f, nullptr);
+      gpu::add_rms_norm(da.p, db.p, sum2.p, weight ? dw.p : nullptr, out2.p, rows, cols, 1e-6f,
+                        nullptr);
+      const auto s1 = sum1.down(), s2 = sum2.down(), o1 = out1.down(), o2 = out2.down();
+      CHECK(std::memcmp(s1.data(), s2.data(), n * 4) == 0);
+      CHECK(std::memcmp(o1.data(), o2.data(), n * 4) == 0);
+      // The sum in place of an input (the residual stream is updated in place).
+      gpu::add_rms_norm(da.p, db.p, da.p, weight ? dw.p : nullptr, out2.p, rows, cols, 1e-6f,
+                        nullptr);
+      const auto s3 = da.down(), o3 = out2.down();
+      CHECK(std::memcmp(s1.data(), s3.data(), n * 4) == 0);
+      CHECK(std::memcmp(o1.data(), o3.data(), n * 4) == 0);
+    }
+  }
+}
+
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
   REQUIRE_DEVICE();
   struct Case {

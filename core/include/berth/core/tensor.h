@@ -16,12 +16,12 @@ namespace berth {
 
 /// A read-only view of a tensor's bytes (e.g. inside a memory-mapped GGUF file).
 struct TensorView {
-  std::string name;                    ///< GGUF tensor name, for error messages
-  GgmlType type = GgmlType::F32;       ///< element / block type
+  std::string name;                       ///< GGUF tensor name, for error messages
+  GgmlType type = GgmlType::F32;          ///< element / block type
   std::array<int64_t, 4> ne{1, 1, 1, 1};  ///< elements per axis; ne[0] contiguous
-  int n_dims = 0;                      ///< dimensions as stored in the file (1..4; 0 = scalar)
-  const void* data = nullptr;          ///< first byte of row 0
-  size_t n_bytes = 0;                  ///< total bytes of the tensor
+  int n_dims = 0;                         ///< dimensions as stored in the file (1..4; 0 = scalar)
+  const void* data = nullptr;             ///< first byte of row 0
+  size_t n_bytes = 0;                     ///< total bytes of the tensor
 
   int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
   /// Rows of ne[0] elements across all higher axes.
@@ -31,6 +31,15 @@ struct TensorView {
   const uint8_t* row(int64_t i) const {
     return static_cast<const uint8_t*>(data) + static_cast<size_t>(i) * row_bytes();
   }
+};
+
+/// One matmul of a group sharing an input (Device::matmul_group, gpu::matmul_group): w is
+/// n_out rows of n_in elements of `type` (n_in is the group's); out [n_tok, n_out] f32, row-major.
+struct MatmulJob {
+  GgmlType type = GgmlType::F32;
+  const void* w = nullptr;
+  int64_t n_out = 0;
+  float* out = nullptr;
 };
 
 /// Stacked expert weights of one MoE layer, in ggml's layout (GGUF ffn_{gate,up,down}_exps):

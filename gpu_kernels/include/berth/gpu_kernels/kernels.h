@@ -41,6 +41,14 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
             int64_t n_tok, float* out, void* workspace, size_t workspace_bytes,
             cudaStream_t stream);
 
+/// The matmuls of `jobs[0..n_jobs)` on one input x [n_tok, n_in], in job order: each job's out
+/// is what matmul() writes for it. When every job takes the GEMV path (small n_tok) and one is
+/// quantized, x is quantized once for all of them (a decode step's Q, K and V projections: one
+/// launch instead of three). `workspace` holds at least the largest matmul_workspace_bytes of
+/// the jobs. Errors: as matmul.
+void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 /// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
 /// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows
 /// (the host validates ids before a step).
@@ -52,6 +60,12 @@ void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const 
 /// w [group] f32 (nullptr: no scale). out may equal x.
 void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols, int64_t group,
               float eps, cudaStream_t stream);
+
+/// sum = a + b and out = rms_norm(sum) over whole rows, a, b, sum, out [rows, cols], w [cols]
+/// (nullptr: no scale): a residual add and the next norm in one launch, bit-identical to add()
+/// then rms_norm(group = cols). sum may alias a or b; out must not alias a, b or sum.
+void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
+                  int64_t rows, int64_t cols, float eps, cudaStream_t stream);
 
 /// out = a + b, n elements. out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);

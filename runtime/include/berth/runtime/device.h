@@ -93,11 +93,25 @@ class Device {
                                         int64_t n_tok) = 0;
   virtual void matmul(int s, GgmlType type, const void* w, int64_t n_in, int64_t n_out,
                       const float* x, int64_t n_tok, float* out, void* ws, size_t ws_bytes) = 0;
+  /// The matmuls of `jobs` on one input x [n_tok, n_in], each as matmul() computes it; a device
+  /// may share work between them (CUDA: x quantized once). ws: the largest job's workspace.
+  virtual void matmul_group(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x,
+                            int64_t n_tok, void* ws, size_t ws_bytes) {
+    for (int j = 0; j < n_jobs; ++j)
+      matmul(s, jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, ws, ws_bytes);
+  }
   virtual void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
                      const int32_t* tokens, int64_t n_tok, float* out) = 0;
   virtual void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows,
                         int64_t cols, int64_t group, float eps) = 0;
   virtual void add(int s, const float* a, const float* b, float* out, int64_t n) = 0;
+  /// sum = a + b, then out = rms_norm(sum) over whole rows of `cols` (a residual add and the next
+  /// norm; a device may fuse them). Same results as add() then rms_norm().
+  virtual void add_rms_norm(int s, const float* a, const float* b, float* sum, const float* w,
+                            float* out, int64_t rows, int64_t cols, float eps) {
+    add(s, a, b, sum, rows * cols);
+    rms_norm(s, sum, w, out, rows, cols, cols, eps);
+  }
   virtual void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
                         int64_t cols) = 0;
   virtual void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) = 0;
