@@ -262,25 +262,32 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
         ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
         weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
         g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
-    sp.orig_index.push_back(static_cast<int32_t>(ops.size() + (split ? 2 : 0)));
-    if (!split) {
+    Op cpu_op = op, dev_op = op;
+    if (split) {
+      cpu_op.moe.experts.clear();
+      dev_op.moe.experts.clear();
+      // Every 1/f-th expert (evenly spread over the ids), among those the op computes.
+      int64_t taken = 0, seen = 0;
+      for (int32_t e = 0; e < op.moe.n_expert; ++e) {
+        if (!op.moe.has_expert(e)) continue;
+        ++seen;
+        const bool dev = static_cast<int64_t>(static_cast<double>(seen) * f) > taken;
+        taken += dev;
+        (dev ? dev_op : cpu_op).moe.experts.push_back(e);
+      }
+    }
+    // An empty expert list means "all experts" (graph.h), so a side left with none must not
+    // become an op: the device taking none is no split, the CPU taking none leaves the whole op
+    // to the device (reading host memory).
+    if (!split || dev_op.moe.experts.empty() || cpu_op.moe.experts.empty()) {
+      const bool all_dev = split && !dev_op.moe.experts.empty();
+      sp.orig_index.push_back(static_cast<int32_t>(ops.size()));
       producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size());
       ops.push_back(op);
-      sp.host_w.push_back(false);
+      sp.host_w.push_back(all_dev);
       continue;
     }
-    Op cpu_op = op, dev_op = op;
-    cpu_op.moe.experts.clear();
-    dev_op.moe.experts.clear();
-    // Every 1/f-th expert (evenly spread over the ids), among those the op computes.
-    int64_t taken = 0, seen = 0;
-    for (int32_t e = 0; e < op.moe.n_expert; ++e) {
-      if (!op.moe.has_expert(e)) continue;
-      ++seen;
-      const bool dev = static_cast<int64_t>(static_cast<double>(seen) * f) > taken;
-      taken += dev;
-      (dev ? dev_op : cpu_op).moe.experts.push_back(e);
-    }
+    sp.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
     const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
     cpu_op.output = static_cast<ValueId>(g.values.size());
     g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});

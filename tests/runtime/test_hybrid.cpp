@@ -436,6 +436,31 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   }
   CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
   CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
+
+  // A share that leaves one side no expert (an empty list would mean "all experts" and count
+  // the layer twice): 0.01 of 4 experts gives the device none (no split), 1 gives it all (no
+  // CPU op). Both match the run without the share.
+  const Run ref = greedy(*model, prompt, 8, dev.get(), &h, 512);
+  for (const double share : {0.01, 1.0}) {
+    CAPTURE(share);
+    SessionParams p1 = on_device(dev.get(), h, 256, 2);
+    p1.hybrid.host_expert_share = share;
+    Session s1(*model, p1);
+    Run got;
+    std::span<const float> l = s1.eval(prompt);
+    for (int i = 0; i < 8; ++i) {
+      got.logits.emplace_back(l.begin(), l.end());
+      const int32_t t = argmax(l);
+      got.tokens.push_back(t);
+      l = s1.eval(std::span<const int32_t>(&t, 1));
+    }
+    MESSAGE("host expert share ", share, ": NMSE ", nmse(got, ref));
+    CHECK(nmse(got, ref) < 1e-4);
+    CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+    // Ops enqueued: the decode step is captured once and replayed.
+    CHECK(s1.hybrid()->host_expert_ops() == (share == 1.0 ? model->hparams().n_layer : 0));
+    if (share == 1.0) CHECK(s1.hybrid()->last_cpu_seconds() == 0);  // no CPU op left
+  }
 }
 
 TEST_CASE("hybrid: skipping CPU segments (bench timing) runs none, and a reset session is exact") {
