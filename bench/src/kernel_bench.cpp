@@ -565,15 +565,19 @@ KernelBenchResult run_kernel_bench(const KernelBenchOptions& options) {
   res.statistic =
       fmt::format("median of {} runs after 1 warm-up (best run also in the JSON)", o.repetitions);
 
+  // A pool may run fewer threads than asked (ThreadPool warns and lowers the count to what the
+  // machine runs at once): pools are kept by the count they run, once each.
   std::vector<std::unique_ptr<ThreadPool>> pools;
-  int max_threads = 1;
   for (int t : o.threads) {
-    pools.push_back(std::make_unique<ThreadPool>(t));
-    max_threads = std::max(max_threads, t);
+    auto pool = std::make_unique<ThreadPool>(t);
+    const bool dup = std::any_of(pools.begin(), pools.end(), [&](const auto& p) {
+      return p->n_threads() == pool->n_threads();
+    });
+    if (!dup) pools.push_back(std::move(pool));
   }
-  ThreadPool* fill_pool = nullptr;
+  ThreadPool* fill_pool = pools.front().get();
   for (auto& p : pools)
-    if (p->n_threads() == max_threads) fill_pool = p.get();
+    if (p->n_threads() > fill_pool->n_threads()) fill_pool = p.get();
 
   res.dram = measure_dram(o, pools, *fill_pool);
   for (GgmlType t : o.types) measure_type(o, t, pools, *fill_pool, res);

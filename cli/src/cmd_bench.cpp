@@ -125,7 +125,7 @@ Runner add_bench(CLI::App& app) {
                 "decode: the GPU computes this fraction of each CPU-held layer's experts by "
                 "reading them over PCIe from pinned host memory, while the CPU computes the rest "
                 "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(unit_fraction());
   m->add_option("--handoff", o->m.handoff,
                 "how CPU segments hand over with the device: auto, flags (pinned-memory flags "
                 "polled by the calling thread) or callback (host callbacks)")

@@ -60,4 +60,15 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
           "SIZE"));
 }
 
+CLI::Validator unit_fraction() {
+  return CLI::Validator(
+      [](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v) || !(v >= 0.0 && v <= 1.0))
+          return "'" + in + "' is not a number in [0, 1]";
+        return {};
+      },
+      "FLOAT in [0 - 1]");
+}
+
 }  // namespace berth::cli

@@ -16,4 +16,8 @@ namespace berth::cli {
 /// usage error (exit code 2) whose message names the flag and the value.
 void add_placement_flags(CLI::App& cmd, placement::Flags& f);
 
+/// Checks a fraction in [0, 1]; unlike CLI::Range it refuses NaN ("nan" parses as a double and
+/// compares false both ways). A usage error names the value.
+CLI::Validator unit_fraction();
+
 }  // namespace berth::cli

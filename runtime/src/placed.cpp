@@ -85,4 +85,17 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   return s;
 }
 
+std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set) {
+  std::vector<std::string> out;
+  if (params.device) return out;
+  const char* why = "has no effect: no GPU holds any weight or KV cache";
+  if (params.hybrid.stream_experts_min_tokens > 0)
+    out.push_back(
+        fmt::format("--stream-experts {} {}", params.hybrid.stream_experts_min_tokens, why));
+  if (params.hybrid.host_expert_share > 0)
+    out.push_back(fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, why));
+  if (handoff_set) out.push_back(fmt::format("--handoff {}", why));
+  return out;
+}
+
 }  // namespace berth

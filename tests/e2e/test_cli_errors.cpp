@@ -188,3 +188,24 @@ TEST_CASE("llama.cpp's short flags are mapped, but not inside a prompt") {
   CHECK(r.exit_code == 0);
   CHECK(r.out.find("\"how\"") != std::string::npos);
 }
+
+TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device-only flags") {
+  const std::string bin = berth::test::berth_bin();
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  // More threads than the machine runs: the pool lowers the count; this used to crash.
+  CommandResult r = run_command(bin + " bench kernels --quick -q --threads 1000,1 --types q4_0");
+  CHECK_FALSE(r.signaled);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("q4_0") != std::string::npos);
+  // NaN passes CLI::Range; the share's check refuses it (and inf), naming the flag.
+  for (const char* v : {"nan", "inf", "1.5"}) {
+    CAPTURE(v);
+    r = run_command(bin + " run -m " + model + " -p hi -n 1 --host-expert-share " + v);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("--host-expert-share") != std::string::npos);
+  }
+  // Options that need a device say so when nothing is on one.
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --host-expert-share 0.5");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--host-expert-share 0.5 has no effect") != std::string::npos);
+}

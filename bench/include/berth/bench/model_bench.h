@@ -67,8 +67,9 @@ struct ModelBenchResult {
   uint64_t decode_weight_bytes = 0;  ///< weights read per decode token
   uint64_t decode_kv_bytes = 0;      ///< KV cache read per decode token (average)
   double bound_tok_s = 0;            ///< dram / (decode_weight_bytes + decode_kv_bytes)
-  double fraction_of_bound = 0;      ///< tg_tok_s.median / bound_tok_s
-  double decode_gbps = 0;            ///< tg tok/s x bytes per token / 1e9
+  /// tg_tok_s.median / bound_tok_s; with a device, / hybrid_bound_tok_s
+  double fraction_of_bound = 0;
+  double decode_gbps = 0;  ///< tg tok/s x bytes per token / 1e9
   std::vector<OpShare> pp_profile, tg_profile;
   /// With `profile` and a device: device time per op kind (steps run without graph replay).
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
@@ -36,5 +37,10 @@ std::unique_ptr<Device> default_device();
 /// when the plan cannot fit).
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
                      bool progress_to_stderr);
+
+/// Warnings (one line each) for params.hybrid options that need a device when params.device is
+/// null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any weight or KV cache".
+/// `handoff_set`: the hand-off was chosen by the user.
+std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set);
 
 }  // namespace berth
