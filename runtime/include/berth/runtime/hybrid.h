@@ -76,10 +76,11 @@ struct HybridOptions {
   /// layer's experts (every 1/f-th expert id) by reading their weights over PCIe from a pinned
   /// host copy, at the same time as the CPU computes the rest; the two partial sums are added
   /// on the device. Balances when f ~ PCIe / (PCIe + DRAM) bandwidth. Needs the pinned copy (as
-  /// stream_experts_min_tokens). 0: off. Only single-token steps are split: a 24-token step
-  /// with the device reading host memory did not finish within 120 s on the H200 (the
-  /// multi-token GEMV re-reads each expert per token over PCIe; not investigated further), so
-  /// multi-token steps keep the CPU path.
+  /// stream_experts_min_tokens). 0: off. A fraction that gives the device no expert of a layer
+  /// leaves that layer to the CPU; one that gives it every expert (1) leaves the CPU none. Only
+  /// single-token steps are split: in a diagnostic run on the H200, a 24-token step of a tiny
+  /// model with the device reading host memory did not finish within 120 s (not investigated),
+  /// so multi-token steps keep the CPU path.
   double host_expert_share = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
