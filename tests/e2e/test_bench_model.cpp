@@ -1,0 +1,69 @@
+// `berth bench model --json` on a tiny synthetic MoE file, with and without a simulated device:
+// the reported numbers obey the relations the docs state (bounds from bytes and bandwidths,
+// fractions of the step), whatever the timings were. No speed is asserted.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "test_util.h"
+
+namespace {
+
+using berth::test::CommandResult;
+using berth::test::run_command;
+using berth::test::shell_quote;
+
+nlohmann::json bench_json(const std::string& env, const std::string& model,
+                          const std::string& flags, const std::filesystem::path& out) {
+  const CommandResult r =
+      run_command(env + " " + berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                  " -p 8 -n 8 -r 2 -t 2 -q " + flags + " --json " + shell_quote(out.string()));
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  std::ifstream in(out);
+  return nlohmann::json::parse(in);
+}
+
+bool near(double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(std::abs(a), 1.0); }
+
+}  // namespace
+
+TEST_CASE("bench model: bounds and busy shares follow from the measured numbers") {
+  const auto dir = berth::test::temp_dir("bench_model");
+  const std::string model = (dir / "moe.gguf").string();
+  const CommandResult s =
+      run_command(berth::test::berth_bin() + " synth --preset tiny-qwen3moe --type q8_0 -o " +
+                  shell_quote(model));
+  REQUIRE(s.exit_code == 0);
+
+  // CPU only: the DRAM bound, no device fields.
+  nlohmann::json j = bench_json("", model, "-ngl 0", dir / "cpu.json");
+  const double bytes = j["decode_weight_bytes"].get<double>() + j["decode_kv_bytes"].get<double>();
+  CHECK(near(j["bound_tok_s"].get<double>(), j["dram_gbps"].get<double>() * 1e9 / bytes));
+  CHECK(near(j["fraction_of_bound"].get<double>(),
+             j["tg_tok_s"].get<double>() / j["bound_tok_s"].get<double>()));
+  CHECK(j["tg_device_busy"].get<double>() == 0);
+
+  // Experts on the CPU, the rest on a simulated device.
+  j = bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 99 --cpu-moe", dir / "hyb.json");
+  const double wb = j["decode_weight_bytes"].get<double>() + j["decode_kv_bytes"].get<double>();
+  // The DRAM bound stays the whole model's at DRAM speed (it was once overwritten).
+  CHECK(near(j["bound_tok_s"].get<double>(), j["dram_gbps"].get<double>() * 1e9 / wb));
+  const double cpu_b = j["decode_cpu_bytes"].get<double>(),
+               gpu_b = j["decode_gpu_bytes"].get<double>();
+  CHECK(cpu_b > 0);
+  CHECK(gpu_b > 0);
+  const double t = cpu_b / (j["dram_gbps"].get<double>() * 1e9) +
+                   gpu_b / (j["hbm_copy_gbps"].get<double>() * 1e9);
+  CHECK(near(j["hybrid_bound_tok_s"].get<double>(), 1.0 / t));
+  CHECK(near(j["fraction_of_bound"].get<double>(),
+             j["tg_tok_s"].get<double>() / j["hybrid_bound_tok_s"].get<double>()));
+  // Both sides worked: shares of the step's wall time (timings, so only their range is checked).
+  CHECK(j["tg_cpu_busy"].get<double>() > 0);
+  CHECK(j["tg_cpu_busy"].get<double>() <= 1.0);
+  CHECK(j["tg_device_busy"].get<double>() > 0);
+}
