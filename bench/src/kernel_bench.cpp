@@ -8,6 +8,7 @@
 //     "config": {types[], threads[], quick, dram_bytes, gemv_bytes, gemv_cols, gemm_rows,
 //                gemm_cols, ubatches[], gemv_tokens, gemm_row_tile, gemm_tok_tile, l2_min_seconds},
 //     "dram":  [{threads, gbps, gbps_best}],
+//     "wake":  [{threads, idle_us, median_us, p90_us}],
 //     "gemv":  [{type, threads, rows, cols, weight_bytes, gbps, gbps_best, ratio_to_dram}],
 //     "gemm":  [{type, threads, ubatch, rows, cols, tok_s, tok_s_best, gflops, gemv_tok_s,
 //                speedup_vs_gemv, decode_tok_s, speedup_vs_decode, matches_gemv}],
@@ -545,6 +546,36 @@ std::vector<int> parse_thread_list(std::string_view list) {
   return out;
 }
 
+// Pool wake-up (WakeResult): each run busy-waits idle_us on the calling thread, then times a
+// parallel region of one task per thread in which every task waits until all have started (at
+// most 2 ms, so a worker that never comes cannot hang the run).
+std::vector<WakeResult> measure_wake(ThreadPool& pool, int runs) {
+  using clk = std::chrono::steady_clock;
+  const int n = pool.n_threads();
+  std::vector<WakeResult> out;
+  for (const int idle_us : {0, 50, 100, 200, 500, 1000}) {
+    std::vector<double> lat;
+    for (int rep = 0; rep < runs; ++rep) {
+      const auto t0 = clk::now();
+      while (std::chrono::duration<double, std::micro>(clk::now() - t0).count() < idle_us) {
+      }
+      std::atomic<int> arrived{0};
+      const auto t1 = clk::now();
+      pool.parallel_for(n, 1, [&](int64_t, int64_t) {
+        arrived.fetch_add(1, std::memory_order_acq_rel);
+        const auto s = clk::now();
+        while (arrived.load(std::memory_order_acquire) < n &&
+               std::chrono::duration<double, std::micro>(clk::now() - s).count() < 2000) {
+        }
+      });
+      lat.push_back(std::chrono::duration<double, std::micro>(clk::now() - t1).count());
+    }
+    std::sort(lat.begin(), lat.end());
+    out.push_back({n, idle_us, lat[lat.size() / 2], lat[lat.size() * 9 / 10]});
+  }
+  return out;
+}
+
 MachineInfo machine_info() { return describe_machine(); }
 
 DramResult measure_dram_bandwidth(int n_threads, size_t bytes, int repetitions) {
@@ -580,6 +611,13 @@ KernelBenchResult run_kernel_bench(const KernelBenchOptions& options) {
     if (p->n_threads() > fill_pool->n_threads()) fill_pool = p.get();
 
   res.dram = measure_dram(o, pools, *fill_pool);
+  if (fill_pool->n_threads() > 1) {
+    res.wake = measure_wake(*fill_pool, o.quick ? 20 : 200);
+    for (const WakeResult& w : res.wake)
+      if (o.progress)
+        o.progress(fmt::format("wake   threads {:>3}  after {:>4} us idle: {:7.1f} us (p90 {:.1f})",
+                               w.n_threads, w.idle_us, w.median_us, w.p90_us));
+  }
   for (GgmlType t : o.types) measure_type(o, t, pools, *fill_pool, res);
   return res;
 }
@@ -615,6 +653,12 @@ nlohmann::json to_json(const KernelBenchResult& r) {
                  {"gemm_row_tile", cpu::kGemmRowTile},
                  {"gemm_tok_tile", cpu::kGemmTokTile},
                  {"l2_min_seconds", o.l2_min_seconds}};
+  j["wake"] = json::array();
+  for (const WakeResult& w : r.wake)
+    j["wake"].push_back({{"threads", w.n_threads},
+                         {"idle_us", w.idle_us},
+                         {"median_us", w.median_us},
+                         {"p90_us", w.p90_us}});
   j["dram"] = json::array();
   for (const DramResult& d : r.dram)
     j["dram"].push_back(
@@ -673,6 +717,16 @@ std::string format_text(const KernelBenchResult& r) {
   s += fmt::format("  {:>7}  {:>8}\n", "threads", "GB/s");
   for (const DramResult& d : r.dram)
     s += fmt::format("  {:>7}  {:>8.2f}\n", d.n_threads, d.gbps.median);
+
+  if (!r.wake.empty()) {
+    s += fmt::format(
+        "\nPool wake-up: a parallel region until all {} threads have joined, after the calling "
+        "thread was busy elsewhere (median / p90, us)\n",
+        r.wake.front().n_threads);
+    for (const WakeResult& w : r.wake)
+      s += fmt::format("  after {:>4} us idle  {:8.1f}  {:8.1f}\n", w.idle_us, w.median_us,
+                       w.p90_us);
+  }
 
   if (!r.gemv.empty()) {
     s += fmt::format(

@@ -115,6 +115,16 @@ struct L2Result {
   Rate gflops;  ///< 2 flops per weight
 };
 
+/// Latency of a parallel region of the worker pool after the calling thread was busy elsewhere
+/// for `idle_us` (as during the device's part of a hybrid step): from the call until every
+/// worker has joined, median and 90th percentile over the runs, in microseconds. A worker that
+/// has gone to sleep adds its wake-up time.
+struct WakeResult {
+  int n_threads = 0;
+  int idle_us = 0;
+  double median_us = 0, p90_us = 0;
+};
+
 struct KernelBenchResult {
   MachineInfo machine;
   KernelBenchOptions options;  ///< with every default filled in (progress cleared)
@@ -123,6 +133,7 @@ struct KernelBenchResult {
   std::vector<GemvResult> gemv;
   std::vector<GemmResult> gemm;
   std::vector<L2Result> l2;
+  std::vector<WakeResult> wake;  ///< the largest pool, idle 0, 50, 100, 200, 500, 1000 us
 };
 
 /// Parses a comma-separated list of weight types ("q4_K,q8_0"). Throws Error(invalid_argument)
