@@ -115,6 +115,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
   sp.hybrid.host_expert_share = o.host_expert_share;
+  sp.hybrid.warm_workers_us = o.warm_workers_us;
   if (o.handoff == "flags")
     sp.hybrid.handoff = Handoff::flags;
   else if (o.handoff == "callback")
@@ -330,6 +331,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_device_busy", r.tg_device_busy},
       {"stream_min_tokens", r.options.stream_min_tokens},
       {"host_expert_share", r.options.host_expert_share},
+      {"warm_workers_us", r.options.warm_workers_us},
       {"handoff", r.handoff},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},

@@ -884,6 +884,9 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
     Segment& s = sp.segs[i];
     if (s.ready < 0) continue;
     std::atomic_ref<uint32_t> ready(sp.flags[2 * i]);
+    if (opt_.warm_workers_us > 0 && ready.load(std::memory_order_acquire) == 0)
+      pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; },
+                       opt_.warm_workers_us);
     const auto t0 = std::chrono::steady_clock::now();
     for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
       if ((spin & 0xffff) == 0xffff) {

@@ -8,6 +8,7 @@
 #include <oneapi/tbb/task_scheduler_observer.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -189,6 +190,25 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
         [&](const oneapi::tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); },
         oneapi::tbb::simple_partitioner());
   });
+}
+
+bool ThreadPool::spin_until(const std::function<bool()>& done, int64_t max_us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(max_us);
+  auto spin = [&] {
+    for (int i = 0;; ++i) {
+      if (done()) return true;
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until) return false;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  };
+  if (n_threads_ == 1) return spin();
+  std::atomic<bool> ok{false};
+  parallel_for(n_threads_, 1, [&](int64_t, int64_t) {
+    if (spin()) ok.store(true, std::memory_order_relaxed);
+  });
+  return ok.load(std::memory_order_relaxed) || done();
 }
 
 struct WorkerThreadsGuard::Impl {

@@ -2,11 +2,14 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "berth/core/error.h"
@@ -69,6 +72,31 @@ TEST_CASE("ThreadPool propagates exceptions and rejects zero threads") {
                                     }),
                   Error);
   CHECK_THROWS_AS(ThreadPool(0), Error);
+}
+
+TEST_CASE("ThreadPool::spin_until: every thread waits with the caller, and the limit holds") {
+  ThreadPool pool(2);
+  // Already done: returns at once.
+  CHECK(pool.spin_until([] { return true; }, 1000000));
+  // Never done: returns false after the limit (2 ms), not much later.
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_FALSE(pool.spin_until([] { return false; }, 2000));
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(ms >= 2.0);
+  CHECK(ms < 1000.0);
+  // Done once every thread of the pool is in the wait: the workers spin with the caller.
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  const bool ok = pool.spin_until(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        seen.insert(std::this_thread::get_id());
+        return static_cast<int>(seen.size()) >= pool.n_threads();
+      },
+      10000000);
+  CHECK(ok);
+  CHECK(static_cast<int>(seen.size()) == pool.n_threads());
 }
 
 TEST_CASE("Graph::validate rejects shape mismatches and use before write") {

@@ -43,6 +43,8 @@ struct ModelBenchOptions {
   int32_t stream_min_tokens = 0;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
+  /// HybridOptions::warm_workers_us (0: off).
+  int64_t warm_workers_us = 0;
   /// HybridOptions::handoff: "auto", "flags" or "callback".
   std::string handoff = "auto";
   std::function<void(std::string_view)> progress;

@@ -82,6 +82,10 @@ struct HybridOptions {
   /// model with the device reading host memory did not finish within 120 s (not investigated),
   /// so multi-token steps keep the CPU path.
   double host_expert_share = 0;
+  /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
+  /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
+  /// segment does not pay their wake-up. 0: off (the default until measured on the device).
+  int64_t warm_workers_us = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };

@@ -32,6 +32,13 @@ class ThreadPool {
   /// by fn propagate to the caller.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
+  /// Every thread of the pool (the caller included) busy-waits until `done()` returns true or
+  /// `max_us` microseconds have passed, then returns; true when done() held. For waits on
+  /// another device that are shorter than oneTBB's spin-before-sleep: the workers stay awake,
+  /// so the parallel work that follows does not pay their wake-up (measured by `berth bench
+  /// kernels`, "Pool wake-up"). done() is called from every thread and must be thread-safe.
+  bool spin_until(const std::function<bool()>& done, int64_t max_us);
+
   /// Runs fn on the calling thread inside the pool's arena: parallel_for calls made by fn then
   /// skip joining the arena each time (a step of many small ops). Exceptions propagate.
   void execute(const std::function<void()>& fn);
