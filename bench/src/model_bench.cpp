@@ -86,6 +86,9 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   o.progress = nullptr;
   if (o.n_prompt < 0 || o.n_gen < 0 || o.repetitions < 1)
     throw Error(ErrorCategory::invalid_argument, "bench model: -p and -n must be >= 0 and -r >= 1");
+  if (o.n_prompt == 0 && o.n_gen == 0)
+    throw Error(ErrorCategory::invalid_argument,
+                "bench model: -p 0 and -n 0 leave nothing to measure");
   auto say = [&](const std::string& s) {
     if (options.progress) options.progress(s);
   };
@@ -307,7 +310,8 @@ nlohmann::json to_json(const ModelBenchResult& r) {
         {"n_gen", r.options.n_gen},
         {"repetitions", r.options.repetitions},
         {"seed", r.options.seed}}},
-      {"statistic", fmt::format("median of {} runs after 1 warm-up", r.options.repetitions)},
+      {"statistic", fmt::format("median of {} run{} after 1 warm-up", r.options.repetitions,
+                                r.options.repetitions == 1 ? "" : "s")},
       {"pp_tok_s", r.pp_tok_s.median},
       {"pp_tok_s_best", r.pp_tok_s.best},
       {"tg_tok_s", r.tg_tok_s.median},
@@ -348,8 +352,8 @@ std::string format_text(const ModelBenchResult& r) {
   if (r.n_expert > 0) s += fmt::format(", {} experts ({} used)", r.n_expert, r.n_expert_used);
   s += fmt::format(", {:.2f} B params, {:.2f} GB\n", static_cast<double>(r.n_params) / 1e9,
                    static_cast<double>(r.weight_bytes) / 1e9);
-  s += fmt::format("threads: {}   statistic: median of {} runs after 1 warm-up\n\n", r.n_threads,
-                   r.options.repetitions);
+  s += fmt::format("threads: {}   statistic: median of {} run{} after 1 warm-up\n\n", r.n_threads,
+                   r.options.repetitions, r.options.repetitions == 1 ? "" : "s");
   s += fmt::format("{:<10} {:>12} {:>12}\n", "test", "tok/s", "best");
   if (r.options.n_prompt > 0)
     s += fmt::format("{:<10} {:>12.2f} {:>12.2f}\n", fmt::format("pp{}", r.options.n_prompt),
