@@ -622,6 +622,18 @@ KernelBenchResult run_kernel_bench(const KernelBenchOptions& options) {
   return res;
 }
 
+nlohmann::json to_json(const MachineInfo& m) {
+  return {{"hostname", m.hostname},
+          {"cpu_model", m.cpu_model},
+          {"physical_cores", m.physical_cores},
+          {"logical_cpus", m.logical_cpus},
+          {"llc_bytes", m.llc_bytes},
+          {"cpu_flags", m.cpu_flags},
+          {"simd_targets", m.simd_targets},
+          {"date_utc", m.date_utc},
+          {"build", m.build}};
+}
+
 nlohmann::json to_json(const KernelBenchResult& r) {
   using nlohmann::json;
   const MachineInfo& m = r.machine;
@@ -629,14 +641,7 @@ nlohmann::json to_json(const KernelBenchResult& r) {
   json j;
   j["benchmark"] = "berth bench kernels";
   j["date"] = m.date_utc;
-  j["machine"] = {{"hostname", m.hostname},
-                  {"cpu_model", m.cpu_model},
-                  {"physical_cores", m.physical_cores},
-                  {"logical_cpus", m.logical_cpus},
-                  {"llc_bytes", m.llc_bytes},
-                  {"cpu_flags", m.cpu_flags},
-                  {"simd_targets", m.simd_targets},
-                  {"build", m.build}};
+  j["machine"] = to_json(m);
   j["timing"] = {{"statistic", r.statistic}, {"warmup_runs", 1}, {"repetitions", o.repetitions}};
   std::vector<std::string> types;
   for (GgmlType t : o.types) types.emplace_back(type_name(t));

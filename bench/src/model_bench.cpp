@@ -285,16 +285,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
   };
   const MachineInfo& m = r.machine;
   return json{
-      {"machine",
-       {{"hostname", m.hostname},
-        {"cpu_model", m.cpu_model},
-        {"physical_cores", m.physical_cores},
-        {"logical_cpus", m.logical_cpus},
-        {"llc_bytes", m.llc_bytes},
-        {"cpu_flags", m.cpu_flags},
-        {"simd_targets", m.simd_targets},
-        {"date_utc", m.date_utc},
-        {"build", m.build}}},
+      {"machine", to_json(m)},
       {"model",
        {{"path", r.options.model_path},
         {"name", r.model_name},

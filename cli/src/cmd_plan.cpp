@@ -7,9 +7,9 @@
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
 #include "berth/runtime/device.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
-#include "berth/runtime/placed.h"
 #include "commands.h"
 #include "placement_flags.h"
 

@@ -6,8 +6,8 @@
 #include <csignal>
 #include <cstdio>
 #include <map>
-#include <set>
 #include <new>
+#include <set>
 #include <string>
 #include <vector>
 

@@ -65,8 +65,8 @@ bool Rule::search(const std::string& name) const {
   if (!md || !mc) throw std::bad_alloc();
   pcre2_set_match_limit(mc.get(), kMatchLimit);
   pcre2_set_depth_limit(mc.get(), kMatchLimit);
-  const int rc = pcre2_match(re.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0,
-                             0, md.get(), mc.get());
+  const int rc = pcre2_match(re.get(), reinterpret_cast<PCRE2_SPTR>(name.data()), name.size(), 0, 0,
+                             md.get(), mc.get());
   if (rc >= 0) return true;
   if (rc == PCRE2_ERROR_NOMATCH) return false;
   PCRE2_UCHAR msg[256];
@@ -108,8 +108,7 @@ std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps) {
   if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes)
     return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
            "or run on the CPU with -ngl 0";
-  if (f.n_gpu_layers < 0)
-    return "the -ot rules send more to the GPU than the budget holds";
+  if (f.n_gpu_layers < 0) return "the -ot rules send more to the GPU than the budget holds";
   std::string hint = "lower -ngl";
   if (has_exps && !f.cpu_moe) hint += ", add --n-cpu-moe N or --cpu-moe";
   return hint + ", or leave out -ngl for the automatic plan";
@@ -410,13 +409,14 @@ Plan make_plan(const Request& req) {
           const std::string with_out = out_fits ? " and the output" : "";
           const std::string exps_part =
               n_cpu == n_layer ? "no routed experts"
-              : n_cpu == 0     ? "the routed experts of every layer"
-                               : fmt::format("the routed experts of the last {} layers",
-                                             n_layer - n_cpu);
-          plan.how += any_exps
-                          ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {})",
-                                        with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu)
-                          : fmt::format(" (all layers{})", with_out);
+              : n_cpu == 0
+                  ? "the routed experts of every layer"
+                  : fmt::format("the routed experts of the last {} layers", n_layer - n_cpu);
+          plan.how +=
+              any_exps
+                  ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {})",
+                                with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu)
+                  : fmt::format(" (all layers{})", with_out);
         } else {
           int32_t k = 0;
           for (int32_t l = n_layer - 1; l >= 0; --l) {
@@ -448,10 +448,11 @@ Plan make_plan(const Request& req) {
       if (j < 0) {
         j = static_cast<int64_t>(i), h = plan.home[i];
       } else if (plan.home[i] != h) {
-        bad(fmt::format("{} would be on the {} but {} on the {}: the routed-expert tensors of a "
+        bad(
+            fmt::format("{} would be on the {} but {} on the {}: the routed-expert tensors of a "
                         "layer must live together (check the -ot rules: {})",
-                        t.name, home_name(plan.home[i]),
-                        req.tensors[static_cast<size_t>(j)].name, home_name(h), describe_flags(f)));
+                        t.name, home_name(plan.home[i]), req.tensors[static_cast<size_t>(j)].name,
+                        home_name(h), describe_flags(f)));
       }
     }
   }

@@ -15,7 +15,6 @@ size_t kv_layer_bytes(const Request& req, const Plan& plan, size_t l) {
   return req.kv_bytes.at(l) * (plan.kv_home.at(l) == Home::gpu ? 1 : 2);
 }
 
-
 constexpr double kMiB = 1024.0 * 1024.0;
 double to_mib(size_t bytes) { return static_cast<double>(bytes) / kMiB; }
 
@@ -48,9 +47,8 @@ std::string plan_table(const Request& req, const Plan& plan) {
 
   // The KV cache as runs of consecutive layers with the same home.
   if (!plan.kv_home.empty()) {
-    out +=
-        fmt::format("\n{:<{}}  {:>12}  {}\n", "KV cache (GPU f16, CPU f32)", name_w + type_w + 2,
-                    "MiB", "home");
+    out += fmt::format("\n{:<{}}  {:>12}  {}\n", "KV cache (GPU f16, CPU f32)", name_w + type_w + 2,
+                       "MiB", "home");
     size_t a = 0;
     while (a < plan.kv_home.size()) {
       size_t b = a;

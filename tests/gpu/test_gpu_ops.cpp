@@ -24,6 +24,7 @@
 #include "berth/core/fp16.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/gpu_kernels/kernels.h"
+#include "core/kernel_harness.h"
 
 namespace berth {
 namespace {
@@ -85,24 +86,10 @@ struct Dev {
 
 double nmse(const std::vector<float>& ref, const std::vector<float>& got) {
   REQUIRE(ref.size() == got.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i]) || !std::isfinite(ref[i]))
-      return std::numeric_limits<double>::infinity();
-    const double d = static_cast<double>(got[i]) - ref[i];
-    num += d * d;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return den > 0 ? num / den : num;
+  return test::nmse(ref.data(), got.data(), ref.size());
 }
 
-std::vector<float> gaussian(size_t n, uint64_t seed, float sd = 1.0f, float mean = 0.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(mean, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using test::gaussian;
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;

@@ -3,6 +3,7 @@
 // from a real model, and `berth plan` end to end.
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -32,10 +33,10 @@ void add(Request& r, const std::string& name, size_t mib, int32_t layer) {
   r.tensors.push_back(t);
 }
 
-// 4 layers. Per layer: non-expert 15 MiB (attn_norm 1, q 4, k 2, v 2, output 4, ffn_norm 1,
-// router 1), routed experts 90 MiB (3 x 30), KV cache 5 MiB. token_embd 100, output_norm 1,
-// output 50. Scratch 64, margin 32 (overhead 96). Weights 571 MiB in all.
-Request moe_request() {
+// 4 layers of attention (attn_output `attn_out` MiB) and the FFN `ffn` adds for layer l, plus
+// token_embd 100, output_norm 1, output 50, KV 5 MiB per layer, scratch 64, margin 32.
+Request layered_request(size_t attn_out,
+                        const std::function<void(Request&, const std::string&, int)>& ffn) {
   Request r;
   r.n_layer = 4;
   add(r, "token_embd.weight", 100, -1);
@@ -45,12 +46,9 @@ Request moe_request() {
     add(r, p + "attn_q.weight", 4, l);
     add(r, p + "attn_k.weight", 2, l);
     add(r, p + "attn_v.weight", 2, l);
-    add(r, p + "attn_output.weight", 4, l);
+    add(r, p + "attn_output.weight", attn_out, l);
     add(r, p + "ffn_norm.weight", 1, l);
-    add(r, p + "ffn_gate_inp.weight", 1, l);
-    add(r, p + "ffn_gate_exps.weight", 30, l);
-    add(r, p + "ffn_up_exps.weight", 30, l);
-    add(r, p + "ffn_down_exps.weight", 30, l);
+    ffn(r, p, l);
   }
   add(r, "output_norm.weight", 1, -1);
   add(r, "output.weight", 50, -1);
@@ -63,32 +61,25 @@ Request moe_request() {
   return r;
 }
 
+// 4 layers. Per layer: non-expert 15 MiB (attn_norm 1, q 4, k 2, v 2, output 4, ffn_norm 1,
+// router 1), routed experts 90 MiB (3 x 30), KV cache 5 MiB. token_embd 100, output_norm 1,
+// output 50. Scratch 64, margin 32 (overhead 96). Weights 571 MiB in all.
+Request moe_request() {
+  return layered_request(4, [](Request& r, const std::string& p, int l) {
+    add(r, p + "ffn_gate_inp.weight", 1, l);
+    add(r, p + "ffn_gate_exps.weight", 30, l);
+    add(r, p + "ffn_up_exps.weight", 30, l);
+    add(r, p + "ffn_down_exps.weight", 30, l);
+  });
+}
+
 // 4 dense layers of 45 MiB (attention 15, ffn_gate/up/down 10 each) + KV 5 MiB.
 Request dense_request() {
-  Request r;
-  r.n_layer = 4;
-  add(r, "token_embd.weight", 100, -1);
-  for (int l = 0; l < 4; ++l) {
-    const std::string p = "blk." + std::to_string(l) + ".";
-    add(r, p + "attn_norm.weight", 1, l);
-    add(r, p + "attn_q.weight", 4, l);
-    add(r, p + "attn_k.weight", 2, l);
-    add(r, p + "attn_v.weight", 2, l);
-    add(r, p + "attn_output.weight", 5, l);
-    add(r, p + "ffn_norm.weight", 1, l);
+  return layered_request(5, [](Request& r, const std::string& p, int l) {
     add(r, p + "ffn_gate.weight", 10, l);
     add(r, p + "ffn_up.weight", 10, l);
     add(r, p + "ffn_down.weight", 10, l);
-  }
-  add(r, "output_norm.weight", 1, -1);
-  add(r, "output.weight", 50, -1);
-  r.kv_bytes.assign(4, 5 * MiB);
-  r.scratch_bytes = 64 * MiB;
-  r.margin_bytes = 32 * MiB;
-  r.has_device = true;
-  r.device_name = "CUDA0 (Test GPU)";
-  r.device_free_bytes = 100000 * MiB;
-  return r;
+  });
 }
 
 Home home_of(const Request& r, const Plan& p, const std::string& name) {
@@ -739,14 +730,15 @@ TEST_CASE("berth plan on the command line") {
   CHECK(r.out.empty());
 }
 
-TEST_CASE("-ot regexes: deep nesting and heavy backtracking end in a message, not a crash or hang") {
+TEST_CASE(
+    "-ot regexes: deep nesting and heavy backtracking end in a message, not a crash or hang") {
   Flags f;
   const std::string nested = std::string(20000, '(') + "a" + std::string(20000, ')') + "=CPU";
   CHECK(category_of([&] { add_override(f, nested); }) == ErrorCategory::invalid_argument);
   // Catastrophic backtracking for a backtracking engine; PCRE2 either sees through it or stops
   // at its match limit with an error naming the rule. Either way this returns.
-  for (const char* rule : {"(.*)+Q=CPU", "(.*)*Q$=CPU", ".*.*.*.*.*.*.*.*.*.*Q$=CPU",
-                           "(a|aa)+Q$=CPU"}) {
+  for (const char* rule :
+       {"(.*)+Q=CPU", "(.*)*Q$=CPU", ".*.*.*.*.*.*.*.*.*.*Q$=CPU", "(a|aa)+Q$=CPU"}) {
     CAPTURE(std::string(rule));
     Request r = moe_request();
     r.flags.n_gpu_layers = 99;

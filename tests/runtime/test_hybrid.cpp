@@ -79,6 +79,19 @@ int32_t argmax(std::span<const float> x) {
   return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
 }
 
+/// `n` greedy steps after `prompt` on session `s`: the logits each step chose from, and the ids.
+Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
+  Run r;
+  std::span<const float> l = s.eval(prompt);
+  for (int i = 0; i < n; ++i) {
+    r.logits.emplace_back(l.begin(), l.end());
+    const int32_t t = argmax(l);
+    r.tokens.push_back(t);
+    l = s.eval(std::span<const int32_t>(&t, 1));
+  }
+  return r;
+}
+
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
            const Homes* homes, int32_t n_ubatch = 512, bool graphs = true, int32_t stream_min = 0,
            int64_t* streamed = nullptr, Handoff handoff = Handoff::automatic,
@@ -97,14 +110,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
     sp.hybrid.host_expert_share = host_share;
   }
   Session s(m, sp);
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const int32_t t = argmax(l);
-    r.tokens.push_back(t);
-    l = s.eval(std::span<const int32_t>(&t, 1));
-  }
+  Run r = greedy(s, prompt, n);
   if (streamed) *streamed = s.hybrid() ? s.hybrid()->streamed_ops() : 0;
   return r;
 }
@@ -446,14 +452,7 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
     SessionParams p1 = on_device(dev.get(), h, 256, 2);
     p1.hybrid.host_expert_share = share;
     Session s1(*model, p1);
-    Run got;
-    std::span<const float> l = s1.eval(prompt);
-    for (int i = 0; i < 8; ++i) {
-      got.logits.emplace_back(l.begin(), l.end());
-      const int32_t t = argmax(l);
-      got.tokens.push_back(t);
-      l = s1.eval(std::span<const int32_t>(&t, 1));
-    }
+    const Run got = greedy(s1, prompt, 8);
     MESSAGE("host expert share ", share, ": NMSE ", nmse(got, ref));
     CHECK(nmse(got, ref) < 1e-4);
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);

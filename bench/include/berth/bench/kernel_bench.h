@@ -161,6 +161,10 @@ DramResult measure_dram_bandwidth(int n_threads, size_t bytes, int repetitions);
 /// Every number of `r`, with the machine, the date and the options (schema in kernel_bench.cpp).
 nlohmann::json to_json(const KernelBenchResult& r);
 
+/// The machine as a JSON object (hostname, cpu_model, cores, llc_bytes, cpu_flags, simd_targets,
+/// date_utc, build): the "machine" entry of every benchmark's JSON.
+nlohmann::json to_json(const MachineInfo& m);
+
 /// Aligned text tables of `r` for a terminal.
 std::string format_text(const KernelBenchResult& r);
 

@@ -7,8 +7,9 @@
 //   model has no output.weight: then the head reuses token_embd, which counts as the output
 //   layer's matrix).
 // - `-ot REGEX=DEVICE` (--override-tensor, repeatable; comma-separated lists allowed): tensors
-//   whose name matches REGEX (PCRE2, Perl-compatible; searched anywhere in the name) go to DEVICE ("CPU",
-//   "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl, --cpu-moe and --n-cpu-moe.
+//   whose name matches REGEX (PCRE2, Perl-compatible; searched anywhere in the name) go to DEVICE
+//   ("CPU", "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl, --cpu-moe and
+//   --n-cpu-moe.
 // - `--cpu-moe`: every routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`) on the CPU.
 // - `--n-cpu-moe N`: the routed-expert tensors of the first N layers on the CPU.
 // - `--vram-budget SIZE` (berth's own): plan as if the device had only SIZE free.
