@@ -118,7 +118,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
   sp.hybrid.host_expert_share = o.host_expert_share;
-  sp.hybrid.warm_workers_us = o.warm_workers_us;
+  if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
   if (o.handoff == "flags")
     sp.hybrid.handoff = Handoff::flags;
   else if (o.handoff == "callback")
@@ -126,7 +126,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   else if (o.handoff != "auto")
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
-  for (const std::string& note : device_option_notes(sp, o.handoff != "auto"))
+  for (const std::string& note : device_option_notes(sp, o.handoff != "auto", o.warm_workers_us >= 0))
     log::warn("{}", note);
   r.placement = placed.plan.how;
   if (sp.device) {
@@ -149,6 +149,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (session.hybrid()) {
     session.hybrid()->set_profiling(o.profile);
     r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
+    if (r.handoff == "flags") r.warm_workers_us = sp.hybrid.warm_workers_us;
   }
   auto reset_gpu = [&] {
     if (session.hybrid()) session.hybrid()->reset_gpu_profile();
@@ -326,7 +327,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_device_busy", r.tg_device_busy},
       {"stream_min_tokens", r.options.stream_min_tokens},
       {"host_expert_share", r.options.host_expert_share},
-      {"warm_workers_us", r.options.warm_workers_us},
+      {"warm_workers_us", r.warm_workers_us},
       {"handoff", r.handoff},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},
@@ -361,12 +362,14 @@ std::string format_text(const ModelBenchResult& r) {
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s; hand-off {}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token "
+        "{:.1f} GB/s; hand-off {}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token "
         "from "
         "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
         "step\n",
         r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
-        r.h2d_gbps, r.handoff, static_cast<double>(r.decode_gpu_bytes) / 1e9,
+        r.h2d_gbps, r.handoff,
+        r.warm_workers_us > 0 ? fmt::format(" (workers warm {} us)", r.warm_workers_us) : "",
+        static_cast<double>(r.decode_gpu_bytes) / 1e9,
         static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s, 100 * r.tg_cpu_busy,
         100 * r.pp_cpu_busy);
     if (r.tg_device_busy > 0)

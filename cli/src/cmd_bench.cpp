@@ -128,7 +128,7 @@ Runner add_bench(CLI::App& app) {
       ->check(unit_fraction());
   m->add_option("--warm-workers", o->m.warm_workers_us,
                 "flag hand-off: the CPU workers spin with the calling thread for up to US "
-                "microseconds while it waits for the GPU, instead of sleeping (0: off)")
+                "microseconds while it waits for the GPU, instead of sleeping (default 1000; 0: off)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   m->add_option("--handoff", o->m.handoff,
                 "how CPU segments hand over with the device: auto, flags (pinned-memory flags "

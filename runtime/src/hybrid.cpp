@@ -845,7 +845,37 @@ HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
     for (size_t i = 0; i < 2 * sp.segs.size(); ++i)
       std::atomic_ref<uint32_t>(sp.flags[i]).store(0, std::memory_order_relaxed);
   marks_.clear();
-  if (sp.n_tokens == 1 && opt_.graphs && !profiling_) {
+  const bool replay = sp.n_tokens == 1 && opt_.graphs && !profiling_;
+  if (sp.flags && !replay) {
+    // Eager steps enqueue op by op. The device stops at the first segment's wait, and once its
+    // launch queue is full (about a thousand operations: a few dozen layers) the next enqueue
+    // blocks the host, which then never reaches the flags it must serve. So a second thread
+    // serves them while this one enqueues.
+    serve_abort_.store(false, std::memory_order_relaxed);
+    std::exception_ptr serve_error;
+    std::thread server([&] {
+      try {
+        serve_segments(sp);
+      } catch (...) {
+        serve_error = std::current_exception();
+      }
+    });
+    try {
+      enqueue_step(sp);
+    } catch (...) {
+      // Release the device from every wait and stop the server before unwinding.
+      serve_abort_.store(true, std::memory_order_release);
+      release_flags(sp, 0);
+      server.join();
+      try {
+        dev_.synchronize();
+      } catch (...) {
+      }
+      throw;
+    }
+    server.join();
+    if (serve_error) std::rethrow_exception(serve_error);
+  } else if (replay) {
     if (sp.graph < 0) {
       dev_.begin_capture();
       try {
@@ -860,10 +890,10 @@ HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
       sp.graph = dev_.end_capture();
     }
     dev_.replay(sp.graph);
+    if (sp.flags) serve_segments(sp);
   } else {
     enqueue_step(sp);
   }
-  if (sp.flags) serve_segments(sp);
   dev_.synchronize();
   for (const auto& [kind, ab] : marks_) {
     if (gpu_prof_.empty()) gpu_prof_.resize(static_cast<size_t>(OpKind::moe_experts) + 1);
@@ -890,10 +920,10 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
     const auto t0 = std::chrono::steady_clock::now();
     for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
       if ((spin & 0xffff) == 0xffff) {
+        if (serve_abort_.load(std::memory_order_acquire)) return;  // the enqueue failed
         if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
           // Never signalled: release every waiting stream so the device can finish, then fail.
-          for (size_t j = i; j < sp.segs.size(); ++j)
-            std::atomic_ref<uint32_t>(sp.flags[2 * j + 1]).store(1, std::memory_order_release);
+          release_flags(sp, i);
           dev_.synchronize();
           throw Error(ErrorCategory::internal,
                       fmt::format("{}: CPU segment {} of the step was not signalled in 60 s",
@@ -905,6 +935,11 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
     run_segment(&s);
     std::atomic_ref<uint32_t>(sp.flags[2 * i + 1]).store(1, std::memory_order_release);
   }
+}
+
+void HybridExecutor::release_flags(StepPlan& sp, size_t from) {
+  for (size_t j = from; j < sp.segs.size(); ++j)
+    std::atomic_ref<uint32_t>(sp.flags[2 * j + 1]).store(1, std::memory_order_release);
 }
 
 std::vector<CpuExecutor::OpTime> HybridExecutor::gpu_profile() const {

@@ -85,7 +85,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   return s;
 }
 
-std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set) {
+std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set,
+                                             bool warm_set) {
   std::vector<std::string> out;
   if (params.device) return out;
   const char* why = "has no effect: no GPU holds any weight or KV cache";
@@ -95,7 +96,7 @@ std::vector<std::string> device_option_notes(const SessionParams& params, bool h
   if (params.hybrid.host_expert_share > 0)
     out.push_back(fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, why));
   if (handoff_set) out.push_back(fmt::format("--handoff {}", why));
-  if (params.hybrid.warm_workers_us > 0) out.push_back(fmt::format("--warm-workers {}", why));
+  if (warm_set) out.push_back(fmt::format("--warm-workers {}", why));
   return out;
 }
 

@@ -273,6 +273,31 @@ TEST_CASE("hybrid: replaying captured decode graphs equals eager steps bit for b
   }
 }
 
+TEST_CASE("hybrid: eager steps through a hundred CPU segments finish (the device's queue fills)") {
+  // Each --cpu-moe layer enqueues a wait for its CPU segment and ~25 operations. On CUDA the
+  // device stops at the first wait, and past ~1000 queued operations an enqueue blocks the
+  // host: the flags must be served while the step is still being enqueued (prefill steps and
+  // decode without graphs are eager). Before that was so, this case hung.
+  SynthSpec spec = synth_preset("tiny-qwen3moe");
+  spec.n_layer = 96;
+  spec.seed = 9;
+  const auto path = test::temp_dir("hybrid") / "deep-qwen3moe-f32.gguf";
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
+  gguf::File file = gguf::File::open(path.string());
+  auto model = load_model(file);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 9; ++i) prompt.push_back((i * 29 + 5) % 200 + 3);
+  auto dev = test_device();
+  const Homes h = homes_by(
+      *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  const Run ref = greedy(*model, prompt, 3, nullptr, nullptr);
+  const Run got = greedy(*model, prompt, 3, dev.get(), &h, 512, false);
+  const double e = nmse(got, ref);
+  MESSAGE("96 layers, --cpu-moe, eager: NMSE ", e);
+  CHECK(e < placement_nmse("f32"));
+  CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+}
+
 TEST_CASE("hybrid: ops run where their weights live and CPU segments fork and join") {
   gguf::File file = gguf::File::open(tiny_moe_file("f32"));
   auto model = load_model(file);

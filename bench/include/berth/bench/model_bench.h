@@ -43,8 +43,8 @@ struct ModelBenchOptions {
   int32_t stream_min_tokens = 0;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
-  /// HybridOptions::warm_workers_us (0: off).
-  int64_t warm_workers_us = 0;
+  /// HybridOptions::warm_workers_us (0: off; -1: HybridOptions' default).
+  int64_t warm_workers_us = -1;
   /// HybridOptions::handoff: "auto", "flags" or "callback".
   std::string handoff = "auto";
   std::function<void(std::string_view)> progress;
@@ -76,6 +76,7 @@ struct ModelBenchResult {
   /// With `profile` and a device: device time per op kind (steps run without graph replay).
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
   std::string handoff;  ///< "flags" or "callback"
+  int64_t warm_workers_us = 0;  ///< in effect (flag hand-off only; 0: off)
   // With a device (hybrid runs):
   std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
   std::string placement;          ///< the plan's description ("automatic", "--cpu-moe", ...)

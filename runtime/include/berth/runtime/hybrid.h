@@ -23,6 +23,7 @@
 // the CpuExecutor's f32 cache for CPU layers.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -84,8 +85,10 @@ struct HybridOptions {
   double host_expert_share = 0;
   /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
   /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
-  /// segment does not pay their wake-up. 0: off (the default until measured on the device).
-  int64_t warm_workers_us = 0;
+  /// segment does not pay their wake-up (30-50 us after >= 200 us idle on a Zen 4 VM). 0: off.
+  /// On the H200's Xeon host, 1000 raised --cpu-moe decode of synthetic qwen3-30b-a3b from
+  /// 41.3 to 42.6 and from 48.1 to 52.6 tok/s in two interleaved pairs (docs/performance.md).
+  int64_t warm_workers_us = 1000;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -158,6 +161,7 @@ class HybridExecutor {
   void stream_copy(const graph::Op& op, int buf);
   static void run_segment(void* arg);
   void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
+  void release_flags(StepPlan& sp, size_t from);  // sets the done flags of segments >= from
   void release();  // frees everything on the device (destructor, failed constructor)
 
   ThreadPool& pool_;
@@ -181,6 +185,7 @@ class HybridExecutor {
   std::vector<std::unique_ptr<StepPlan>> plans_;
   double last_step_s_ = 0, last_cpu_s_ = 0;
   bool skip_cpu_ = false;
+  std::atomic<bool> serve_abort_{false};  // an eager step's enqueue failed: stop serving
   Handoff handoff_ = Handoff::callback;
   bool profiling_ = false;
   std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops

@@ -40,7 +40,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 
 /// Warnings (one line each) for params.hybrid options that need a device when params.device is
 /// null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any weight or KV cache".
-/// `handoff_set`: the hand-off was chosen by the user.
-std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set);
+/// `handoff_set`, `warm_set`: the hand-off or --warm-workers was given by the user.
+std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set,
+                                             bool warm_set = false);
 
 }  // namespace berth
