@@ -126,7 +126,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   else if (o.handoff != "auto")
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
-  for (const std::string& note : device_option_notes(sp, o.handoff != "auto", o.warm_workers_us >= 0))
+  for (const std::string& note :
+       device_option_notes(sp, o.handoff != "auto", o.warm_workers_us >= 0))
     log::warn("{}", note);
   r.placement = placed.plan.how;
   if (sp.device) {
@@ -362,7 +363,8 @@ std::string format_text(const ModelBenchResult& r) {
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s; hand-off {}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} GB/token "
+        "{:.1f} GB/s; hand-off {}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
+        "GB/token "
         "from "
         "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
         "step\n",

@@ -126,9 +126,10 @@ Runner add_bench(CLI::App& app) {
                 "reading them over PCIe from pinned host memory, while the CPU computes the rest "
                 "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
       ->check(unit_fraction());
-  m->add_option("--warm-workers", o->m.warm_workers_us,
-                "flag hand-off: the CPU workers spin with the calling thread for up to US "
-                "microseconds while it waits for the GPU, instead of sleeping (default 1000; 0: off)")
+  m->add_option(
+       "--warm-workers", o->m.warm_workers_us,
+       "flag hand-off: the CPU workers spin with the calling thread for up to US "
+       "microseconds while it waits for the GPU, instead of sleeping (0: off, the default)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   m->add_option("--handoff", o->m.handoff,
                 "how CPU segments hand over with the device: auto, flags (pinned-memory flags "

@@ -20,21 +20,12 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
 }
 
-// One block per run of `group` values. The sum of squares accumulates in double (as the CPU
-// kernels do), so the float scale matches the reference's to within one rounding.
-// With `b` (add_rms_norm): the normalised values are those of x + b, which are also written to
-// `sum`; each thread reads back only the sums it wrote.
-__global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
-                    const float* b = nullptr, float* sum = nullptr) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
-  const float* xr = x + base;
-  if (b) {
-    const float* br = b + base;
-    float* sr = sum + base;
-    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) sr[i] = xr[i] + br[i];
-    xr = sr;
-  }
+// The RMS scale 1 / sqrt(mean(v^2) + eps) of xr[0, group), computed by the whole block and
+// returned to every thread. The sum of squares accumulates in double (as the CPU kernels do),
+// so the float scale matches the reference's to within one rounding. Every kernel that
+// normalises uses this one reduction, with the thread count rms_threads() picks, so fused
+// kernels give the same bits as rms_norm.
+__device__ __forceinline__ float block_rms_scale(const float* xr, int64_t group, float eps) {
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < group; i += blockDim.x) {
     const double v = xr[i];
@@ -52,7 +43,31 @@ __global__ void __launch_bounds__(kThreads)
     scale_s = static_cast<float>(1.0 / sqrt(t / static_cast<double>(group) + eps));
   }
   __syncthreads();
-  const float scale = scale_s;
+  return scale_s;
+}
+
+// Threads per block for runs of `group` values: small groups (per-head norms) get a warp or
+// two, whole rows a full block.
+int rms_threads(int64_t group) {
+  int threads = kThreads;
+  while (threads > 32 && threads / 2 >= group) threads /= 2;
+  return threads;
+}
+
+// One block per run of `group` values. With `b` (add_rms_norm): the normalised values are
+// those of x + b, which are also written to `sum`; each thread reads back only the sums it wrote.
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
+                    const float* b = nullptr, float* sum = nullptr) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
+  const float* xr = x + base;
+  if (b) {
+    const float* br = b + base;
+    float* sr = sum + base;
+    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) sr[i] = xr[i] + br[i];
+    xr = sr;
+  }
+  const float scale = block_rms_scale(xr, group, eps);
   float* yr = out + base;
   for (int64_t i = threadIdx.x; i < group; i += blockDim.x)
     yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
@@ -79,9 +94,25 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
   }
 }
 
+// RoPE's cos and sin for pair slot s of a row at `pos`: the angle in double, rounded to float
+// as the CPU backend's table: theta_s = pos * base^(-2s/n_rot).
+__device__ __forceinline__ void rope_cs(int32_t pos, int32_t s, int32_t n_rot, double freq_base,
+                                        float& c, float& si) {
+  const double theta = static_cast<double>(pos) * pow(freq_base, -2.0 * s / n_rot);
+  double sn, cs;
+  sincos(theta, &sn, &cs);
+  c = static_cast<float>(cs);
+  si = static_cast<float>(sn);
+}
+// The rotation of (a, b), each product rounded (no FMA contraction), as the CPU computes it.
+__device__ __forceinline__ void rope_rotate(float a, float b, float c, float si, float& o0,
+                                            float& o1) {
+  o0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, si));
+  o1 = __fadd_rn(__fmul_rn(a, si), __fmul_rn(b, c));
+}
+
 // One thread per (row, head, slot): slots [0, n_rot/2) rotate a pair; slots past that copy one
-// of the dims >= n_rot (a no-op when out == x). The angle is computed in double and rounded to
-// float as the CPU backend's table: theta_i = pos * base^(-2i/n_rot).
+// of the dims >= n_rot (a no-op when out == x).
 __global__ void rope_kernel(const float* x, float* out, int64_t rows, int32_t n_head,
                             int32_t head_dim, int32_t n_rot, double freq_base, bool neox,
                             const int32_t* positions) {
@@ -95,19 +126,65 @@ __global__ void rope_kernel(const float* x, float* out, int64_t rows, int32_t n_
     const int64_t r = rh / n_head;
     const int64_t off = rh * head_dim;
     if (s < half) {
-      const double theta = static_cast<double>(positions[r]) * pow(freq_base, -2.0 * s / n_rot);
-      double sn, cs;
-      sincos(theta, &sn, &cs);
-      const float c = static_cast<float>(cs), si = static_cast<float>(sn);
+      float c, si;
+      rope_cs(positions[r], s, n_rot, freq_base, c, si);
       const int32_t i0 = neox ? s : 2 * s;
       const int32_t i1 = neox ? s + half : 2 * s + 1;
-      const float a = x[off + i0], b = x[off + i1];
-      out[off + i0] = a * c - b * si;
-      out[off + i1] = a * si + b * c;
+      rope_rotate(x[off + i0], x[off + i1], c, si, out[off + i0], out[off + i1]);
     } else {
       const int64_t d = off + n_rot + (s - half);
       out[d] = x[d];
     }
+  }
+}
+
+struct NormRopeJobs {
+  NormRopeJob j[2];
+  int n;
+};
+
+// One block per (row, head) of the jobs' heads, row-major, job 0's heads before job 1's: the
+// head's RMS scale (block_rms_scale, as rms_norm_kernel), then each slot as rope_kernel does
+// on the normalised values (x * scale * w rounded to float, the value rms_norm stores).
+__global__ void __launch_bounds__(kThreads)
+    norm_rope_kernel(NormRopeJobs jobs, int32_t head_dim, float eps, int32_t n_rot,
+                     double freq_base, bool neox, const int32_t* positions) {
+  const int32_t heads = jobs.j[0].n_head + (jobs.n > 1 ? jobs.j[1].n_head : 0);
+  const int64_t r = blockIdx.x / heads;
+  int32_t h = static_cast<int32_t>(blockIdx.x % heads);
+  int ji = 0;
+  if (h >= jobs.j[0].n_head) h -= jobs.j[0].n_head, ji = 1;
+  const NormRopeJob& jb = jobs.j[ji];
+  const int64_t off = (r * jb.n_head + h) * head_dim;
+  const float* xr = jb.x + off;
+  const float* w = jb.w;
+  const float scale = block_rms_scale(xr, head_dim, eps);
+  const auto norm = [&](int32_t i) { return w ? xr[i] * scale * w[i] : xr[i] * scale; };
+  const int32_t half = n_rot / 2;
+  const int32_t slots = half + (head_dim - n_rot);
+  float* yr = jb.out + off;
+  // All reads of this head happen before the barrier's other side; out may equal x, and each
+  // slot's outputs are written only after both its inputs are read.
+  float y0[2], y1[2];
+  int32_t d0[2], d1[2];
+  int cnt = 0;
+  for (int32_t s = threadIdx.x; s < slots; s += blockDim.x, ++cnt) {
+    if (s < half) {
+      float c, si;
+      rope_cs(positions[r], s, n_rot, freq_base, c, si);
+      d0[cnt] = neox ? s : 2 * s;
+      d1[cnt] = neox ? s + half : 2 * s + 1;
+      rope_rotate(norm(d0[cnt]), norm(d1[cnt]), c, si, y0[cnt], y1[cnt]);
+    } else {
+      d0[cnt] = n_rot + (s - half);
+      d1[cnt] = -1;
+      y0[cnt] = norm(d0[cnt]);
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < cnt; ++i) {
+    yr[d0[i]] = y0[i];
+    if (d1[i] >= 0) yr[d1[i]] = y1[i];
   }
 }
 
@@ -123,10 +200,8 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   const int64_t runs = rows * (cols / group);
   if (runs == 0) return;
   if (runs > 0x7fffffff) bad_arg("gpu::rms_norm: too many rows");
-  // Small groups (per-head norms) get a warp or two, whole rows a full block.
-  int threads = kThreads;
-  while (threads > 32 && threads / 2 >= group) threads /= 2;
-  rms_norm_kernel<<<static_cast<unsigned>(runs), threads, 0, stream>>>(x, w, out, group, eps);
+  rms_norm_kernel<<<static_cast<unsigned>(runs), rms_threads(group), 0, stream>>>(x, w, out,
+                                                                                 group, eps);
   BERTH_LAUNCH_CHECK("rms_norm_kernel");
 }
 
@@ -136,10 +211,8 @@ void add_rms_norm(const float* a, const float* b, float* sum, const float* w, fl
   if (rows > 0x7fffffff) bad_arg("gpu::add_rms_norm: too many rows");
   // The thread count rms_norm picks for whole rows, so the sums of squares add up in the same
   // order and the outputs equal add() then rms_norm() bit for bit.
-  int threads = kThreads;
-  while (threads > 32 && threads / 2 >= cols) threads /= 2;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, w, out, cols, eps, b,
-                                                                       sum);
+  rms_norm_kernel<<<static_cast<unsigned>(rows), rms_threads(cols), 0, stream>>>(a, w, out, cols,
+                                                                                 eps, b, sum);
   BERTH_LAUNCH_CHECK("rms_norm_kernel (add)");
 }
 
@@ -173,6 +246,34 @@ void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head
   rope_kernel<<<grid_for(n), kThreads, 0, stream>>>(
       x, out, rows, n_head, head_dim, n_rot, static_cast<double>(freq_base), neox, positions);
   BERTH_LAUNCH_CHECK("rope_kernel");
+}
+
+void norm_rope(const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim, float eps,
+               int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
+               cudaStream_t stream) {
+  if (n_jobs < 1 || n_jobs > 2)
+    bad_arg("gpu::norm_rope: " + std::to_string(n_jobs) + " jobs (1 or 2)");
+  if (n_rot < 0 || n_rot % 2 != 0 || n_rot > head_dim || head_dim <= 0)
+    bad_arg("gpu::norm_rope: n_rot " + std::to_string(n_rot) + " must be even and <= head_dim " +
+            std::to_string(head_dim));
+  const int threads = rms_threads(head_dim);
+  // Each thread keeps at most two slots in registers (slots <= head_dim <= 2 * threads).
+  if (head_dim > 2 * threads)
+    bad_arg("gpu::norm_rope: head_dim " + std::to_string(head_dim) + " exceeds " +
+            std::to_string(2 * kThreads));
+  NormRopeJobs j{};
+  int64_t heads = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    if (jobs[i].n_head <= 0) bad_arg("gpu::norm_rope: a job has no heads");
+    j.j[i] = jobs[i];
+    heads += jobs[i].n_head;
+  }
+  j.n = n_jobs;
+  if (rows <= 0) return;
+  if (rows * heads > 0x7fffffff) bad_arg("gpu::norm_rope: too many rows");
+  norm_rope_kernel<<<static_cast<unsigned>(rows * heads), threads, 0, stream>>>(
+      j, head_dim, eps, n_rot, static_cast<double>(freq_base), neox, positions);
+  BERTH_LAUNCH_CHECK("norm_rope_kernel");
 }
 
 }  // namespace berth::gpu

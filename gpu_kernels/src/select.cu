@@ -24,54 +24,65 @@ void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argum
 // final rounding to float absorbs except in vanishingly rare cases.
 constexpr int kRouteThreads = 32;  // one warp per token: no block-wide barrier per slot
 
-__device__ __forceinline__ double route_key(float l) {
-  return isnan(l) ? -CUDART_INF : static_cast<double>(l);
-}
+// Selection keys in float: a logit's conversion to double is exact, so comparing floats orders
+// exactly as comparing the host's double keys.
+__device__ __forceinline__ float route_key(float l) { return isnan(l) ? -CUDART_INF_F : l; }
 
 // (key, id) ahead of (bkey, bid) in the selection order; id < 0 is "none".
-__device__ __forceinline__ bool route_ahead(double key, int32_t id, double bkey, int32_t bid) {
+__device__ __forceinline__ bool route_ahead(float key, int32_t id, float bkey, int32_t bid) {
   return bid < 0 || (id >= 0 && (key > bkey || (key == bkey && id < bid)));
+}
+
+// The best of this lane's experts (lane, lane + 32, ...) behind (pk, pi) in the selection order
+// (pi < 0: the best of all). A lane's chosen experts are always a prefix of its own order, so
+// "behind the last one taken" is "not taken yet".
+__device__ __forceinline__ void lane_next(const float* l, int32_t n_expert, int lane, float pk,
+                                          int32_t pi, float& bk, int32_t& bi) {
+  bk = 0.0f;
+  bi = -1;
+  for (int32_t e = lane; e < n_expert; e += 32) {
+    const float key = route_key(l[e]);
+    if (pi >= 0 && !route_ahead(pk, pi, key, e)) continue;
+    if (route_ahead(key, e, bk, bi)) bk = key, bi = e;
+  }
 }
 
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out) {
-  extern __shared__ double ex[];  // n_expert: exp(key - max); then n_expert chosen flags
-  auto* chosen = reinterpret_cast<unsigned char*>(ex + n_expert);
+  extern __shared__ double ex[];  // n_expert: exp(key - max)
   const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_expert;
   float* o = out + static_cast<int64_t>(blockIdx.x) * 2 * k;
   const int lane = static_cast<int>(threadIdx.x);
   constexpr unsigned kAll = 0xffffffffu;
 
-  double mx = -CUDART_INF;
-  for (int32_t e = lane; e < n_expert; e += 32) {
-    mx = fmax(mx, route_key(l[e]));
-    chosen[e] = 0;
-  }
-  for (int off = 16; off > 0; off >>= 1) mx = fmax(mx, __shfl_xor_sync(kAll, mx, off));
-  for (int32_t e = lane; e < n_expert; e += 32) ex[e] = exp(route_key(l[e]) - mx);
-  __syncwarp();
+  float mx = -CUDART_INF_F;
+  for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+  const double mxd = mx;
+  for (int32_t e = lane; e < n_expert; e += 32)
+    ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
 
-  // Slot j: the best expert not chosen yet (warp-wide argmax in the selection order). Lane j
-  // keeps slot j's id (k <= 32 is checked by the launcher; larger k keeps them in `o`).
+  // Slot j: the warp-wide best of the lanes' heads (each lane's best expert not yet chosen);
+  // the lane that owned the winner moves its head on. Lane j keeps slot j's id (k <= 32 is
+  // checked by the launcher).
+  float hk;
+  int32_t hi;
+  lane_next(l, n_expert, lane, 0.0f, -1, hk, hi);
   int32_t my_id = -1;
   for (int32_t j = 0; j < k; ++j) {
-    double bkey = 0.0;
-    int32_t bid = -1;
-    for (int32_t e = lane; e < n_expert; e += 32)
-      if (!chosen[e] && route_ahead(route_key(l[e]), e, bkey, bid)) bkey = route_key(l[e]), bid = e;
+    float bkey = hk;
+    int32_t bid = hi;
     for (int off = 16; off > 0; off >>= 1) {
-      const double ok = __shfl_xor_sync(kAll, bkey, off);
+      const float ok = __shfl_xor_sync(kAll, bkey, off);
       const int32_t oi = __shfl_xor_sync(kAll, bid, off);
       if (route_ahead(ok, oi, bkey, bid)) bkey = ok, bid = oi;
     }
     // Every lane holds the same winner now.
-    if (lane == 0) {
-      chosen[bid] = 1;
-      o[j] = static_cast<float>(bid);
-    }
+    if (lane == 0) o[j] = static_cast<float>(bid);
     if (lane == j) my_id = bid;
-    __syncwarp();
+    if (hi == bid) lane_next(l, n_expert, lane, hk, hi, hk, hi);
   }
+  __syncwarp();
   // The denominator sequentially over e = 0..n-1 (the host's order), by lane 0.
   double sum = 0.0;
   if (lane == 0)
@@ -203,9 +214,9 @@ void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, 
             " must be in [1, n_expert = " + std::to_string(n_expert) + "]");
   if (n_tok <= 0) return;
   if (n_tok > 0x7fffffff) bad_arg("gpu::moe_route: too many tokens");
-  const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + 1);
+  const size_t smem = static_cast<size_t>(n_expert) * sizeof(double);
   if (smem > 48 * 1024)
-    bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 5000");
+    bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 6144");
   if (k > 32) bad_arg("gpu::moe_route: n_expert_used = " + std::to_string(k) + " exceeds 32");
   moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(logits, n_expert,
                                                                                   k, norm, out);

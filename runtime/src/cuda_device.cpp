@@ -241,6 +241,11 @@ class CudaDevice final : public Device {
             int32_t n_rot, float freq_base, bool neox, const int32_t* positions) override {
     gpu::rope(x, out, rows, n_head, head_dim, n_rot, freq_base, neox, positions, st(s));
   }
+  void norm_rope(int s, const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim,
+                 float eps, int32_t n_rot, float freq_base, bool neox,
+                 const int32_t* positions) override {
+    gpu::norm_rope(jobs, n_jobs, rows, head_dim, eps, n_rot, freq_base, neox, positions, st(s));
+  }
   size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
                                    int32_t head_dim) override {
     return gpu::attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);

@@ -76,8 +76,9 @@ struct Segment {
 };
 
 struct HybridExecutor::StepPlan {
-  std::vector<bool> streamed;  // per op: CPU-held experts computed on the device (prefill)
-  std::vector<bool> host_w;    // per op: device op reading expert weights from pinned host memory
+  std::vector<bool> streamed;    // per op: CPU-held experts computed on the device (prefill)
+  std::vector<int64_t> rope_of;  // per op: the rope fused into this norm (norm_rope), or -1
+  std::vector<bool> host_w;      // per op: device op reading expert weights from pinned host memory
   std::vector<int32_t> orig_index;  // op of the model's graph -> op of g
   int32_t n_tokens = 0;
   int64_t out_rows = 0;
@@ -473,6 +474,14 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   }
   const size_t out = static_cast<size_t>(g.output);
   if (sp.value_home[out] == Home::gpu) death[out] = static_cast<int64_t>(n_ops);
+  // A norm + rope fusion writes the rope's output when it reaches the norm, or the norm before
+  // it (its pair): born two ops early, the buffer is shared with no value still read there.
+  sp.rope_of = norm_rope_pairs(sp);
+  for (size_t i = 0; i < n_ops; ++i)
+    if (sp.rope_of[i] >= 0) {
+      const auto v = static_cast<size_t>(g.ops[static_cast<size_t>(sp.rope_of[i])].output);
+      birth[v] = std::min<int64_t>(birth[v], std::max<int64_t>(0, static_cast<int64_t>(i) - 2));
+    }
 
   // 4. Buffers. Device: one arena by liveness. Host: pinned for values that cross, the
   // executor's own vectors for values only CPU ops touch.
@@ -712,8 +721,48 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   std::vector<bool> seg_after(g.ops.size(), false);  // a CPU segment forks after op i
   for (const Segment& s : sp.segs)
     if (s.ready >= 0) seg_after[static_cast<size_t>(s.ready)] = true;
+  static const std::vector<int64_t> kNoFusion;
+  const std::vector<int64_t>& rope_of = profiling_ ? kNoFusion : sp.rope_of;
+  std::vector<bool> fused_away(g.ops.size(), false);  // enqueued earlier as part of a fusion
   for (size_t i = 0; i < g.ops.size(); ++i) {
     if (sp.op_home[i] != Home::gpu) continue;
+    if (fused_away[i]) {
+      launch_ready(static_cast<int32_t>(i));
+      continue;
+    }
+    if (!rope_of.empty() && rope_of[i] >= 0) {
+      // A per-head norm whose only reader is a rope (Qwen3's q and k norms): norm and rope in one
+      // call, with the next op's pair when that is one too (k after q).
+      NormRopeJob jobs[2];
+      int n_jobs = 0;
+      const Op& first = g.ops[i];
+      const graph::RopeParams& rp = g.ops[static_cast<size_t>(rope_of[i])].rope;
+      size_t last = i;
+      for (size_t k = i; k < i + 2 && k < g.ops.size(); ++k) {
+        if (k > i && (seg_after[k - 1] || rope_of[k] < 0 || g.ops[k].eps != first.eps ||
+                      g.ops[k].norm_group != first.norm_group))
+          break;
+        const Op& nm = g.ops[k];
+        const Op& rope = g.ops[static_cast<size_t>(rope_of[k])];
+        if (rope.rope.n_rot != rp.n_rot || rope.rope.freq_base != rp.freq_base ||
+            rope.rope.mode != rp.mode)
+          break;
+        jobs[n_jobs++] = {
+            sp.dev_val[static_cast<size_t>(nm.inputs[0])],
+            nm.weight == graph::kNoWeight
+                ? nullptr
+                : static_cast<const float*>(dev_weight_.at(static_cast<size_t>(nm.weight))),
+            sp.dev_val[static_cast<size_t>(rope.output)], rope.rope.n_head};
+        fused_away[static_cast<size_t>(rope_of[k])] = true;
+        last = k;
+      }
+      dev_.norm_rope(kMain, jobs, n_jobs, g.values[static_cast<size_t>(first.output)].rows,
+                     rp.head_dim, first.eps, rp.n_rot, rp.freq_base,
+                     rp.mode == graph::RopeMode::neox, positions_dev_);
+      for (; i < last; ++i) launch_ready(static_cast<int32_t>(i));  // none forks here
+      launch_ready(static_cast<int32_t>(i));
+      continue;
+    }
     bool needs_join = false;
     for (ValueId v : g.ops[i].inputs) needs_join = needs_join || pending[static_cast<size_t>(v)];
     if (needs_join) {
@@ -935,6 +984,35 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
     run_segment(&s);
     std::atomic_ref<uint32_t>(sp.flags[2 * i + 1]).store(1, std::memory_order_release);
   }
+}
+
+std::vector<int64_t> HybridExecutor::norm_rope_pairs(const StepPlan& sp) const {
+  // For each device rms_norm over groups of head_dim whose output is read by exactly one op, a
+  // device rope of that output with the same head_dim: the rope's index (else -1). The rope only
+  // needs the norm's output and the positions, so it can run right after the norm.
+  const graph::Graph& g = sp.g;
+  std::vector<int32_t> readers(g.values.size(), 0);
+  std::vector<int64_t> reader(g.values.size(), -1);
+  for (size_t i = 0; i < g.ops.size(); ++i)
+    for (ValueId v : g.ops[i].inputs) {
+      ++readers[static_cast<size_t>(v)];
+      reader[static_cast<size_t>(v)] = static_cast<int64_t>(i);
+    }
+  std::vector<int64_t> out(g.ops.size(), -1);
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const Op& op = g.ops[i];
+    if (op.kind != OpKind::rms_norm || op.norm_group <= 0 || sp.op_home[i] != Home::gpu) continue;
+    const auto v = static_cast<size_t>(op.output);
+    if (readers[v] != 1 || op.output == g.output) continue;
+    const auto r = static_cast<size_t>(reader[v]);
+    const Op& rope = g.ops[r];
+    if (rope.kind != OpKind::rope || sp.op_home[r] != Home::gpu || rope.inputs[0] != op.output ||
+        rope.rope.head_dim != op.norm_group ||
+        g.values[v].cols != static_cast<int64_t>(rope.rope.n_head) * rope.rope.head_dim)
+      continue;
+    out[i] = static_cast<int64_t>(r);
+  }
+  return out;
 }
 
 void HybridExecutor::release_flags(StepPlan& sp, size_t from) {

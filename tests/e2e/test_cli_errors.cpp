@@ -208,11 +208,12 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --host-expert-share 0.5");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--host-expert-share 0.5 has no effect") != std::string::npos);
-  // --warm-workers has a default (1000): only a value given by the user is reported as unused.
+  // --warm-workers: only a value the user gave is reported as unused, not the default.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 2 -r 1 --dram-mib 64");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--warm-workers") == std::string::npos);
-  r = run_command(bin + " bench model -m " + model + " -p 0 -n 2 -r 1 --dram-mib 64 --warm-workers 500");
+  r = run_command(bin + " bench model -m " + model +
+                  " -p 0 -n 2 -r 1 --dram-mib 64 --warm-workers 500");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--warm-workers has no effect") != std::string::npos);
   // Nothing to measure is an error, not an empty report.

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -195,6 +196,69 @@ TEST_CASE("gpu: add_rms_norm equals add then rms_norm bit for bit") {
       CHECK(std::memcmp(o1.data(), o3.data(), n * 4) == 0);
     }
   }
+}
+
+TEST_CASE("gpu: norm_rope equals rms_norm then rope bit for bit (one or two tensors, in place)") {
+  REQUIRE_DEVICE();
+  struct Case {
+    int32_t nh0, nh1, head_dim, n_rot;
+  };
+  // Qwen3's q/k (32 and 4 heads of 128), partial rotation, a head_dim of two slots per thread.
+  const Case cases[] = {{32, 4, 128, 128}, {3, 0, 64, 32}, {5, 2, 96, 64}, {2, 3, 512, 256}};
+  const std::vector<int32_t> positions = {0, 1, 17, 511, 4095};
+  const int64_t rows = static_cast<int64_t>(positions.size());
+  Dev<int32_t> dpos(positions);
+  for (const Case& c : cases) {
+    for (const bool neox : {false, true}) {
+      for (const bool weight : {true, false}) {
+        CAPTURE(c.nh0);
+        CAPTURE(c.nh1);
+        CAPTURE(c.head_dim);
+        CAPTURE(neox);
+        CAPTURE(weight);
+        const int n_jobs = c.nh1 > 0 ? 2 : 1;
+        const int32_t nh[2] = {c.nh0, c.nh1};
+        std::deque<Dev<float>> x, w, sep, fused;  // Dev does not move
+        std::vector<std::vector<float>> xh;
+        NormRopeJob jobs[2];
+        for (int j = 0; j < n_jobs; ++j) {
+          const size_t n = static_cast<size_t>(rows * nh[j] * c.head_dim);
+          xh.push_back(gaussian(n, 300 + n + static_cast<size_t>(j), 2.0f, 0.1f));
+          x.emplace_back(xh.back());
+          w.emplace_back(gaussian(static_cast<size_t>(c.head_dim), 400 + n, 0.3f, 1.0f));
+          sep.emplace_back(n);
+          fused.emplace_back(n);
+        }
+        for (int j = 0; j < n_jobs; ++j) {
+          sep[j].poison(), fused[j].poison();
+          const int64_t cols = static_cast<int64_t>(nh[j]) * c.head_dim;
+          gpu::rms_norm(x[j].p, weight ? w[j].p : nullptr, sep[j].p, rows, cols, c.head_dim, 1e-6f,
+                        nullptr);
+          gpu::rope(sep[j].p, sep[j].p, rows, nh[j], c.head_dim, c.n_rot, 1e6f, neox, dpos.p,
+                    nullptr);
+          jobs[j] = {x[j].p, weight ? w[j].p : nullptr, fused[j].p, nh[j]};
+        }
+        gpu::norm_rope(jobs, n_jobs, rows, c.head_dim, 1e-6f, c.n_rot, 1e6f, neox, dpos.p, nullptr);
+        for (int j = 0; j < n_jobs; ++j) {
+          const auto a = sep[j].down(), b = fused[j].down();
+          CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+        }
+        // In place (out == x), as the executor may place them.
+        for (int j = 0; j < n_jobs; ++j) jobs[j].out = const_cast<float*>(jobs[j].x);
+        gpu::norm_rope(jobs, n_jobs, rows, c.head_dim, 1e-6f, c.n_rot, 1e6f, neox, dpos.p, nullptr);
+        for (int j = 0; j < n_jobs; ++j) {
+          const auto a = sep[j].down(), b = x[j].down();
+          CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+        }
+      }
+    }
+  }
+  // Bad arguments name the function.
+  NormRopeJob j{nullptr, nullptr, nullptr, 4};
+  CHECK_THROWS_WITH(gpu::norm_rope(&j, 3, 1, 128, 1e-6f, 128, 1e4f, true, dpos.p, nullptr),
+                    doctest::Contains("gpu::norm_rope"));
+  CHECK_THROWS_WITH(gpu::norm_rope(&j, 1, 1, 128, 1e-6f, 127, 1e4f, true, dpos.p, nullptr),
+                    doctest::Contains("n_rot"));
 }
 
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {

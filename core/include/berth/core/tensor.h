@@ -42,6 +42,15 @@ struct MatmulJob {
   float* out = nullptr;
 };
 
+/// One tensor of a grouped rms_norm + rope (Device::norm_rope): x, out [rows, n_head * head_dim]
+/// f32 (out may equal x), w [head_dim] f32 (nullptr: no scale).
+struct NormRopeJob {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  float* out = nullptr;
+  int32_t n_head = 0;
+};
+
 /// Stacked expert weights of one MoE layer, in ggml's layout (GGUF ffn_{gate,up,down}_exps):
 /// gate/up ne = {n_embd, n_ff, n_expert}, down ne = {n_ff, n_embd, n_expert}; expert e's matrix
 /// starts at byte e * (rows * row bytes) of its tensor. Pointers are wherever the reader of the

@@ -82,6 +82,14 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStrea
 void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim, int32_t n_rot,
           float freq_base, bool neox, const int32_t* positions, cudaStream_t stream);
 
+/// For each of `n_jobs` (1 or 2) tensors: rms_norm of every head (group = head_dim), then rope
+/// of the result, as rms_norm() then rope() compute them, bit for bit, in one launch (a
+/// layer's q and k heads: Qwen3's attn_q_norm / attn_k_norm before RoPE). Errors: as rms_norm
+/// and rope; n_jobs outside [1, 2].
+void norm_rope(const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim, float eps,
+               int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
+               cudaStream_t stream);
+
 /// Workspace bytes of attention for n_tok query rows over a cache of n_ctx positions.
 size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim);
 

@@ -118,6 +118,19 @@ class Device {
   virtual void rope(int s, const float* x, float* out, int64_t rows, int32_t n_head,
                     int32_t head_dim, int32_t n_rot, float freq_base, bool neox,
                     const int32_t* positions) = 0;
+  /// For each job: rms_norm of every head (group = head_dim) into out, then rope of out in
+  /// place (a layer's q and k norms before RoPE); a device may fuse them. Same results as
+  /// rms_norm() then rope().
+  virtual void norm_rope(int s, const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim,
+                         float eps, int32_t n_rot, float freq_base, bool neox,
+                         const int32_t* positions) {
+    for (int j = 0; j < n_jobs; ++j) {
+      const int64_t cols = static_cast<int64_t>(jobs[j].n_head) * head_dim;
+      rms_norm(s, jobs[j].x, jobs[j].w, jobs[j].out, rows, cols, head_dim, eps);
+      rope(s, jobs[j].out, jobs[j].out, rows, jobs[j].n_head, head_dim, n_rot, freq_base, neox,
+           positions);
+    }
+  }
   virtual size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
                                            int32_t head_dim) = 0;
   virtual void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,

@@ -85,10 +85,11 @@ struct HybridOptions {
   double host_expert_share = 0;
   /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
   /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
-  /// segment does not pay their wake-up (30-50 us after >= 200 us idle on a Zen 4 VM). 0: off.
-  /// On the H200's Xeon host, 1000 raised --cpu-moe decode of synthetic qwen3-30b-a3b from
-  /// 41.3 to 42.6 and from 48.1 to 52.6 tok/s in two interleaved pairs (docs/performance.md).
-  int64_t warm_workers_us = 1000;
+  /// segment does not pay their wake-up (30-50 us after >= 200 us idle on a Zen 4 VM). 0: off,
+  /// the default: on the H200's Xeon host, 1000 gave --cpu-moe decode of synthetic
+  /// qwen3-30b-a3b 41.3 -> 42.6 and 48.1 -> 52.6 tok/s in two interleaved pairs but 54.1 -> 52.6
+  /// in a third, within that host's run-to-run spread, while keeping every worker spinning.
+  int64_t warm_workers_us = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -162,6 +163,7 @@ class HybridExecutor {
   static void run_segment(void* arg);
   void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
   void release_flags(StepPlan& sp, size_t from);  // sets the done flags of segments >= from
+  std::vector<int64_t> norm_rope_pairs(const StepPlan& sp) const;  // per op: fused rope or -1
   void release();  // frees everything on the device (destructor, failed constructor)
 
   ThreadPool& pool_;
