@@ -178,6 +178,23 @@ class CudaDevice final : public Device {
                     CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32");
   }
+  // Small hand-offs (decode: a hidden state and the route) in one kernel each; large ones
+  // (prefill ubatches) on the copy engines.
+  static bool small(const HostCopy* c, int n) {
+    size_t total = 0;
+    for (int i = 0; i < n; ++i) total += c[i].bytes % 4 == 0 ? c[i].bytes : size_t{1} << 30;
+    return n <= 4 && total <= (size_t{64} << 10);
+  }
+  void copy_out_signal(int s, const HostCopy* copies, int n, uint32_t* flag,
+                       uint32_t value) override {
+    if (!small(copies, n)) return Device::copy_out_signal(s, copies, n, flag, value);
+    gpu::copy_out_signal(copies, n, flag, value, st(s));
+  }
+  void wait_copy_in(int s, const uint32_t* flag, uint32_t value, const HostCopy* copies,
+                    int n) override {
+    if (!small(copies, n)) return Device::wait_copy_in(s, flag, value, copies, n);
+    gpu::wait_copy_in(flag, value, copies, n, st(s));
+  }
   void synchronize() override {
     for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }

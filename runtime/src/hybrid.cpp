@@ -680,22 +680,28 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                         value_bytes(g.values[static_cast<size_t>(v)]));
         continue;
       }
+      std::vector<HostCopy> out, in;
       for (ValueId v : s.d2h)
-        dev_.copy_d2h(kMain, sp.host_val[static_cast<size_t>(v)],
-                      sp.dev_val[static_cast<size_t>(v)],
-                      value_bytes(g.values[static_cast<size_t>(v)]));
-      dev_.wait(kAux, kMain);
-      if (sp.flags) {
-        const size_t si = static_cast<size_t>(&s - sp.segs.data());
-        dev_.write_flag(kAux, &sp.flags[2 * si], 1);
-        dev_.wait_flag(kAux, &sp.flags[2 * si + 1], 1);
-      } else {
-        dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
-      }
+        out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
+                       value_bytes(g.values[static_cast<size_t>(v)])});
       for (ValueId v : s.h2d) {
-        dev_.copy_h2d(kAux, sp.dev_val[static_cast<size_t>(v)], sp.host_val[static_cast<size_t>(v)],
-                      value_bytes(g.values[static_cast<size_t>(v)]));
+        in.push_back({sp.dev_val[static_cast<size_t>(v)], sp.host_val[static_cast<size_t>(v)],
+                      value_bytes(g.values[static_cast<size_t>(v)])});
         pending[static_cast<size_t>(v)] = true;
+      }
+      if (sp.flags) {
+        // The inputs go down and the ready flag up in one device operation; the wait for the
+        // done flag and the outputs' way back in another, on the aux stream, so the main stream
+        // may go on with device work that does not need them.
+        const size_t si = static_cast<size_t>(&s - sp.segs.data());
+        dev_.copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), &sp.flags[2 * si], 1);
+        dev_.wait(kAux, kMain);
+        dev_.wait_copy_in(kAux, &sp.flags[2 * si + 1], 1, in.data(), static_cast<int>(in.size()));
+      } else {
+        for (const HostCopy& c : out) dev_.copy_d2h(kMain, c.dst, c.src, c.bytes);
+        dev_.wait(kAux, kMain);
+        dev_.host_fn(kAux, &HybridExecutor::run_segment, &s);
+        for (const HostCopy& c : in) dev_.copy_h2d(kAux, c.dst, c.src, c.bytes);
       }
       any_pending = true;
     }

@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "berth/core/fp16.h"
@@ -39,7 +41,7 @@ constexpr double kTolRmsNorm = 1e-13;
 // swiglu: the device expf and the host's differ by at most a couple of ulp, damped by 1/(1+e).
 constexpr double kTolSwiglu = 1e-13;
 // rope: angles in double on both sides (device pow/sincos vs libm, rounded to float), products
-// contracted to FMA on the device.
+// rounded one by one (no FMA contraction) on the device.
 constexpr double kTolRope = 1e-13;
 // attention: the device keeps scores and sums in f32 (dot products over head_dim, exp2f of
 // log2-domain scores, P.V sums over up to a few thousand rows, split merging); the reference is
@@ -259,6 +261,55 @@ TEST_CASE("gpu: norm_rope equals rms_norm then rope bit for bit (one or two tens
                     doctest::Contains("gpu::norm_rope"));
   CHECK_THROWS_WITH(gpu::norm_rope(&j, 1, 1, 128, 1e-6f, 127, 1e4f, true, dpos.p, nullptr),
                     doctest::Contains("n_rot"));
+}
+
+TEST_CASE("gpu: hand-off kernels copy to and from pinned memory around their flags") {
+  REQUIRE_DEVICE();
+  // Two values of a decode hand-off (a hidden state and a route of 8 pairs), one of them not a
+  // multiple of 16 bytes (the 4-byte path).
+  const size_t n0 = 2048, n1 = 13;
+  const auto a = gaussian(n0, 7), b = gaussian(n1, 8);
+  Dev<float> da(a), db(b);
+  float* host = nullptr;
+  uint32_t* flags = nullptr;
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&host), (n0 + n1) * 4, cudaHostAllocDefault),
+     "cudaHostAlloc");
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 8, cudaHostAllocDefault), "cudaHostAlloc");
+  std::fill(host, host + n0 + n1, std::numeric_limits<float>::quiet_NaN());
+  flags[0] = flags[1] = 0;
+  cudaStream_t st = nullptr;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  // Out: the data is on the host once the flag is.
+  const HostCopy out[2] = {{host, da.p, n0 * 4}, {host + n0, db.p, n1 * 4}};
+  gpu::copy_out_signal(out, 2, &flags[0], 1, st);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::atomic_ref<uint32_t>(flags[0]).load(std::memory_order_acquire) != 1)
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  CHECK(std::memcmp(host, a.data(), n0 * 4) == 0);
+  CHECK(std::memcmp(host + n0, b.data(), n1 * 4) == 0);
+  ck(cudaStreamSynchronize(st), "sync");
+  // In: nothing is copied until the host's flag; then the host's new data arrives.
+  Dev<float> ra(n0), rb(n1);
+  ra.poison(), rb.poison();
+  const HostCopy in[2] = {{ra.p, host, n0 * 4}, {rb.p, host + n0, n1 * 4}};
+  gpu::wait_copy_in(&flags[1], 1, in, 2, st);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(cudaStreamQuery(st) == cudaErrorNotReady);
+  for (size_t i = 0; i < n0 + n1; ++i) host[i] = -host[i];
+  std::atomic_ref<uint32_t>(flags[1]).store(1, std::memory_order_release);
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto ga = ra.down(), gb = rb.down();
+  for (size_t i = 0; i < n0; ++i) REQUIRE(ga[i] == -a[i]);
+  for (size_t i = 0; i < n1; ++i) REQUIRE(gb[i] == -b[i]);
+  // More than four copies or a size that is not whole words: an error naming the function.
+  const HostCopy five[5] = {};
+  CHECK_THROWS_WITH(gpu::copy_out_signal(five, 5, &flags[0], 1, st),
+                    doctest::Contains("gpu::copy_out_signal"));
+  const HostCopy odd[1] = {{ra.p, host, 6}};
+  CHECK_THROWS_WITH(gpu::wait_copy_in(&flags[1], 1, odd, 1, st), doctest::Contains("32-bit"));
+  cudaStreamDestroy(st);
+  cudaFreeHost(host);
+  cudaFreeHost(flags);
 }
 
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {

@@ -42,6 +42,14 @@ struct MatmulJob {
   float* out = nullptr;
 };
 
+/// One copy between device memory and page-locked host memory of a hand-off
+/// (Device::copy_out_signal, Device::wait_copy_in); bytes: a multiple of 4.
+struct HostCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+};
+
 /// One tensor of a grouped rms_norm + rope (Device::norm_rope): x, out [rows, n_head * head_dim]
 /// f32 (out may equal x), w [head_dim] f32 (nullptr: no scale).
 struct NormRopeJob {

@@ -90,6 +90,16 @@ void norm_rope(const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_d
                int32_t n_rot, float freq_base, bool neox, const int32_t* positions,
                cudaStream_t stream);
 
+/// One block copies `copies` (n <= 4, device -> page-locked host memory, sizes multiples of 4
+/// bytes; meant for a few KiB: one SM does the copying), then stores `value` to *flag (host
+/// memory) with system-scope release: a host thread that sees the flag sees the data.
+void copy_out_signal(const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
+                     cudaStream_t stream);
+/// One block waits (spinning, one SM) until *flag >= value (a host thread's release store),
+/// then copies `copies` (page-locked host -> device memory, as copy_out_signal's limits).
+void wait_copy_in(const uint32_t* flag, uint32_t value, const HostCopy* copies, int n,
+                  cudaStream_t stream);
+
 /// Workspace bytes of attention for n_tok query rows over a cache of n_ctx positions.
 size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim);
 

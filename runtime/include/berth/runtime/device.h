@@ -78,6 +78,21 @@ class Device {
   /// Work enqueued on `s` after this call waits until *flag >= value (written by a host thread).
   virtual void wait_flag(int s, const uint32_t* flag, uint32_t value) = 0;
 
+  /// Copies `copies` (device -> host, into alloc_host memory) then write_flag(flag, value), as
+  /// one operation where the device can (CUDA: one kernel for up to 4 copies of <= 64 KiB).
+  virtual void copy_out_signal(int s, const HostCopy* copies, int n, uint32_t* flag,
+                               uint32_t value) {
+    for (int i = 0; i < n; ++i) copy_d2h(s, copies[i].dst, copies[i].src, copies[i].bytes);
+    write_flag(s, flag, value);
+  }
+  /// wait_flag(flag, value) then copies `copies` (host -> device), as one operation where the
+  /// device can.
+  virtual void wait_copy_in(int s, const uint32_t* flag, uint32_t value, const HostCopy* copies,
+                            int n) {
+    wait_flag(s, flag, value);
+    for (int i = 0; i < n; ++i) copy_h2d(s, copies[i].dst, copies[i].src, copies[i].bytes);
+  }
+
   /// Blocks the calling thread until all streams are idle.
   virtual void synchronize() = 0;
 
