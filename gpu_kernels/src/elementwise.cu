@@ -20,17 +20,16 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
 }
 
-// The RMS scale 1 / sqrt(mean(v^2) + eps) of xr[0, group), computed by the whole block and
-// returned to every thread. The sum of squares accumulates in double (as the CPU kernels do),
-// so the float scale matches the reference's to within one rounding. Every kernel that
-// normalises uses this one reduction, with the thread count rms_threads() picks, so fused
-// kernels give the same bits as rms_norm.
-__device__ __forceinline__ float block_rms_scale(const float* xr, int64_t group, float eps) {
-  double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) {
-    const double v = xr[i];
-    ss += v * v;
-  }
+// Values a thread of a whole-row norm keeps in registers (rows of up to kPer x 256 = 4096 values
+// are read once, all loads in flight together; longer rows stream through the loops).
+constexpr int kPer = 16;
+
+// The block's sum of squares of the values v[u] = x[threadIdx.x + u * blockDim.x] (each thread
+// adds its own in that order, in double as the CPU kernels do), then the RMS scale
+// 1 / sqrt(mean + eps) rounded to float, returned to every thread. Every kernel that normalises
+// uses this one reduction, with the thread count rms_threads() picks, so fused kernels give the
+// same bits as rms_norm.
+__device__ __forceinline__ float block_rms_scale(double ss, int64_t group, float eps) {
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   __shared__ double part[kThreads / 32];
   __shared__ float scale_s;
@@ -45,6 +44,14 @@ __device__ __forceinline__ float block_rms_scale(const float* xr, int64_t group,
   __syncthreads();
   return scale_s;
 }
+__device__ __forceinline__ float block_rms_scale(const float* xr, int64_t group, float eps) {
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) {
+    const double v = xr[i];
+    ss += v * v;
+  }
+  return block_rms_scale(ss, group, eps);
+}
 
 // Threads per block for runs of `group` values: small groups (per-head norms) get a warp or
 // two, whole rows a full block.
@@ -55,22 +62,53 @@ int rms_threads(int64_t group) {
 }
 
 // One block per run of `group` values. With `b` (add_rms_norm): the normalised values are
-// those of x + b, which are also written to `sum`; each thread reads back only the sums it wrote.
+// those of x + b, which are also written to `sum`. Runs of up to kPer values per thread are
+// loaded into registers first (one memory latency instead of one per value: the outputs may
+// alias the inputs, so a plain loop would wait for each load); longer runs take the loops.
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
                     const float* b = nullptr, float* sum = nullptr) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
   const float* xr = x + base;
+  float* yr = out + base;
+  const int t = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
+  if (group <= static_cast<int64_t>(kPer) * nt) {
+    float v[kPer], wv[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int64_t i = t + static_cast<int64_t>(u) * nt;
+      v[u] = i < group ? (b ? xr[i] + b[base + i] : xr[i]) : 0.0f;
+      wv[u] = i < group && w ? w[i] : 1.0f;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const double d = v[u];
+      ss += d * d;  // zeros past the run add nothing: the same sum as the loop
+    }
+    if (b) {
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int64_t i = t + static_cast<int64_t>(u) * nt;
+        if (i < group) sum[base + i] = v[u];
+      }
+    }
+    const float scale = block_rms_scale(ss, group, eps);
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int64_t i = t + static_cast<int64_t>(u) * nt;
+      if (i < group) yr[i] = w ? v[u] * scale * wv[u] : v[u] * scale;
+    }
+    return;
+  }
   if (b) {
     const float* br = b + base;
     float* sr = sum + base;
-    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) sr[i] = xr[i] + br[i];
+    for (int64_t i = t; i < group; i += nt) sr[i] = xr[i] + br[i];
     xr = sr;
   }
   const float scale = block_rms_scale(xr, group, eps);
-  float* yr = out + base;
-  for (int64_t i = threadIdx.x; i < group; i += blockDim.x)
-    yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
+  for (int64_t i = t; i < group; i += nt) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
 }
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
@@ -200,8 +238,8 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   const int64_t runs = rows * (cols / group);
   if (runs == 0) return;
   if (runs > 0x7fffffff) bad_arg("gpu::rms_norm: too many rows");
-  rms_norm_kernel<<<static_cast<unsigned>(runs), rms_threads(group), 0, stream>>>(x, w, out,
-                                                                                 group, eps);
+  rms_norm_kernel<<<static_cast<unsigned>(runs), rms_threads(group), 0, stream>>>(x, w, out, group,
+                                                                                  eps);
   BERTH_LAUNCH_CHECK("rms_norm_kernel");
 }
 

@@ -47,6 +47,20 @@ __device__ __forceinline__ void lane_next(const float* l, int32_t n_expert, int 
   }
 }
 
+// Order-preserving map of a key to an unsigned integer (larger key, larger integer). Keys are
+// never NaN, and -0 was made +0 by route_key_z, so equal keys map to equal integers.
+__device__ __forceinline__ uint32_t key_bits(float key) {
+  const uint32_t u = __float_as_uint(key);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float route_key_z(float l) {
+  const float k = route_key(l);
+  return k == 0.0f ? 0.0f : k;  // -0 == +0 as keys: one integer for both
+}
+
+// Experts per lane kept in registers by the fast path (n_expert <= 32 * kRoutePer).
+constexpr int kRoutePer = 8;
+
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out) {
   extern __shared__ double ex[];  // n_expert: exp(key - max)
@@ -54,33 +68,80 @@ __global__ void __launch_bounds__(kRouteThreads)
   float* o = out + static_cast<int64_t>(blockIdx.x) * 2 * k;
   const int lane = static_cast<int>(threadIdx.x);
   constexpr unsigned kAll = 0xffffffffu;
+  int32_t my_id = -1;  // lane j: slot j's expert
 
-  float mx = -CUDART_INF_F;
-  for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
-  const double mxd = mx;
-  for (int32_t e = lane; e < n_expert; e += 32)
-    ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
-
-  // Slot j: the warp-wide best of the lanes' heads (each lane's best expert not yet chosen);
-  // the lane that owned the winner moves its head on. Lane j keeps slot j's id (k <= 32 is
-  // checked by the launcher).
-  float hk;
-  int32_t hi;
-  lane_next(l, n_expert, lane, 0.0f, -1, hk, hi);
-  int32_t my_id = -1;
-  for (int32_t j = 0; j < k; ++j) {
-    float bkey = hk;
-    int32_t bid = hi;
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ok = __shfl_xor_sync(kAll, bkey, off);
-      const int32_t oi = __shfl_xor_sync(kAll, bid, off);
-      if (route_ahead(ok, oi, bkey, bid)) bkey = ok, bid = oi;
+  if (n_expert <= 32 * kRoutePer) {
+    // Fast path: lane's experts lane + 32u in registers, loaded together; each slot is the
+    // largest key (one redux) and, among lanes holding it, the lowest id (another redux).
+    float key[kRoutePer];
+    uint32_t bits[kRoutePer];
+#pragma unroll
+    for (int u = 0; u < kRoutePer; ++u) {
+      const int32_t e = lane + 32 * u;
+      key[u] = e < n_expert ? route_key_z(l[e]) : -CUDART_INF_F;
+      bits[u] = e < n_expert ? key_bits(key[u]) : 0u;  // 0: below every real key
     }
-    // Every lane holds the same winner now.
-    if (lane == 0) o[j] = static_cast<float>(bid);
-    if (lane == j) my_id = bid;
-    if (hi == bid) lane_next(l, n_expert, lane, hk, hi, hk, hi);
+    uint32_t mb = 0;
+#pragma unroll
+    for (int u = 0; u < kRoutePer; ++u) mb = max(mb, bits[u]);
+    mb = __reduce_max_sync(kAll, mb);
+    const float mx = __uint_as_float((mb & 0x80000000u) ? (mb & 0x7fffffffu) : ~mb);
+    const double mxd = mx;
+#pragma unroll
+    for (int u = 0; u < kRoutePer; ++u) {
+      const int32_t e = lane + 32 * u;
+      if (e < n_expert) ex[e] = exp(static_cast<double>(key[u]) - mxd);
+    }
+    // This lane's head: its best expert not chosen yet (highest bits, then lowest u).
+    uint32_t taken = 0;
+    const auto head = [&](uint32_t& hb, int32_t& hid) {
+      hb = 0;
+      hid = 0x7fffffff;
+#pragma unroll
+      for (int u = 0; u < kRoutePer; ++u)
+        if (!(taken >> u & 1u) && lane + 32 * u < n_expert && (hid == 0x7fffffff || bits[u] > hb))
+          hb = bits[u], hid = lane + 32 * u;
+    };
+    uint32_t hb;
+    int32_t hid;
+    head(hb, hid);
+    for (int32_t j = 0; j < k; ++j) {
+      const uint32_t best = __reduce_max_sync(kAll, hb);
+      const int32_t id = static_cast<int32_t>(
+          __reduce_min_sync(kAll, hb == best ? static_cast<uint32_t>(hid) : 0x7fffffffu));
+      if (lane == 0) o[j] = static_cast<float>(id);
+      if (lane == j) my_id = id;
+      if (hid == id) {
+        taken |= 1u << ((id - lane) / 32);
+        head(hb, hid);
+      }
+    }
+  } else {
+    float mx = -CUDART_INF_F;
+    for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+    const double mxd = mx;
+    for (int32_t e = lane; e < n_expert; e += 32)
+      ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
+
+    // Slot j: the warp-wide best of the lanes' heads (each lane's best expert not yet chosen);
+    // the lane that owned the winner moves its head on.
+    float hk;
+    int32_t hi;
+    lane_next(l, n_expert, lane, 0.0f, -1, hk, hi);
+    for (int32_t j = 0; j < k; ++j) {
+      float bkey = hk;
+      int32_t bid = hi;
+      for (int off = 16; off > 0; off >>= 1) {
+        const float ok = __shfl_xor_sync(kAll, bkey, off);
+        const int32_t oi = __shfl_xor_sync(kAll, bid, off);
+        if (route_ahead(ok, oi, bkey, bid)) bkey = ok, bid = oi;
+      }
+      // Every lane holds the same winner now.
+      if (lane == 0) o[j] = static_cast<float>(bid);
+      if (lane == j) my_id = bid;
+      if (hi == bid) lane_next(l, n_expert, lane, hk, hi, hk, hi);
+    }
   }
   __syncwarp();
   // The denominator sequentially over e = 0..n-1 (the host's order), by lane 0.

@@ -149,7 +149,8 @@ TEST_CASE("gpu: rms_norm, whole rows and per-head groups") {
     bool weight;
   };
   const Case cases[] = {{1, 7, 7, true},      {5, 4096, 4096, true}, {3, 1000, 1000, false},
-                        {9, 4096, 128, true}, {4, 64, 8, true},      {2, 96, 32, false}};
+                        {9, 4096, 128, true}, {4, 64, 8, true},      {2, 96, 32, false},
+                        {2, 6000, 6000, true}};
   for (const Case& c : cases) {
     CAPTURE(c.rows);
     CAPTURE(c.cols);
@@ -173,7 +174,8 @@ TEST_CASE("gpu: rms_norm, whole rows and per-head groups") {
 
 TEST_CASE("gpu: add_rms_norm equals add then rms_norm bit for bit") {
   REQUIRE_DEVICE();
-  for (const int64_t cols : {int64_t{7}, int64_t{100}, int64_t{2048}, int64_t{4096}}) {
+  for (const int64_t cols :
+       {int64_t{7}, int64_t{100}, int64_t{2048}, int64_t{4096}, int64_t{6000}}) {
     for (const bool weight : {true, false}) {
       CAPTURE(cols);
       CAPTURE(weight);
@@ -553,7 +555,7 @@ TEST_CASE("gpu: moe_route equals cpu::moe_topk exactly, ties included") {
   struct Case {
     int32_t n_expert, k;
   };
-  const Case cases[] = {{8, 2}, {60, 4}, {64, 8}, {128, 8}, {7, 7}, {128, 1}};
+  const Case cases[] = {{8, 2}, {60, 4}, {64, 8}, {128, 8}, {7, 7}, {128, 1}, {256, 8}, {300, 6}};
   const int64_t n_tok = 1000;
   for (const Case& c : cases) {
     for (const bool norm : {false, true}) {
