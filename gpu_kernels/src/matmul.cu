@@ -250,6 +250,9 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
     if (a.vec) {
       const int64_t C = a.n_in / 8;
       constexpr int kEs = T == GgmlType::F32 ? 4 : 2;
+      // Unrolled so that several chunks' loads may be in flight; the sum keeps its order. (The
+      // decode router, 128 x 2048 f32, stayed at 5.9 us on the H200: latency of 32 blocks.)
+#pragma unroll 4
       for (int64_t c = sl; c < C; c += a.lpr) {
         float wv[8];
         load8<T>(row + c * 8 * kEs, wv);
