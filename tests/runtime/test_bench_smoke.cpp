@@ -61,7 +61,7 @@ TEST_CASE("bench kernels --quick on q4_0 fills every JSON field with positive nu
   CHECK(g["rows"].get<int64_t>() % 16 == 0);
   // 4096 q4_0 elements are 128 blocks of 18 bytes.
   CHECK(g["weight_bytes"].get<int64_t>() == g["rows"].get<int64_t>() * 128 * 18);
-  for (const char* k : {"gbps", "gbps_best", "ratio_to_dram"}) {
+  for (const char* k : {"gbps", "gbps_best", "ratio_to_dram", "dram_paired_gbps"}) {
     CAPTURE(k);
     CHECK(positive(g[k]));
   }

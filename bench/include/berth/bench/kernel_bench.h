@@ -90,8 +90,11 @@ struct GemvResult {
   int n_threads = 0;
   int64_t rows = 0, cols = 0;
   size_t weight_bytes = 0;
-  Rate gbps;                 ///< GB/s of weights read
-  double ratio_to_dram = 0;  ///< gbps.median / DRAM GB/s (median) at the same thread count
+  Rate gbps;  ///< GB/s of weights read
+  /// Median over the timed runs of (GEMV GB/s / DRAM GB/s), each GEMV run paired with a DRAM
+  /// stream run on the same pool right before or after it (alternating).
+  double ratio_to_dram = 0;
+  double dram_paired_gbps = 0;  ///< median GB/s of those paired DRAM runs
 };
 
 struct GemmResult {
