@@ -127,6 +127,12 @@ struct GemvArgs {
   GemvRoute r;
   int lpr;   // lanes per row (power of two <= 32)
   bool vec;  // float kernel: 16-byte loads allowed
+  // Quantized single-token calls only (matmul_group): up to two more matrices of the same type
+  // and n_in, whose rows follow the first's in the grid (rows n_out.. are the second's, ...).
+  const uint8_t* w_more[2];
+  float* out_more[2];
+  int64_t rows_more[2];
+  int n_more;
 };
 
 // Resolves the routed expert of this block (blockIdx.y = pair). False: slot skipped.
@@ -152,14 +158,14 @@ __device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w,
 // Epilogue of both GEMVs: the lanes of a row sum their partial dot products, lane 0 stores them.
 template <int NT>
 __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], bool active, int sl,
-                                           int64_t out0, int64_t r) {
+                                           int64_t out0, int64_t r, float* out) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
     for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
   if (active && sl == 0) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
-      if (NT == 1 || t < a.n_tok) a.out[(out0 + t) * a.out_stride + r] = acc[t];
+      if (NT == 1 || t < a.n_tok) out[(out0 + t) * a.out_stride + r] = acc[t];
   }
 }
 
@@ -171,9 +177,18 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_warp = 32 / a.lpr;
   const int sl = lane & (a.lpr - 1);
-  const int64_t r =
+  int64_t r =
       (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
-  const bool active = r < a.n_out;
+  // Rows past the first matrix belong to the next ones (a single-token matmul group).
+  float* out = a.out;
+  int64_t n_out = a.n_out;
+  for (int j = 0; j < a.n_more && r >= n_out; ++j) {
+    r -= n_out;
+    w = a.w_more[j];
+    out = a.out_more[j];
+    n_out = a.rows_more[j];
+  }
+  const bool active = r < n_out;
   const int G = static_cast<int>(a.n_in / 32);
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
   float acc[NT];
@@ -204,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
       }
     }
   }
-  gemv_store<NT>(a, acc, active, sl, out0, r);
+  gemv_store<NT>(a, acc, active, sl, out0, r, out);
 }
 
 // 8 consecutive weights from a 16-byte aligned address.
@@ -275,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
         if (NT == 1 || t < a.n_tok) acc[t] += wv * a.xf[(act0 + t) * a.n_in + i];
     }
   }
-  gemv_store<NT>(a, acc, active, sl, out0, r);
+  gemv_store<NT>(a, acc, active, sl, out0, r, a.out);
 }
 
 // One thread per (row, 32-element group).
@@ -434,6 +449,36 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
   const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
   dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block)),
             route.route ? static_cast<unsigned>(route.pairs) : 1u);
+  BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
+}
+
+void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cudaStream_t s) {
+  if (n_jobs < 1 || n_jobs > 3) throw Error(ErrorCategory::internal, "gemv_one_token: n_jobs");
+  const GgmlType type = jobs[0].type;
+  BERTH_CHECK(is_quantized(type), "gemv_one_token: quantized weights only");
+  GemvArgs a{};
+  a.w = static_cast<const uint8_t*>(jobs[0].w);
+  a.row_bytes = row_bytes(type, n_in);
+  a.n_in = n_in;
+  a.n_out = jobs[0].n_out;
+  a.xq = qa.q;
+  a.xm = qa.meta;
+  a.n_tok = 1;
+  a.out = jobs[0].out;
+  a.out_stride = jobs[0].n_out;
+  int64_t total = jobs[0].n_out;
+  for (int j = 1; j < n_jobs; ++j) {
+    BERTH_CHECK(jobs[j].type == type, "gemv_one_token: one weight type");
+    a.w_more[j - 1] = static_cast<const uint8_t*>(jobs[j].w);
+    a.out_more[j - 1] = jobs[j].out;
+    a.rows_more[j - 1] = jobs[j].n_out;
+    total += jobs[j].n_out;
+  }
+  a.n_more = n_jobs - 1;
+  a.lpr = lanes_per_row(n_in / 32);
+  if (total == 0) return;
+  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
+  const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block)), 1u);
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
 }
 
@@ -599,6 +644,26 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
   // The activation blocks do not depend on the weight type: quantized once, read by every job.
   const QAct qa = qact_at(workspace, n_tok, n_in);
   quantize_act(x, nullptr, n_tok, n_in, qa, stream);
+  if (n_tok == 1 && n_jobs <= 3) {
+    // One launch per weight type (a decode step's Q and K, often V too): the rows of the
+    // matrices follow one another in the grid.
+    bool done[3] = {false, false, false};
+    for (int j = 0; j < n_jobs; ++j) {
+      if (done[j]) continue;
+      MatmulJob same[3];
+      int n = 0;
+      for (int k = j; k < n_jobs; ++k)
+        if (!done[k] && jobs[k].type == jobs[j].type && is_quantized(jobs[k].type))
+          same[n++] = jobs[k], done[k] = true;
+      if (n == 0) continue;  // a float job: below
+      gemv_one_token(same, n, n_in, qa, stream);
+    }
+    for (int j = 0; j < n_jobs; ++j)
+      if (!done[j] && jobs[j].n_out > 0)
+        gemv(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, QAct{}, 1, jobs[j].out, jobs[j].n_out,
+             GemvRoute{}, stream);
+    return;
+  }
   for (int j = 0; j < n_jobs; ++j) {
     const MatmulJob& m = jobs[j];
     for (int64_t t0 = 0; t0 < n_tok && m.n_out > 0; t0 += kGemvTok) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "berth/core/error.h"
+#include "berth/core/tensor.h"
 #include "berth/core/types.h"
 
 namespace berth::gpu::detail {
@@ -91,6 +92,9 @@ struct GemvRoute {
 /// route). Quantized types read qa, float types read xf.
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s);
+/// A single-token GEMV of 1-3 matrices of one quantized type and n_in on activations `qa`
+/// (quantize_act of one row), in one launch; each job's rows as gemv() computes them.
+void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cudaStream_t s);
 
 /// Dequantizes rows of W into dst [n_rows, n_in] (f16 when `half_out`, else f32). Row i of dst
 /// is row rows[i] of W (zeros when outside [0, n_w_rows)) when `rows` is given, else row

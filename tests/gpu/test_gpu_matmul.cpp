@@ -288,6 +288,55 @@ TEST_CASE("gpu matmul_group: the same bits as one matmul per job, mixed types, b
   }
 }
 
+TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, same bits") {
+  REQUIRE_DEVICE();
+  // Q, K, V of one type (one launch), Q and K of one type with V of another (two), and a group
+  // with a float matrix; widths that end inside a block of rows.
+  const int64_t n_in = 2048;
+  const std::vector<std::vector<GgmlType>> groups = {
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K},
+      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
+      {GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_0},
+      {GgmlType::Q6_K, GgmlType::Q4_K}};
+  const int64_t outs[] = {4096, 515, 33};
+  uint64_t seed = 7000;
+  const auto x = gaussian(static_cast<size_t>(n_in), 7001, 1.0f, 0.1f);
+  Dev dx(x.size() * 4);
+  dx.put(x);
+  for (const auto& types : groups) {
+    const int n = static_cast<int>(types.size());
+    std::vector<std::unique_ptr<Dev>> dws, one, grp;
+    std::vector<MatmulJob> jobs;
+    size_t wsb = 0;
+    for (int j = 0; j < n; ++j)
+      wsb = std::max(wsb,
+                     gpu::matmul_workspace_bytes(types[static_cast<size_t>(j)], n_in, outs[j], 1));
+    Dev ws(wsb);
+    for (int j = 0; j < n; ++j) {
+      const GgmlType t = types[static_cast<size_t>(j)];
+      CAPTURE(type_name(t));
+      const auto wq = make_weights(t, outs[j], n_in, seed += 31);
+      dws.push_back(std::make_unique<Dev>(wq.size()));
+      dws.back()->put(wq);
+      one.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+      grp.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+      one.back()->poison();
+      grp.back()->poison();
+      gpu::matmul(t, dws.back()->p, n_in, outs[j], dx.as<float>(), 1, one.back()->as<float>(), ws.p,
+                  wsb, nullptr);
+      jobs.push_back({t, dws.back()->p, outs[j], grp.back()->as<float>()});
+    }
+    gpu::matmul_group(jobs.data(), n, n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int j = 0; j < n; ++j) {
+      CAPTURE(j);
+      const auto a = one[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+      const auto b = grp[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+      CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+    }
+  }
+}
+
 TEST_CASE("gpu embed: rows equal to ref::dequantize_row, zero rows for bad ids") {
   REQUIRE_DEVICE();
   const int64_t n_vocab = 37;
