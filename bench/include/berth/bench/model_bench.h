@@ -75,7 +75,7 @@ struct ModelBenchResult {
   std::vector<OpShare> pp_profile, tg_profile;
   /// With `profile` and a device: device time per op kind (steps run without graph replay).
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
-  std::string handoff;  ///< "flags" or "callback"
+  std::string handoff;          ///< "flags" or "callback"
   int64_t warm_workers_us = 0;  ///< in effect (flag hand-off only; 0: off)
   // With a device (hybrid runs):
   std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
