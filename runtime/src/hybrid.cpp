@@ -736,6 +736,12 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       launch_ready(static_cast<int32_t>(i));
       continue;
     }
+    bool needs_join = false;
+    for (ValueId v : g.ops[i].inputs) needs_join = needs_join || pending[static_cast<size_t>(v)];
+    if (needs_join) {
+      dev_.wait(kMain, kAux);
+      std::fill(pending.begin(), pending.end(), false);
+    }
     if (!rope_of.empty() && rope_of[i] >= 0) {
       // A per-head norm whose only reader is a rope (Qwen3's q and k norms): norm and rope in one
       // call, with the next op's pair when that is one too (k after q).
@@ -762,18 +768,17 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
         fused_away[static_cast<size_t>(rope_of[k])] = true;
         last = k;
       }
+      // The pair's input may come from a CPU segment not yet joined (the first's was above).
+      if (n_jobs > 1 && pending[static_cast<size_t>(g.ops[last].inputs[0])]) {
+        dev_.wait(kMain, kAux);
+        std::fill(pending.begin(), pending.end(), false);
+      }
       dev_.norm_rope(kMain, jobs, n_jobs, g.values[static_cast<size_t>(first.output)].rows,
                      rp.head_dim, first.eps, rp.n_rot, rp.freq_base,
                      rp.mode == graph::RopeMode::neox, positions_dev_);
       for (; i < last; ++i) launch_ready(static_cast<int32_t>(i));  // none forks here
       launch_ready(static_cast<int32_t>(i));
       continue;
-    }
-    bool needs_join = false;
-    for (ValueId v : g.ops[i].inputs) needs_join = needs_join || pending[static_cast<size_t>(v)];
-    if (needs_join) {
-      dev_.wait(kMain, kAux);
-      std::fill(pending.begin(), pending.end(), false);
     }
     if (sp.streamed[i]) {
       const size_t j = next_stream++;

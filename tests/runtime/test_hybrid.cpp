@@ -226,6 +226,13 @@ TEST_CASE("hybrid: a small qwen3moe gives the CPU-only tokens with experts on ei
         {"--n-cpu-moe " + std::to_string(n_layer - 1),
          [&](const std::string& n, int l) { return !(is_exp(n) && l < n_layer - 1); }},
         {"experts only on the GPU", [&](const std::string& n, int) { return is_exp(n); }},
+        // The q/k norms (and their fused RoPE) on the GPU read the CPU's q/k matmuls.
+        {"Q/K/V matmuls on the CPU",
+         [&](const std::string& n, int) {
+           return n.find("attn_q.weight") == std::string::npos &&
+                  n.find("attn_k.weight") == std::string::npos &&
+                  n.find("attn_v.weight") == std::string::npos;
+         }},
     };
     for (int32_t ub : {512, 2, 1}) {
       CAPTURE(ub);
