@@ -80,8 +80,21 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    // "A subcommand is required" after an unknown word: name the word and the choices.
+    CLI::App* at = &app;
+    while (!at->get_subcommands().empty()) at = at->get_subcommands().front();
+    const std::vector<std::string> extra = at->remaining();
+    if (!extra.empty() && !extra.front().empty() && extra.front()[0] != '-' &&
+        !at->get_subcommands([](CLI::App*) { return true; }).empty()) {
+      std::string names;
+      for (const CLI::App* s : at->get_subcommands([](CLI::App*) { return true; }))
+        names += (names.empty() ? "" : ", ") + s->get_name();
+      const std::string cmd = at == &app ? std::string("berth") : "berth " + at->get_name();
+      what = "'" + extra.front() + "' is not a subcommand of '" + cmd + "' (one of: " + names + ")";
+    }
     std::fprintf(stderr, "berth: error: %s (run 'berth --help' for usage)\n",
-                 berth::printable(e.what(), 2000).c_str());
+                 berth::printable(what, 2000).c_str());
     return 2;
   }
 

@@ -22,7 +22,11 @@ namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// MiB with one decimal; below 1 MiB in KiB or bytes, so a small budget never reads "0.0 MiB".
 std::string mib(size_t bytes) {
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  if (bytes < (size_t{1} << 20))
+    return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / 1024);
   return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / kMiB);
 }
 

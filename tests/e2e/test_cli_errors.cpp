@@ -208,6 +208,16 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --host-expert-share 0.5");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--host-expert-share 0.5 has no effect") != std::string::npos);
+  // An unknown subcommand is named, with the choices.
+  r = run_command(bin + " bench foo");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("'foo' is not a subcommand of 'berth bench' (one of: kernels, model)") !=
+        std::string::npos);
+  // A budget under 1 MiB is printed in KiB, not as "0.0 MiB".
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +
+                  " -p hi -n 1 -ngl 99 --vram-budget 1K");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("the budget is 1.0 KiB") != std::string::npos);
   // --warm-workers: only a value the user gave is reported as unused, not the default.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 2 -r 1 --dram-mib 64");
   CHECK(r.exit_code == 0);
