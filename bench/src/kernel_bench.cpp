@@ -38,6 +38,7 @@
 #include <thread>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 #include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/runtime/thread_pool.h"
@@ -310,6 +311,15 @@ KernelBenchOptions resolve(const KernelBenchOptions& in, const MachineInfo& m) {
   if (o.gemv_tokens <= 0) o.gemv_tokens = q ? 4 : 32;
   if (o.l2_min_seconds <= 0) o.l2_min_seconds = q ? 0.002 : 0.05;
 
+  // Buffers that fit in the last-level cache measure the cache, not DRAM: said, not refused.
+  if (!q && m.llc_bytes > 0)
+    for (auto [name, bytes] :
+         {std::pair<const char*, size_t>{"--dram-mib", o.dram_bytes}, {"--gemv-mib", o.gemv_bytes}})
+      if (bytes < 2 * m.llc_bytes)
+        log::warn(
+            "bench: {} {} is less than twice the last-level cache ({} MiB): the figures "
+            "may come from the cache, not DRAM",
+            name, bytes / kMiB, m.llc_bytes / kMiB);
   for (GgmlType t : o.types) (void)cpu::activation_type(t);  // throws unsupported
   for (int t : o.threads)
     if (t < 1)

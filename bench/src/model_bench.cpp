@@ -150,7 +150,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (session.hybrid()) {
     session.hybrid()->set_profiling(o.profile);
     r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
-    if (r.handoff == "flags") r.warm_workers_us = sp.hybrid.warm_workers_us;
+    if (r.handoff == "flags")
+      r.warm_workers_us = sp.hybrid.warm_workers_us;
+    else if (o.warm_workers_us > 0)
+      log::warn(
+          "--warm-workers {} has no effect: the hand-off is by host callbacks ({} has no "
+          "flags or --handoff callback was given)",
+          o.warm_workers_us, r.device.empty() ? std::string("the device") : r.device);
   }
   auto reset_gpu = [&] {
     if (session.hybrid()) session.hybrid()->reset_gpu_profile();
@@ -384,14 +390,14 @@ std::string format_text(const ModelBenchResult& r) {
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
                      r.device.empty() ? "DRAM " : "hybrid ");
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {
-    // Nothing measured (e.g. a simulated device has no timer): no table.
+    // Nothing measured: no table.
     if (std::none_of(p.begin(), p.end(), [](const OpShare& o) { return o.seconds > 0; })) return;
     s += fmt::format("\n{} time by op (per run):\n", what);
     for (const OpShare& o : p)
       s += fmt::format("  {:<16} {:10.4f} s {:6.1f}%\n", o.kind, o.seconds, 100 * o.fraction);
   };
-  prof("pp", r.pp_profile);
-  prof("tg", r.tg_profile);
+  prof(r.device.empty() ? "pp" : "pp CPU", r.pp_profile);
+  prof(r.device.empty() ? "tg" : "tg CPU", r.tg_profile);
   prof("pp device", r.pp_gpu_profile);
   prof("tg device", r.tg_gpu_profile);
   return s;

@@ -60,7 +60,8 @@ int bench_model(BenchOptions& o) {
 
 int bench_kernels(const BenchOptions& o) {
   bench::KernelBenchOptions k;
-  if (!o.types.empty()) k.types = bench::parse_type_list(o.types);
+  // Given at all (even empty: an error), the list is parsed; absent, every type runs.
+  if (o.kernels->count("--types") > 0) k.types = bench::parse_type_list(o.types);
   if (!o.threads.empty()) k.threads = bench::parse_thread_list(o.threads);
   k.quick = o.quick;
   k.repetitions = o.repetitions;
@@ -96,10 +97,13 @@ Runner add_bench(CLI::App& app) {
                 "comma-separated thread counts (default: 1,2,4,... up to the physical cores)");
   k->add_option("--json", o->json_path, "also write every number as JSON to this file");
   k->add_flag("--quick", o->quick, "small sizes: a smoke test, numbers not meaningful");
-  k->add_option("--reps", o->repetitions, "timed runs per measurement after a warm-up (default 5)");
-  k->add_option("--gemv-mib", o->gemv_mib, "MiB of weights in the decode GEMV (default 1024)");
+  k->add_option("--reps", o->repetitions, "timed runs per measurement after a warm-up (default 5)")
+      ->check(CLI::Range(1, 1000));
+  k->add_option("--gemv-mib", o->gemv_mib, "MiB of weights in the decode GEMV (default 1024)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
   k->add_option("--dram-mib", o->dram_mib,
-                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
+                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   CLI::App* m = sub->add_subcommand(
       "model",

@@ -251,7 +251,9 @@ Runner add_run(CLI::App& app) {
                   "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
       ->check(unit_fraction());
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
-  sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")->capture_default_str();
+  sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 30));
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();
   sub->add_option("--min-p", o->sampling.min_p, "min-p sampling (0: off)")->capture_default_str();
   sub->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repetition penalty (1: off)")

@@ -304,6 +304,9 @@ Plan make_plan(const Request& req) {
       if (r.home == Home::gpu)
         note(fmt::format("-ot {} ignored: no GPU found, the tensors it matches stay on the CPU",
                          r.text));
+    if (f.vram_budget)
+      note(fmt::format("--vram-budget {} ignored: no GPU found, everything runs on the CPU",
+                       mib(*f.vram_budget)));
     plan.how += " (no GPU: all on the CPU)";
   } else {
     // Pins: -ot (first match), then --cpu-moe / --n-cpu-moe.

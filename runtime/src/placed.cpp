@@ -96,7 +96,8 @@ std::vector<std::string> device_option_notes(const SessionParams& params, bool h
   if (params.hybrid.host_expert_share > 0)
     out.push_back(fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, why));
   if (handoff_set) out.push_back(fmt::format("--handoff {}", why));
-  if (warm_set) out.push_back(fmt::format("--warm-workers {}", why));
+  if (warm_set)
+    out.push_back(fmt::format("--warm-workers {} {}", params.hybrid.warm_workers_us, why));
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -92,12 +93,22 @@ class SimDevice final : public Device {
     enqueue(s, [fn, arg] { fn(arg); });
   }
   void wait(int s, int on) override { check_stream(s), check_stream(on); }
+  // Work runs at enqueue time (or at replay), so a mark's time is when its place in the stream
+  // is reached: host steady-clock milliseconds, in a ring of 4096 as the contract allows.
   int record(int s) override {
     check_stream(s);
-    return 0;
+    const int id = static_cast<int>(next_mark_++ % kMarks);
+    enqueue(s, [this, id] {
+      marks_[static_cast<size_t>(id)] = std::chrono::duration<double, std::milli>(
+                                            std::chrono::steady_clock::now().time_since_epoch())
+                                            .count();
+    });
+    return id;
   }
   void wait_event(int s, int) override { check_stream(s); }
-  double elapsed_ms(int, int) override { return 0; }
+  double elapsed_ms(int from, int to) override {
+    return marks_.at(static_cast<size_t>(to)) - marks_.at(static_cast<size_t>(from));
+  }
   // Work runs at enqueue time here, so a wait for a host thread's flag could never be met.
   bool supports_flags() const override { return false; }
   void write_flag(int, uint32_t*, uint32_t) override { no_flags(); }
@@ -309,6 +320,9 @@ class SimDevice final : public Device {
     enqueue(s, [=] { std::memcpy(dst, src, bytes); });
   }
 
+  static constexpr size_t kMarks = 4096;
+  std::vector<double> marks_ = std::vector<double>(kMarks, 0.0);
+  uint64_t next_mark_ = 0;
   size_t capacity_, used_ = 0;
   std::unordered_map<void*, size_t> sizes_;
   std::vector<void*> host_;

@@ -823,6 +823,21 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
                    }
                  });
   }
+  // Refused up front when the tensor data alone cannot fit in the free space of the output's
+  // file system (a 235B f32 file is ~940 GB): better than hours of writing and a full disk.
+  {
+    std::error_code sec;
+    std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    if (dir.empty()) dir = ".";
+    const std::filesystem::space_info sp = std::filesystem::space(dir, sec);
+    // An existing file at `path` is replaced only after the new one is complete.
+    if (!sec && st.tensor_bytes > sp.available)
+      throw Error(ErrorCategory::io,
+                  fmt::format("synth: '{}' needs {:.1f} GB of tensor data but {} has {:.1f} GB "
+                              "free",
+                              printable(path), static_cast<double>(st.tensor_bytes) / 1e9,
+                              printable(dir.string()), static_cast<double>(sp.available) / 1e9));
+  }
   // Written under a temporary name and renamed when complete, so an interrupted run never
   // replaces an existing file with a partial one.
   const std::string partial = path + ".partial";

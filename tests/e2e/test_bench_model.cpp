@@ -66,4 +66,16 @@ TEST_CASE("bench model: bounds and busy shares follow from the measured numbers"
   CHECK(j["tg_cpu_busy"].get<double>() > 0);
   CHECK(j["tg_cpu_busy"].get<double>() <= 1.0);
   CHECK(j["tg_device_busy"].get<double>() > 0);
+
+  // --profile with a device: device time per op kind (the simulated device times its marks too;
+  // it once reported every op at 0 s), and the device's ops are the model's (matmul among them).
+  j = bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 99 --cpu-moe --profile", dir / "prof.json");
+  double dev_s = 0;
+  bool matmul = false;
+  for (const auto& o : j["tg_gpu_profile"]) {
+    dev_s += o["seconds"].get<double>();
+    matmul = matmul || (o["op"] == "matmul" && o["seconds"].get<double>() > 0);
+  }
+  CHECK(dev_s > 0);
+  CHECK(matmul);
 }

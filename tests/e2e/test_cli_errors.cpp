@@ -218,6 +218,28 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
                   " -p hi -n 1 -ngl 99 --vram-budget 1K");
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("the budget is 1.0 KiB") != std::string::npos);
+  // Bad bench kernels arguments are refused, not replaced by defaults.
+  for (const char* a : {"--reps 0", "--reps -3", "--gemv-mib 0", "--dram-mib 0"}) {
+    CAPTURE(a);
+    r = run_command(bin + " bench kernels --quick -q " + a);
+    CHECK(r.exit_code == 2);
+  }
+  r = run_command(bin + " bench kernels --quick -q --types ''");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("--types lists no weight type") != std::string::npos);
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --top-k -5");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--top-k") != std::string::npos);
+  // A budget without a GPU is reported as ignored (run; `plan` plans for such a GPU instead).
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --vram-budget 1G");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--vram-budget 1024.0 MiB ignored: no GPU found") != std::string::npos);
+  // --warm-workers with a device that hands off by callbacks (the simulated one) says so.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " bench model -m " + model +
+                  " -p 0 -n 2 -r 1 -q --dram-mib 64 -ngl 99 --warm-workers 500");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--warm-workers 500 has no effect: the hand-off is by host callbacks") !=
+        std::string::npos);
   // --warm-workers: only a value the user gave is reported as unused, not the default.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 2 -r 1 --dram-mib 64");
   CHECK(r.exit_code == 0);
@@ -225,7 +247,7 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   r = run_command(bin + " bench model -m " + model +
                   " -p 0 -n 2 -r 1 --dram-mib 64 --warm-workers 500");
   CHECK(r.exit_code == 0);
-  CHECK(r.err.find("--warm-workers has no effect") != std::string::npos);
+  CHECK(r.err.find("--warm-workers 500 has no effect") != std::string::npos);
   // Nothing to measure is an error, not an empty report.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 0");
   CHECK(r.exit_code == 1);

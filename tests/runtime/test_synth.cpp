@@ -594,6 +594,25 @@ TEST_CASE("synth: bad arguments are invalid_argument errors naming the flag") {
   s.n_vocab = int64_t{1} << 24;
   expect_invalid([&] { berth::write_synth_model(s, out, 1); }, "token_embd.weight");
   CHECK(!fs::exists(out));
+  // More tensor data than the file system has free: refused before writing (io, naming the
+  // sizes). Only where that holds for a 235B f32 file (~940 GB), so the test never writes it.
+  {
+    const auto free_b = fs::space(dir).available;
+    SynthSpec big = berth::synth_preset("qwen3-235b-a22b");
+    if (free_b < uint64_t{900} * 1000 * 1000 * 1000) {
+      try {
+        berth::write_synth_model(big, out, 1);
+        FAIL("no error");
+      } catch (const berth::Error& e) {
+        CHECK(e.category() == ErrorCategory::io);
+        CHECK(contains(e.what(), "GB free"));
+      }
+      CHECK(!fs::exists(out));
+      CHECK(!fs::exists(out + ".partial"));
+    } else {
+      MESSAGE("skipped the free-space check: ", free_b / 1e9, " GB free");
+    }
+  }
   // A directory as the output path, and a good file kept when a later write fails.
   try {
     berth::write_synth_model(berth::synth_preset("tiny-llama"), dir.string(), 1);
