@@ -107,8 +107,8 @@ Runner add_bench(CLI::App& app) {
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   CLI::App* m = sub->add_subcommand(
       "model",
-      "a model on the CPU: prefill (pp) and decode (tg) tok/s, bytes read per decode token and "
-      "the DRAM-bandwidth bound measured in the same run");
+      "a model, on the CPU or placed on a GPU by the placement flags: prefill (pp) and decode "
+      "(tg) tok/s, bytes read per decode token and the bandwidth bound measured in the same run");
   o->model = m;
   m->add_option("-m,--model", o->m.model_path, "GGUF model file")->required();
   m->add_option("-t,--threads", o->m.n_threads, "worker threads (default: physical cores)")
@@ -136,8 +136,9 @@ Runner add_bench(CLI::App& app) {
        "microseconds while it waits for the GPU, instead of sleeping (0: off, the default)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   m->add_option("--handoff", o->m.handoff,
-                "how CPU segments hand over with the device: auto, flags (pinned-memory flags "
-                "polled by the calling thread) or callback (host callbacks)")
+                "how CPU segments hand over with the device: auto (the default: flags where the "
+                "device has them), flags (pinned-memory flags polled by the calling thread) or "
+                "callback (host callbacks)")
       ->check(CLI::IsMember({"auto", "flags", "callback"}));
   add_placement_flags(*m, o->m.placement);
   m->add_option("--stream-experts", o->m.stream_min_tokens,
