@@ -5,12 +5,13 @@
 //     "machine": {hostname, cpu_model, physical_cores, logical_cpus, llc_bytes, cpu_flags[],
 //                 simd_targets[], build},
 //     "timing": {statistic, warmup_runs, repetitions},
-//     "config": {types[], threads[], quick, dram_bytes, gemv_bytes, gemv_cols, gemm_rows,
+//     "config": {types[], threads[] (asked), threads_run[] (pools made), quick, dram_bytes,
+//                gemv_bytes, gemv_cols, gemm_rows,
 //                gemm_cols, ubatches[], gemv_tokens, gemm_row_tile, gemm_tok_tile, l2_min_seconds},
 //     "dram":  [{threads, gbps, gbps_best}],
 //     "wake":  [{threads, idle_us, median_us, p90_us}],
 //     "gemv":  [{type, threads, rows, cols, weight_bytes, gbps, gbps_best, ratio_to_dram,
-//                dram_paired_gbps}],
+//                dram_paired_gbps, pair_ratios}],
 //     "gemm":  [{type, threads, ubatch, rows, cols, tok_s, tok_s_best, gflops, gemv_tok_s,
 //                speedup_vs_gemv, decode_tok_s, speedup_vs_decode, matches_gemv}],
 //     "l2_gemv": [{type, threads: 1, rows, cols, weight_bytes, gflops, gflops_best}] }
@@ -450,6 +451,7 @@ void measure_type(const KernelBenchOptions& o, GgmlType t,
       }
       g.gbps = rate_of(gemv_s, static_cast<double>(w.size()) / 1e9);
       g.dram_paired_gbps = rate_of(dram_s, static_cast<double>(dram_stream.bytes()) / 1e9).median;
+      g.pair_ratios = ratios;  // in run order
       std::sort(ratios.begin(), ratios.end());
       const size_t m = ratios.size();
       g.ratio_to_dram = m % 2 ? ratios[m / 2] : 0.5 * (ratios[m / 2 - 1] + ratios[m / 2]);
@@ -694,8 +696,12 @@ nlohmann::json to_json(const KernelBenchResult& r) {
   j["timing"] = {{"statistic", r.statistic}, {"warmup_runs", 1}, {"repetitions", o.repetitions}};
   std::vector<std::string> types;
   for (GgmlType t : o.types) types.emplace_back(type_name(t));
+  // The pools made: a count above what the machine runs is lowered, duplicates run once.
+  std::vector<int> threads_run;
+  for (const DramResult& d : r.dram) threads_run.push_back(d.n_threads);
   j["config"] = {{"types", types},
                  {"threads", o.threads},
+                 {"threads_run", threads_run},
                  {"quick", o.quick},
                  {"dram_bytes", o.dram_bytes},
                  {"gemv_bytes", o.gemv_bytes},
@@ -727,7 +733,8 @@ nlohmann::json to_json(const KernelBenchResult& r) {
                          {"gbps", g.gbps.median},
                          {"gbps_best", g.gbps.best},
                          {"ratio_to_dram", g.ratio_to_dram},
-                         {"dram_paired_gbps", g.dram_paired_gbps}});
+                         {"dram_paired_gbps", g.dram_paired_gbps},
+                         {"pair_ratios", g.pair_ratios}});
   j["gemm"] = json::array();
   for (const GemmResult& g : r.gemm)
     j["gemm"].push_back({{"type", type_name(g.type)},

@@ -65,6 +65,12 @@ TEST_CASE("bench kernels --quick on q4_0 fills every JSON field with positive nu
     CAPTURE(k);
     CHECK(positive(g[k]));
   }
+  // The fraction is the median of the pairs' ratios (two runs: their mean).
+  REQUIRE(g["pair_ratios"].size() == 2);
+  CHECK(g["ratio_to_dram"].get<double>() ==
+        doctest::Approx(0.5 *
+                        (g["pair_ratios"][0].get<double>() + g["pair_ratios"][1].get<double>())));
+  CHECK(j["config"]["threads_run"] == nlohmann::json::array({1}));
 
   REQUIRE(j["gemm"].size() == 3);
   int64_t ub[3] = {1, 7, 32};

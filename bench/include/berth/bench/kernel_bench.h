@@ -94,7 +94,8 @@ struct GemvResult {
   /// Median over the timed runs of (GEMV GB/s / DRAM GB/s), each GEMV run paired with a DRAM
   /// stream run on the same pool right before or after it (alternating).
   double ratio_to_dram = 0;
-  double dram_paired_gbps = 0;  ///< median GB/s of those paired DRAM runs
+  double dram_paired_gbps = 0;      ///< median GB/s of those paired DRAM runs
+  std::vector<double> pair_ratios;  ///< each pair's GEMV GB/s / DRAM GB/s, in run order
 };
 
 struct GemmResult {
