@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -18,6 +19,17 @@
 
 namespace berth::bench {
 namespace {
+
+// Decimal units with two decimals, so small models do not read "0.00 GB": counts as
+// 292.80 K / 30.53 B (llama.cpp's style for parameters), bytes as 1.17 MB / 18.56 GB.
+std::string si(double x, const char* unit) {
+  const bool bytes = *unit != 0;
+  const char* counts[] = {"", " K", " M", " B", " T"};
+  const char* sizes[] = {" B", " KB", " MB", " GB", " TB"};
+  int i = 0;
+  while (i < 4 && std::abs(x) >= 1000.0) x /= 1000.0, ++i;
+  return fmt::format("{:.2f}{}", x, bytes ? sizes[i] : counts[i]);
+}
 
 constexpr size_t kGiB = size_t{1} << 30;
 
@@ -137,8 +149,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   Session session(*model, sp);
   r.n_threads = session.pool().n_threads();
   o.n_threads = r.n_threads;
-  say(fmt::format("model  {} ({}), {:.2f} GB of weights, {} threads", r.model_name, r.arch,
-                  static_cast<double>(r.weight_bytes) / 1e9, r.n_threads));
+  say(fmt::format("model  {} ({}), {} of weights, {} threads", r.model_name, r.arch,
+                  si(static_cast<double>(r.weight_bytes), "B"), r.n_threads));
 
   std::mt19937_64 rng(o.seed);
   auto tokens = [&](int n) {
@@ -349,8 +361,8 @@ std::string format_text(const ModelBenchResult& r) {
                   r.machine.physical_cores, r.machine.date_utc,
                   r.model_name.empty() ? r.options.model_path : r.model_name, r.arch, r.n_layer);
   if (r.n_expert > 0) s += fmt::format(", {} experts ({} used)", r.n_expert, r.n_expert_used);
-  s += fmt::format(", {:.2f} B params, {:.2f} GB\n", static_cast<double>(r.n_params) / 1e9,
-                   static_cast<double>(r.weight_bytes) / 1e9);
+  s += fmt::format(", {} params, {}\n", si(static_cast<double>(r.n_params), ""),
+                   si(static_cast<double>(r.weight_bytes), "B"));
   s += fmt::format("threads: {}   statistic: median of {} run{} after 1 warm-up\n\n", r.n_threads,
                    r.options.repetitions, r.options.repetitions == 1 ? "" : "s");
   s += fmt::format("{:<10} {:>12} {:>12}\n", "test", "tok/s", "best");

@@ -469,6 +469,11 @@ Plan make_plan(const Request& req) {
   if (!has_exps && (f.cpu_moe || f.n_cpu_moe > 0))
     note(fmt::format("{} ignored: the model has no routed experts",
                      f.cpu_moe ? "--cpu-moe" : "--n-cpu-moe"));
+  else if (f.cpu_moe && f.n_cpu_moe > 0)
+    note(
+        fmt::format("--n-cpu-moe {} has no effect with --cpu-moe: every layer's routed experts "
+                    "stay on the CPU",
+                    f.n_cpu_moe));
   else if (f.n_cpu_moe > n_layer)
     note(fmt::format("--n-cpu-moe {} is more than the {} layers: all routed experts on the CPU",
                      f.n_cpu_moe, n_layer));

@@ -774,4 +774,13 @@ TEST_CASE("flags that change nothing say so") {
   CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
     return n.find("-ot  exps=CPU matches no tensor") != std::string::npos;
   }));
+  // --n-cpu-moe beside --cpu-moe: the latter already puts every layer's experts on the CPU.
+  Request both = moe_request();
+  both.flags.n_gpu_layers = 99;
+  both.flags.cpu_moe = true;
+  both.flags.n_cpu_moe = 2;
+  p = make_plan(both);
+  CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
+    return n.find("--n-cpu-moe 2 has no effect with --cpu-moe") != std::string::npos;
+  }));
 }
