@@ -93,15 +93,6 @@ std::vector<double> time_runs(int reps, F&& f) {
   return s;
 }
 
-// `work` units per second at the median and at the fastest run.
-Rate rate_of(std::vector<double> secs, double work) {
-  std::sort(secs.begin(), secs.end());
-  const size_t n = secs.size();
-  const double median = n % 2 ? secs[n / 2] : 0.5 * (secs[n / 2 - 1] + secs[n / 2]);
-  const double floor_s = 1e-12;  // a timer tick of 0 must not divide by zero
-  return Rate{work / std::max(median, floor_s), work / std::max(secs.front(), floor_s)};
-}
-
 // The runtime's row split (CpuExecutor::matmul, runtime/src/cpu_backend.cpp): about 4 chunks per
 // thread, each a whole number of kGemmRowTile-row tiles.
 int64_t runtime_grain(int64_t n_rows, int n_threads) {
@@ -430,15 +421,15 @@ void measure_type(const KernelBenchOptions& o, GgmlType t,
       const auto gemv = [&] {
         pool_matmul(pool, t, w.data(), rows, n, act.data(), arb, 1, y.data());
       };
+      const auto stream = [&] { dram_stream.run(pool); };
+      const auto timed = [&](auto&& f, std::vector<double>& into) {
+        const double t0 = now_seconds();
+        f();
+        into.push_back(now_seconds() - t0);
+      };
       gemv();  // warm-up
       for (int i = 0; i < o.repetitions; ++i) {
         // Alternating which of the two goes first, so neither always follows the other.
-        const auto timed = [&](auto&& f, std::vector<double>& into) {
-          const double t0 = now_seconds();
-          f();
-          into.push_back(now_seconds() - t0);
-        };
-        const auto stream = [&] { dram_stream.run(pool); };
         if (i % 2 == 0) {
           timed(stream, dram_s);
           timed(gemv, gemv_s);
@@ -451,10 +442,8 @@ void measure_type(const KernelBenchOptions& o, GgmlType t,
       }
       g.gbps = rate_of(gemv_s, static_cast<double>(w.size()) / 1e9);
       g.dram_paired_gbps = rate_of(dram_s, static_cast<double>(dram_stream.bytes()) / 1e9).median;
-      g.pair_ratios = ratios;  // in run order
-      std::sort(ratios.begin(), ratios.end());
-      const size_t m = ratios.size();
-      g.ratio_to_dram = m % 2 ? ratios[m / 2] : 0.5 * (ratios[m / 2 - 1] + ratios[m / 2]);
+      g.ratio_to_dram = median_of(ratios);
+      g.pair_ratios = std::move(ratios);  // in run order
       gemv_gbps_by_pool[p] = g.gbps.median;
       res.gemv.push_back(g);
       say(fmt::format("gemv   {:<5} threads {:>3}  {:8.2f} GB/s  {:5.1f}% of DRAM", tn, g.n_threads,
@@ -557,6 +546,18 @@ void measure_type(const KernelBenchOptions& o, GgmlType t,
 }
 
 }  // namespace
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+Rate rate_of(const std::vector<double>& secs, double work) {
+  const double floor_s = 1e-12;  // a timer tick of 0 must not divide by zero
+  return Rate{work / std::max(median_of(secs), floor_s),
+              work / std::max(*std::min_element(secs.begin(), secs.end()), floor_s)};
+}
 
 std::vector<GgmlType> parse_type_list(std::string_view list) {
   std::vector<GgmlType> out;

@@ -33,14 +33,6 @@ std::string si(double x, const char* unit) {
 
 constexpr size_t kGiB = size_t{1} << 30;
 
-Rate rate_of(std::vector<double> seconds, double units) {
-  std::sort(seconds.begin(), seconds.end());
-  Rate r;
-  r.median = units / seconds[seconds.size() / 2];
-  r.best = units / seconds.front();
-  return r;
-}
-
 // Bytes one decode step reads from the weights: see the module comment. With `home` (one per
 // weight), only the weights whose home is `side`.
 uint64_t decode_weight_bytes(const Model& m, const std::vector<placement::Home>* home = nullptr,

@@ -181,9 +181,13 @@ class CudaDevice final : public Device {
   // Small hand-offs (decode: a hidden state and the route) in one kernel each; large ones
   // (prefill ubatches) on the copy engines.
   static bool small(const HostCopy* c, int n) {
+    if (n > 4) return false;
     size_t total = 0;
-    for (int i = 0; i < n; ++i) total += c[i].bytes % 4 == 0 ? c[i].bytes : size_t{1} << 30;
-    return n <= 4 && total <= (size_t{64} << 10);
+    for (int i = 0; i < n; ++i) {
+      if (c[i].bytes % 4 != 0) return false;  // the kernels copy whole words
+      total += c[i].bytes;
+    }
+    return total <= (size_t{64} << 10);
   }
   void copy_out_signal(int s, const HostCopy* copies, int n, uint32_t* flag,
                        uint32_t value) override {

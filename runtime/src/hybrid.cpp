@@ -78,6 +78,8 @@ struct Segment {
 struct HybridExecutor::StepPlan {
   std::vector<bool> streamed;    // per op: CPU-held experts computed on the device (prefill)
   std::vector<int64_t> rope_of;  // per op: the rope fused into this norm (norm_rope), or -1
+  std::vector<bool> rope_pair;   // per op: this norm's norm_rope call also takes norm i + 1
+  std::vector<bool> seg_after;   // per op: a CPU segment forks after it
   std::vector<bool> host_w;      // per op: device op reading expert weights from pinned host memory
   std::vector<int32_t> orig_index;  // op of the model's graph -> op of g
   int32_t n_tokens = 0;
@@ -435,6 +437,9 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   }
   for (size_t s = 1; s < sp.segs.size(); ++s)
     sp.segs[s].ready = std::max(sp.segs[s].ready, sp.segs[s - 1].ready);
+  sp.seg_after.assign(n_ops, false);
+  for (const Segment& s : sp.segs)
+    if (s.ready >= 0) sp.seg_after[static_cast<size_t>(s.ready)] = true;
 
   // 3. Where values live, crossings, lifetimes on the device (in op-index time).
   std::vector<bool> need_dev(n_val, false), need_host(n_val, false);
@@ -474,13 +479,15 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   }
   const size_t out = static_cast<size_t>(g.output);
   if (sp.value_home[out] == Home::gpu) death[out] = static_cast<int64_t>(n_ops);
-  // A norm + rope fusion writes the rope's output when it reaches the norm, or the norm before
-  // it (its pair): born two ops early, the buffer is shared with no value still read there.
-  sp.rope_of = norm_rope_pairs(sp);
+  // A norm + rope fusion writes the rope's output at the call's op (the norm, or the norm before
+  // it when the two go as a pair): born one op before that, its buffer is shared with no value
+  // that call still reads (one job's output must not overwrite the other job's input).
+  plan_norm_rope(sp);
   for (size_t i = 0; i < n_ops; ++i)
     if (sp.rope_of[i] >= 0) {
       const auto v = static_cast<size_t>(g.ops[static_cast<size_t>(sp.rope_of[i])].output);
-      birth[v] = std::min<int64_t>(birth[v], std::max<int64_t>(0, static_cast<int64_t>(i) - 2));
+      const int64_t call = static_cast<int64_t>(i) - (i > 0 && sp.rope_pair[i - 1] ? 1 : 0);
+      birth[v] = std::min<int64_t>(birth[v], std::max<int64_t>(0, call - 1));
     }
 
   // 4. Buffers. Device: one arena by liveness. Host: pinned for values that cross, the
@@ -724,9 +731,7 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     for (size_t j = 0; j < std::min<size_t>(2, streamed.size()); ++j) start_copy(j, -1);
   }
   size_t next_stream = 0;
-  std::vector<bool> seg_after(g.ops.size(), false);  // a CPU segment forks after op i
-  for (const Segment& s : sp.segs)
-    if (s.ready >= 0) seg_after[static_cast<size_t>(s.ready)] = true;
+  const std::vector<bool>& seg_after = sp.seg_after;
   static const std::vector<int64_t> kNoFusion;
   const std::vector<int64_t>& rope_of = profiling_ ? kNoFusion : sp.rope_of;
   std::vector<bool> fused_away(g.ops.size(), false);  // enqueued earlier as part of a fusion
@@ -749,16 +754,10 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       int n_jobs = 0;
       const Op& first = g.ops[i];
       const graph::RopeParams& rp = g.ops[static_cast<size_t>(rope_of[i])].rope;
-      size_t last = i;
-      for (size_t k = i; k < i + 2 && k < g.ops.size(); ++k) {
-        if (k > i && (seg_after[k - 1] || rope_of[k] < 0 || g.ops[k].eps != first.eps ||
-                      g.ops[k].norm_group != first.norm_group))
-          break;
+      const size_t last = sp.rope_pair[i] ? i + 1 : i;
+      for (size_t k = i; k <= last; ++k) {
         const Op& nm = g.ops[k];
         const Op& rope = g.ops[static_cast<size_t>(rope_of[k])];
-        if (rope.rope.n_rot != rp.n_rot || rope.rope.freq_base != rp.freq_base ||
-            rope.rope.mode != rp.mode)
-          break;
         jobs[n_jobs++] = {
             sp.dev_val[static_cast<size_t>(nm.inputs[0])],
             nm.weight == graph::kNoWeight
@@ -766,7 +765,6 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                 : static_cast<const float*>(dev_weight_.at(static_cast<size_t>(nm.weight))),
             sp.dev_val[static_cast<size_t>(rope.output)], rope.rope.n_head};
         fused_away[static_cast<size_t>(rope_of[k])] = true;
-        last = k;
       }
       // The pair's input may come from a CPU segment not yet joined (the first's was above).
       if (n_jobs > 1 && pending[static_cast<size_t>(g.ops[last].inputs[0])]) {
@@ -997,20 +995,23 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
   }
 }
 
-std::vector<int64_t> HybridExecutor::norm_rope_pairs(const StepPlan& sp) const {
-  // For each device rms_norm over groups of head_dim whose output is read by exactly one op, a
-  // device rope of that output with the same head_dim: the rope's index (else -1). The rope only
-  // needs the norm's output and the positions, so it can run right after the norm.
+void HybridExecutor::plan_norm_rope(StepPlan& sp) const {
+  // rope_of: for each device rms_norm over groups of head_dim whose output is read by exactly one
+  // op, a device rope of that output with the same head_dim (the rope only needs the norm's
+  // output and the positions, so it can run right after the norm). rope_pair: norm i and norm
+  // i + 1 (Qwen3's q and k) go as one call when both fuse with the same norm and rope
+  // parameters and no CPU segment forks between them.
   const graph::Graph& g = sp.g;
+  const size_t n_ops = g.ops.size();
   std::vector<int32_t> readers(g.values.size(), 0);
   std::vector<int64_t> reader(g.values.size(), -1);
-  for (size_t i = 0; i < g.ops.size(); ++i)
+  for (size_t i = 0; i < n_ops; ++i)
     for (ValueId v : g.ops[i].inputs) {
       ++readers[static_cast<size_t>(v)];
       reader[static_cast<size_t>(v)] = static_cast<int64_t>(i);
     }
-  std::vector<int64_t> out(g.ops.size(), -1);
-  for (size_t i = 0; i < g.ops.size(); ++i) {
+  sp.rope_of.assign(n_ops, -1);
+  for (size_t i = 0; i < n_ops; ++i) {
     const Op& op = g.ops[i];
     if (op.kind != OpKind::rms_norm || op.norm_group <= 0 || sp.op_home[i] != Home::gpu) continue;
     const auto v = static_cast<size_t>(op.output);
@@ -1021,9 +1022,19 @@ std::vector<int64_t> HybridExecutor::norm_rope_pairs(const StepPlan& sp) const {
         rope.rope.head_dim != op.norm_group ||
         g.values[v].cols != static_cast<int64_t>(rope.rope.n_head) * rope.rope.head_dim)
       continue;
-    out[i] = static_cast<int64_t>(r);
+    sp.rope_of[i] = static_cast<int64_t>(r);
   }
-  return out;
+  sp.rope_pair.assign(n_ops, false);
+  for (size_t i = 0; i + 1 < n_ops; ++i) {
+    if (sp.rope_of[i] < 0 || sp.rope_of[i + 1] < 0 || sp.seg_after[i] ||
+        (i > 0 && sp.rope_pair[i - 1]))
+      continue;
+    const Op &a = g.ops[i], &b = g.ops[i + 1];
+    const graph::RopeParams& ra = g.ops[static_cast<size_t>(sp.rope_of[i])].rope;
+    const graph::RopeParams& rb = g.ops[static_cast<size_t>(sp.rope_of[i + 1])].rope;
+    sp.rope_pair[i] = a.eps == b.eps && a.norm_group == b.norm_group && ra.n_rot == rb.n_rot &&
+                      ra.freq_base == rb.freq_base && ra.mode == rb.mode;
+  }
 }
 
 void HybridExecutor::release_flags(StepPlan& sp, size_t from) {

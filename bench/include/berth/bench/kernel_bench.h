@@ -80,6 +80,12 @@ struct Rate {
   double best = 0;
 };
 
+/// The median of v (the mean of the middle two for an even count); v must not be empty.
+double median_of(std::vector<double> v);
+/// `work` units per second at the median and at the fastest of the run times `secs` (seconds,
+/// not empty).
+Rate rate_of(const std::vector<double>& secs, double work);
+
 struct DramResult {
   int n_threads = 0;
   Rate gbps;  ///< GB/s (1e9 bytes) read

@@ -163,7 +163,7 @@ class HybridExecutor {
   static void run_segment(void* arg);
   void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
   void release_flags(StepPlan& sp, size_t from);  // sets the done flags of segments >= from
-  std::vector<int64_t> norm_rope_pairs(const StepPlan& sp) const;  // per op: fused rope or -1
+  void plan_norm_rope(StepPlan& sp) const;        // sets sp.rope_of and sp.rope_pair
   void release();  // frees everything on the device (destructor, failed constructor)
 
   ThreadPool& pool_;
