@@ -23,7 +23,7 @@ bench() {
   local name=$1; shift
   echo "== $name: $*"
   timeout 150 berth bench model -m "$model" -t "$t" -r "$reps" --json "$out/$name.json" "$@" 2>"$logs/$name.err" |
-    tee "$logs/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off"
+    tee "$logs/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off|moe_experts"
 }
 bench all-gpu -p 512 -n 128 -ngl 99
 bench budget-24g -p 512 -n 128 --vram-budget 24G --stream-experts 64

@@ -207,6 +207,20 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                       o.n_gen / s));
     }
     r.tg_tok_s = rate_of(secs, o.n_gen);
+    if (const CpuExecutor::MoeTiming& mt = session.executor().moe_timing(); mt.calls > 0) {
+      const double c = static_cast<double>(mt.calls);
+      const double tc = static_cast<double>(std::max<int64_t>(1, mt.thread_calls));
+      auto& m = r.tg_moe;
+      m.calls = mt.calls / std::max(1, o.repetitions);
+      m.threads = static_cast<double>(mt.thread_calls) / c;
+      m.total_us = 1e6 * mt.total / c;
+      m.before_us = 1e6 * mt.before / c;
+      m.region_us = 1e6 * mt.region / c;
+      m.after_us = 1e6 * mt.after / c;
+      m.join_us = 1e6 * mt.join / tc;
+      m.wait_us = 1e6 * mt.wait / tc;
+      m.tail_us = 1e6 * mt.tail / tc;
+    }
     if (session.hybrid() && r.tg_cpu_busy > 0) {
       // The device alone: the same steps with the CPU segments skipped (timing only; the
       // outputs and KV rows are wrong, so the session is reset after), as many runs as above,
@@ -336,6 +350,16 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_cpu_busy", r.tg_cpu_busy},
       {"pp_cpu_busy", r.pp_cpu_busy},
       {"tg_device_busy", r.tg_device_busy},
+      {"tg_moe",
+       {{"calls_per_run", r.tg_moe.calls},
+        {"threads", r.tg_moe.threads},
+        {"total_us", r.tg_moe.total_us},
+        {"before_us", r.tg_moe.before_us},
+        {"region_us", r.tg_moe.region_us},
+        {"after_us", r.tg_moe.after_us},
+        {"join_us", r.tg_moe.join_us},
+        {"wait_us", r.tg_moe.wait_us},
+        {"tail_us", r.tg_moe.tail_us}}},
       {"stream_min_tokens", r.options.stream_min_tokens},
       {"host_expert_share", r.options.host_expert_share},
       {"warm_workers_us", r.warm_workers_us},
@@ -393,6 +417,15 @@ std::string format_text(const ModelBenchResult& r) {
   if (r.options.n_gen > 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
                      r.device.empty() ? "DRAM " : "hybrid ");
+  if (r.tg_moe.calls > 0) {
+    const auto& m = r.tg_moe;
+    s += fmt::format(
+        "tg moe_experts on the CPU, per call: {:.1f} us = {:.1f} before + {:.1f} region + {:.1f} "
+        "after; per thread in the region ({:.1f} threads): join {:.1f} us, waits {:.1f} us, "
+        "tail {:.1f} us\n",
+        m.total_us, m.before_us, m.region_us, m.after_us, m.threads, m.join_us, m.wait_us,
+        m.tail_us);
+  }
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {
     // Nothing measured: no table.
     if (std::none_of(p.begin(), p.end(), [](const OpShare& o) { return o.seconds > 0; })) return;

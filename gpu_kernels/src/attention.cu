@@ -29,6 +29,7 @@
 
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "launch.cuh"
 
 namespace berth::gpu {
 namespace {
@@ -68,6 +69,7 @@ int64_t attention_splits(int64_t n_tok, int64_t n_ctx, int32_t n_head) {
 __global__ void kv_write_kernel(const float* k, const float* v, int64_t n_tok,
                                 const int32_t* positions, __half* k_cache, __half* v_cache,
                                 int64_t n_ctx, int64_t kv_dim) {
+  pdl_enter();
   const int64_t n = n_tok * kv_dim;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(kThreads)
                      int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
                      float q_scale, bool wide, float* __restrict__ out, float* __restrict__ ws_acc,
                      float* __restrict__ ws_ml) {
+  pdl_enter();
   extern __shared__ float4 smem4[];
   float* Qs = reinterpret_cast<float*>(smem4);
   float* Ps = Qs + kQB * hd;
@@ -311,6 +314,7 @@ __global__ void __launch_bounds__(kThreads)
 // Merges the splits of each output row: weights 2^(m_s - M), M the largest m_s.
 __global__ void attn_combine_kernel(const float* ws_acc, const float* ws_ml, int64_t n_rows_all,
                                     int32_t n_splits, int32_t hd, float* out) {
+  pdl_enter();
   const int64_t row = blockIdx.x;
   float M = -CUDART_INF_F;
   for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ws_ml[2 * (s * n_rows_all + row)]);
@@ -377,10 +381,9 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
     const int64_t n = n_tok * kv_dim;
     int64_t blocks = (n + 255) / 256;
     if (blocks > 4096) blocks = 4096;
-    kv_write_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        k, v, n_tok, positions, reinterpret_cast<__half*>(k_cache),
-        reinterpret_cast<__half*>(v_cache), n_ctx, kv_dim);
-    BERTH_LAUNCH_CHECK("kv_write_kernel");
+    launch("kv_write_kernel", kv_write_kernel, static_cast<unsigned>(blocks), 256, 0, stream, k, v,
+           n_tok, positions, reinterpret_cast<__half*>(k_cache), reinterpret_cast<__half*>(v_cache),
+           n_ctx, kv_dim);
   }
 
   // Head dims up to 128 fit the default 48 KiB; larger ones opt in (once per device, on the
@@ -395,14 +398,12 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
                     reinterpret_cast<uintptr_t>(v_cache) % 8 == 0;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(q_blocks),
                   static_cast<unsigned>(n_head_kv));
-  attention_kernel<<<grid, kThreads, smem_words(head_dim) * 4, stream>>>(
-      q, reinterpret_cast<const uint32_t*>(k_cache), reinterpret_cast<const uint32_t*>(v_cache),
-      positions, n_tok, n_ctx, n_head, n_head_kv, head_dim, q_scale, wide, out, ws_acc, ws_ml);
-  BERTH_LAUNCH_CHECK("attention_kernel");
+  launch("attention_kernel", attention_kernel, grid, kThreads, smem_words(head_dim) * 4, stream, q,
+         reinterpret_cast<const uint32_t*>(k_cache), reinterpret_cast<const uint32_t*>(v_cache),
+         positions, n_tok, n_ctx, n_head, n_head_kv, head_dim, q_scale, wide, out, ws_acc, ws_ml);
   if (splits > 1) {
-    attn_combine_kernel<<<static_cast<unsigned>(n_tok * n_head), 64, 0, stream>>>(
-        ws_acc, ws_ml, n_tok * n_head, static_cast<int32_t>(splits), head_dim, out);
-    BERTH_LAUNCH_CHECK("attn_combine_kernel");
+    launch("attn_combine_kernel", attn_combine_kernel, static_cast<unsigned>(n_tok * n_head), 64, 0,
+           stream, ws_acc, ws_ml, n_tok * n_head, static_cast<int32_t>(splits), head_dim, out);
   }
 }
 

@@ -4,10 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cuda/atomic>
 #include <string>
 
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "launch.cuh"
 
 namespace berth::gpu {
 namespace {
@@ -65,9 +67,23 @@ int rms_threads(int64_t group) {
 // those of x + b, which are also written to `sum`. Runs of up to kPer values per thread are
 // loaded into registers first (one memory latency instead of one per value: the outputs may
 // alias the inputs, so a plain loop would wait for each load); longer runs take the loops.
+// kHostB (wait_add_rms_norm): b is in host memory, written by a host thread that then releases
+// *flag; the block's first thread acquires the flag (system scope), the block meets at a
+// barrier, and b is read with ld.cv (never from a line cached before the flag).
+template <bool kHostB>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
-                    const float* b = nullptr, float* sum = nullptr) {
+                    const float* b, float* sum, const uint32_t* flag, uint32_t value) {
+  pdl_enter();
+  if constexpr (kHostB) {
+    if (threadIdx.x == 0) {
+      cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*const_cast<uint32_t*>(flag));
+      while (f.load(cuda::memory_order_acquire) < value) {
+      }
+    }
+    __syncthreads();
+  }
+  const auto bv = [&](int64_t i) { return kHostB ? __ldcv(b + i) : b[i]; };
   const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
   const float* xr = x + base;
   float* yr = out + base;
@@ -77,7 +93,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int64_t i = t + static_cast<int64_t>(u) * nt;
-      v[u] = i < group ? (b ? xr[i] + b[base + i] : xr[i]) : 0.0f;
+      v[u] = i < group ? (b ? xr[i] + bv(base + i) : xr[i]) : 0.0f;
       wv[u] = i < group && w ? w[i] : 1.0f;
     }
     double ss = 0.0;
@@ -102,9 +118,8 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   if (b) {
-    const float* br = b + base;
     float* sr = sum + base;
-    for (int64_t i = t; i < group; i += nt) sr[i] = xr[i] + br[i];
+    for (int64_t i = t; i < group; i += nt) sr[i] = xr[i] + bv(base + i);
     xr = sr;
   }
   const float scale = block_rms_scale(xr, group, eps);
@@ -112,6 +127,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
@@ -119,12 +135,14 @@ __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n
 
 __global__ void add_bias_kernel(const float* x, const float* bias, float* out, int64_t n,
                                 int64_t cols) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = x[i] + bias[i % cols];
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+  pdl_enter();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i];
@@ -154,6 +172,7 @@ __device__ __forceinline__ void rope_rotate(float a, float b, float c, float si,
 __global__ void rope_kernel(const float* x, float* out, int64_t rows, int32_t n_head,
                             int32_t head_dim, int32_t n_rot, double freq_base, bool neox,
                             const int32_t* positions) {
+  pdl_enter();
   const int32_t half = n_rot / 2;
   const int32_t slots = half + (head_dim - n_rot);
   const int64_t n = rows * n_head * slots;
@@ -187,6 +206,7 @@ struct NormRopeJobs {
 __global__ void __launch_bounds__(kThreads)
     norm_rope_kernel(NormRopeJobs jobs, int32_t head_dim, float eps, int32_t n_rot,
                      double freq_base, bool neox, const int32_t* positions) {
+  pdl_enter();
   const int32_t heads = jobs.j[0].n_head + (jobs.n > 1 ? jobs.j[1].n_head : 0);
   const int64_t r = blockIdx.x / heads;
   int32_t h = static_cast<int32_t>(blockIdx.x % heads);
@@ -238,9 +258,8 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   const int64_t runs = rows * (cols / group);
   if (runs == 0) return;
   if (runs > 0x7fffffff) bad_arg("gpu::rms_norm: too many rows");
-  rms_norm_kernel<<<static_cast<unsigned>(runs), rms_threads(group), 0, stream>>>(x, w, out, group,
-                                                                                  eps);
-  BERTH_LAUNCH_CHECK("rms_norm_kernel");
+  launch("rms_norm_kernel", rms_norm_kernel<false>, static_cast<unsigned>(runs), rms_threads(group),
+         0, stream, x, w, out, group, eps, nullptr, nullptr, nullptr, 0u);
 }
 
 void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
@@ -249,29 +268,36 @@ void add_rms_norm(const float* a, const float* b, float* sum, const float* w, fl
   if (rows > 0x7fffffff) bad_arg("gpu::add_rms_norm: too many rows");
   // The thread count rms_norm picks for whole rows, so the sums of squares add up in the same
   // order and the outputs equal add() then rms_norm() bit for bit.
-  rms_norm_kernel<<<static_cast<unsigned>(rows), rms_threads(cols), 0, stream>>>(a, w, out, cols,
-                                                                                 eps, b, sum);
-  BERTH_LAUNCH_CHECK("rms_norm_kernel (add)");
+  launch("rms_norm_kernel (add)", rms_norm_kernel<false>, static_cast<unsigned>(rows),
+         rms_threads(cols), 0, stream, a, w, out, cols, eps, b, sum, nullptr, 0u);
+}
+
+void wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
+                       float* sum, const float* w, float* out, int64_t rows, int64_t cols,
+                       float eps, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  if (rows > 0x7fffffff) bad_arg("gpu::wait_add_rms_norm: too many rows");
+  // The thread count add_rms_norm picks: the same sums in the same order, the same bits.
+  launch("rms_norm_kernel (wait, add)", rms_norm_kernel<true>, static_cast<unsigned>(rows),
+         rms_threads(cols), 0, stream, a, w, out, cols, eps, b_host, sum, flag, value);
 }
 
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  add_kernel<<<grid_for(n), kThreads, 0, stream>>>(a, b, out, n);
-  BERTH_LAUNCH_CHECK("add_kernel");
+  launch("add_kernel", add_kernel, grid_for(n), kThreads, 0, stream, a, b, out, n);
 }
 
 void add_bias(const float* x, const float* bias, float* out, int64_t rows, int64_t cols,
               cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n <= 0) return;
-  add_bias_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bias, out, n, cols);
-  BERTH_LAUNCH_CHECK("add_bias_kernel");
+  launch("add_bias_kernel", add_bias_kernel, grid_for(n), kThreads, 0, stream, x, bias, out, n,
+         cols);
 }
 
 void swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  swiglu_kernel<<<grid_for(n), kThreads, 0, stream>>>(gate, up, out, n);
-  BERTH_LAUNCH_CHECK("swiglu_kernel");
+  launch("swiglu_kernel", swiglu_kernel, grid_for(n), kThreads, 0, stream, gate, up, out, n);
 }
 
 void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim, int32_t n_rot,
@@ -281,9 +307,8 @@ void rope(const float* x, float* out, int64_t rows, int32_t n_head, int32_t head
             std::to_string(head_dim));
   const int64_t n = rows * n_head * (n_rot / 2 + (head_dim - n_rot));
   if (n <= 0) return;
-  rope_kernel<<<grid_for(n), kThreads, 0, stream>>>(
-      x, out, rows, n_head, head_dim, n_rot, static_cast<double>(freq_base), neox, positions);
-  BERTH_LAUNCH_CHECK("rope_kernel");
+  launch("rope_kernel", rope_kernel, grid_for(n), kThreads, 0, stream, x, out, rows, n_head,
+         head_dim, n_rot, static_cast<double>(freq_base), neox, positions);
 }
 
 void norm_rope(const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim, float eps,
@@ -309,9 +334,8 @@ void norm_rope(const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_d
   j.n = n_jobs;
   if (rows <= 0) return;
   if (rows * heads > 0x7fffffff) bad_arg("gpu::norm_rope: too many rows");
-  norm_rope_kernel<<<static_cast<unsigned>(rows * heads), threads, 0, stream>>>(
-      j, head_dim, eps, n_rot, static_cast<double>(freq_base), neox, positions);
-  BERTH_LAUNCH_CHECK("norm_rope_kernel");
+  launch("norm_rope_kernel", norm_rope_kernel, static_cast<unsigned>(rows * heads), threads, 0,
+         stream, j, head_dim, eps, n_rot, static_cast<double>(freq_base), neox, positions);
 }
 
 }  // namespace berth::gpu

@@ -15,48 +15,23 @@
 
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "handoff.cuh"
+#include "launch.cuh"
 
 namespace berth::gpu {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxCopies = 4;
-
-struct Copies {
-  HostCopy c[kMaxCopies];
-  int n;
-};
-
-// Copies in 16-byte words where every pointer and size allows, else in 4-byte words.
-__device__ __forceinline__ void copy_words(const HostCopy& c, bool volatile_src) {
-  const bool wide =
-      ((reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(c.src) | c.bytes) & 15) ==
-      0;
-  if (wide) {
-    auto* d = static_cast<uint4*>(c.dst);
-    const auto* s = static_cast<const uint4*>(c.src);
-    for (size_t i = threadIdx.x; i < c.bytes / 16; i += blockDim.x)
-      d[i] = volatile_src ? __ldcv(s + i) : s[i];
-  } else {
-    auto* d = static_cast<uint32_t*>(c.dst);
-    const auto* s = static_cast<const uint32_t*>(c.src);
-    for (size_t i = threadIdx.x; i < c.bytes / 4; i += blockDim.x)
-      d[i] = volatile_src ? __ldcv(reinterpret_cast<const unsigned int*>(s + i)) : s[i];
-  }
-}
 
 __global__ void __launch_bounds__(kThreads)
     copy_out_kernel(Copies cp, uint32_t* flag, uint32_t value) {
-  for (int j = 0; j < cp.n; ++j) copy_words(cp.c[j], false);
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0)
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(value,
-                                                                       cuda::memory_order_release);
+  pdl_enter();
+  copy_out_and_signal(cp, flag, value);
 }
 
 __global__ void __launch_bounds__(kThreads)
     wait_in_kernel(const uint32_t* flag, uint32_t value, Copies cp) {
+  pdl_enter();
   if (threadIdx.x == 0) {
     cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*const_cast<uint32_t*>(flag));
     while (f.load(cuda::memory_order_acquire) < value) {
@@ -66,35 +41,18 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < cp.n; ++j) copy_words(cp.c[j], true);
 }
 
-void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
-
-Copies pack(const HostCopy* c, int n, const char* fn) {
-  if (n < 0 || n > kMaxCopies)
-    bad_arg(std::string(fn) + ": " + std::to_string(n) + " copies (at most " +
-            std::to_string(kMaxCopies) + ")");
-  Copies cp{};
-  for (int i = 0; i < n; ++i) {
-    if (c[i].bytes % 4 != 0)
-      bad_arg(std::string(fn) + ": a copy of " + std::to_string(c[i].bytes) +
-              " bytes is not whole 32-bit words");
-    cp.c[i] = c[i];
-  }
-  cp.n = n;
-  return cp;
-}
-
 }  // namespace
 
 void copy_out_signal(const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
                      cudaStream_t stream) {
-  copy_out_kernel<<<1, kThreads, 0, stream>>>(pack(copies, n, "gpu::copy_out_signal"), flag, value);
-  BERTH_LAUNCH_CHECK("copy_out_kernel");
+  launch("copy_out_kernel", copy_out_kernel, 1, kThreads, 0, stream,
+         pack_copies(copies, n, "gpu::copy_out_signal"), flag, value);
 }
 
 void wait_copy_in(const uint32_t* flag, uint32_t value, const HostCopy* copies, int n,
                   cudaStream_t stream) {
-  wait_in_kernel<<<1, kThreads, 0, stream>>>(flag, value, pack(copies, n, "gpu::wait_copy_in"));
-  BERTH_LAUNCH_CHECK("wait_in_kernel");
+  launch("wait_in_kernel", wait_in_kernel, 1, kThreads, 0, stream, flag, value,
+         pack_copies(copies, n, "gpu::wait_copy_in"));
 }
 
 }  // namespace berth::gpu

@@ -28,6 +28,7 @@
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "launch.cuh"
 #include "matmul_internal.h"
 #include "quant_blocks.cuh"
 
@@ -93,6 +94,7 @@ __device__ __forceinline__ float silu(float z) { return z / (1.0f + __expf(-z));
 __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __restrict__ up,
                                     int64_t n_groups, int8_t* __restrict__ q,
                                     float4* __restrict__ meta) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t grp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (grp >= n_groups) return;  // whole warps
@@ -171,6 +173,7 @@ __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], 
 
 template <GgmlType T, int NT>
 __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
+  pdl_enter();
   const uint8_t* w;
   int64_t act0, out0;
   if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
@@ -247,6 +250,7 @@ __device__ __forceinline__ void load8(const uint8_t* p, float* v) {
 
 template <GgmlType T, int NT>
 __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
+  pdl_enter();
   const uint8_t* w;
   int64_t act0, out0;
   if (!gemv_setup(a, w, act0, out0)) return;
@@ -298,6 +302,7 @@ template <GgmlType T, class O>
 __global__ void dequant_q_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
                                  int64_t n_w_rows, const int32_t* __restrict__ rows, int64_t row0,
                                  int64_t n_rows, O* __restrict__ dst) {
+  pdl_enter();
   const int64_t G = n_in / 32;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n_rows * G) return;
@@ -332,6 +337,7 @@ template <GgmlType T, class O>
 __global__ void dequant_f_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_in,
                                  int64_t n_w_rows, const int32_t* __restrict__ rows, int64_t row0,
                                  int64_t n_rows, O* __restrict__ dst) {
+  pdl_enter();
   const int64_t total = n_rows * n_in;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -347,6 +353,7 @@ __global__ void dequant_f_kernel(const uint8_t* __restrict__ w, size_t row_bytes
 __global__ void to_half_kernel(const float* __restrict__ x, int64_t n,
                                const int32_t* __restrict__ src_rows, int div,
                                const int32_t* __restrict__ count, __half* __restrict__ dst) {
+  pdl_enter();
   const int64_t i = blockIdx.x;
   if (count && i >= *count) return;
   const int64_t s = src_rows ? src_rows[i] / div : i;
@@ -374,17 +381,11 @@ unsigned blocks_for(int64_t n, int threads) {
 template <GgmlType T>
 void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
   if constexpr (is_float_type(T)) {
-    if (a.n_tok == 1)
-      gemv_f_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
-    else
-      gemv_f_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
-    BERTH_LAUNCH_CHECK("gemv_f_kernel");
+    launch("gemv_f_kernel", a.n_tok == 1 ? gemv_f_kernel<T, 1> : gemv_f_kernel<T, kGemvTok>, grid,
+           kThreads, 0, s, a);
   } else {
-    if (a.n_tok == 1)
-      gemv_q_kernel<T, 1><<<grid, kThreads, 0, s>>>(a);
-    else
-      gemv_q_kernel<T, kGemvTok><<<grid, kThreads, 0, s>>>(a);
-    BERTH_LAUNCH_CHECK("gemv_q_kernel");
+    launch("gemv_q_kernel", a.n_tok == 1 ? gemv_q_kernel<T, 1> : gemv_q_kernel<T, kGemvTok>, grid,
+           kThreads, 0, s, a);
   }
 }
 
@@ -397,21 +398,19 @@ void launch_dequant_t(const void* w, int64_t n_in, int64_t n_w_rows, const int32
     const int64_t total = n_rows * n_in;
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks_for(total, 256), 1 << 20));
     if (half_out)
-      dequant_f_kernel<T, __half><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                       static_cast<__half*>(dst));
+      launch("dequant_f_kernel", dequant_f_kernel<T, __half>, grid, 256, 0, s, wb, rb, n_in,
+             n_w_rows, rows, row0, n_rows, static_cast<__half*>(dst));
     else
-      dequant_f_kernel<T, float><<<grid, 256, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                      static_cast<float*>(dst));
-    BERTH_LAUNCH_CHECK("dequant_f_kernel");
+      launch("dequant_f_kernel", dequant_f_kernel<T, float>, grid, 256, 0, s, wb, rb, n_in,
+             n_w_rows, rows, row0, n_rows, static_cast<float*>(dst));
   } else {
     const unsigned grid = blocks_for(n_rows * (n_in / 32), 128);
     if (half_out)
-      dequant_q_kernel<T, __half><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                       static_cast<__half*>(dst));
+      launch("dequant_q_kernel", dequant_q_kernel<T, __half>, grid, 128, 0, s, wb, rb, n_in,
+             n_w_rows, rows, row0, n_rows, static_cast<__half*>(dst));
     else
-      dequant_q_kernel<T, float><<<grid, 128, 0, s>>>(wb, rb, n_in, n_w_rows, rows, row0, n_rows,
-                                                      static_cast<float*>(dst));
-    BERTH_LAUNCH_CHECK("dequant_q_kernel");
+      launch("dequant_q_kernel", dequant_q_kernel<T, float>, grid, 128, 0, s, wb, rb, n_in,
+             n_w_rows, rows, row0, n_rows, static_cast<float*>(dst));
   }
 }
 
@@ -421,8 +420,8 @@ void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct
                   cudaStream_t s) {
   const int64_t groups = rows * (n / 32);
   if (groups == 0) return;
-  quantize_act_kernel<<<blocks_for(groups * 32, 256), 256, 0, s>>>(x, up, groups, qa.q, qa.meta);
-  BERTH_LAUNCH_CHECK("quantize_act_kernel");
+  launch("quantize_act_kernel", quantize_act_kernel, blocks_for(groups * 32, 256), 256, 0, s, x, up,
+         groups, qa.q, qa.meta);
 }
 
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
@@ -491,9 +490,8 @@ void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows, 
 void to_half(const float* x, int64_t rows, int64_t n, const int32_t* src_rows, int div,
              const int32_t* count, void* dst, cudaStream_t s) {
   if (rows == 0 || n == 0) return;
-  to_half_kernel<<<static_cast<unsigned>(rows), 256, 0, s>>>(x, n, src_rows, div, count,
-                                                             static_cast<__half*>(dst));
-  BERTH_LAUNCH_CHECK("to_half_kernel");
+  launch("to_half_kernel", to_half_kernel, static_cast<unsigned>(rows), 256, 0, s, x, n, src_rows,
+         div, count, static_cast<__half*>(dst));
 }
 
 }  // namespace detail

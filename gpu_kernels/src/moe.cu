@@ -23,6 +23,7 @@
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "launch.cuh"
 #include "matmul_internal.h"
 #include "quant_blocks.cuh"
 
@@ -51,6 +52,7 @@ __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok
                                   const uint8_t* __restrict__ mask, int n_expert,
                                   int32_t* __restrict__ expert_off, int32_t* __restrict__ tile_off,
                                   int32_t* __restrict__ list, int32_t* __restrict__ pos) {
+  pdl_enter();
   extern __shared__ int32_t cnt[];
   const int lane = threadIdx.x;
   const int64_t P = n_tok * k;
@@ -115,6 +117,7 @@ struct GemmArgs {
 
 template <GgmlType T>
 __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) {
+  pdl_enter();
   using namespace nvcuda;
   const int tile = blockIdx.y;
   if (tile >= a.tile_off[a.n_expert]) return;
@@ -218,6 +221,7 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
 __global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u, int64_t n,
                                    const float* __restrict__ route, int k,
                                    const uint8_t* __restrict__ mask, int n_expert) {
+  pdl_enter();
   const int64_t p = blockIdx.x;
   if (slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) < 0) return;
   for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
@@ -231,6 +235,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ route, int k,
                                    const uint8_t* __restrict__ mask, int n_expert,
                                    const int32_t* __restrict__ pos, const float* __restrict__ y,
                                    int64_t n_embd, float* __restrict__ out) {
+  pdl_enter();
   const int64_t t = blockIdx.x;
   for (int64_t c = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < n_embd;
        c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
@@ -254,8 +259,7 @@ dim3 combine_grid(int64_t n_tok, int64_t n_embd) {
 
 template <GgmlType T>
 void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
-  grouped_gemm_kernel<T><<<grid, kGemmThreads, 0, s>>>(a);
-  BERTH_LAUNCH_CHECK("grouped_gemm_kernel");
+  launch("grouped_gemm_kernel", grouped_gemm_kernel<T>, grid, kGemmThreads, 0, s, a);
 }
 
 // Workspace layout of one call (both paths); total() is moe_workspace_bytes.
@@ -356,16 +360,14 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       aq = qact_at(ws + L.aq, P, w.n_ff);
       quantize_act(G, U, P, w.n_ff, aq, stream);
     } else {
-      swiglu_rows_kernel<<<static_cast<unsigned>(P), 256, 0, stream>>>(G, U, w.n_ff, route, k,
-                                                                       expert_mask, w.n_expert);
-      BERTH_LAUNCH_CHECK("swiglu_rows_kernel");
+      launch("swiglu_rows_kernel", swiglu_rows_kernel, static_cast<unsigned>(P), 256, 0, stream, G,
+             U, w.n_ff, route, k, expert_mask, w.n_expert);
     }
     r.act_div = 1;
     r.expert_bytes = down_bytes;
     gemv(w.down_type, w.down, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
-    moe_combine_kernel<<<combine_grid(n_tok, w.n_embd), 256, 0, stream>>>(
-        route, k, expert_mask, w.n_expert, nullptr, Y, w.n_embd, out);
-    BERTH_LAUNCH_CHECK("moe_combine_kernel");
+    launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
+           route, k, expert_mask, w.n_expert, nullptr, Y, w.n_embd, out);
     return;
   }
 
@@ -378,9 +380,8 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   auto* pos = reinterpret_cast<int32_t*>(ws + L.pos);
   auto* A = reinterpret_cast<__half*>(ws + L.a);
   auto* act = reinterpret_cast<__half*>(ws + L.act);
-  moe_gather_kernel<<<1, 32, static_cast<size_t>(w.n_expert) * 4, stream>>>(
-      route, n_tok, k, expert_mask, w.n_expert, eoff, toff, list, pos);
-  BERTH_LAUNCH_CHECK("moe_gather_kernel");
+  launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(w.n_expert) * 4, stream,
+         route, n_tok, k, expert_mask, w.n_expert, eoff, toff, list, pos);
   to_half(h, P, w.n_embd, list, k, eoff + w.n_expert, A, stream);
   const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + w.n_expert);
   GemmArgs a{};
@@ -417,9 +418,8 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   a.C = Y;
   dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
   BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
-  moe_combine_kernel<<<combine_grid(n_tok, w.n_embd), 256, 0, stream>>>(
-      route, k, expert_mask, w.n_expert, pos, Y, w.n_embd, out);
-  BERTH_LAUNCH_CHECK("moe_combine_kernel");
+  launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
+         route, k, expert_mask, w.n_expert, pos, Y, w.n_embd, out);
 }
 
 }  // namespace berth::gpu

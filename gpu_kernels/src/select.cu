@@ -7,6 +7,8 @@
 
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "handoff.cuh"
+#include "launch.cuh"
 
 namespace berth::gpu {
 namespace {
@@ -61,8 +63,13 @@ __device__ __forceinline__ float route_key_z(float l) {
 // Experts per lane kept in registers by the fast path (n_expert <= 32 * kRoutePer).
 constexpr int kRoutePer = 8;
 
+// kSignal (moe_route_signal, one token): then the block copies `cp` to the host and releases
+// *flag, as copy_out_signal does.
+template <bool kSignal>
 __global__ void __launch_bounds__(kRouteThreads)
-    moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out) {
+    moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
+                     Copies cp, uint32_t* flag, uint32_t value) {
+  pdl_enter();
   extern __shared__ double ex[];  // n_expert: exp(key - max)
   const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_expert;
   float* o = out + static_cast<int64_t>(blockIdx.x) * 2 * k;
@@ -154,6 +161,10 @@ __global__ void __launch_bounds__(kRouteThreads)
   double sel = 0.0;
   for (int32_t j = 0; j < k; ++j) sel += __shfl_sync(kAll, p, j);
   if (lane < k) o[k + lane] = static_cast<float>(norm ? p / sel : p);
+  if constexpr (kSignal) {
+    __syncthreads();  // the route's stores above are visible to the block's copies
+    copy_out_and_signal(cp, flag, value);
+  }
 }
 
 // ---- argmax ----------------------------------------------------------------------------------
@@ -166,6 +177,7 @@ __device__ __forceinline__ bool better(float v, int32_t i, float bv, int32_t bi)
 
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* logits, int64_t n_vocab, int32_t* ids) {
+  pdl_enter();
   const float* l = logits + static_cast<int64_t>(blockIdx.x) * n_vocab;
   float bv = -CUDART_INF_F;
   int32_t bi = 0x7fffffff;
@@ -227,6 +239,7 @@ __device__ __forceinline__ uint64_t topk_key(float v, uint32_t id) {
 __global__ void __launch_bounds__(kTopkThreads)
     topk_round_kernel(const float* logits, const uint64_t* in_keys, int64_t n_in, int32_t k,
                       uint64_t* out_keys, int32_t* ids, float* values) {
+  pdl_enter();
   __shared__ uint64_t s[kChunk];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
@@ -266,29 +279,42 @@ __global__ void __launch_bounds__(kTopkThreads)
 
 int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
+void check_route(int32_t n_expert, int32_t k) {
+  if (k < 1 || k > n_expert)
+    bad_arg("gpu::moe_route: k = " + std::to_string(k) +
+            " must be in [1, n_expert = " + std::to_string(n_expert) + "]");
+  if (static_cast<size_t>(n_expert) * sizeof(double) > 48 * 1024)
+    bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 6144");
+  if (k > 32) bad_arg("gpu::moe_route: n_expert_used = " + std::to_string(k) + " exceeds 32");
+}
+
 }  // namespace
 
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
                float* out, cudaStream_t stream) {
-  if (k < 1 || k > n_expert)
-    bad_arg("gpu::moe_route: k = " + std::to_string(k) +
-            " must be in [1, n_expert = " + std::to_string(n_expert) + "]");
+  check_route(n_expert, k);
   if (n_tok <= 0) return;
   if (n_tok > 0x7fffffff) bad_arg("gpu::moe_route: too many tokens");
   const size_t smem = static_cast<size_t>(n_expert) * sizeof(double);
-  if (smem > 48 * 1024)
-    bad_arg("gpu::moe_route: n_expert = " + std::to_string(n_expert) + " exceeds 6144");
-  if (k > 32) bad_arg("gpu::moe_route: n_expert_used = " + std::to_string(k) + " exceeds 32");
-  moe_route_kernel<<<static_cast<unsigned>(n_tok), kRouteThreads, smem, stream>>>(logits, n_expert,
-                                                                                  k, norm, out);
-  BERTH_LAUNCH_CHECK("moe_route_kernel");
+  launch("moe_route_kernel", moe_route_kernel<false>, static_cast<unsigned>(n_tok), kRouteThreads,
+         smem, stream, logits, n_expert, k, norm, out, Copies{}, nullptr, 0u);
+}
+
+void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
+                      const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
+                      cudaStream_t stream) {
+  check_route(n_expert, k);
+  const Copies cp = pack_copies(copies, n, "gpu::moe_route_signal");
+  launch("moe_route_kernel (signal)", moe_route_kernel<true>, 1, kRouteThreads,
+         static_cast<size_t>(n_expert) * sizeof(double), stream, logits, n_expert, k, norm, out, cp,
+         flag, value);
 }
 
 void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream) {
   if (n_vocab <= 0 || n_vocab > 0x7fffffff) bad_arg("gpu::argmax: bad n_vocab");
   if (rows <= 0) return;
-  argmax_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, n_vocab, ids);
-  BERTH_LAUNCH_CHECK("argmax_kernel");
+  launch("argmax_kernel", argmax_kernel, static_cast<unsigned>(rows), kArgmaxThreads, 0, stream,
+         logits, n_vocab, ids);
 }
 
 size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k) {
@@ -314,10 +340,9 @@ void top_k(const float* logits, int64_t n_vocab, int32_t k, int32_t* ids, float*
   for (;;) {
     const int64_t c = chunks(n);
     const bool last = c == 1;
-    topk_round_kernel<<<static_cast<unsigned>(c), kTopkThreads, 0, stream>>>(
-        logits, in, n, k, last ? nullptr : buf[which], last ? ids : nullptr,
-        last ? values : nullptr);
-    BERTH_LAUNCH_CHECK("topk_round_kernel");
+    launch("topk_round_kernel", topk_round_kernel, static_cast<unsigned>(c), kTopkThreads, 0,
+           stream, logits, in, n, k, last ? nullptr : buf[which], last ? ids : nullptr,
+           last ? values : nullptr);
     if (last) break;
     in = buf[which];
     n = c * k;

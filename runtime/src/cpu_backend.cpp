@@ -307,8 +307,36 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
 }
 
+namespace {
+
+// Columns [c0, c1) of out[t] for tokens [t0, t1): the sum over t's slots j (in slot order) whose
+// expert the op computes of weight[t, j] * y[t * k + j], from zero. One out-of-line function for
+// both of moe_experts' combines, so they round alike.
+[[gnu::noinline]] void moe_combine_rows(const float* route, int32_t k, const graph::MoeParams& p,
+                                        const float* y_all, int64_t n_embd, int64_t t0, int64_t t1,
+                                        int64_t c0, int64_t c1, float* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + t * n_embd;
+    std::fill(o + c0, o + c1, 0.0f);
+    for (int32_t j = 0; j < k; ++j) {
+      const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
+      if (!p.has_expert(e)) continue;
+      const float w = route[t * 2 * k + k + j];
+      const float* y = y_all + (t * k + j) * n_embd;
+      for (int64_t c = c0; c < c1; ++c) o[c] += w * y[c];
+    }
+  }
+}
+
+}  // namespace
+
 void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const float* route,
                               int64_t n_tok, float* out) {
+  using clock = std::chrono::steady_clock;
+  const auto t_entry = clock::now();
+  const auto secs = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
   const TensorView& wg = weights_[p.gate];
   const TensorView& wu = weights_[p.up];
   const TensorView& wd = weights_[p.down];
@@ -331,7 +359,8 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   const int64_t n_pairs = moe_first_[static_cast<size_t>(p.n_expert)];
   moe_slots_.resize(static_cast<size_t>(n_pairs));
   {
-    std::vector<int64_t> fill(moe_first_.begin(), moe_first_.end() - 1);
+    std::vector<int64_t>& fill = moe_fill_;  // kept between calls: no allocation per layer
+    fill.assign(moe_first_.begin(), moe_first_.end() - 1);
     for (int64_t t = 0; t < n_tok; ++t)
       for (int32_t j = 0; j < k; ++j) {
         const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
@@ -356,32 +385,50 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   }
   if (moe_y_.size() < static_cast<size_t>(n_slots * n_embd))
     moe_y_.resize(static_cast<size_t>(n_slots * n_embd));
-  uint8_t* act_g = act_.data();
-  uint8_t* act_u = same_act ? act_g : moe_act_u_.data();
-  // Small row counts (decode: n_expert_used rows) run on the calling thread: a parallel region
-  // would cost more than the work.
+  // Each token's activations are quantized once, then copied to its pairs' places in expert
+  // order (quantization is deterministic per row: the same bytes as quantizing each pair). A
+  // single token (decode) skips the copies: its pairs are one per expert (top-k ids are
+  // distinct), and every expert reads the token's row (act_row0 below). Small row counts run on
+  // the calling thread: a parallel region would cost more than the work.
   const int64_t row_grain_in = std::max<int64_t>(1, 32768 / n_embd);
-  pool_.parallel_for(n_pairs, row_grain_in, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* x = h + (moe_slots_[static_cast<size_t>(i)] / k) * n_embd;
-      cpu::quantize_activation(wg.type, x, act_g + static_cast<size_t>(i) * arb_g, n_embd);
+  const bool one_token = n_tok == 1;
+  grow(moe_act_tok_, (arb_g + (same_act ? 0 : arb_u)) * static_cast<size_t>(n_tok));
+  uint8_t* tok_g = moe_act_tok_.data();
+  uint8_t* tok_u = same_act ? tok_g : tok_g + arb_g * static_cast<size_t>(n_tok);
+  pool_.parallel_for(n_tok, row_grain_in, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* x = h + t * n_embd;
+      cpu::quantize_activation(wg.type, x, tok_g + static_cast<size_t>(t) * arb_g, n_embd);
       if (!same_act)
-        cpu::quantize_activation(wu.type, x, act_u + static_cast<size_t>(i) * arb_u, n_embd);
+        cpu::quantize_activation(wu.type, x, tok_u + static_cast<size_t>(t) * arb_u, n_embd);
     }
   });
+  uint8_t* act_g = one_token ? tok_g : act_.data();
+  uint8_t* act_u = one_token ? tok_u : same_act ? act_g : moe_act_u_.data();
+  if (!one_token)
+    pool_.parallel_for(n_pairs, 4 * row_grain_in, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto t = static_cast<size_t>(moe_slots_[static_cast<size_t>(i)] / k);
+        std::memcpy(act_g + static_cast<size_t>(i) * arb_g, tok_g + t * arb_g, arb_g);
+        if (!same_act)
+          std::memcpy(act_u + static_cast<size_t>(i) * arb_u, tok_u + t * arb_u, arb_u);
+      }
+    });
+  // First activation row of an expert whose pairs start at `first` in expert order.
+  const auto act_row0 = [&](int64_t first) { return one_token ? 0 : first; };
 
   // Tasks of (expert, block of output rows): each applies one block of the expert's weights to
   // all of the expert's tokens (grouped GEMM), so every weight byte is read once per step.
-  struct Task {
-    int32_t e;
-    int64_t r0, r1;
-  };
+  using Task = MoeTask;
   const int64_t n_threads = pool_.n_threads();
-  auto make_tasks = [&](int64_t n_rows) {
-    std::vector<Task> tasks;
-    int64_t n_active = 0;
-    for (int32_t e = 0; e < p.n_expert; ++e) n_active += moe_first_[e + 1] > moe_first_[e];
+  int32_t n_active = 0;
+  for (int32_t e = 0; e < p.n_expert; ++e) n_active += moe_first_[e + 1] > moe_first_[e];
+  // Fills `tasks` (kept between calls: no allocation per layer); returns the row block size.
+  auto make_tasks = [&](int64_t n_rows, std::vector<Task>& tasks) {
+    tasks.clear();
     // About 4 tasks per thread over all active experts, in whole row tiles.
+    // (8 per thread measured the same on the H200's Xeon host: 241-248 us per decode call of
+    // synthetic qwen3-30b-a3b, 16 threads, against 243-247 with 4; 2 gave 273.)
     const int64_t want =
         std::max<int64_t>(1, (n_threads * 4 + n_active - 1) / std::max<int64_t>(1, n_active));
     int64_t grain = (n_rows + want - 1) / want;
@@ -391,7 +438,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
       for (int64_t r = 0; r < n_rows; r += grain)
         tasks.push_back({e, r, std::min(n_rows, r + grain)});
     }
-    return tasks;
+    return grain;
   };
 
   // One parallel region for the whole expert FFN. Tasks are claimed in order from one counter:
@@ -401,32 +448,54 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   // expert. A down block is claimed only after all gate/up blocks are claimed, and claimed
   // blocks run at once, so the wait always ends; experts overlap (one's down with another's
   // gate/up) and the layer costs one barrier instead of two or more.
-  const std::vector<Task> t_up = make_tasks(n_ff);
-  const std::vector<Task> t_down = make_tasks(n_embd);
+  //
+  // When the down blocks split n_embd into several row blocks (few active experts: decode), the
+  // combine runs inside the region too: the thread that finishes the last expert's down block of
+  // a row block combines those rows for every token, so no thread reads all the experts' outputs
+  // (written by other cores) alone after the region. Otherwise the combine is a parallel loop
+  // over tokens after it. Either way each output is the same sum in slot order.
+  const std::vector<Task>& t_up = moe_tasks_up_;
+  const std::vector<Task>& t_down = moe_tasks_down_;
+  const int64_t up_grain = make_tasks(n_ff, moe_tasks_up_);
+  const int64_t down_grain = make_tasks(n_embd, moe_tasks_down_);
+  const int64_t n_blocks = (n_embd + down_grain - 1) / down_grain;
+  const bool combine_in_region = n_active > 0 && n_blocks >= 2;
   uint8_t* act_d = moe_act_d_.data();
   if (moe_n_flags_ < p.n_expert) {  // kept between calls: no allocation per layer
     moe_up_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
     moe_ready_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
     moe_n_flags_ = p.n_expert;
   }
+  if (combine_in_region && moe_n_blocks_ < n_blocks) {
+    moe_block_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(n_blocks));
+    moe_n_blocks_ = n_blocks;
+  }
+  std::atomic<int32_t>* block_left = moe_block_left_.get();
+  if (combine_in_region)
+    for (int64_t b = 0; b < n_blocks; ++b) block_left[b].store(n_active, std::memory_order_relaxed);
+  const auto combine = [&](int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
+    moe_combine_rows(route, k, p, moe_y_.data(), n_embd, t0, t1, c0, c1, out);
+  };
   std::atomic<int32_t>* up_left = moe_up_left_.get();
   std::atomic<int32_t>* ready = moe_ready_.get();
+  // Only the active experts' flags are read (by their tasks): the others are left as they are.
+  const auto up_per_expert = static_cast<int32_t>((n_ff + up_grain - 1) / up_grain);
   for (int32_t e = 0; e < p.n_expert; ++e) {
-    up_left[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
+    if (moe_first_[e + 1] == moe_first_[e]) continue;
+    up_left[static_cast<size_t>(e)].store(up_per_expert, std::memory_order_relaxed);
     ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
   }
-  for (const Task& tk : t_up)
-    up_left[static_cast<size_t>(tk.e)].fetch_add(1, std::memory_order_relaxed);
   const int64_t n_up = static_cast<int64_t>(t_up.size());
   const int64_t n_tasks = n_up + static_cast<int64_t>(t_down.size());
   std::atomic<int64_t> next{0};
   auto run_up = [&](const Task& tk) {
     const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
     const int64_t r = int64_t{tk.e} * n_ff + tk.r0;
-    cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + static_cast<size_t>(first) * arb_g,
-                   arb_g, n, n_embd, moe_gate_.data() + first * n_ff + tk.r0, n_ff);
-    cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + static_cast<size_t>(first) * arb_u,
-                   arb_u, n, n_embd, moe_up_.data() + first * n_ff + tk.r0, n_ff);
+    const auto a0 = static_cast<size_t>(act_row0(first));
+    cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + a0 * arb_g, arb_g, n, n_embd,
+                   moe_gate_.data() + first * n_ff + tk.r0, n_ff);
+    cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + a0 * arb_u, arb_u, n, n_embd,
+                   moe_up_.data() + first * n_ff + tk.r0, n_ff);
     if (up_left[static_cast<size_t>(tk.e)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       for (int64_t i = first; i < first + n; ++i) {
         float* g = moe_gate_.data() + i * n_ff;
@@ -437,16 +506,20 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     }
   };
   // Down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
-  auto run_down = [&](const Task& tk) {
-    for (int spins = 0; ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0;
-         ++spins) {
-      if (spins < 4096) {
+  auto run_down = [&](const Task& tk, double& waited) {
+    if (ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0) {
+      const auto w0 = clock::now();
+      for (int spins = 0; ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0;
+           ++spins) {
+        if (spins < 4096) {
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+          __builtin_ia32_pause();
 #endif
-      } else {
-        std::this_thread::yield();
+        } else {
+          std::this_thread::yield();
+        }
       }
+      waited += secs(w0, clock::now());
     }
     const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
     float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
@@ -455,29 +528,48 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     for (int64_t s = 0; s < n; ++s)
       std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
                   tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
+    if (combine_in_region &&
+        block_left[tk.r0 / down_grain].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      combine(0, n_tok, tk.r0, tk.r1);
   };
+  moe_spans_.assign(static_cast<size_t>(n_threads), ThreadSpan{});
+  const auto t_region = clock::now();
   pool_.parallel_for(std::min<int64_t>(n_threads, n_tasks), 1, [&](int64_t, int64_t) {
+    ThreadSpan& span = moe_spans_[static_cast<size_t>(ThreadPool::worker_index())];
+    bool took = false;
+    double waited = 0;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+      if (!took && span.first < 0) span.first = secs(t_region, clock::now());
+      took = true;
       if (i < n_up)
         run_up(t_up[static_cast<size_t>(i)]);
       else
-        run_down(t_down[static_cast<size_t>(i - n_up)]);
+        run_down(t_down[static_cast<size_t>(i - n_up)], waited);
     }
+    if (took) span.last = secs(t_region, clock::now());
+    span.wait += waited;
   });
+  const auto t_region_end = clock::now();
   // Combine per token in slot order (fixed, so threads and ubatches never change the bits).
-  pool_.parallel_for(n_tok, row_grain_in, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* o = out + t * n_embd;
-      std::fill(o, o + n_embd, 0.0f);
-      for (int32_t j = 0; j < k; ++j) {
-        const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
-        if (!p.has_expert(e)) continue;
-        const float w = route[t * 2 * k + k + j];
-        const float* y = moe_y_.data() + (t * k + j) * n_embd;
-        for (int64_t c = 0; c < n_embd; ++c) o[c] += w * y[c];
-      }
-    }
-  });
+  if (!combine_in_region)
+    pool_.parallel_for(n_tok, row_grain_in,
+                       [&](int64_t t0, int64_t t1) { combine(t0, t1, 0, n_embd); });
+  const auto t_exit = clock::now();
+  MoeTiming& mt = moe_timing_;
+  const double region = secs(t_region, t_region_end);
+  ++mt.calls;
+  mt.combined_in_region += combine_in_region;
+  mt.total += secs(t_entry, t_exit);
+  mt.before += secs(t_entry, t_region);
+  mt.region += region;
+  mt.after += secs(t_region_end, t_exit);
+  for (const ThreadSpan& sp : moe_spans_) {
+    if (sp.first < 0) continue;
+    ++mt.thread_calls;
+    mt.join += sp.first;
+    mt.wait += sp.wait;
+    mt.tail += std::max(0.0, region - sp.last);
+  }
 }
 
 void CpuExecutor::matmul_group(const graph::Graph& g, std::span<const Op> ops) {

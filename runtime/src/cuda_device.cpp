@@ -248,6 +248,11 @@ class CudaDevice final : public Device {
                     int64_t rows, int64_t cols, float eps) override {
     gpu::add_rms_norm(a, b, sum, w, out, rows, cols, eps, st(s));
   }
+  void wait_add_rms_norm(int s, const uint32_t* flag, uint32_t value, const float* a,
+                         const float* b_host, float* sum, const float* w, float* out, int64_t rows,
+                         int64_t cols, float eps) override {
+    gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s));
+  }
   void add(int s, const float* a, const float* b, float* out, int64_t n) override {
     gpu::add(a, b, out, n, st(s));
   }
@@ -282,6 +287,14 @@ class CudaDevice final : public Device {
                  float* out) override {
     gpu::moe_route(logits, n_tok, n_expert, k, norm, out, st(s));
   }
+  void moe_route_signal(int s, const float* logits, int32_t n_expert, int32_t k, bool norm,
+                        float* out, const HostCopy* copies, int n, uint32_t* flag,
+                        uint32_t value) override {
+    if (!small(copies, n))
+      return Device::moe_route_signal(s, logits, n_expert, k, norm, out, copies, n, flag, value);
+    gpu::moe_route_signal(logits, n_expert, k, norm, out, copies, n, flag, value, st(s));
+  }
+
   size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) override {
     return gpu::moe_workspace_bytes(w, n_tok);
   }
@@ -332,6 +345,12 @@ bool cuda_available() {
 }
 
 std::unique_ptr<Device> make_cuda_device(int index) { return std::make_unique<CudaDevice>(index); }
+
+bool set_cuda_pdl(bool on) {
+  const bool was = gpu::pdl_enabled();
+  gpu::set_pdl(on);
+  return was;
+}
 
 }  // namespace berth
 

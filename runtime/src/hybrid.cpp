@@ -73,6 +73,9 @@ struct Segment {
   int32_t ready = -1;        // forks after this GPU op (-1: at the start of the step)
   std::vector<ValueId> d2h;  // GPU-produced inputs copied to the host before the fork
   std::vector<ValueId> h2d;  // outputs that GPU ops read, copied to the device after it
+  // Flag hand-off: the one output the device reads is read in place from its pinned buffer by
+  // the residual add at StepPlan::host_join (which waits for the done flag itself).
+  bool host_join = false;
 };
 
 struct HybridExecutor::StepPlan {
@@ -81,6 +84,7 @@ struct HybridExecutor::StepPlan {
   std::vector<bool> rope_pair;   // per op: this norm's norm_rope call also takes norm i + 1
   std::vector<bool> seg_after;   // per op: a CPU segment forks after it
   std::vector<bool> host_w;      // per op: device op reading expert weights from pinned host memory
+  std::vector<int32_t> host_join;   // per op: the segment whose output this add reads in place
   std::vector<int32_t> orig_index;  // op of the model's graph -> op of g
   int32_t n_tokens = 0;
   int64_t out_rows = 0;
@@ -479,6 +483,39 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   }
   const size_t out = static_cast<size_t>(g.output);
   if (sp.value_home[out] == Home::gpu) death[out] = static_cast<int64_t>(n_ops);
+  // Joins read in place (flag hand-off): when the only output of a segment that device ops
+  // read is small and read by one device op, a residual add fused with the whole-row norm after
+  // it, that add waits for the segment's done flag and reads the output from its pinned host
+  // buffer (Device::wait_add_rms_norm): no copy to the device and no wait between the streams.
+  sp.host_join.assign(n_ops, -1);
+  if (handoff_ == Handoff::flags) {
+    std::vector<int32_t> gpu_readers(n_val, 0);
+    std::vector<int64_t> gpu_reader(n_val, -1);
+    for (size_t i = 0; i < n_ops; ++i)
+      if (sp.op_home[i] == Home::gpu)
+        for (ValueId v : g.ops[i].inputs) {
+          ++gpu_readers[static_cast<size_t>(v)];
+          gpu_reader[static_cast<size_t>(v)] = static_cast<int64_t>(i);
+        }
+    for (size_t si = 0; si < sp.segs.size(); ++si) {
+      Segment& s = sp.segs[si];
+      if (s.ready < 0 || s.h2d.size() != 1) continue;
+      const auto v = static_cast<size_t>(s.h2d[0]);
+      if (value_bytes(g.values[v]) > (size_t{64} << 10) || gpu_readers[v] != 1) continue;
+      const auto c = static_cast<size_t>(gpu_reader[v]);
+      const Op& op = g.ops[c];
+      if (op.kind != OpKind::add || sp.host_w[c] || c + 1 >= n_ops || sp.seg_after[c] ||
+          sp.op_home[c + 1] != Home::gpu || g.ops[c + 1].kind != OpKind::rms_norm ||
+          g.ops[c + 1].inputs[0] != op.output ||
+          !(g.ops[c + 1].norm_group <= 0 ||
+            g.ops[c + 1].norm_group == g.values[static_cast<size_t>(op.output)].cols))
+        continue;
+      const ValueId other = op.inputs[0] == s.h2d[0] ? op.inputs[1] : op.inputs[0];
+      if (other == s.h2d[0] || sp.value_home[static_cast<size_t>(other)] != Home::gpu) continue;
+      sp.host_join[c] = static_cast<int32_t>(si);
+      s.host_join = true;
+    }
+  }
   // A norm + rope fusion writes the rope's output at the call's op (the norm, or the norm before
   // it when the two go as a pair): born one op before that, its buffer is shared with no value
   // that call still reads (one job's output must not overwrite the other job's input).
@@ -674,7 +711,10 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   dev_.copy_h2d(kMain, positions_dev_, positions_host_, tb);
   std::vector<bool> pending(g.values.size(), false);  // written by a segment not yet joined
   bool any_pending = false;
+  // Joins read in place (plan_for) go with the add + norm fusion, which profiling turns off.
+  const bool host_joins = !profiling_;
   size_t next_seg = 0;
+  std::vector<bool> signalled(sp.segs.size(), false);  // its inputs went with moe_route_signal
   const auto launch_ready = [&](int32_t after) {
     for (; next_seg < sp.segs.size() && sp.segs[next_seg].ready == after; ++next_seg) {
       Segment& s = sp.segs[next_seg];
@@ -691,17 +731,23 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
       for (ValueId v : s.d2h)
         out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
                        value_bytes(g.values[static_cast<size_t>(v)])});
-      for (ValueId v : s.h2d) {
-        in.push_back({sp.dev_val[static_cast<size_t>(v)], sp.host_val[static_cast<size_t>(v)],
-                      value_bytes(g.values[static_cast<size_t>(v)])});
-        pending[static_cast<size_t>(v)] = true;
-      }
+      const bool in_place = sp.flags && s.host_join && host_joins;
+      if (!in_place)
+        for (ValueId v : s.h2d) {
+          in.push_back({sp.dev_val[static_cast<size_t>(v)], sp.host_val[static_cast<size_t>(v)],
+                        value_bytes(g.values[static_cast<size_t>(v)])});
+          pending[static_cast<size_t>(v)] = true;
+        }
       if (sp.flags) {
         // The inputs go down and the ready flag up in one device operation; the wait for the
         // done flag and the outputs' way back in another, on the aux stream, so the main stream
-        // may go on with device work that does not need them.
+        // may go on with device work that does not need them (or, read in place, in the add
+        // that reads the output).
         const size_t si = static_cast<size_t>(&s - sp.segs.data());
-        dev_.copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), &sp.flags[2 * si], 1);
+        if (!signalled[si])
+          dev_.copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), &sp.flags[2 * si],
+                               1);
+        if (in_place) continue;
         dev_.wait(kAux, kMain);
         dev_.wait_copy_in(kAux, &sp.flags[2 * si + 1], 1, in.data(), static_cast<int>(in.size()));
       } else {
@@ -732,6 +778,28 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   }
   size_t next_stream = 0;
   const std::vector<bool>& seg_after = sp.seg_after;
+  // A single-token moe_route after which one CPU segment forks (its experts, with the flag
+  // hand-off): the route and the segment's inputs go to the host with its ready flag in the same
+  // device operation (Device::moe_route_signal). Off while profiling (ops are timed one by one).
+  const auto route_and_signal = [&](size_t i) {
+    const Op& op = g.ops[i];
+    if (!sp.flags || profiling_ || op.kind != OpKind::moe_route || !seg_after[i] ||
+        g.values[static_cast<size_t>(op.output)].rows != 1 || next_seg >= sp.segs.size() ||
+        sp.segs[next_seg].ready != static_cast<int32_t>(i) ||
+        (next_seg + 1 < sp.segs.size() && sp.segs[next_seg + 1].ready == static_cast<int32_t>(i)))
+      return false;
+    const Segment& s = sp.segs[next_seg];
+    std::vector<HostCopy> out;
+    for (ValueId v : s.d2h)
+      out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
+                     value_bytes(g.values[static_cast<size_t>(v)])});
+    dev_.moe_route_signal(kMain, sp.dev_val[static_cast<size_t>(op.inputs[0])], op.moe.n_expert,
+                          op.moe.n_expert_used, op.moe.norm_weights,
+                          sp.dev_val[static_cast<size_t>(op.output)], out.data(),
+                          static_cast<int>(out.size()), &sp.flags[2 * next_seg], 1);
+    signalled[next_seg] = true;
+    return true;
+  };
   static const std::vector<int64_t> kNoFusion;
   const std::vector<int64_t>& rope_of = profiling_ ? kNoFusion : sp.rope_of;
   std::vector<bool> fused_away(g.ops.size(), false);  // enqueued earlier as part of a fusion
@@ -821,8 +889,19 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                 ? nullptr
                 : static_cast<const float*>(dev_weight_.at(static_cast<size_t>(nm.weight)));
         const auto dv = [&](ValueId v) { return sp.dev_val[static_cast<size_t>(v)]; };
-        dev_.add_rms_norm(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
-                          dv(nm.output), vi.rows, vi.cols, nm.eps);
+        if (host_joins && sp.host_join[i] >= 0) {
+          // The segment's output in its pinned buffer, once its done flag is set (a + b is the
+          // same float either way round).
+          const auto si = static_cast<size_t>(sp.host_join[i]);
+          const ValueId hv = sp.segs[si].h2d[0];
+          const ValueId other = op.inputs[0] == hv ? op.inputs[1] : op.inputs[0];
+          dev_.wait_add_rms_norm(kMain, &sp.flags[2 * si + 1], 1, dv(other),
+                                 sp.host_val[static_cast<size_t>(hv)], dv(op.output), w,
+                                 dv(nm.output), vi.rows, vi.cols, nm.eps);
+        } else {
+          dev_.add_rms_norm(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
+                            dv(nm.output), vi.rows, vi.cols, nm.eps);
+        }
         launch_ready(static_cast<int32_t>(i));  // none forks after the add (seg_after)
         ++i;
       } else if (end - i >= 2) {
@@ -837,7 +916,7 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                           weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
                           g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
         for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
-      } else {
+      } else if (!route_and_signal(i)) {
         const int a = profiling_ ? dev_.record(kMain) : -1;
         enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
         if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});

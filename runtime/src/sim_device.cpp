@@ -339,6 +339,7 @@ std::unique_ptr<Device> make_sim_device(size_t capacity_bytes) {
 
 #ifndef BERTH_HAVE_CUDA
 bool cuda_available() { return false; }
+bool set_cuda_pdl(bool) { return false; }
 std::unique_ptr<Device> make_cuda_device(int) {
   throw Error(ErrorCategory::unsupported,
               "this build of berth has no CUDA backend (configure with -DBERTH_CUDA=ON and a "

@@ -47,6 +47,16 @@ TEST_CASE("bench model: bounds and busy shares follow from the measured numbers"
   CHECK(near(j["fraction_of_bound"].get<double>(),
              j["tg_tok_s"].get<double>() / j["bound_tok_s"].get<double>()));
   CHECK(j["tg_device_busy"].get<double>() == 0);
+  // The experts' split: one call per layer and decode step (-n 8), the parts adding up to the
+  // whole, every thread of the pool (-t 2) taking part in the region.
+  const auto& moe = j["tg_moe"];
+  CHECK(moe["calls_per_run"].get<int64_t>() == 8 * j["model"]["n_layer"].get<int64_t>());
+  const double parts = moe["before_us"].get<double>() + moe["region_us"].get<double>() +
+                       moe["after_us"].get<double>();
+  CHECK(std::abs(parts - moe["total_us"].get<double>()) <= 1e-6 * moe["total_us"].get<double>());
+  CHECK(moe["threads"].get<double>() > 0);
+  CHECK(moe["threads"].get<double>() <= 2.0);
+  CHECK(moe["region_us"].get<double>() > 0);
 
   // Experts on the CPU, the rest on a simulated device.
   j = bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 99 --cpu-moe", dir / "hyb.json");

@@ -314,6 +314,64 @@ TEST_CASE("gpu: hand-off kernels copy to and from pinned memory around their fla
   cudaFreeHost(flags);
 }
 
+TEST_CASE("gpu: the fused hand-offs equal moe_route + copy_out and wait_copy_in + add_rms_norm") {
+  REQUIRE_DEVICE();
+  cudaStream_t st = nullptr;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  uint32_t* flags = nullptr;
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 16, cudaHostAllocDefault), "cudaHostAlloc");
+  const auto wait_host = [&](uint32_t* f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::atomic_ref<uint32_t>(*f).load(std::memory_order_acquire) != 1)
+      REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  };
+  // moe_route_signal: the route of one token (128 experts, 8 used) as moe_route computes it, and
+  // on the host with a hidden state once the flag is set.
+  const int32_t n_expert = 128, k = 8;
+  const size_t n_h = 2048;
+  const auto logits = gaussian(n_expert, 21), hid = gaussian(n_h, 22);
+  Dev<float> dl(logits), dh(hid), r1(2 * k), r2(2 * k);
+  gpu::moe_route(dl.p, 1, n_expert, k, true, r1.p, st);
+  float* host = nullptr;
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&host), (n_h + 2 * k) * 4, cudaHostAllocDefault),
+     "cudaHostAlloc");
+  std::fill(host, host + n_h + 2 * k, std::numeric_limits<float>::quiet_NaN());
+  std::fill(flags, flags + 4, 0u);
+  const HostCopy out[2] = {{host, dh.p, n_h * 4}, {host + n_h, r2.p, 2 * k * 4}};
+  gpu::moe_route_signal(dl.p, n_expert, k, true, r2.p, out, 2, &flags[0], 1, st);
+  wait_host(&flags[0]);
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto route1 = r1.down(), route2 = r2.down();
+  CHECK(std::memcmp(route1.data(), route2.data(), 2 * k * 4) == 0);
+  CHECK(std::memcmp(host, hid.data(), n_h * 4) == 0);
+  CHECK(std::memcmp(host + n_h, route1.data(), 2 * k * 4) == 0);
+  // wait_add_rms_norm: nothing runs before the host's flag; then the sum and norm of the host's
+  // new data, bit for bit as wait_copy_in into device memory then add_rms_norm.
+  const int64_t cols = 2048;
+  const auto a = gaussian(static_cast<size_t>(cols), 23),
+             w = gaussian(static_cast<size_t>(cols), 24);
+  Dev<float> da(a), dw(w), db(static_cast<size_t>(cols)), sum1(static_cast<size_t>(cols)),
+      out1(static_cast<size_t>(cols)), sum2(static_cast<size_t>(cols)),
+      out2(static_cast<size_t>(cols));
+  sum2.poison(), out2.poison();
+  gpu::wait_add_rms_norm(&flags[1], 1, da.p, host, sum2.p, dw.p, out2.p, 1, cols, 1e-6f, st);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(cudaStreamQuery(st) == cudaErrorNotReady);
+  for (size_t i = 0; i < n_h; ++i) host[i] = 0.5f * host[i] + 1.0f;
+  std::atomic_ref<uint32_t>(flags[1]).store(1, std::memory_order_release);
+  ck(cudaStreamSynchronize(st), "sync");
+  const HostCopy in[1] = {{db.p, host, static_cast<size_t>(cols) * 4}};
+  gpu::wait_copy_in(&flags[1], 1, in, 1, st);
+  gpu::add_rms_norm(da.p, db.p, sum1.p, dw.p, out1.p, 1, cols, 1e-6f, st);
+  ck(cudaStreamSynchronize(st), "sync");
+  const auto s1 = sum1.down(), s2 = sum2.down(), o1 = out1.down(), o2 = out2.down();
+  CHECK(std::memcmp(s1.data(), s2.data(), s1.size() * 4) == 0);
+  CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+  cudaStreamDestroy(st);
+  cudaFreeHost(host);
+  cudaFreeHost(flags);
+}
+
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
   REQUIRE_DEVICE();
   struct Case {

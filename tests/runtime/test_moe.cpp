@@ -150,13 +150,16 @@ struct MoeFixture {
   }
 };
 
+/// Runs g on `tokens`; `in_region` (when given) counts the moe_experts calls whose combine ran
+/// inside the expert region.
 std::vector<float> run(ThreadPool& pool, const graph::WeightTable& wt, const graph::Graph& g,
-                       const std::vector<int32_t>& tokens) {
+                       const std::vector<int32_t>& tokens, int64_t* in_region = nullptr) {
   KvCache kv({}, 1024);
   CpuExecutor ex(pool, wt, kv);
   std::vector<int32_t> pos(tokens.size());
   std::iota(pos.begin(), pos.end(), 0);
   std::span<const float> out = ex.run(g, tokens, pos);
+  if (in_region) *in_region += ex.moe_timing().combined_in_region;
   return {out.begin(), out.end()};
 }
 
@@ -234,13 +237,20 @@ TEST_CASE("moe_experts: results do not depend on the ubatch split or the thread 
   const int32_t n = 96;
   const std::vector<int32_t> tokens = token_batch(n, 7);
   ThreadPool pool2(2), pool1(1);
+  // One thread: a single down block per expert, the combine after the region. Two threads (or
+  // a single token): several row blocks, each combined inside the region by the thread that
+  // writes its last expert's rows. The same bits either way.
+  int64_t in_region1 = 0, in_region_one = 0;
   const std::vector<float> all = run(pool2, fx.wt, fx.build(n, {{}}), tokens);
-  CHECK(run(pool1, fx.wt, fx.build(n, {{}}), tokens) == all);
+  CHECK(run(pool1, fx.wt, fx.build(n, {{}}), tokens, &in_region1) == all);
+  CHECK(in_region1 == 0);
   const graph::Graph g1 = fx.build(1, {{}});
   for (int32_t t = 0; t < n; t += 13) {
-    const std::vector<float> one = run(pool2, fx.wt, g1, {tokens[static_cast<size_t>(t)]});
+    const std::vector<float> one =
+        run(pool2, fx.wt, g1, {tokens[static_cast<size_t>(t)]}, &in_region_one);
     CHECK(std::memcmp(one.data(), all.data() + t * kEmbd, kEmbd * sizeof(float)) == 0);
   }
+  CHECK(in_region_one == (n + 12) / 13);
 }
 
 TEST_CASE("moe_experts over disjoint expert sets adds up to the whole layer") {

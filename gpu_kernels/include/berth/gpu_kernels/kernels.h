@@ -25,6 +25,15 @@
 
 namespace berth::gpu {
 
+/// Programmatic dependent launch (compute capability >= 9.0): every kernel is launched so that
+/// it may be scheduled while the kernel before it in its stream still runs, and waits at its
+/// start for that kernel's completion (src/launch.cuh), which hides the launch latency of a
+/// chain of small dependent kernels (a decode step). On by default on such devices; off when
+/// the environment variable BERTH_PDL is "0" at the first launch, or after set_pdl(false).
+/// Results are the same bits either way. pdl_enabled() reports the setting (not the device).
+void set_pdl(bool on);
+bool pdl_enabled();
+
 /// True when matmul/embed/moe_experts accept weights of type `t`: F32, F16, BF16, Q4_0, Q4_1,
 /// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (the CPU path's set).
 bool supports(GgmlType t);
@@ -67,6 +76,14 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
 void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
                   int64_t rows, int64_t cols, float eps, cudaStream_t stream);
 
+/// add_rms_norm(a, b_host, ...) once *flag >= value: b_host [rows, cols] is page-locked host
+/// memory that a host thread wrote before its release store to *flag (host memory). Each block's
+/// first thread waits for the flag (spinning, system-scope acquire), then the block reads b_host
+/// with ld.cv. A CPU segment's output read by the residual add after it, in place: the same
+/// results as wait_copy_in of b_host into device memory, then add_rms_norm, in one launch.
+void wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
+                       float* sum, const float* w, float* out, int64_t rows, int64_t cols,
+                       float eps, cudaStream_t stream);
 /// out = a + b, n elements. out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
 /// out[r, c] = x[r, c] + bias[c], x [rows, cols]. out may equal x.
@@ -122,6 +139,14 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
 /// (double rounded once to float). Matches berth::cpu::moe_topk exactly.
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
                float* out, cudaStream_t stream);
+
+/// moe_route of one token (logits [1, n_expert] -> out [1, 2k]), then, in the same launch,
+/// copy_out_signal(copies, n, flag, value): a decode step's route (copies may name `out`) and
+/// hidden state reach the host with the ready flag of the CPU segment that reads them. Errors:
+/// as moe_route and copy_out_signal.
+void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
+                      const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
+                      cudaStream_t stream);
 
 /// Stacked expert weights of one MoE layer: berth::MoeWeights (core/tensor.h).
 using berth::MoeWeights;

@@ -55,7 +55,26 @@ class CpuExecutor {
   };
   /// Totals per op kind since the last reset_profile() (kinds that ran, by descending time).
   std::vector<OpTime> profile() const;
-  void reset_profile() { prof_ = {}; }
+  void reset_profile() {
+    prof_ = {};
+    moe_timing_ = {};
+  }
+
+  /// Where the time of moe_experts goes, summed over its calls since the last reset_profile()
+  /// (always collected: a few clock reads per call and per thread). Seconds. The expert FFN is
+  /// one parallel region: `region` is its wall time on the calling thread; per thread (summed
+  /// over the threads that took part, `thread_calls` of them in all), `join` is the time from
+  /// the region's start to the thread's first task (pool wake-up), `wait` the time down blocks
+  /// spun for their expert's gate/up, and `tail` the time from the thread's last task to the
+  /// region's end. `before` is the routing, grouping and activation quantization before the
+  /// region, `after` the combine after it; `combined_in_region` counts the calls whose combine
+  /// ran inside the region instead (row block by row block, when the down blocks split n_embd).
+  struct MoeTiming {
+    int64_t calls = 0, thread_calls = 0, combined_in_region = 0;
+    double total = 0, before = 0, region = 0, after = 0;
+    double join = 0, wait = 0, tail = 0;
+  };
+  const MoeTiming& moe_timing() const { return moe_timing_; }
 
  private:
   /// Runs the ops at `subset` (ascending indices; empty = every op of g).
@@ -89,12 +108,20 @@ class CpuExecutor {
   // moe_experts scratch: per-expert slot offsets, slots (token * k + j) grouped by expert,
   // quantized activations for up (when its format differs from gate's) and down, gate/up
   // outputs by pair, expert outputs by slot.
-  std::vector<int64_t> moe_first_, moe_slots_;
-  std::vector<uint8_t> moe_act_u_, moe_act_d_;
+  std::vector<int64_t> moe_first_, moe_slots_, moe_fill_;
+  struct MoeTask {  // one (expert, block of output rows) of gate+up or of down
+    int32_t e;
+    int64_t r0, r1;
+  };
+  std::vector<MoeTask> moe_tasks_up_, moe_tasks_down_;
+  std::vector<uint8_t> moe_act_u_, moe_act_d_, moe_act_tok_;
   std::vector<float> moe_gate_, moe_up_, moe_y_;
   // Per expert: gate/up blocks left, and "ready for down" (one parallel region per MoE layer).
   std::unique_ptr<std::atomic<int32_t>[]> moe_up_left_, moe_ready_;
   int32_t moe_n_flags_ = 0;
+  // Per down row block: experts whose down block is not yet written (combine in the region).
+  std::unique_ptr<std::atomic<int32_t>[]> moe_block_left_;
+  int64_t moe_n_blocks_ = 0;
   // RoPE cos/sin per token of the current run ([rows][cos n_rot/2 | sin n_rot/2]), for one
   // (n_rot, freq_base): rebuilt at each run (new positions) and when the shape changes.
   std::vector<float> rope_tables_;
@@ -104,6 +131,11 @@ class CpuExecutor {
   static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::moe_experts) + 1;
   bool profiling_ = false;
   std::array<OpTime, kOpKinds> prof_{};
+  MoeTiming moe_timing_;
+  struct ThreadSpan {  // one worker's part of a moe_experts region (seconds since its start)
+    double first = -1, last = 0, wait = 0;
+  };
+  std::vector<ThreadSpan> moe_spans_;
 };
 
 }  // namespace berth

@@ -127,6 +127,18 @@ class Device {
     add(s, a, b, sum, rows * cols);
     rms_norm(s, sum, w, out, rows, cols, cols, eps);
   }
+  /// add_rms_norm(a, b_host, ...) once *flag >= value (written by a host thread after it wrote
+  /// b_host): b_host [rows, cols] is page-locked host memory (alloc_host) read in place, so a CPU
+  /// segment's output feeds the residual add after it without a copy to the device first. The
+  /// same results as wait_copy_in of b_host into device memory, then add_rms_norm; needs
+  /// supports_flags(). The default waits on the stream and reads b_host from the kernel (CUDA
+  /// overrides it with one launch that waits and adds).
+  virtual void wait_add_rms_norm(int s, const uint32_t* flag, uint32_t value, const float* a,
+                                 const float* b_host, float* sum, const float* w, float* out,
+                                 int64_t rows, int64_t cols, float eps) {
+    wait_flag(s, flag, value);
+    add_rms_norm(s, a, b_host, sum, w, out, rows, cols, eps);
+  }
   virtual void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
                         int64_t cols) = 0;
   virtual void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) = 0;
@@ -154,6 +166,15 @@ class Device {
                          float scale, float* out, void* ws, size_t ws_bytes) = 0;
   virtual void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
                          bool norm, float* out) = 0;
+  /// moe_route of one token, then copy_out_signal(copies, n, flag, value) (the route, which
+  /// `copies` may name, and the hidden state going to a CPU segment); a device may do both in
+  /// one operation (CUDA: one launch for small copies).
+  virtual void moe_route_signal(int s, const float* logits, int32_t n_expert, int32_t k, bool norm,
+                                float* out, const HostCopy* copies, int n, uint32_t* flag,
+                                uint32_t value) {
+    moe_route(s, logits, 1, n_expert, k, norm, out);
+    copy_out_signal(s, copies, n, flag, value);
+  }
   virtual size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) = 0;
   virtual void moe_experts(int s, const MoeWeights& w, const float* h, const float* route,
                            int64_t n_tok, const uint8_t* expert_mask, float* out, void* ws,
@@ -166,6 +187,12 @@ std::unique_ptr<Device> make_sim_device(size_t capacity_bytes);
 
 /// True when this build has the CUDA backend and a CUDA device is present.
 bool cuda_available();
+/// Programmatic dependent launch of the CUDA kernels (gpu::set_pdl in gpu_kernels/kernels.h:
+/// on by default on compute capability >= 9.0, BERTH_PDL=0 turns it off); returns the previous
+/// setting. Results are the same bits either way; for tests and benchmarks. Without the CUDA
+/// backend: does nothing and returns false.
+bool set_cuda_pdl(bool on);
+
 /// The CUDA device `index`. Throws Error(unsupported) when the build has no CUDA backend,
 /// Error(io) naming the CUDA error when the device cannot be opened.
 std::unique_ptr<Device> make_cuda_device(int index = 0);

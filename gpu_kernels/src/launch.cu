@@ -1,0 +1,52 @@
+// The PDL switch of launch.cuh.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "berth/gpu_kernels/kernels.h"
+#include "launch.cuh"
+
+namespace berth::gpu {
+namespace {
+
+// -1: not read yet; 0 off; 1 on.
+std::atomic<int>& pdl_setting() {
+  static std::atomic<int> v{-1};
+  return v;
+}
+
+// Compute capability major of each device, read once (0: not read yet).
+int device_major(int dev) {
+  static std::atomic<int> major[64] = {};
+  if (dev < 0 || dev >= 64) return 0;
+  int m = major[dev].load(std::memory_order_relaxed);
+  if (m == 0) {
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) m = -1;
+    major[dev].store(m, std::memory_order_relaxed);
+  }
+  return m;
+}
+
+}  // namespace
+
+void set_pdl(bool on) { pdl_setting().store(on ? 1 : 0); }
+
+bool pdl_enabled() {
+  int v = pdl_setting().load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BERTH_PDL");
+    v = e && std::strcmp(e, "0") == 0 ? 0 : 1;
+    int expected = -1;
+    if (!pdl_setting().compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v == 1;
+}
+
+bool pdl_active() {
+  if (!pdl_enabled()) return false;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  return device_major(dev) >= 9;
+}
+
+}  // namespace berth::gpu

@@ -1,0 +1,60 @@
+// Kernel launches with programmatic dependent launch (PDL; CUDA Programming Guide, "Programmatic
+// Dependent Launch and Synchronization"; compute capability 9.0 and later).
+//
+// A kernel launched with the programmatic-stream-serialization attribute may be scheduled while
+// the kernel before it in the stream still runs, once every block of that one has executed
+// griddepcontrol.launch_dependents (or exited). Its blocks then wait in griddepcontrol.wait until
+// every prerequisite grid has completed and its writes are visible. Decode steps are chains of
+// small dependent kernels: the next kernel's launch and block dispatch overlap the current one's
+// execution instead of following its end.
+//
+// The contract every kernel of gpu_kernels/ keeps: its first statement is pdl_enter() (the wait,
+// then the trigger), before any global memory access, so a kernel never reads or writes anything
+// before its predecessors are complete, and each kernel holds its dependents back until it has
+// itself started (at most one kernel waits ahead). Since every kernel waits at its start, a kernel
+// completes only after its predecessor has, so the ordering is transitive along the stream.
+// Kernels launched without the attribute (or not by launch()) see both instructions as no-ops.
+// Dependencies other than the previous kernel (events, copies, host nodes) are kept as before.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "check.cuh"
+
+namespace berth::gpu {
+
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither
+/// set_pdl(false) nor the environment variable BERTH_PDL=0 turned it off (kernels.h).
+bool pdl_active();
+
+/// Launches `kernel` on `stream` (with the PDL attribute when pdl_active()); a rejected launch
+/// throws Error(internal) naming `name`.
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+            cudaStream_t stream, A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  if (pdl_active()) {
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(std::forward<A>(args))...);
+  if (e != cudaSuccess) throw_cuda(e, name);
+}
+
+}  // namespace berth::gpu
