@@ -59,7 +59,12 @@ enum class Handoff {
   /// The aux stream writes a "ready" flag in pinned memory and waits for a "done" flag
   /// (cuStreamWriteValue32 / cuStreamWaitValue32); the thread that called run() polls the
   /// ready flags in order, runs each segment itself and writes its done flag. No driver
-  /// callback thread, and the caller's thread does the work instead of sleeping.
+  /// callback thread, and the caller's thread does the work instead of sleeping. In a decode
+  /// step the two device operations fuse with their neighbours where they can: a single-token
+  /// moe_route followed by the segment's fork sends the segment's inputs and the ready flag in
+  /// its own launch (Device::moe_route_signal), and when the segment's one output that the
+  /// device reads feeds only a residual add fused with the norm after it, that add waits for
+  /// the done flag and reads the output from its pinned buffer (Device::wait_add_rms_norm).
   flags,
 };
 
