@@ -351,7 +351,8 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"pp_cpu_busy", r.pp_cpu_busy},
       {"tg_device_busy", r.tg_device_busy},
       {"tg_moe",
-       {{"calls_per_run", r.tg_moe.calls},
+       {{"statistic", "mean over the calls of the timed runs"},
+        {"calls_per_run", r.tg_moe.calls},
         {"threads", r.tg_moe.threads},
         {"total_us", r.tg_moe.total_us},
         {"before_us", r.tg_moe.before_us},
@@ -400,19 +401,26 @@ std::string format_text(const ModelBenchResult& r) {
         "{:.1f} GB/s; hand-off {}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
         "GB/token "
         "from "
-        "DRAM -> hybrid bound {:.2f} tok/s\nCPU segments busy: tg {:.0f}%, pp {:.0f}% of the "
-        "step\n",
+        "DRAM -> hybrid bound {:.2f} tok/s\n",
         r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
         r.h2d_gbps, r.handoff,
         r.warm_workers_us > 0 ? fmt::format(" (workers warm {} us)", r.warm_workers_us) : "",
         static_cast<double>(r.decode_gpu_bytes) / 1e9,
-        static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s, 100 * r.tg_cpu_busy,
-        100 * r.pp_cpu_busy);
+        static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s);
+    // Only the phases that ran.
+    std::string busy;
+    if (r.options.n_gen > 0) busy += fmt::format("tg {:.0f}%", 100 * r.tg_cpu_busy);
+    if (r.options.n_prompt > 0)
+      busy += fmt::format("{}pp {:.0f}%", busy.empty() ? "" : ", ", 100 * r.pp_cpu_busy);
+    s += fmt::format("CPU segments busy: {} of the step\n", busy);
     if (r.tg_device_busy > 0)
       s += fmt::format(
           "device busy: tg {:.0f}% of the step (the same steps with the CPU segments skipped: "
-          "device ops plus hand-offs)\n",
-          100 * r.tg_device_busy);
+          "device ops plus hand-offs){}\n",
+          100 * r.tg_device_busy,
+          r.tg_device_busy > 1
+              ? "; over 100%: the re-timed steps ran slower than the real ones (noise: more -r)"
+              : "");
   }
   if (r.options.n_gen > 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
@@ -420,9 +428,9 @@ std::string format_text(const ModelBenchResult& r) {
   if (r.tg_moe.calls > 0) {
     const auto& m = r.tg_moe;
     s += fmt::format(
-        "tg moe_experts on the CPU, per call: {:.1f} us = {:.1f} before + {:.1f} region + {:.1f} "
-        "after; per thread in the region ({:.1f} threads): join {:.1f} us, waits {:.1f} us, "
-        "tail {:.1f} us\n",
+        "tg moe_experts on the CPU, mean per call: {:.1f} us = {:.1f} before + {:.1f} region + "
+        "{:.1f} after; per thread in the region ({:.1f} threads): join {:.1f} us, waits {:.1f} "
+        "us, tail {:.1f} us\n",
         m.total_us, m.before_us, m.region_us, m.after_us, m.threads, m.join_us, m.wait_us,
         m.tail_us);
   }

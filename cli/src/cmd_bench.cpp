@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
 
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
@@ -28,33 +31,67 @@ struct BenchOptions {
   size_t model_dram_mib = 0;
 };
 
-std::ofstream open_json(const std::string& path) {
-  // Opened first, so a bad path fails before minutes of measuring.
-  std::ofstream out;
-  if (!path.empty()) {
-    out.open(path, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", path));
+// The --json destination: "-" is standard output (the text table then goes to standard
+// error); a file is checked for writing before minutes of measuring, without truncating it, so
+// a run that fails leaves a file that held earlier results as it was (and removes the empty
+// file the check created).
+class JsonOut {
+ public:
+  explicit JsonOut(std::string path) : path_(std::move(path)) {
+    if (path_.empty() || path_ == "-") return;
+    std::error_code ec;
+    existed_ = std::filesystem::exists(path_, ec);
+    std::ofstream probe(path_, std::ios::binary | std::ios::app);
+    if (!probe)
+      throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", path_));
+    armed_ = true;
   }
-  return out;
-}
+  ~JsonOut() {
+    if (armed_ && !existed_) {
+      std::error_code ec;
+      std::filesystem::remove(path_, ec);
+    }
+  }
+  JsonOut(const JsonOut&) = delete;
+  JsonOut& operator=(const JsonOut&) = delete;
+  bool to_stdout() const { return path_ == "-"; }
+  /// Writes the JSON (to the file, or to standard output for "-").
+  void write(const nlohmann::json& j) {
+    if (path_.empty()) return;
+    if (to_stdout()) {
+      (void)write_stdout(j.dump(2) + "\n");
+      return;
+    }
+    std::ofstream out(path_, std::ios::binary | std::ios::trunc);
+    out << j.dump(2) << "\n";
+    out.close();
+    if (!out)
+      throw Error(ErrorCategory::io, fmt::format("writing the JSON file '{}' failed", path_));
+    armed_ = false;
+  }
+  /// The text table: standard output, or standard error when the JSON goes to standard output.
+  void text(const std::string& t) const {
+    if (to_stdout())
+      std::fputs(t.c_str(), stderr);
+    else
+      (void)write_stdout(t);  // false: the reader closed the pipe, not an error
+  }
 
-void close_json(std::ofstream& out, const nlohmann::json& j, const std::string& path) {
-  if (!out.is_open()) return;
-  out << j.dump(2) << "\n";
-  out.close();
-  if (!out) throw Error(ErrorCategory::io, fmt::format("writing the JSON file '{}' failed", path));
-}
+ private:
+  std::string path_;
+  bool existed_ = false, armed_ = false;
+};
 
 int bench_model(BenchOptions& o) {
-  std::ofstream json_out = open_json(o.json_path);
+  JsonOut json_out(o.json_path);
   o.m.dram_bytes = o.model_dram_mib * 1024 * 1024;
   if (!o.quiet)
     o.m.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
   const bench::ModelBenchResult r = bench::run_model_bench(o.m);
-  close_json(json_out, bench::to_json(r), o.json_path);
-  (void)write_stdout(bench::format_text(r));
+  json_out.write(bench::to_json(r));
+  json_out.text(bench::format_text(r));
   return 0;
 }
 
@@ -67,15 +104,15 @@ int bench_kernels(const BenchOptions& o) {
   k.repetitions = o.repetitions;
   k.gemv_bytes = o.gemv_mib * 1024 * 1024;
   k.dram_bytes = o.dram_mib * 1024 * 1024;
-  std::ofstream json_out = open_json(o.json_path);
+  JsonOut json_out(o.json_path);
   if (!o.quiet)
     k.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
 
   bench::KernelBenchResult r = bench::run_kernel_bench(k);
-  close_json(json_out, bench::to_json(r), o.json_path);
-  (void)write_stdout(bench::format_text(r));  // false: the reader closed the pipe, not an error
+  json_out.write(bench::to_json(r));
+  json_out.text(bench::format_text(r));
   return 0;
 }
 
@@ -95,7 +132,9 @@ Runner add_bench(CLI::App& app) {
                 "q5_K,q6_K,f16,bf16,f32)");
   k->add_option("--threads", o->threads,
                 "comma-separated thread counts (default: 1,2,4,... up to the physical cores)");
-  k->add_option("--json", o->json_path, "also write every number as JSON to this file");
+  k->add_option("--json", o->json_path,
+                "also write every number as JSON to this file (-: to standard output, the table to "
+                "standard error)");
   k->add_flag("--quick", o->quick, "small sizes: a smoke test, numbers not meaningful");
   k->add_option("--reps", o->repetitions, "timed runs per measurement after a warm-up (default 5)")
       ->check(CLI::Range(1, 1000));
@@ -145,7 +184,9 @@ Runner add_bench(CLI::App& app) {
                 "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "
                 "streaming their weights (0: off)")
       ->check(CLI::Range(0, 1 << 20));
-  m->add_option("--json", o->json_path, "also write every number as JSON to this file");
+  m->add_option("--json", o->json_path,
+                "also write every number as JSON to this file (-: to standard output, the table to "
+                "standard error)");
   m->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] {
     if (o->kernels->parsed()) return bench_kernels(*o);

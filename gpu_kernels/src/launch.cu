@@ -1,4 +1,6 @@
 // The PDL switch of launch.cuh.
+#include <strings.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -34,8 +36,12 @@ void set_pdl(bool on) { pdl_setting().store(on ? 1 : 0); }
 bool pdl_enabled() {
   int v = pdl_setting().load(std::memory_order_relaxed);
   if (v < 0) {
+    // Off for 0, false, off or no (any case); anything else, or unset, leaves it on.
     const char* e = std::getenv("BERTH_PDL");
-    v = e && std::strcmp(e, "0") == 0 ? 0 : 1;
+    v = 1;
+    if (e)
+      for (const char* off : {"0", "false", "off", "no"})
+        if (strcasecmp(e, off) == 0) v = 0;
     int expected = -1;
     if (!pdl_setting().compare_exchange_strong(expected, v)) v = expected;
   }

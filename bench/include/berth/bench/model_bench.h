@@ -96,11 +96,12 @@ struct ModelBenchResult {
   /// device's ops and the hand-off copies and waits; 0 when the step has no CPU segment
   /// (then the device is the whole step).
   double tg_device_busy = 0;
-  /// The timed tg steps' moe_experts calls on the CPU (CpuExecutor::MoeTiming), per call in
-  /// microseconds: total = before (routing, grouping, activation quantization) + region (the
-  /// expert FFN's parallel region) + after (combine); join / wait / tail per thread taking part
-  /// (pool wake-up before its first task, down blocks spinning for their expert, idle after its
-  /// last task), `threads` of them per call on average. calls == 0: no expert ran on the CPU.
+  /// The timed tg steps' moe_experts calls on the CPU (CpuExecutor::MoeTiming), the mean per
+  /// call over all timed runs (not a median: one disturbed run moves it), in microseconds: total =
+  /// before (routing, grouping, activation quantization) + region (the expert FFN's parallel
+  /// region) + after (combine); join / wait / tail per thread taking part (pool wake-up before its
+  /// first task, down blocks spinning for their expert, idle after its last task), `threads` of
+  /// them per call on average. calls == 0: no expert ran on the CPU.
   struct MoeSplit {
     int64_t calls = 0;
     double threads = 0, total_us = 0, before_us = 0, region_us = 0, after_us = 0;

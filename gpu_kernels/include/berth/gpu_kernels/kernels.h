@@ -29,7 +29,8 @@ namespace berth::gpu {
 /// it may be scheduled while the kernel before it in its stream still runs, and waits at its
 /// start for that kernel's completion (src/launch.cuh), which hides the launch latency of a
 /// chain of small dependent kernels (a decode step). On by default on such devices; off when
-/// the environment variable BERTH_PDL is "0" at the first launch, or after set_pdl(false).
+/// the environment variable BERTH_PDL is 0, false, off or no (any case) at the first launch, or
+/// after set_pdl(false).
 /// Results are the same bits either way. pdl_enabled() reports the setting (not the device).
 void set_pdl(bool on);
 bool pdl_enabled();
