@@ -4,11 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cuda/atomic>
 #include <string>
 
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "handoff.cuh"
 #include "launch.cuh"
 
 namespace berth::gpu {
@@ -75,14 +75,7 @@ __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
                     const float* b, float* sum, const uint32_t* flag, uint32_t value) {
   pdl_enter();
-  if constexpr (kHostB) {
-    if (threadIdx.x == 0) {
-      cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*const_cast<uint32_t*>(flag));
-      while (f.load(cuda::memory_order_acquire) < value) {
-      }
-    }
-    __syncthreads();
-  }
+  if constexpr (kHostB) wait_host_flag(flag, value);
   const auto bv = [&](int64_t i) { return kHostB ? __ldcv(b + i) : b[i]; };
   const int64_t base = static_cast<int64_t>(blockIdx.x) * group;
   const float* xr = x + base;

@@ -32,12 +32,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     wait_in_kernel(const uint32_t* flag, uint32_t value, Copies cp) {
   pdl_enter();
-  if (threadIdx.x == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*const_cast<uint32_t*>(flag));
-    while (f.load(cuda::memory_order_acquire) < value) {
-    }
-  }
-  __syncthreads();
+  wait_host_flag(flag, value);
   for (int j = 0; j < cp.n; ++j) copy_words(cp.c[j], true);
 }
 

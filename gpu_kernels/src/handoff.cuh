@@ -39,6 +39,18 @@ __device__ __forceinline__ void copy_words(const HostCopy& c, bool volatile_src)
   }
 }
 
+// The block's first thread spins until *flag >= value (a host thread's release store, acquired
+// at system scope), then the block meets at a barrier. Every thread of the block must call it;
+// data the host wrote before the flag is then read with ld.cv (never from a stale line).
+__device__ __forceinline__ void wait_host_flag(const uint32_t* flag, uint32_t value) {
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*const_cast<uint32_t*>(flag));
+    while (f.load(cuda::memory_order_acquire) < value) {
+    }
+  }
+  __syncthreads();
+}
+
 // The block copies `cp` (device -> host), fences at system scope, meets at a barrier, and its
 // first thread releases `value` to *flag (system scope): a host thread that acquires the flag
 // sees the data. Every thread of the block must call it.

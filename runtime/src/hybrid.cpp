@@ -110,6 +110,33 @@ struct HybridExecutor::StepPlan {
   std::exception_ptr error;
 };
 
+namespace {
+
+// Op i of sp.g is a device residual add whose result the whole-row norm right after it reads
+// (no CPU segment forking between them): the two go as one Device::add_rms_norm call.
+bool fuses_add_norm(const HybridExecutor::StepPlan& sp, size_t i) {
+  const graph::Graph& g = sp.g;
+  const Op& op = g.ops[i];
+  if (op.kind != OpKind::add || sp.op_home[i] != Home::gpu || sp.host_w[i] ||
+      i + 1 >= g.ops.size() || sp.seg_after[i])
+    return false;
+  const Op& nm = g.ops[i + 1];
+  return sp.op_home[i + 1] == Home::gpu && nm.kind == OpKind::rms_norm &&
+         nm.inputs[0] == op.output &&
+         (nm.norm_group <= 0 || nm.norm_group == g.values[static_cast<size_t>(op.output)].cols);
+}
+
+// The copies of segment s's device-produced inputs into their pinned host buffers.
+std::vector<HostCopy> copies_out(const HybridExecutor::StepPlan& sp, const Segment& s) {
+  std::vector<HostCopy> out;
+  for (ValueId v : s.d2h)
+    out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
+                   value_bytes(sp.g.values[static_cast<size_t>(v)])});
+  return out;
+}
+
+}  // namespace
+
 HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& cpu_kv,
                                Device& dev, std::vector<Home> weight_home,
                                std::vector<Home> kv_home, HybridOptions options)
@@ -504,12 +531,7 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
       if (value_bytes(g.values[v]) > (size_t{64} << 10) || gpu_readers[v] != 1) continue;
       const auto c = static_cast<size_t>(gpu_reader[v]);
       const Op& op = g.ops[c];
-      if (op.kind != OpKind::add || sp.host_w[c] || c + 1 >= n_ops || sp.seg_after[c] ||
-          sp.op_home[c + 1] != Home::gpu || g.ops[c + 1].kind != OpKind::rms_norm ||
-          g.ops[c + 1].inputs[0] != op.output ||
-          !(g.ops[c + 1].norm_group <= 0 ||
-            g.ops[c + 1].norm_group == g.values[static_cast<size_t>(op.output)].cols))
-        continue;
+      if (!fuses_add_norm(sp, c)) continue;
       const ValueId other = op.inputs[0] == s.h2d[0] ? op.inputs[1] : op.inputs[0];
       if (other == s.h2d[0] || sp.value_home[static_cast<size_t>(other)] != Home::gpu) continue;
       sp.host_join[c] = static_cast<int32_t>(si);
@@ -727,10 +749,8 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                         value_bytes(g.values[static_cast<size_t>(v)]));
         continue;
       }
-      std::vector<HostCopy> out, in;
-      for (ValueId v : s.d2h)
-        out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
-                       value_bytes(g.values[static_cast<size_t>(v)])});
+      const std::vector<HostCopy> out = copies_out(sp, s);
+      std::vector<HostCopy> in;
       const bool in_place = sp.flags && s.host_join && host_joins;
       if (!in_place)
         for (ValueId v : s.h2d) {
@@ -788,11 +808,7 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
         sp.segs[next_seg].ready != static_cast<int32_t>(i) ||
         (next_seg + 1 < sp.segs.size() && sp.segs[next_seg + 1].ready == static_cast<int32_t>(i)))
       return false;
-    const Segment& s = sp.segs[next_seg];
-    std::vector<HostCopy> out;
-    for (ValueId v : s.d2h)
-      out.push_back({sp.host_val[static_cast<size_t>(v)], sp.dev_val[static_cast<size_t>(v)],
-                     value_bytes(g.values[static_cast<size_t>(v)])});
+    const std::vector<HostCopy> out = copies_out(sp, sp.segs[next_seg]);
     dev_.moe_route_signal(kMain, sp.dev_val[static_cast<size_t>(op.inputs[0])], op.moe.n_expert,
                           op.moe.n_expert_used, op.moe.norm_weights,
                           sp.dev_val[static_cast<size_t>(op.output)], out.data(),
@@ -875,12 +891,7 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
           ++end;
       // A residual add and the whole-row norm that reads it: one call (the device may fuse).
       const Op& op = g.ops[i];
-      const bool add_norm =
-          !profiling_ && op.kind == OpKind::add && !sp.host_w[i] && i + 1 < g.ops.size() &&
-          !seg_after[i] && sp.op_home[i + 1] == Home::gpu &&
-          g.ops[i + 1].kind == OpKind::rms_norm && g.ops[i + 1].inputs[0] == op.output &&
-          (g.ops[i + 1].norm_group <= 0 ||
-           g.ops[i + 1].norm_group == g.values[static_cast<size_t>(op.output)].cols);
+      const bool add_norm = !profiling_ && fuses_add_norm(sp, i);
       if (add_norm) {
         const Op& nm = g.ops[i + 1];
         const graph::ValueInfo& vi = g.values[static_cast<size_t>(op.output)];
