@@ -18,6 +18,7 @@
 //
 // K/V of this ubatch are first written (rounded to f16) into the cache rows positions[t] by
 // kv_write_kernel, launched before the attention kernel in the same stream.
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -334,6 +335,283 @@ __global__ void attn_combine_kernel(const float* ws_acc, const float* ws_ml, int
   }
 }
 
+// ---- decode (one query token), thread block clusters (compute capability >= 9.0) ----------
+//
+// One cluster of kDecCluster blocks per (KV head, subgroup of at most kDecGM of its query
+// heads): the cache rows [0, position + 1) are cut into slabs of kDecSlab rows, dealt
+// round-robin to the cluster's warps. A warp keeps q of its heads and their accumulators in
+// registers (lane owns head-dim pairs lane + 32 i, i < PL); per slab it loads all K and V words
+// first (one memory latency per slab), then sums the kDecSlab x kDecGM = 32 partial scores over
+// the warp in one transposing butterfly (31 shuffles; lane L ends with the score of row L / 4,
+// head L % 4), so each lane takes one exp2 and the running max and sum of one head. The warps'
+// partials merge in shared memory, then the blocks' partials across the cluster through
+// distributed shared memory, in a fixed order (the same bits on every replay). The new token's
+// own row is read from k/v (rounded to f16 exactly as the cache stores it) and written to the
+// cache by the warp that reads it, so the decode step needs neither kv_write_kernel, nor a
+// workspace, nor attn_combine_kernel.
+constexpr int kDecCluster = 8;  // portable cluster size
+constexpr int kDecGM = 4;       // query heads per block
+constexpr int kDecSlab = 8;     // cache rows per warp step (kDecSlab * kDecGM == 32)
+
+// Dynamic shared memory of the decode kernel with W warps, in floats: per warp kDecGM x (m, l)
+// and kDecGM x hd accumulators, then the block's merged ones.
+constexpr size_t dec_smem_floats(int w, int hd) {
+  return static_cast<size_t>(w + 1) * kDecGM * (hd + 2);
+}
+
+// One butterfly step of the transposing warp sum: 2N values per lane -> N; lanes with bit N
+// set keep the upper half. After the steps for N = 16, 8, 4, 2, 1, v[0] of lane L is the sum
+// over the warp of value L.
+template <int N>
+__device__ __forceinline__ void transpose_sum_step(float* v, int lane) {
+  const bool up = (lane & N) != 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float send = up ? v[i] : v[i + N];
+    const float keep = up ? v[i + N] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, N);
+  }
+}
+
+template <int PL, int W>
+__global__ void __launch_bounds__(W * 32, 1)
+    attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k_new,
+                            const float* __restrict__ v_new, const int32_t* __restrict__ positions,
+                            uint32_t* __restrict__ k_cache, uint32_t* __restrict__ v_cache,
+                            int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
+                            float q_scale, float* __restrict__ out) {
+  pdl_enter();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int GM = kDecGM;
+  constexpr int kThr = W * 32;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ float4 smem4[];
+  float* w_ml = reinterpret_cast<float*>(smem4);  // [W][GM][2]
+  float* w_acc = w_ml + W * GM * 2;               // [W][GM][hd]
+  float* b_ml = w_acc + W * GM * hd;              // [GM][2]
+  float* b_acc = b_ml + GM * 2;                   // [GM][hd]
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int32_t group = n_head / n_head_kv;
+  const int32_t kvh = static_cast<int32_t>(blockIdx.y);
+  const int32_t g0 = static_cast<int32_t>(blockIdx.z) * GM;
+  const int ng = group - g0 < GM ? group - g0 : GM;
+  const int hd2 = hd / 2;
+  const int64_t kv_stride2 = static_cast<int64_t>(n_head_kv) * hd2;
+  const int64_t p = positions[0];
+  int64_t n_kv = p + 1;
+  if (n_kv > n_ctx) n_kv = n_ctx;
+  const int my_g = lane % GM, my_r = lane / GM;  // the score this lane ends a slab with
+
+  float2 qv[GM][PL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      const int c = lane + 32 * i;
+      qv[g][i] = make_float2(0.0f, 0.0f);
+      if (g < ng && c < hd2) {
+        const float2 x = *reinterpret_cast<const float2*>(
+            q + static_cast<int64_t>(kvh * group + g0 + g) * hd + 2 * c);
+        qv[g][i] = make_float2(x.x * q_scale, x.y * q_scale);
+      }
+    }
+  float m_run = -CUDART_INF_F, l_run = 0.0f;  // of head my_g (the same in its 8 lanes)
+  float2 acc[GM][PL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int i = 0; i < PL; ++i) acc[g][i] = make_float2(0.0f, 0.0f);
+
+  const uint32_t* kc = k_cache + static_cast<int64_t>(kvh) * hd2;
+  const uint32_t* vc = v_cache + static_cast<int64_t>(kvh) * hd2;
+  const int64_t n_slabs = (n_kv + kDecSlab - 1) / kDecSlab;
+  for (int64_t sl = rank * W + warp; sl < n_slabs; sl += kDecCluster * W) {
+    const int64_t j0 = sl * kDecSlab;
+    uint32_t kw[kDecSlab][PL], vw[kDecSlab][PL];
+#pragma unroll
+    for (int r = 0; r < kDecSlab; ++r)
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int c = lane + 32 * i;
+        const int64_t j = j0 + r;
+        kw[r][i] = vw[r][i] = 0u;
+        if (j < n_kv && c < hd2 && j != p) {
+          kw[r][i] = kc[j * kv_stride2 + c];
+          vw[r][i] = vc[j * kv_stride2 + c];
+        }
+      }
+    if (p >= j0 && p < j0 + kDecSlab && p < n_kv) {
+      // This token's row: from k/v, rounded as the cache stores it; subgroup 0 writes it.
+#pragma unroll
+      for (int r = 0; r < kDecSlab; ++r) {
+        if (j0 + r != p) continue;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) {
+          const int c = lane + 32 * i;
+          if (c < hd2) {
+            const int64_t src = static_cast<int64_t>(kvh) * hd + 2 * c;
+            const __half2 kh = __floats2half2_rn(k_new[src], k_new[src + 1]);
+            const __half2 vh = __floats2half2_rn(v_new[src], v_new[src + 1]);
+            memcpy(&kw[r][i], &kh, 4);
+            memcpy(&vw[r][i], &vh, 4);
+            if (blockIdx.z == 0) {
+              k_cache[p * kv_stride2 + static_cast<int64_t>(kvh) * hd2 + c] = kw[r][i];
+              v_cache[p * kv_stride2 + static_cast<int64_t>(kvh) * hd2 + c] = vw[r][i];
+            }
+          }
+        }
+      }
+    }
+    // Partial scores (row r, head g) -> value r * GM + g; the warp sum leaves value L in lane L.
+    float v[32];
+#pragma unroll
+    for (int r = 0; r < kDecSlab; ++r)
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        float x = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) {
+          const float2 kf = h2f(kw[r][i]);
+          x = fmaf(qv[g][i].x, kf.x, fmaf(qv[g][i].y, kf.y, x));
+        }
+        v[r * GM + g] = x;
+      }
+    transpose_sum_step<16>(v, lane);
+    transpose_sum_step<8>(v, lane);
+    transpose_sum_step<4>(v, lane);
+    transpose_sum_step<2>(v, lane);
+    transpose_sum_step<1>(v, lane);
+    // Online softmax of head my_g over the slab's rows (lanes my_g, my_g + 4, ...).
+    const bool valid = j0 + my_r < n_kv && my_g < ng;
+    const float s = valid ? v[0] : -CUDART_INF_F;
+    float smax = s;
+#pragma unroll
+    for (int o = GM; o < 32; o <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+    const float m_new = fmaxf(m_run, smax);
+    float alpha = 1.0f, pr = 0.0f;
+    if (m_new != -CUDART_INF_F) {  // a head past ng stays at -inf
+      alpha = exp2f(m_run - m_new);
+      pr = valid ? exp2f(s - m_new) : 0.0f;
+    }
+    float psum = pr;
+#pragma unroll
+    for (int o = GM; o < 32; o <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      const float a = __shfl_sync(0xffffffffu, alpha, g);  // lane g: head g
+#pragma unroll
+      for (int i = 0; i < PL; ++i) acc[g][i] = make_float2(acc[g][i].x * a, acc[g][i].y * a);
+    }
+#pragma unroll
+    for (int r = 0; r < kDecSlab; ++r)
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float prg = __shfl_sync(0xffffffffu, pr, r * GM + g);
+#pragma unroll
+        for (int i = 0; i < PL; ++i) {
+          const float2 vf = h2f(vw[r][i]);
+          acc[g][i].x = fmaf(prg, vf.x, acc[g][i].x);
+          acc[g][i].y = fmaf(prg, vf.y, acc[g][i].y);
+        }
+      }
+  }
+
+  // The warps' partials -> shared memory; the block's merge (warps in order).
+  if (lane < GM) {
+    w_ml[(warp * GM + lane) * 2] = m_run;
+    w_ml[(warp * GM + lane) * 2 + 1] = l_run;
+  }
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      const int c = lane + 32 * i;
+      if (c < hd2) {
+        w_acc[(warp * GM + g) * hd + 2 * c] = acc[g][i].x;
+        w_acc[(warp * GM + g) * hd + 2 * c + 1] = acc[g][i].y;
+      }
+    }
+  __syncthreads();
+  for (int o = tid; o < ng * hd; o += kThr) {
+    const int g = o / hd, d = o % hd;
+    float M = -CUDART_INF_F;
+    for (int w = 0; w < W; ++w) M = fmaxf(M, w_ml[(w * GM + g) * 2]);
+    float L = 0.0f, a = 0.0f;
+    if (M != -CUDART_INF_F)
+      for (int w = 0; w < W; ++w) {
+        const float mw = w_ml[(w * GM + g) * 2];
+        if (mw == -CUDART_INF_F) continue;
+        const float e = exp2f(mw - M);
+        L += w_ml[(w * GM + g) * 2 + 1] * e;
+        a += w_acc[(w * GM + g) * hd + d] * e;
+      }
+    b_acc[g * hd + d] = a;
+    if (d == 0) {
+      b_ml[g * 2] = M;
+      b_ml[g * 2 + 1] = L;
+    }
+  }
+  cluster.sync();  // every block's merge is complete and visible to the cluster
+  // The blocks' partials (in rank order) -> out; each block writes a share of the outputs.
+  for (int o = rank * kThr + tid; o < ng * hd; o += kDecCluster * kThr) {
+    const int g = o / hd, d = o % hd;
+    float M = -CUDART_INF_F;
+    for (int b = 0; b < kDecCluster; ++b) M = fmaxf(M, cluster.map_shared_rank(b_ml, b)[g * 2]);
+    float L = 0.0f, a = 0.0f;
+    for (int b = 0; b < kDecCluster; ++b) {
+      const float* ml = cluster.map_shared_rank(b_ml, b);
+      const float mb = ml[g * 2];
+      if (mb == -CUDART_INF_F) continue;
+      const float e = exp2f(mb - M);
+      L += ml[g * 2 + 1] * e;
+      a += cluster.map_shared_rank(b_acc, b)[g * hd + d] * e;
+    }
+    out[static_cast<int64_t>(kvh * group + g0 + g) * hd + d] = a / L;
+  }
+  cluster.sync();  // no block leaves while another may still read its shared memory
+#endif
+}
+
+// The decode kernel instance for a head dim (pairs per lane, warps per block), or null when
+// head_dim > 256. 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
+using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*, uint32_t*,
+                              uint32_t*, int64_t, int32_t, int32_t, int32_t, float, float*);
+struct DecodeChoice {
+  DecodeKernel kernel = nullptr;
+  int warps = 0;
+};
+DecodeChoice decode_kernel_for(int32_t head_dim) {
+  if (head_dim <= 64) return {attention_decode_kernel<1, 16>, 16};
+  if (head_dim <= 128) return {attention_decode_kernel<2, 16>, 16};
+  return {attention_decode_kernel<4, 8>, 8};
+}
+
+// Whether the current device runs the cluster decode kernel: compute capability >= 9.0 and an
+// sm_90+ binary of the kernel in this build (a PTX JIT from an older target would compile its
+// body out). Read once per device.
+bool cluster_decode_available() {
+  static std::atomic<int> state[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int st = state[dev].load(std::memory_order_relaxed);
+  if (st == 0) {
+    int major = 0;
+    cudaFuncAttributes fa{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        major >= 9 && cudaFuncGetAttributes(&fa, attention_decode_kernel<2, 16>) == cudaSuccess &&
+        fa.binaryVersion >= 90;
+    st = ok ? 1 : 2;
+    state[dev].store(st, std::memory_order_relaxed);
+  }
+  return st == 1;
+}
+
 // Opts the attention kernel into more than 48 KiB of dynamic shared memory, once per device.
 void ensure_smem_attribute() {
   static std::atomic<uint64_t> done{0};
@@ -348,6 +626,13 @@ void ensure_smem_attribute() {
 }
 
 }  // namespace
+
+namespace detail {
+bool& attention_cluster_decode() {
+  static bool v = !env_says_off("BERTH_ATTN_CLUSTER");
+  return v;
+}
+}  // namespace detail
 
 size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim) {
   const int64_t s = attention_splits(n_tok, n_ctx, n_head);
@@ -375,6 +660,18 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
   const int64_t group = n_head / n_head_kv;
   const int64_t q_blocks = (n_tok * group + kQB - 1) / kQB;
   if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");
+
+  if (n_tok == 1 && detail::attention_cluster_decode() && cluster_decode_available()) {
+    const DecodeChoice dc = decode_kernel_for(head_dim);
+    const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
+    const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),
+                    static_cast<unsigned>((group + kDecGM - 1) / kDecGM));
+    launch_in_clusters("attention_decode_kernel", dc.kernel, grid, dc.warps * 32, smem, stream,
+                       kDecCluster, q, k, v, positions, reinterpret_cast<uint32_t*>(k_cache),
+                       reinterpret_cast<uint32_t*>(v_cache), n_ctx, n_head, n_head_kv, head_dim,
+                       scale * 1.4426950408889634f, out);
+    return;
+  }
 
   const int64_t kv_dim = static_cast<int64_t>(n_head_kv) * head_dim;
   {

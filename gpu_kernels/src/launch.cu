@@ -31,17 +31,20 @@ int device_major(int dev) {
 
 }  // namespace
 
+bool env_says_off(const char* name) {
+  const char* e = std::getenv(name);
+  if (e)
+    for (const char* off : {"0", "false", "off", "no"})
+      if (strcasecmp(e, off) == 0) return true;
+  return false;
+}
+
 void set_pdl(bool on) { pdl_setting().store(on ? 1 : 0); }
 
 bool pdl_enabled() {
   int v = pdl_setting().load(std::memory_order_relaxed);
   if (v < 0) {
-    // Off for 0, false, off or no (any case); anything else, or unset, leaves it on.
-    const char* e = std::getenv("BERTH_PDL");
-    v = 1;
-    if (e)
-      for (const char* off : {"0", "false", "off", "no"})
-        if (strcasecmp(e, off) == 0) v = 0;
+    v = env_says_off("BERTH_PDL") ? 0 : 1;
     int expected = -1;
     if (!pdl_setting().compare_exchange_strong(expected, v)) v = expected;
   }

@@ -32,29 +32,49 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+/// True when the environment variable `name` is 0, false, off or no (any case); unset or any
+/// other value: false.
+bool env_says_off(const char* name);
+
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither
 /// set_pdl(false) nor the environment variable BERTH_PDL=0 turned it off (kernels.h).
 bool pdl_active();
 
 /// Launches `kernel` on `stream` (with the PDL attribute when pdl_active()); a rejected launch
-/// throws Error(internal) naming `name`.
+/// throws Error(internal) naming `name`. cluster_x > 1 groups the blocks into thread block
+/// clusters of cluster_x blocks along x (compute capability >= 9.0; grid.x a multiple of it).
 template <typename... P, typename... A>
-void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-            cudaStream_t stream, A&&... args) {
+void launch_in_clusters(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, unsigned cluster_x, A&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2]{};
+  unsigned n = 0;
   if (pdl_active()) {
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
   }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  cfg.attrs = n ? attr : nullptr;
+  cfg.numAttrs = n;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(std::forward<A>(args))...);
   if (e != cudaSuccess) throw_cuda(e, name);
+}
+
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+            cudaStream_t stream, A&&... args) {
+  launch_in_clusters(name, kernel, grid, block, smem, stream, 1, std::forward<A>(args)...);
 }
 
 }  // namespace berth::gpu

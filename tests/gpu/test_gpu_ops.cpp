@@ -512,10 +512,15 @@ const AttnShape kAttnShapes[] = {
 TEST_CASE("gpu: attention decode at several cache lengths") {
   REQUIRE_DEVICE();
   const int64_t n_ctx = 2048;  // split into 8 at full length (>= 256 positions a split)
-  double worst = 0;
-  for (const AttnShape& s : kAttnShapes) {
-    for (const int64_t pos : {int64_t{0}, int64_t{1}, int64_t{63}, int64_t{64}, int64_t{300},
-                              int64_t{1000}, int64_t{2047}}) {
+  // Both decode paths: the cluster kernel (compute capability >= 9.0) and the general kernel
+  // with kv_write and the split combine.
+  const AttnShape shapes[] = {
+      {16, 2, 128}, {40, 4, 64}, {12, 1, 256}, {6, 1, 128}};  // groups past 4
+  for (const bool cluster : {true, false}) {
+    gpu::detail::attention_cluster_decode() = cluster;
+    double worst = 0;
+    auto run = [&](const AttnShape& s, int64_t pos) {
+      CAPTURE(cluster);
       CAPTURE(s.n_head);
       CAPTURE(s.n_head_kv);
       CAPTURE(s.head_dim);
@@ -523,9 +528,18 @@ TEST_CASE("gpu: attention decode at several cache lengths") {
       const double e = attention_case(s, n_ctx, pos, 1, 1000 + pos + s.head_dim);
       worst = std::max(worst, e);
       CHECK(e <= kTolAttention);
-    }
+    };
+    for (const AttnShape& s : kAttnShapes)
+      for (const int64_t pos :
+           {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{63}, int64_t{64}, int64_t{300},
+            int64_t{511}, int64_t{1000}, int64_t{2047}})
+        run(s, pos);
+    for (const AttnShape& s : shapes)
+      for (const int64_t pos : {int64_t{0}, int64_t{70}, int64_t{1500}}) run(s, pos);
+    MESSAGE("attention decode (" << (cluster ? "cluster kernel" : "general kernel")
+                                 << "): worst NMSE " << worst);
   }
-  MESSAGE("attention decode: worst NMSE " << worst);
+  gpu::detail::attention_cluster_decode() = true;
 }
 
 TEST_CASE("gpu: attention prefill after a non-zero n_past") {
@@ -577,32 +591,39 @@ TEST_CASE("gpu: a captured decode graph replays at later positions like eager la
     gpu::attention(dq.p, dk.p, dv.p, 1, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
                    s.head_dim, scale, dout.p, ws.p, ws_bytes, stream);
   };
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-  launch();
-  ck(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
-  ck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-
-  std::vector<float> prev;
-  for (int64_t step = 0; step < 3; ++step) {
-    CAPTURE(step);
-    dpos.up({static_cast<int32_t>(p + step)});
-    dout.poison();
-    ck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    ck(cudaStreamSynchronize(stream), "replay");
-    const std::vector<float> replayed = dout.down();
-    dout.poison();
+  for (const bool cluster : {true, false}) {
+    CAPTURE(cluster);
+    gpu::detail::attention_cluster_decode() = cluster;
+    dkc.up(kc);
+    dvc.up(vc);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
     launch();
-    ck(cudaStreamSynchronize(stream), "eager");
-    const std::vector<float> eager = dout.down();
-    CHECK(same_bits(replayed, eager));
-    CHECK(std::all_of(eager.begin(), eager.end(), [](float x) { return std::isfinite(x); }));
-    if (!prev.empty()) CHECK(!same_bits(prev, eager));  // the position really moved
-    prev = eager;
+    ck(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    ck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+
+    std::vector<float> prev;
+    for (int64_t step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      dpos.up({static_cast<int32_t>(p + step)});
+      dout.poison();
+      ck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+      ck(cudaStreamSynchronize(stream), "replay");
+      const std::vector<float> replayed = dout.down();
+      dout.poison();
+      launch();
+      ck(cudaStreamSynchronize(stream), "eager");
+      const std::vector<float> eager = dout.down();
+      CHECK(same_bits(replayed, eager));
+      CHECK(std::all_of(eager.begin(), eager.end(), [](float x) { return std::isfinite(x); }));
+      if (!prev.empty()) CHECK(!same_bits(prev, eager));  // the position really moved
+      prev = eager;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  gpu::detail::attention_cluster_decode() = true;
   cudaStreamDestroy(stream);
 }
 
@@ -762,13 +783,19 @@ TEST_CASE("gpu: attention timing (printed only)") {
     cudaEventElapsedTime(&ms, e0, e1);
     return 1000.0 * ms / iters;
   };
-  const double dec = time_us(1, 4095);
+  for (const bool cluster : {true, false}) {
+    gpu::detail::attention_cluster_decode() = cluster;
+    const double d639 = time_us(1, 639), dec = time_us(1, 4095);
+    MESSAGE("attention 32q/8kv heads x 128, n_ctx 4096, decode ("
+            << (cluster ? "cluster kernel" : "general kernel") << "): at position 639 " << d639
+            << " us, at 4095 " << dec << " us (K+V " << (2.0 * 4096 * kv_dim * 2 / 1e6) << " MB -> "
+            << (2.0 * 4096 * kv_dim * 2 / (dec * 1e-6) / 1e9) << " GB/s)");
+  }
+  gpu::detail::attention_cluster_decode() = true;
   const double pre = time_us(512, 0);
   const double pre_late = time_us(512, 3584);
-  MESSAGE("attention 32q/8kv heads x 128, n_ctx 4096: decode at position 4095: "
-          << dec << " us (K+V " << (2.0 * 4096 * kv_dim * 2 / 1e6) << " MB -> "
-          << (2.0 * 4096 * kv_dim * 2 / (dec * 1e-6) / 1e9) << " GB/s); prefill 512 from 0: " << pre
-          << " us; prefill 512 at 3584: " << pre_late << " us");
+  MESSAGE("attention 32q/8kv heads x 128, n_ctx 4096: prefill 512 from 0: "
+          << pre << " us; prefill 512 at 3584: " << pre_late << " us");
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }

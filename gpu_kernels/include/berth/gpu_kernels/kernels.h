@@ -134,6 +134,15 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
                int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+namespace detail {
+/// Whether attention serves one-token calls (decode) with its thread-block-cluster kernel on
+/// devices of compute capability >= 9.0 (true by default): one launch that also writes the
+/// token's K/V row and merges the KV splits, instead of kv_write + attention + split combine.
+/// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and benchmarks turn it off to compare both paths (not thread safe: set before
+/// launching).
+bool& attention_cluster_decode();
+}  // namespace detail
+
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
 /// the k largest p selected in descending order (ties: lowest id first), weights = selected p,
 /// divided by their sum when `norm`. out [n_tok, 2k]: ids as exact floats, then weights
