@@ -591,27 +591,6 @@ DecodeChoice decode_kernel_for(int32_t head_dim) {
   return {attention_decode_kernel<4, 8>, 8};
 }
 
-// Whether the current device runs the cluster decode kernel: compute capability >= 9.0 and an
-// sm_90+ binary of the kernel in this build (a PTX JIT from an older target would compile its
-// body out). Read once per device.
-bool cluster_decode_available() {
-  static std::atomic<int> state[64] = {};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int st = state[dev].load(std::memory_order_relaxed);
-  if (st == 0) {
-    int major = 0;
-    cudaFuncAttributes fa{};
-    const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-        major >= 9 && cudaFuncGetAttributes(&fa, attention_decode_kernel<2, 16>) == cudaSuccess &&
-        fa.binaryVersion >= 90;
-    st = ok ? 1 : 2;
-    state[dev].store(st, std::memory_order_relaxed);
-  }
-  return st == 1;
-}
-
 // Opts the attention kernel into more than 48 KiB of dynamic shared memory, once per device.
 void ensure_smem_attribute() {
   static std::atomic<uint64_t> done{0};
@@ -661,7 +640,7 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
   const int64_t q_blocks = (n_tok * group + kQB - 1) / kQB;
   if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");
 
-  if (n_tok == 1 && detail::attention_cluster_decode() && cluster_decode_available()) {
+  if (n_tok == 1 && detail::attention_cluster_decode() && cluster_kernels_available()) {
     const DecodeChoice dc = decode_kernel_for(head_dim);
     const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
     const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),

@@ -36,6 +36,11 @@ __device__ __forceinline__ void pdl_enter() {
 /// other value: false.
 bool env_says_off(const char* name);
 
+/// Whether the current device runs thread-block-cluster kernels of this build: compute capability
+/// >= 9.0 and sm_90+ code in the binary (a PTX JIT from an older target compiles the cluster
+/// kernels' sm_90 bodies out). Read once per device.
+bool cluster_kernels_available();
+
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither
 /// set_pdl(false) nor the environment variable BERTH_PDL=0 turned it off (kernels.h).
 bool pdl_active();

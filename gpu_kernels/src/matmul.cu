@@ -15,6 +15,7 @@
 // kChunkBytes, and cuBLAS (cublasGemmEx, f16 inputs, f32 accumulation and output) multiplies
 // each chunk; F16 weights go to cuBLAS directly. cuBLAS gets a slice of our workspace, so it
 // allocates nothing at run time; its handle is created once per (device, stream).
+#include <cooperative_groups.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,9 +29,11 @@
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
+#include "handoff.cuh"
 #include "launch.cuh"
 #include "matmul_internal.h"
 #include "quant_blocks.cuh"
+#include "route.cuh"
 
 namespace berth::gpu {
 namespace detail {
@@ -248,6 +251,42 @@ __device__ __forceinline__ void load8(const uint8_t* p, float* v) {
   }
 }
 
+// One lane's share (lane sl of its row's a.lpr lanes) of a float-weight row's dot products
+// with the NT tokens' activations (rows act0..): gemv_f_kernel's loop, shared with the fused
+// router kernel so both give the same bits.
+template <GgmlType T, int NT>
+__device__ __forceinline__ void gemv_f_lane(const GemvArgs& a, const uint8_t* row, int64_t act0,
+                                            int sl, float (&acc)[NT]) {
+  int64_t done = 0;
+  if (a.vec) {
+    const int64_t C = a.n_in / 8;
+    constexpr int kEs = T == GgmlType::F32 ? 4 : 2;
+    // Unrolled so that several chunks' loads may be in flight; the sum keeps its order. (The
+    // decode router, 128 x 2048 f32, stayed at 5.9 us on the H200: latency of 32 blocks.)
+#pragma unroll 4
+    for (int64_t c = sl; c < C; c += a.lpr) {
+      float wv[8];
+      load8<T>(row + c * 8 * kEs, wv);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (NT == 1 || t < a.n_tok) {
+          const float4* xp = reinterpret_cast<const float4*>(a.xf + (act0 + t) * a.n_in + c * 8);
+          const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+          acc[t] += wv[0] * x0.x + wv[1] * x0.y + wv[2] * x0.z + wv[3] * x0.w + wv[4] * x1.x +
+                    wv[5] * x1.y + wv[6] * x1.z + wv[7] * x1.w;
+        }
+      }
+    }
+    done = C * 8;
+  }
+  for (int64_t i = done + sl; i < a.n_in; i += a.lpr) {
+    const float wv = float_elem<T>(row, i);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (NT == 1 || t < a.n_tok) acc[t] += wv * a.xf[(act0 + t) * a.n_in + i];
+  }
+}
+
 template <GgmlType T, int NT>
 __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
   pdl_enter();
@@ -264,37 +303,50 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  if (active) {
-    int64_t done = 0;
-    if (a.vec) {
-      const int64_t C = a.n_in / 8;
-      constexpr int kEs = T == GgmlType::F32 ? 4 : 2;
-      // Unrolled so that several chunks' loads may be in flight; the sum keeps its order. (The
-      // decode router, 128 x 2048 f32, stayed at 5.9 us on the H200: latency of 32 blocks.)
-#pragma unroll 4
-      for (int64_t c = sl; c < C; c += a.lpr) {
-        float wv[8];
-        load8<T>(row + c * 8 * kEs, wv);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          if (NT == 1 || t < a.n_tok) {
-            const float4* xp = reinterpret_cast<const float4*>(a.xf + (act0 + t) * a.n_in + c * 8);
-            const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-            acc[t] += wv[0] * x0.x + wv[1] * x0.y + wv[2] * x0.z + wv[3] * x0.w + wv[4] * x1.x +
-                      wv[5] * x1.y + wv[6] * x1.z + wv[7] * x1.w;
-          }
-        }
-      }
-      done = C * 8;
-    }
-    for (int64_t i = done + sl; i < a.n_in; i += a.lpr) {
-      const float wv = float_elem<T>(row, i);
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-        if (NT == 1 || t < a.n_tok) acc[t] += wv * a.xf[(act0 + t) * a.n_in + i];
-    }
-  }
+  if (active) gemv_f_lane<T, NT>(a, row, act0, sl, acc);
   gemv_store<NT>(a, acc, active, sl, out0, r, a.out);
+}
+
+// ---- the decode router and its route in one launch (thread block cluster, sm_90) -------------
+// A cluster of kRouterCluster blocks computes the router's logits (one token, float weights:
+// each row as gemv_f_kernel computes it, so the same bits), writes them to a.out, and meets at
+// the cluster barrier; block 0 then routes (route_one_token, the moe_route arithmetic) and
+// copies `cp` to the host and releases the ready flag, as moe_route_signal does.
+constexpr int kRouterCluster = 8;
+constexpr int kRouterWarps = 16;
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    router_route_kernel(GemvArgs a, int32_t k, bool norm, float* route, Copies cp, uint32_t* flag,
+                        uint32_t value) {
+  pdl_enter();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ double route_ex[];  // [n_expert] doubles, then the logits [n_expert]
+  float* logit_s = reinterpret_cast<float*>(route_ex + a.n_out);
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_per_warp = 32 / a.lpr;
+  const int sl = lane & (a.lpr - 1);
+  for (int64_t base = (static_cast<int64_t>(rank) * kRouterWarps + warp) * rows_per_warp;
+       base < a.n_out;
+       base += static_cast<int64_t>(kRouterCluster) * kRouterWarps * rows_per_warp) {
+    const int64_t r = base + lane / a.lpr;
+    const bool active = r < a.n_out;
+    float acc[1] = {0.0f};
+    if (active) gemv_f_lane<T, 1>(a, a.w + static_cast<size_t>(r) * a.row_bytes, 0, sl, acc);
+    gemv_store<1>(a, acc, active, sl, 0, r, a.out);
+  }
+  __threadfence();
+  cluster.sync();  // every block's logits are in a.out
+  if (rank != 0) return;
+  for (int64_t e = threadIdx.x; e < a.n_out; e += blockDim.x) logit_s[e] = __ldcg(a.out + e);
+  __syncthreads();
+  if (warp == 0) route_one_token(logit_s, static_cast<int32_t>(a.n_out), k, norm, route, route_ex);
+  __syncthreads();  // the route's stores are visible to the block's copies
+  copy_out_and_signal(cp, flag, value);
+#endif
 }
 
 // One thread per (row, 32-element group).
@@ -378,6 +430,29 @@ unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// The arguments of a GEMV launch (gemv(), router_route_signal()).
+GemvArgs gemv_args(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf,
+                   QAct qa, int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route) {
+  GemvArgs a{};
+  a.w = static_cast<const uint8_t*>(w);
+  a.row_bytes = row_bytes(type, n_in);
+  a.n_in = n_in;
+  a.n_out = n_out;
+  a.xf = xf;
+  a.xq = qa.q;
+  a.xm = qa.meta;
+  a.n_tok = static_cast<int>(n_tok);
+  a.out = out;
+  a.out_stride = out_stride;
+  a.r = route;
+  const bool q = is_quantized(type);
+  a.lpr = lanes_per_row(q ? n_in / 32 : std::max<int64_t>(1, n_in / 8));
+  a.vec = !q && n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
+          (reinterpret_cast<uintptr_t>(xf) & 15) == 0;
+  if (!q && route.route) a.vec = a.vec && route.expert_bytes % 16 == 0;
+  return a;
+}
+
 template <GgmlType T>
 void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
   if constexpr (is_float_type(T)) {
@@ -387,6 +462,15 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
     launch("gemv_q_kernel", a.n_tok == 1 ? gemv_q_kernel<T, 1> : gemv_q_kernel<T, kGemvTok>, grid,
            kThreads, 0, s, a);
   }
+}
+
+template <GgmlType T>
+void launch_router_t(const GemvArgs& a, int32_t k, bool norm, float* route, const Copies& cp,
+                     uint32_t* flag, uint32_t value, size_t smem, cudaStream_t s) {
+  if constexpr (is_float_type(T))
+    launch_in_clusters("router_route_kernel", router_route_kernel<T>, dim3(kRouterCluster),
+                       kRouterWarps * 32, smem, s, kRouterCluster, a, k, norm, route, cp, flag,
+                       value);
 }
 
 template <GgmlType T>
@@ -428,23 +512,7 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s) {
   if (n_out == 0 || n_tok == 0 || (route.route && route.pairs == 0)) return;
   BERTH_CHECK(n_tok <= kGemvTok, "gemv: n_tok " + std::to_string(n_tok));
-  GemvArgs a{};
-  a.w = static_cast<const uint8_t*>(w);
-  a.row_bytes = row_bytes(type, n_in);
-  a.n_in = n_in;
-  a.n_out = n_out;
-  a.xf = xf;
-  a.xq = qa.q;
-  a.xm = qa.meta;
-  a.n_tok = static_cast<int>(n_tok);
-  a.out = out;
-  a.out_stride = out_stride;
-  a.r = route;
-  const bool q = is_quantized(type);
-  a.lpr = lanes_per_row(q ? n_in / 32 : std::max<int64_t>(1, n_in / 8));
-  a.vec = !q && n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
-          (reinterpret_cast<uintptr_t>(xf) & 15) == 0;
-  if (!q && route.route) a.vec = a.vec && route.expert_bytes % 16 == 0;
+  const GemvArgs a = gemv_args(type, w, n_in, n_out, xf, qa, n_tok, out, out_stride, route);
   const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
   dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block)),
             route.route ? static_cast<unsigned>(route.pairs) : 1u);
@@ -495,6 +563,29 @@ void to_half(const float* x, int64_t rows, int64_t n, const int32_t* src_rows, i
 }
 
 }  // namespace detail
+
+void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float* x,
+                         int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
+                         const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
+                         cudaStream_t s) {
+  if (!is_float_type(type))
+    throw Error(ErrorCategory::invalid_argument,
+                "gpu::router_route_signal: router weights of type " + std::string(type_name(type)) +
+                    " (a float type is required)");
+  detail::check_type(type, n_in, "gpu::router_route_signal");
+  check_route(n_expert, k);
+  const Copies cp = pack_copies(copies, n, "gpu::router_route_signal");
+  const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + sizeof(float));
+  if (!cluster_kernels_available() || smem > 48 * 1024) {
+    detail::gemv(type, w, n_in, n_expert, x, detail::QAct{}, 1, logits, n_expert,
+                 detail::GemvRoute{}, s);
+    moe_route_signal(logits, n_expert, k, norm, route, copies, n, flag, value, s);
+    return;
+  }
+  const detail::GemvArgs a = detail::gemv_args(type, w, n_in, n_expert, x, detail::QAct{}, 1,
+                                               logits, n_expert, detail::GemvRoute{});
+  BERTH_DISPATCH(type, detail::launch_router_t, a, k, norm, route, cp, flag, value, smem, s)
+}
 
 using namespace detail;
 

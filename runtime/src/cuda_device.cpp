@@ -294,6 +294,17 @@ class CudaDevice final : public Device {
       return Device::moe_route_signal(s, logits, n_expert, k, norm, out, copies, n, flag, value);
     gpu::moe_route_signal(logits, n_expert, k, norm, out, copies, n, flag, value, st(s));
   }
+  void router_route_signal(int s, GgmlType type, const void* w, int64_t n_in, const float* x,
+                           int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
+                           const HostCopy* copies, int n, uint32_t* flag, uint32_t value, void* ws,
+                           size_t ws_bytes) override {
+    const bool float_w = type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16;
+    if (!small(copies, n) || !float_w)
+      return Device::router_route_signal(s, type, w, n_in, x, n_expert, k, norm, logits, route,
+                                         copies, n, flag, value, ws, ws_bytes);
+    gpu::router_route_signal(type, w, n_in, x, n_expert, k, norm, logits, route, copies, n, flag,
+                             value, st(s));
+  }
 
   size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) override {
     return gpu::moe_workspace_bytes(w, n_tok);

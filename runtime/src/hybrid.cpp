@@ -798,16 +798,21 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   }
   size_t next_stream = 0;
   const std::vector<bool>& seg_after = sp.seg_after;
+  std::vector<bool> fused_away(g.ops.size(), false);  // enqueued earlier as part of a fusion
   // A single-token moe_route after which one CPU segment forks (its experts, with the flag
   // hand-off): the route and the segment's inputs go to the host with its ready flag in the same
   // device operation (Device::moe_route_signal). Off while profiling (ops are timed one by one).
-  const auto route_and_signal = [&](size_t i) {
+  const auto signals_route = [&](size_t i) {
     const Op& op = g.ops[i];
-    if (!sp.flags || profiling_ || op.kind != OpKind::moe_route || !seg_after[i] ||
-        g.values[static_cast<size_t>(op.output)].rows != 1 || next_seg >= sp.segs.size() ||
-        sp.segs[next_seg].ready != static_cast<int32_t>(i) ||
-        (next_seg + 1 < sp.segs.size() && sp.segs[next_seg + 1].ready == static_cast<int32_t>(i)))
-      return false;
+    return sp.flags && !profiling_ && op.kind == OpKind::moe_route && seg_after[i] &&
+           g.values[static_cast<size_t>(op.output)].rows == 1 && next_seg < sp.segs.size() &&
+           sp.segs[next_seg].ready == static_cast<int32_t>(i) &&
+           !(next_seg + 1 < sp.segs.size() &&
+             sp.segs[next_seg + 1].ready == static_cast<int32_t>(i));
+  };
+  const auto route_and_signal = [&](size_t i) {
+    if (!signals_route(i)) return false;
+    const Op& op = g.ops[i];
     const std::vector<HostCopy> out = copies_out(sp, sp.segs[next_seg]);
     dev_.moe_route_signal(kMain, sp.dev_val[static_cast<size_t>(op.inputs[0])], op.moe.n_expert,
                           op.moe.n_expert_used, op.moe.norm_weights,
@@ -816,9 +821,31 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     signalled[next_seg] = true;
     return true;
   };
+  // The router's matmul (op i, on the device, float weights) just before such a moe_route that
+  // reads its output: both in one device operation (Device::router_route_signal).
+  const auto router_route_signal = [&](size_t i) {
+    const Op& mm = g.ops[i];
+    if (mm.kind != OpKind::matmul || seg_after[i] || sp.streamed[i] || sp.host_w[i] ||
+        i + 1 >= g.ops.size() || sp.op_home[i + 1] != Home::gpu ||
+        g.ops[i + 1].inputs[0] != mm.output || !signals_route(i + 1))
+      return false;
+    const TensorView& w = weights_[mm.weight];
+    if (w.type != GgmlType::F32 && w.type != GgmlType::F16 && w.type != GgmlType::BF16)
+      return false;
+    const Op& op = g.ops[i + 1];
+    const std::vector<HostCopy> out = copies_out(sp, sp.segs[next_seg]);
+    dev_.router_route_signal(
+        kMain, w.type, dev_weight_.at(static_cast<size_t>(mm.weight)), w.ne[0],
+        sp.dev_val[static_cast<size_t>(mm.inputs[0])], op.moe.n_expert, op.moe.n_expert_used,
+        op.moe.norm_weights, sp.dev_val[static_cast<size_t>(mm.output)],
+        sp.dev_val[static_cast<size_t>(op.output)], out.data(), static_cast<int>(out.size()),
+        &sp.flags[2 * next_seg], 1, sp.ws, sp.ws_bytes);
+    signalled[next_seg] = true;
+    fused_away[i + 1] = true;
+    return true;
+  };
   static const std::vector<int64_t> kNoFusion;
   const std::vector<int64_t>& rope_of = profiling_ ? kNoFusion : sp.rope_of;
-  std::vector<bool> fused_away(g.ops.size(), false);  // enqueued earlier as part of a fusion
   for (size_t i = 0; i < g.ops.size(); ++i) {
     if (sp.op_home[i] != Home::gpu) continue;
     if (fused_away[i]) {
@@ -927,7 +954,7 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                           weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
                           g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
         for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
-      } else if (!route_and_signal(i)) {
+      } else if (!router_route_signal(i) && !route_and_signal(i)) {
         const int a = profiling_ ? dev_.record(kMain) : -1;
         enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
         if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});

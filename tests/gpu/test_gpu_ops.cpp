@@ -372,6 +372,78 @@ TEST_CASE("gpu: the fused hand-offs equal moe_route + copy_out and wait_copy_in 
   cudaFreeHost(flags);
 }
 
+TEST_CASE("gpu: router_route_signal equals matmul + moe_route_signal bit for bit") {
+  REQUIRE_DEVICE();
+  cudaStream_t st = nullptr;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  uint32_t* flags = nullptr;
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 16, cudaHostAllocDefault), "cudaHostAlloc");
+  struct Case {
+    int32_t n_expert, k;
+    int64_t n_in;
+  };
+  // qwen3moe's router; an n_in of 64 (several rows per warp); more experts than warps.
+  const Case cases[] = {{128, 8, 2048}, {60, 4, 64}, {256, 8, 4096}, {8, 2, 40}};
+  for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16}) {
+    for (const Case& c : cases) {
+      CAPTURE(type_name(t));
+      CAPTURE(c.n_expert);
+      CAPTURE(c.n_in);
+      const auto wf = gaussian(static_cast<size_t>(c.n_expert * c.n_in), 31 + c.n_in, 0.05f);
+      std::vector<uint8_t> wb;
+      if (t == GgmlType::F32) {
+        wb.resize(wf.size() * 4);
+        std::memcpy(wb.data(), wf.data(), wb.size());
+      } else {
+        wb.resize(wf.size() * 2);
+        for (size_t i = 0; i < wf.size(); ++i) {
+          uint32_t u = 0;
+          std::memcpy(&u, &wf[i], 4);
+          const uint16_t h =
+              t == GgmlType::F16 ? f32_to_fp16(wf[i]) : static_cast<uint16_t>(u >> 16);
+          std::memcpy(wb.data() + 2 * i, &h, 2);
+        }
+      }
+      const auto x = gaussian(static_cast<size_t>(c.n_in), 32 + c.n_in);
+      Dev<uint8_t> dw(wb);
+      Dev<float> dx(x), l1(static_cast<size_t>(c.n_expert)), l2(static_cast<size_t>(c.n_expert)),
+          r1(static_cast<size_t>(2 * c.k)), r2(static_cast<size_t>(2 * c.k));
+      const size_t ws_bytes = gpu::matmul_workspace_bytes(t, c.n_in, c.n_expert, 1);
+      Dev<uint8_t> ws(std::max<size_t>(ws_bytes, 1));
+      float* host = nullptr;
+      const size_t nh = static_cast<size_t>(c.n_in + 2 * c.k);
+      ck(cudaHostAlloc(reinterpret_cast<void**>(&host), 2 * nh * 4, cudaHostAllocDefault),
+         "cudaHostAlloc");
+      std::fill(host, host + 2 * nh, std::numeric_limits<float>::quiet_NaN());
+      std::fill(flags, flags + 4, 0u);
+      const size_t xb = static_cast<size_t>(c.n_in) * 4, rb = static_cast<size_t>(2 * c.k) * 4;
+      const HostCopy out1[2] = {{host, dx.p, xb}, {host + c.n_in, r1.p, rb}};
+      const HostCopy out2[2] = {{host + nh, dx.p, xb}, {host + nh + c.n_in, r2.p, rb}};
+      l2.poison(), r2.poison();
+      gpu::matmul(t, dw.p, c.n_in, c.n_expert, dx.p, 1, l1.p, ws.p, ws_bytes, st);
+      gpu::moe_route_signal(l1.p, c.n_expert, c.k, true, r1.p, out1, 2, &flags[0], 1, st);
+      gpu::router_route_signal(t, dw.p, c.n_in, dx.p, c.n_expert, c.k, true, l2.p, r2.p, out2, 2,
+                               &flags[1], 1, st);
+      ck(cudaStreamSynchronize(st), "sync");
+      CHECK(flags[0] == 1);
+      CHECK(flags[1] == 1);
+      const auto a1 = l1.down(), a2 = l2.down(), b1 = r1.down(), b2 = r2.down();
+      CHECK(std::memcmp(a1.data(), a2.data(), a1.size() * 4) == 0);
+      CHECK(std::memcmp(b1.data(), b2.data(), b1.size() * 4) == 0);
+      CHECK(std::memcmp(host, host + nh, nh * 4) == 0);
+      CHECK(std::memcmp(host + c.n_in, b1.data(), rb) == 0);
+      cudaFreeHost(host);
+    }
+  }
+  // A quantized router is refused with the function's name.
+  const HostCopy none[1] = {};
+  CHECK_THROWS_WITH(gpu::router_route_signal(GgmlType::Q8_0, nullptr, 64, nullptr, 8, 2, true,
+                                             nullptr, nullptr, none, 0, &flags[0], 1, st),
+                    doctest::Contains("gpu::router_route_signal"));
+  cudaStreamDestroy(st);
+  cudaFreeHost(flags);
+}
+
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {
   REQUIRE_DEVICE();
   struct Case {
@@ -743,6 +815,56 @@ TEST_CASE("gpu: top_k order and ties") {
 }
 
 // ---- timing (printed, never asserted) ---------------------------------------------------------
+
+TEST_CASE("gpu: router timing (printed only)") {
+  REQUIRE_DEVICE();
+  // qwen3moe's decode router: 128 x 2048 f32, 8 used, with the hand-off of a hidden state.
+  const int32_t n_expert = 128, k = 8;
+  const int64_t n_in = 2048;
+  Dev<float> dw(gaussian(static_cast<size_t>(n_expert * n_in), 41, 0.05f));
+  Dev<float> dx(gaussian(static_cast<size_t>(n_in), 42)), dl(static_cast<size_t>(n_expert)),
+      dr(static_cast<size_t>(2 * k));
+  float* host = nullptr;
+  uint32_t* flag = nullptr;
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&host), (n_in + 2 * k) * 4, cudaHostAllocDefault),
+     "cudaHostAlloc");
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4, cudaHostAllocDefault), "cudaHostAlloc");
+  const HostCopy out[2] = {{host, dx.p, static_cast<size_t>(n_in) * 4},
+                           {host + n_in, dr.p, static_cast<size_t>(2 * k) * 4}};
+  cudaStream_t st = nullptr;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  const auto time_us = [&](bool fused) {
+    const auto run = [&] {
+      if (fused) {
+        gpu::router_route_signal(GgmlType::F32, dw.p, n_in, dx.p, n_expert, k, true, dl.p, dr.p,
+                                 out, 2, flag, 1, st);
+      } else {
+        gpu::matmul(GgmlType::F32, dw.p, n_in, n_expert, dx.p, 1, dl.p, nullptr, 0, st);
+        gpu::moe_route_signal(dl.p, n_expert, k, true, dr.p, out, 2, flag, 1, st);
+      }
+    };
+    for (int i = 0; i < 5; ++i) run();
+    const int iters = 200;
+    cudaEventRecord(e0, st);
+    for (int i = 0; i < iters; ++i) run();
+    cudaEventRecord(e1, st);
+    ck(cudaEventSynchronize(e1), "timing");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return 1000.0 * ms / iters;
+  };
+  const double sep = time_us(false), fused = time_us(true);
+  MESSAGE("decode router 128 x 2048 f32 + route + hand-off: matmul + moe_route_signal "
+          << sep << " us, router_route_signal " << fused << " us");
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(st);
+  cudaFreeHost(host);
+  cudaFreeHost(flag);
+}
 
 TEST_CASE("gpu: attention timing (printed only)") {
   REQUIRE_DEVICE();

@@ -138,8 +138,8 @@ namespace detail {
 /// Whether attention serves one-token calls (decode) with its thread-block-cluster kernel on
 /// devices of compute capability >= 9.0 (true by default): one launch that also writes the
 /// token's K/V row and merges the KV splits, instead of kv_write + attention + split combine.
-/// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and benchmarks turn it off to compare both paths (not thread safe: set before
-/// launching).
+/// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and
+/// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_cluster_decode();
 }  // namespace detail
 
@@ -157,6 +157,16 @@ void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, 
 void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
                       const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
                       cudaStream_t stream);
+
+/// The router's matmul and moe_route_signal of one token in one launch (a thread block cluster;
+/// on devices without clusters the two launches): logits [1, n_expert] = W x, W [n_expert, n_in]
+/// of a float type (F32, F16, BF16; row-major, n_in contiguous) and x [1, n_in] f32, each logit
+/// the bits matmul computes; then as moe_route_signal (route [1, 2k], copies, flag).
+/// Errors: Error(invalid_argument) for a quantized W, and as matmul and moe_route_signal.
+void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float* x,
+                         int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
+                         const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
+                         cudaStream_t stream);
 
 /// Stacked expert weights of one MoE layer: berth::MoeWeights (core/tensor.h).
 using berth::MoeWeights;

@@ -175,6 +175,16 @@ class Device {
     moe_route(s, logits, 1, n_expert, k, norm, out);
     copy_out_signal(s, copies, n, flag, value);
   }
+  /// The router's matmul (w [n_expert, n_in] of `type`, x [1, n_in]) into logits, then
+  /// moe_route_signal on them; a device may do both in one operation (CUDA, float weights: one
+  /// launch, the same bits as the two).
+  virtual void router_route_signal(int s, GgmlType type, const void* w, int64_t n_in,
+                                   const float* x, int32_t n_expert, int32_t k, bool norm,
+                                   float* logits, float* route, const HostCopy* copies, int n,
+                                   uint32_t* flag, uint32_t value, void* ws, size_t ws_bytes) {
+    matmul(s, type, w, n_in, n_expert, x, 1, logits, ws, ws_bytes);
+    moe_route_signal(s, logits, n_expert, k, norm, route, copies, n, flag, value);
+  }
   virtual size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) = 0;
   virtual void moe_experts(int s, const MoeWeights& w, const float* h, const float* route,
                            int64_t n_tok, const uint8_t* expert_mask, float* out, void* ws,
