@@ -28,9 +28,11 @@
 #include <string>
 #include <type_traits>
 
+#include "act_quant.cuh"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
 #include "launch.cuh"
+#include "matmul_internal.h"
 
 namespace berth::gpu {
 namespace {
@@ -379,7 +381,8 @@ __global__ void __launch_bounds__(W * 32, 1)
                             const float* __restrict__ v_new, const int32_t* __restrict__ positions,
                             uint32_t* __restrict__ k_cache, uint32_t* __restrict__ v_cache,
                             int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
-                            float q_scale, float* __restrict__ out) {
+                            float q_scale, float* __restrict__ out, int8_t* __restrict__ q8,
+                            float4* __restrict__ q8m) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int GM = kDecGM;
@@ -571,7 +574,11 @@ __global__ void __launch_bounds__(W * 32, 1)
       L += ml[g * 2 + 1] * e;
       a += cluster.map_shared_rank(b_acc, b)[g * hd + d] * e;
     }
-    out[static_cast<int64_t>(kvh * group + g0 + g) * hd + d] = a / L;
+    const int64_t idx = static_cast<int64_t>(kvh * group + g0 + g) * hd + d;
+    const float y = a / L;
+    out[idx] = y;
+    // The 8-bit blocks of the output (hd % 32 == 0: a warp's 32 outputs are one block).
+    if (q8) quantize_group(y, lane, q8 + (idx - lane), q8m + idx / 32);
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
 #endif
@@ -580,7 +587,8 @@ __global__ void __launch_bounds__(W * 32, 1)
 // The decode kernel instance for a head dim (pairs per lane, warps per block), or null when
 // head_dim > 256. 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
 using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*, uint32_t*,
-                              uint32_t*, int64_t, int32_t, int32_t, int32_t, float, float*);
+                              uint32_t*, int64_t, int32_t, int32_t, int32_t, float, float*, int8_t*,
+                              float4*);
 struct DecodeChoice {
   DecodeKernel kernel = nullptr;
   int warps = 0;
@@ -619,10 +627,10 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, i
   return static_cast<size_t>(s * n_tok * n_head * (head_dim + 2)) * sizeof(float);
 }
 
-void attention(const float* q, const float* k, const float* v, int64_t n_tok,
+bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws) {
   if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
     bad_arg("gpu::attention: n_head " + std::to_string(n_head) +
             " is not a multiple of n_head_kv " + std::to_string(n_head_kv));
@@ -630,7 +638,7 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
     throw Error(ErrorCategory::unsupported, "gpu::attention: head_dim " + std::to_string(head_dim) +
                                                 " (must be even and <= 256)");
   if (n_ctx <= 0) bad_arg("gpu::attention: n_ctx must be positive");
-  if (n_tok <= 0) return;
+  if (n_tok <= 0) return false;
   const int64_t splits = attention_splits(n_tok, n_ctx, n_head);
   const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);
   if (workspace_bytes < need)
@@ -642,14 +650,17 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
 
   if (n_tok == 1 && detail::attention_cluster_decode() && cluster_kernels_available()) {
     const DecodeChoice dc = decode_kernel_for(head_dim);
+    detail::QAct qa{nullptr, nullptr};
+    if (q8_ws && head_dim % 32 == 0)
+      qa = detail::qact_at(q8_ws, 1, static_cast<int64_t>(n_head) * head_dim);
     const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
     const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),
                     static_cast<unsigned>((group + kDecGM - 1) / kDecGM));
     launch_in_clusters("attention_decode_kernel", dc.kernel, grid, dc.warps * 32, smem, stream,
                        kDecCluster, q, k, v, positions, reinterpret_cast<uint32_t*>(k_cache),
                        reinterpret_cast<uint32_t*>(v_cache), n_ctx, n_head, n_head_kv, head_dim,
-                       scale * 1.4426950408889634f, out);
-    return;
+                       scale * 1.4426950408889634f, out, qa.q, qa.meta);
+    return qa.q != nullptr;
   }
 
   const int64_t kv_dim = static_cast<int64_t>(n_head_kv) * head_dim;
@@ -681,6 +692,7 @@ void attention(const float* q, const float* k, const float* v, int64_t n_tok,
     launch("attn_combine_kernel", attn_combine_kernel, static_cast<unsigned>(n_tok * n_head), 64, 0,
            stream, ws_acc, ws_ml, n_tok * n_head, static_cast<int32_t>(splits), head_dim, out);
   }
+  return false;
 }
 
 }  // namespace berth::gpu

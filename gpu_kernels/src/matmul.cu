@@ -26,6 +26,7 @@
 #include <string>
 #include <utility>
 
+#include "act_quant.cuh"
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
@@ -104,19 +105,7 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __
   const int64_t i = grp * 32 + lane;
   float v = x[i];
   if (up) v = silu(v) * up[i];
-  float amax = fabsf(v);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float d = amax / 127.0f;
-  int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
-  qi = max(-127, min(127, qi));
-  q[i] = static_cast<int8_t>(qi);
-  int s = qi;
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  const int s1 = __shfl_sync(0xffffffffu, s, 16);
-  if (lane == 0)
-    meta[grp] = make_float4(d, d * static_cast<float>(s), d * static_cast<float>(s1), 0.0f);
+  quantize_group(v, lane, q + grp * 32, meta + grp);
 }
 
 struct GemvArgs {
@@ -712,14 +701,17 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 }
 
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
-                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8) {
   bool gemv_all = n_tok > 0 && n_in > 0, any_q = false;
   for (int j = 0; j < n_jobs; ++j) {
     check_type(jobs[j].type, n_in, "matmul_group");
     gemv_all = gemv_all && matmul_uses_gemv(jobs[j].type, n_tok);
     any_q = any_q || is_quantized(jobs[j].type);
   }
-  if (!gemv_all || !any_q || n_jobs < 2) {
+  if (x_q8 && (!gemv_all || n_tok != 1 || n_jobs > 3))
+    throw Error(ErrorCategory::invalid_argument,
+                "matmul_group: x_q8 serves single-token GEMV groups of at most 3 matrices");
+  if (!gemv_all || !any_q || (n_jobs < 2 && !x_q8)) {
     for (int j = 0; j < n_jobs; ++j)
       matmul(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, workspace,
              workspace_bytes, stream);
@@ -732,7 +724,7 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
                                                      std::to_string(need) + " needed");
   // The activation blocks do not depend on the weight type: quantized once, read by every job.
   const QAct qa = qact_at(workspace, n_tok, n_in);
-  quantize_act(x, nullptr, n_tok, n_in, qa, stream);
+  if (!x_q8) quantize_act(x, nullptr, n_tok, n_in, qa, stream);
   if (n_tok == 1 && n_jobs <= 3) {
     // One launch per weight type (a decode step's Q and K, often V too): the rows of the
     // matrices follow one another in the grid.

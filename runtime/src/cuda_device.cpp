@@ -236,6 +236,10 @@ class CudaDevice final : public Device {
                     int64_t n_tok, void* ws, size_t ws_bytes) override {
     gpu::matmul_group(jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes, st(s));
   }
+  void matmul_group_q8(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x,
+                       int64_t n_tok, void* ws, size_t ws_bytes) override {
+    gpu::matmul_group(jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes, st(s), true);
+  }
   void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
              const int32_t* tokens, int64_t n_tok, float* out) override {
     gpu::embed(type, w, n_embd, n_vocab, tokens, n_tok, out, st(s));
@@ -252,6 +256,16 @@ class CudaDevice final : public Device {
                          const float* b_host, float* sum, const float* w, float* out, int64_t rows,
                          int64_t cols, float eps) override {
     gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s));
+  }
+  bool add_rms_norm_q8(int s, const float* a, const float* b, float* sum, const float* w,
+                       float* out, int64_t rows, int64_t cols, float eps, void* q8_ws) override {
+    return gpu::add_rms_norm(a, b, sum, w, out, rows, cols, eps, st(s), q8_ws);
+  }
+  bool wait_add_rms_norm_q8(int s, const uint32_t* flag, uint32_t value, const float* a,
+                            const float* b_host, float* sum, const float* w, float* out,
+                            int64_t rows, int64_t cols, float eps, void* q8_ws) override {
+    return gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s),
+                                  q8_ws);
   }
   void add(int s, const float* a, const float* b, float* out, int64_t n) override {
     gpu::add(a, b, out, n, st(s));
@@ -286,6 +300,13 @@ class CudaDevice final : public Device {
   void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
                  float* out) override {
     gpu::moe_route(logits, n_tok, n_expert, k, norm, out, st(s));
+  }
+  bool attention_q8(int s, const float* q, const float* k, const float* v, int64_t n_tok,
+                    const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
+                    int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
+                    void* ws, size_t ws_bytes, void* q8_ws) override {
+    return gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv,
+                          head_dim, scale, out, ws, ws_bytes, st(s), q8_ws);
   }
   void moe_route_signal(int s, const float* logits, int32_t n_expert, int32_t k, bool norm,
                         float* out, const HostCopy* copies, int n, uint32_t* flag,

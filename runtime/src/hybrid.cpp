@@ -844,10 +844,28 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     fused_away[i + 1] = true;
     return true;
   };
+  // The 8-bit activation blocks of a decode matmul's input made by its producer (Device::*_q8):
+  // q8_val is the value whose blocks sp.ws holds, good for the next device op only.
+  ValueId q8_val = -1;
+  const auto is_float_w = [&](graph::WeightId id) {
+    const GgmlType t = weights_[id].type;
+    return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
+  };
+  // Op j (the next device op) is a single-token matmul of quantized weights reading v: its
+  // producer may leave v's 8-bit blocks in sp.ws.
+  const auto q8_for = [&](size_t j, ValueId v) -> void* {
+    if (profiling_ || j >= g.ops.size() || sp.op_home[j] != Home::gpu || sp.streamed[j] ||
+        sp.host_w[j] || g.ops[j].kind != OpKind::matmul || g.ops[j].inputs[0] != v ||
+        g.values[static_cast<size_t>(v)].rows != 1 || is_float_w(g.ops[j].weight))
+      return nullptr;
+    return sp.ws;
+  };
   static const std::vector<int64_t> kNoFusion;
   const std::vector<int64_t>& rope_of = profiling_ ? kNoFusion : sp.rope_of;
   for (size_t i = 0; i < g.ops.size(); ++i) {
     if (sp.op_home[i] != Home::gpu) continue;
+    const ValueId q8_in = q8_val;
+    q8_val = -1;
     if (fused_away[i]) {
       launch_ready(static_cast<int32_t>(i));
       continue;
@@ -933,12 +951,15 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
           const auto si = static_cast<size_t>(sp.host_join[i]);
           const ValueId hv = sp.segs[si].h2d[0];
           const ValueId other = op.inputs[0] == hv ? op.inputs[1] : op.inputs[0];
-          dev_.wait_add_rms_norm(kMain, &sp.flags[2 * si + 1], 1, dv(other),
-                                 sp.host_val[static_cast<size_t>(hv)], dv(op.output), w,
-                                 dv(nm.output), vi.rows, vi.cols, nm.eps);
-        } else {
-          dev_.add_rms_norm(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
-                            dv(nm.output), vi.rows, vi.cols, nm.eps);
+          if (dev_.wait_add_rms_norm_q8(kMain, &sp.flags[2 * si + 1], 1, dv(other),
+                                        sp.host_val[static_cast<size_t>(hv)], dv(op.output), w,
+                                        dv(nm.output), vi.rows, vi.cols, nm.eps,
+                                        q8_for(i + 2, nm.output)))
+            q8_val = nm.output;
+        } else if (dev_.add_rms_norm_q8(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
+                                        dv(nm.output), vi.rows, vi.cols, nm.eps,
+                                        q8_for(i + 2, nm.output))) {
+          q8_val = nm.output;
         }
         launch_ready(static_cast<int32_t>(i));  // none forks after the add (seg_after)
         ++i;
@@ -950,10 +971,31 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                           sp.dev_val[static_cast<size_t>(g.ops[k].output)]});
         }
         const ValueId x = g.ops[i].inputs[0];
-        dev_.matmul_group(kMain, jobs.data(), static_cast<int>(jobs.size()),
-                          weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
-                          g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
+        if (x == q8_in && jobs.size() <= 3)
+          dev_.matmul_group_q8(kMain, jobs.data(), static_cast<int>(jobs.size()),
+                               weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
+                               1, sp.ws, sp.ws_bytes);
+        else
+          dev_.matmul_group(kMain, jobs.data(), static_cast<int>(jobs.size()),
+                            weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
+                            g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
         for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
+      } else if (op.kind == OpKind::matmul && q8_in >= 0 && op.inputs[0] == q8_in) {
+        const TensorView& w = weights_[op.weight];
+        const MatmulJob job{w.type, dev_weight_.at(static_cast<size_t>(op.weight)), w.n_rows(),
+                            sp.dev_val[static_cast<size_t>(op.output)]};
+        dev_.matmul_group_q8(kMain, &job, 1, w.ne[0], sp.dev_val[static_cast<size_t>(q8_in)], 1,
+                             sp.ws, sp.ws_bytes);
+      } else if (op.kind == OpKind::attention && q8_for(i + 1, op.output)) {
+        const graph::AttentionParams& p = op.attn;
+        const size_t l = static_cast<size_t>(p.layer);
+        const auto dv = [&](size_t j) { return sp.dev_val[static_cast<size_t>(op.inputs.at(j))]; };
+        if (dev_.attention_q8(kMain, dv(0), dv(1), dv(2),
+                              g.values[static_cast<size_t>(op.output)].rows, positions_dev_,
+                              dev_k_.at(l), dev_v_.at(l), cpu_kv_.n_ctx(), p.n_head, p.n_head_kv,
+                              p.head_dim, p.scale, sp.dev_val[static_cast<size_t>(op.output)],
+                              sp.ws, sp.ws_bytes, sp.ws))
+          q8_val = op.output;
       } else if (!router_route_signal(i) && !route_and_signal(i)) {
         const int a = profiling_ ? dev_.record(kMain) : -1;
         enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "berth/core/error.h"
+#include "berth/core/fp16.h"
 #include "berth/core/types.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/gpu_kernels/kernels.h"
@@ -335,6 +336,102 @@ TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, sam
       CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
     }
   }
+}
+
+// matmul_group with x_q8 (the activation blocks left in the workspace by the producer of x)
+// against matmul_group quantizing x itself: the same bits, for two jobs of different types.
+void check_x_q8(const char* what, int64_t n_in, Dev& x, Dev& ws, size_t wsb, uint64_t seed) {
+  CAPTURE(what);
+  // K-quants need rows of whole 256-element blocks; legacy types serve shorter rows.
+  const bool k = n_in % 256 == 0;
+  const GgmlType types[2] = {k ? GgmlType::Q4_K : GgmlType::Q8_0,
+                             k ? GgmlType::Q6_K : GgmlType::Q4_0};
+  const int64_t outs[2] = {515, 64};
+  std::vector<std::unique_ptr<Dev>> dws, got, ref;
+  std::vector<MatmulJob> jg, jr;
+  for (int j = 0; j < 2; ++j) {
+    const auto wq = make_weights(types[j], outs[j], n_in, seed + 10 * static_cast<uint64_t>(j));
+    dws.push_back(std::make_unique<Dev>(wq.size()));
+    dws.back()->put(wq);
+    got.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+    ref.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+    got.back()->poison();
+    ref.back()->poison();
+    jg.push_back({types[j], dws.back()->p, outs[j], got.back()->as<float>()});
+    jr.push_back({types[j], dws.back()->p, outs[j], ref.back()->as<float>()});
+  }
+  gpu::matmul_group(jg.data(), 2, n_in, x.as<float>(), 1, ws.p, wsb, nullptr, true);
+  gpu::matmul_group(jr.data(), 2, n_in, x.as<float>(), 1, ws.p, wsb, nullptr, false);
+  CUDA_OK(cudaDeviceSynchronize());
+  for (int j = 0; j < 2; ++j) {
+    const auto a = got[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+    const auto b = ref[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("gpu: the 8-bit blocks left by add_rms_norm, wait_add_rms_norm, attention feed x_q8") {
+  REQUIRE_DEVICE();
+  for (const int64_t cols : {int64_t{2048}, int64_t{4096}, int64_t{64}}) {
+    CAPTURE(cols);
+    const size_t wsb = gpu::matmul_workspace_bytes(
+        cols % 256 == 0 ? GgmlType::Q4_K : GgmlType::Q8_0, cols, 515, 1);
+    Dev ws(wsb), da(cols * 4), db(cols * 4), dw(cols * 4), sum(cols * 4), out(cols * 4);
+    da.put(gaussian(static_cast<size_t>(cols), 1, 1.0f));
+    db.put(gaussian(static_cast<size_t>(cols), 2, 1.0f));
+    dw.put(gaussian(static_cast<size_t>(cols), 3, 0.2f, 1.0f));
+    CHECK(gpu::add_rms_norm(da.as<float>(), db.as<float>(), sum.as<float>(), dw.as<float>(),
+                            out.as<float>(), 1, cols, 1e-6f, nullptr, ws.p));
+    check_x_q8("add_rms_norm", cols, out, ws, wsb, 100 + static_cast<uint64_t>(cols));
+    float* host = nullptr;
+    uint32_t* flag = nullptr;
+    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&host), cols * 4, cudaHostAllocDefault));
+    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4, cudaHostAllocDefault));
+    const auto hb = gaussian(static_cast<size_t>(cols), 4, 1.0f);
+    std::memcpy(host, hb.data(), hb.size() * 4);
+    *flag = 1;  // already released: the kernel does not wait
+    CHECK(gpu::wait_add_rms_norm(flag, 1, da.as<float>(), host, sum.as<float>(), dw.as<float>(),
+                                 out.as<float>(), 1, cols, 1e-6f, nullptr, ws.p));
+    check_x_q8("wait_add_rms_norm", cols, out, ws, wsb, 200 + static_cast<uint64_t>(cols));
+    cudaFreeHost(host);
+    cudaFreeHost(flag);
+  }
+  {
+    // Rows that are not whole groups of 32: nothing is promised.
+    Dev ws(4096), da(48 * 4), out(48 * 4);
+    da.put(gaussian(48, 5, 1.0f));
+    CHECK_FALSE(gpu::add_rms_norm(da.as<float>(), da.as<float>(), out.as<float>(), nullptr,
+                                  out.as<float>(), 1, 48, 1e-6f, nullptr, ws.p));
+  }
+  // Attention of one token (32 query / 4 KV heads of 128, position 300 of 1024).
+  const int32_t n_head = 32, n_head_kv = 4, hd = 128;
+  const int64_t n_ctx = 1024, q_dim = n_head * hd, kv_dim = n_head_kv * hd;
+  std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim));
+  const auto cache = gaussian(kc.size(), 6, 1.0f);
+  for (size_t i = 0; i < kc.size(); ++i) kc[i] = f32_to_fp16(cache[i]);
+  Dev dq(q_dim * 4), dk(kv_dim * 4), dv(kv_dim * 4), kcache(kc.size() * 2), vcache(kc.size() * 2),
+      dpos(4), out(q_dim * 4);
+  dq.put(gaussian(static_cast<size_t>(q_dim), 7, 1.0f));
+  dk.put(gaussian(static_cast<size_t>(kv_dim), 8, 1.0f));
+  dv.put(gaussian(static_cast<size_t>(kv_dim), 9, 1.0f));
+  kcache.put(kc);
+  vcache.put(kc);
+  dpos.put(std::vector<int32_t>{300});
+  const size_t wsb = std::max(gpu::matmul_workspace_bytes(GgmlType::Q4_K, q_dim, 515, 1),
+                              gpu::attention_workspace_bytes(1, n_ctx, n_head, hd));
+  Dev ws(wsb);
+  const bool wrote =
+      gpu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), 1, dpos.as<int32_t>(),
+                     kcache.as<uint16_t>(), vcache.as<uint16_t>(), n_ctx, n_head, n_head_kv, hd,
+                     0.088f, out.as<float>(), ws.p, wsb, nullptr, ws.p);
+  int major = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CHECK(wrote == (major >= 9));  // the cluster decode kernel writes them
+  if (wrote) check_x_q8("attention", q_dim, out, ws, wsb, 300);
+  // x_q8 serves one token only.
+  const MatmulJob job{GgmlType::Q4_K, ws.p, 1, out.as<float>()};
+  CHECK_THROWS_AS(gpu::matmul_group(&job, 1, 256, out.as<float>(), 2, ws.p, wsb, nullptr, true),
+                  Error);
 }
 
 TEST_CASE("gpu embed: rows equal to ref::dequantize_row, zero rows for bad ids") {

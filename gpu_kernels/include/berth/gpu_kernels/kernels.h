@@ -55,9 +55,12 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 /// is what matmul() writes for it. When every job takes the GEMV path (small n_tok) and one is
 /// quantized, x is quantized once for all of them (a decode step's Q, K and V projections: one
 /// launch instead of three). `workspace` holds at least the largest matmul_workspace_bytes of
-/// the jobs. Errors: as matmul.
+/// the jobs. x_q8: x's 8-bit blocks are already at the start of `workspace` (left there by the
+/// producer of x: add_rms_norm, wait_add_rms_norm or attention with a q8_ws that returned true),
+/// so they are not made again; only for n_tok == 1 and at most 3 jobs, Error(invalid_argument)
+/// otherwise. Errors: as matmul.
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
-                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8 = false);
 
 /// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
 /// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows
@@ -74,17 +77,21 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
 /// sum = a + b and out = rms_norm(sum) over whole rows, a, b, sum, out [rows, cols], w [cols]
 /// (nullptr: no scale): a residual add and the next norm in one launch, bit-identical to add()
 /// then rms_norm(group = cols). sum may alias a or b; out must not alias a, b or sum.
-void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
-                  int64_t rows, int64_t cols, float eps, cudaStream_t stream);
+/// q8_ws (this and wait_add_rms_norm): null, or the workspace of the matmul_group that reads
+/// `out` next; when cols % 32 == 0 and cols <= 4096 the kernel also writes out's 8-bit blocks
+/// there (the bits quantize_act makes of out) and returns true; false: nothing written there.
+bool add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
+                  int64_t rows, int64_t cols, float eps, cudaStream_t stream,
+                  void* q8_ws = nullptr);
 
 /// add_rms_norm(a, b_host, ...) once *flag >= value: b_host [rows, cols] is page-locked host
 /// memory that a host thread wrote before its release store to *flag (host memory). Each block's
 /// first thread waits for the flag (spinning, system-scope acquire), then the block reads b_host
 /// with ld.cv. A CPU segment's output read by the residual add after it, in place: the same
 /// results as wait_copy_in of b_host into device memory, then add_rms_norm, in one launch.
-void wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
+bool wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
                        float* sum, const float* w, float* out, int64_t rows, int64_t cols,
-                       float eps, cudaStream_t stream);
+                       float eps, cudaStream_t stream, void* q8_ws = nullptr);
 /// out = a + b, n elements. out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
 /// out[r, c] = x[r, c] + bias[c], x [rows, cols]. out may equal x.
@@ -129,10 +136,13 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, i
 /// h / (n_head / n_head_kv). out [n_tok, n_head*head_dim]. positions: n_tok int32 in device
 /// memory, consecutive; the number of cache rows read is taken from them on the device, so one
 /// captured graph serves every decode position.
-void attention(const float* q, const float* k, const float* v, int64_t n_tok,
+/// q8_ws: null, or the workspace of the matmul_group that reads `out` next: the cluster decode
+/// kernel (n_tok == 1, head_dim % 32 == 0) then also writes out's 8-bit blocks there (the bits
+/// quantize_act makes of out) and attention returns true; false: nothing written there.
+bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws = nullptr);
 
 namespace detail {
 /// Whether attention serves one-token calls (decode) with its thread-block-cluster kernel on

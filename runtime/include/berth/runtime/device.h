@@ -115,6 +115,12 @@ class Device {
     for (int j = 0; j < n_jobs; ++j)
       matmul(s, jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, ws, ws_bytes);
   }
+  /// matmul_group of one token whose x has its 8-bit blocks in ws already (a *_q8 producer
+  /// returned true): the device need not make them again.
+  virtual void matmul_group_q8(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in,
+                               const float* x, int64_t n_tok, void* ws, size_t ws_bytes) {
+    matmul_group(s, jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes);
+  }
   virtual void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
                      const int32_t* tokens, int64_t n_tok, float* out) = 0;
   virtual void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows,
@@ -138,6 +144,23 @@ class Device {
                                  int64_t rows, int64_t cols, float eps) {
     wait_flag(s, flag, value);
     add_rms_norm(s, a, b_host, sum, w, out, rows, cols, eps);
+  }
+  /// add_rms_norm / wait_add_rms_norm / attention, and where the device can, also the 8-bit
+  /// blocks of `out` in q8_ws (the workspace of the matmul_group_q8 that reads out next; CUDA:
+  /// the decode GEMV's activation blocks, the bits its own quantization makes). Return whether
+  /// they were written (the default: never).
+  virtual bool add_rms_norm_q8(int s, const float* a, const float* b, float* sum, const float* w,
+                               float* out, int64_t rows, int64_t cols, float eps, void* q8_ws) {
+    (void)q8_ws;
+    add_rms_norm(s, a, b, sum, w, out, rows, cols, eps);
+    return false;
+  }
+  virtual bool wait_add_rms_norm_q8(int s, const uint32_t* flag, uint32_t value, const float* a,
+                                    const float* b_host, float* sum, const float* w, float* out,
+                                    int64_t rows, int64_t cols, float eps, void* q8_ws) {
+    (void)q8_ws;
+    wait_add_rms_norm(s, flag, value, a, b_host, sum, w, out, rows, cols, eps);
+    return false;
   }
   virtual void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
                         int64_t cols) = 0;
@@ -164,6 +187,15 @@ class Device {
                          const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache,
                          int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                          float scale, float* out, void* ws, size_t ws_bytes) = 0;
+  virtual bool attention_q8(int s, const float* q, const float* k, const float* v, int64_t n_tok,
+                            const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache,
+                            int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                            float scale, float* out, void* ws, size_t ws_bytes, void* q8_ws) {
+    (void)q8_ws;
+    attention(s, q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv, head_dim,
+              scale, out, ws, ws_bytes);
+    return false;
+  }
   virtual void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k,
                          bool norm, float* out) = 0;
   /// moe_route of one token, then copy_out_signal(copies, n, flag, value) (the route, which
