@@ -6,12 +6,10 @@
 #include <cstdint>
 #include <string>
 
-#include "act_quant.cuh"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
 #include "handoff.cuh"
 #include "launch.cuh"
-#include "matmul_internal.h"
 
 namespace berth::gpu {
 namespace {
@@ -72,13 +70,10 @@ int rms_threads(int64_t group) {
 // kHostB (wait_add_rms_norm): b is in host memory, written by a host thread that then releases
 // *flag; the block's first thread acquires the flag (system scope), the block meets at a
 // barrier, and b is read with ld.cv (never from a line cached before the flag).
-// q8 (with q8m): also the 8-bit blocks of out (quantize_group per warp and register slot;
-// needs group % 32 == 0 and the register path).
 template <bool kHostB>
 __global__ void __launch_bounds__(kThreads)
     rms_norm_kernel(const float* x, const float* w, float* out, int64_t group, float eps,
-                    const float* b, float* sum, const uint32_t* flag, uint32_t value, int8_t* q8,
-                    float4* q8m) {
+                    const float* b, float* sum, const uint32_t* flag, uint32_t value) {
   pdl_enter();
   if constexpr (kHostB) wait_host_flag(flag, value);
   const auto bv = [&](int64_t i) { return kHostB ? __ldcv(b + i) : b[i]; };
@@ -111,14 +106,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int64_t i = t + static_cast<int64_t>(u) * nt;
-      if (i < group) {
-        const float y = w ? v[u] * scale * wv[u] : v[u] * scale;
-        yr[i] = y;
-        if (q8) {  // whole warps: group and nt are multiples of 32
-          const int64_t g0 = base + i - (t & 31);
-          quantize_group(y, t & 31, q8 + g0, q8m + g0 / 32);
-        }
-      }
+      if (i < group) yr[i] = w ? v[u] * scale * wv[u] : v[u] * scale;
     }
     return;
   }
@@ -253,14 +241,6 @@ __global__ void __launch_bounds__(kThreads)
 
 void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
 
-// The 8-bit blocks of a whole-row norm's output in q8_ws (matmul_group's layout), or nulls when
-// not asked for or not possible (cols not whole groups of 32, or past the register path).
-detail::QAct norm_q8(void* q8_ws, int64_t rows, int64_t cols) {
-  if (!q8_ws || cols % 32 != 0 || cols > static_cast<int64_t>(kPer) * rms_threads(cols))
-    return {nullptr, nullptr};
-  return detail::qact_at(q8_ws, rows, cols);
-}
-
 }  // namespace
 
 void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t cols, int64_t group,
@@ -272,32 +252,27 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   if (runs == 0) return;
   if (runs > 0x7fffffff) bad_arg("gpu::rms_norm: too many rows");
   launch("rms_norm_kernel", rms_norm_kernel<false>, static_cast<unsigned>(runs), rms_threads(group),
-         0, stream, x, w, out, group, eps, nullptr, nullptr, nullptr, 0u, nullptr, nullptr);
+         0, stream, x, w, out, group, eps, nullptr, nullptr, nullptr, 0u);
 }
 
-bool add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
-                  int64_t rows, int64_t cols, float eps, cudaStream_t stream, void* q8_ws) {
-  if (rows <= 0 || cols <= 0) return false;
+void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
+                  int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
   if (rows > 0x7fffffff) bad_arg("gpu::add_rms_norm: too many rows");
-  const detail::QAct qa = norm_q8(q8_ws, rows, cols);
   // The thread count rms_norm picks for whole rows, so the sums of squares add up in the same
   // order and the outputs equal add() then rms_norm() bit for bit.
   launch("rms_norm_kernel (add)", rms_norm_kernel<false>, static_cast<unsigned>(rows),
-         rms_threads(cols), 0, stream, a, w, out, cols, eps, b, sum, nullptr, 0u, qa.q, qa.meta);
-  return qa.q != nullptr;
+         rms_threads(cols), 0, stream, a, w, out, cols, eps, b, sum, nullptr, 0u);
 }
 
-bool wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
+void wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
                        float* sum, const float* w, float* out, int64_t rows, int64_t cols,
-                       float eps, cudaStream_t stream, void* q8_ws) {
-  if (rows <= 0 || cols <= 0) return false;
+                       float eps, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
   if (rows > 0x7fffffff) bad_arg("gpu::wait_add_rms_norm: too many rows");
-  const detail::QAct qa = norm_q8(q8_ws, rows, cols);
   // The thread count add_rms_norm picks: the same sums in the same order, the same bits.
   launch("rms_norm_kernel (wait, add)", rms_norm_kernel<true>, static_cast<unsigned>(rows),
-         rms_threads(cols), 0, stream, a, w, out, cols, eps, b_host, sum, flag, value, qa.q,
-         qa.meta);
-  return qa.q != nullptr;
+         rms_threads(cols), 0, stream, a, w, out, cols, eps, b_host, sum, flag, value);
 }
 
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {

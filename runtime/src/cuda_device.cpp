@@ -257,16 +257,6 @@ class CudaDevice final : public Device {
                          int64_t cols, float eps) override {
     gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s));
   }
-  bool add_rms_norm_q8(int s, const float* a, const float* b, float* sum, const float* w,
-                       float* out, int64_t rows, int64_t cols, float eps, void* q8_ws) override {
-    return gpu::add_rms_norm(a, b, sum, w, out, rows, cols, eps, st(s), q8_ws);
-  }
-  bool wait_add_rms_norm_q8(int s, const uint32_t* flag, uint32_t value, const float* a,
-                            const float* b_host, float* sum, const float* w, float* out,
-                            int64_t rows, int64_t cols, float eps, void* q8_ws) override {
-    return gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s),
-                                  q8_ws);
-  }
   void add(int s, const float* a, const float* b, float* out, int64_t n) override {
     gpu::add(a, b, out, n, st(s));
   }

@@ -844,15 +844,17 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     fused_away[i + 1] = true;
     return true;
   };
-  // The 8-bit activation blocks of a decode matmul's input made by its producer (Device::*_q8):
-  // q8_val is the value whose blocks sp.ws holds, good for the next device op only.
+  // The 8-bit activation blocks of a decode matmul's input made by its producer (the attention
+  // before the output projection, Device::attention_q8): q8_val is the value whose blocks sp.ws
+  // holds, good for the next device op only. (The residual add + norm kernels did it too for a
+  // while: one block quantizing 64 groups took longer than the separate 64-warp launch.)
   ValueId q8_val = -1;
   const auto is_float_w = [&](graph::WeightId id) {
     const GgmlType t = weights_[id].type;
     return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
   };
-  // Op j (the next device op) is a single-token matmul of quantized weights reading v: its
-  // producer may leave v's 8-bit blocks in sp.ws.
+  // Op j (the next device op) is a single matmul of one token, quantized weights, reading v:
+  // its producer may leave v's 8-bit blocks in sp.ws.
   const auto q8_for = [&](size_t j, ValueId v) -> void* {
     if (profiling_ || j >= g.ops.size() || sp.op_home[j] != Home::gpu || sp.streamed[j] ||
         sp.host_w[j] || g.ops[j].kind != OpKind::matmul || g.ops[j].inputs[0] != v ||
@@ -951,15 +953,12 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
           const auto si = static_cast<size_t>(sp.host_join[i]);
           const ValueId hv = sp.segs[si].h2d[0];
           const ValueId other = op.inputs[0] == hv ? op.inputs[1] : op.inputs[0];
-          if (dev_.wait_add_rms_norm_q8(kMain, &sp.flags[2 * si + 1], 1, dv(other),
-                                        sp.host_val[static_cast<size_t>(hv)], dv(op.output), w,
-                                        dv(nm.output), vi.rows, vi.cols, nm.eps,
-                                        q8_for(i + 2, nm.output)))
-            q8_val = nm.output;
-        } else if (dev_.add_rms_norm_q8(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
-                                        dv(nm.output), vi.rows, vi.cols, nm.eps,
-                                        q8_for(i + 2, nm.output))) {
-          q8_val = nm.output;
+          dev_.wait_add_rms_norm(kMain, &sp.flags[2 * si + 1], 1, dv(other),
+                                 sp.host_val[static_cast<size_t>(hv)], dv(op.output), w,
+                                 dv(nm.output), vi.rows, vi.cols, nm.eps);
+        } else {
+          dev_.add_rms_norm(kMain, dv(op.inputs[0]), dv(op.inputs[1]), dv(op.output), w,
+                            dv(nm.output), vi.rows, vi.cols, nm.eps);
         }
         launch_ready(static_cast<int32_t>(i));  // none forks after the add (seg_after)
         ++i;
@@ -971,14 +970,9 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                           sp.dev_val[static_cast<size_t>(g.ops[k].output)]});
         }
         const ValueId x = g.ops[i].inputs[0];
-        if (x == q8_in && jobs.size() <= 3)
-          dev_.matmul_group_q8(kMain, jobs.data(), static_cast<int>(jobs.size()),
-                               weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
-                               1, sp.ws, sp.ws_bytes);
-        else
-          dev_.matmul_group(kMain, jobs.data(), static_cast<int>(jobs.size()),
-                            weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
-                            g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
+        dev_.matmul_group(kMain, jobs.data(), static_cast<int>(jobs.size()),
+                          weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
+                          g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
         for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
       } else if (op.kind == OpKind::matmul && q8_in >= 0 && op.inputs[0] == q8_in) {
         const TensorView& w = weights_[op.weight];

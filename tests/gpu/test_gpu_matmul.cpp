@@ -370,39 +370,8 @@ void check_x_q8(const char* what, int64_t n_in, Dev& x, Dev& ws, size_t wsb, uin
   }
 }
 
-TEST_CASE("gpu: the 8-bit blocks left by add_rms_norm, wait_add_rms_norm, attention feed x_q8") {
+TEST_CASE("gpu: the 8-bit blocks left by the attention decode kernel feed matmul_group x_q8") {
   REQUIRE_DEVICE();
-  for (const int64_t cols : {int64_t{2048}, int64_t{4096}, int64_t{64}}) {
-    CAPTURE(cols);
-    const size_t wsb = gpu::matmul_workspace_bytes(
-        cols % 256 == 0 ? GgmlType::Q4_K : GgmlType::Q8_0, cols, 515, 1);
-    Dev ws(wsb), da(cols * 4), db(cols * 4), dw(cols * 4), sum(cols * 4), out(cols * 4);
-    da.put(gaussian(static_cast<size_t>(cols), 1, 1.0f));
-    db.put(gaussian(static_cast<size_t>(cols), 2, 1.0f));
-    dw.put(gaussian(static_cast<size_t>(cols), 3, 0.2f, 1.0f));
-    CHECK(gpu::add_rms_norm(da.as<float>(), db.as<float>(), sum.as<float>(), dw.as<float>(),
-                            out.as<float>(), 1, cols, 1e-6f, nullptr, ws.p));
-    check_x_q8("add_rms_norm", cols, out, ws, wsb, 100 + static_cast<uint64_t>(cols));
-    float* host = nullptr;
-    uint32_t* flag = nullptr;
-    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&host), cols * 4, cudaHostAllocDefault));
-    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4, cudaHostAllocDefault));
-    const auto hb = gaussian(static_cast<size_t>(cols), 4, 1.0f);
-    std::memcpy(host, hb.data(), hb.size() * 4);
-    *flag = 1;  // already released: the kernel does not wait
-    CHECK(gpu::wait_add_rms_norm(flag, 1, da.as<float>(), host, sum.as<float>(), dw.as<float>(),
-                                 out.as<float>(), 1, cols, 1e-6f, nullptr, ws.p));
-    check_x_q8("wait_add_rms_norm", cols, out, ws, wsb, 200 + static_cast<uint64_t>(cols));
-    cudaFreeHost(host);
-    cudaFreeHost(flag);
-  }
-  {
-    // Rows that are not whole groups of 32: nothing is promised.
-    Dev ws(4096), da(48 * 4), out(48 * 4);
-    da.put(gaussian(48, 5, 1.0f));
-    CHECK_FALSE(gpu::add_rms_norm(da.as<float>(), da.as<float>(), out.as<float>(), nullptr,
-                                  out.as<float>(), 1, 48, 1e-6f, nullptr, ws.p));
-  }
   // Attention of one token (32 query / 4 KV heads of 128, position 300 of 1024).
   const int32_t n_head = 32, n_head_kv = 4, hd = 128;
   const int64_t n_ctx = 1024, q_dim = n_head * hd, kv_dim = n_head_kv * hd;

@@ -56,7 +56,7 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 /// quantized, x is quantized once for all of them (a decode step's Q, K and V projections: one
 /// launch instead of three). `workspace` holds at least the largest matmul_workspace_bytes of
 /// the jobs. x_q8: x's 8-bit blocks are already at the start of `workspace` (left there by the
-/// producer of x: add_rms_norm, wait_add_rms_norm or attention with a q8_ws that returned true),
+/// producer of x: attention with a q8_ws that returned true),
 /// so they are not made again; only for n_tok == 1 and at most 3 jobs, Error(invalid_argument)
 /// otherwise. Errors: as matmul.
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
@@ -77,21 +77,17 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
 /// sum = a + b and out = rms_norm(sum) over whole rows, a, b, sum, out [rows, cols], w [cols]
 /// (nullptr: no scale): a residual add and the next norm in one launch, bit-identical to add()
 /// then rms_norm(group = cols). sum may alias a or b; out must not alias a, b or sum.
-/// q8_ws (this and wait_add_rms_norm): null, or the workspace of the matmul_group that reads
-/// `out` next; when cols % 32 == 0 and cols <= 4096 the kernel also writes out's 8-bit blocks
-/// there (the bits quantize_act makes of out) and returns true; false: nothing written there.
-bool add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
-                  int64_t rows, int64_t cols, float eps, cudaStream_t stream,
-                  void* q8_ws = nullptr);
+void add_rms_norm(const float* a, const float* b, float* sum, const float* w, float* out,
+                  int64_t rows, int64_t cols, float eps, cudaStream_t stream);
 
 /// add_rms_norm(a, b_host, ...) once *flag >= value: b_host [rows, cols] is page-locked host
 /// memory that a host thread wrote before its release store to *flag (host memory). Each block's
 /// first thread waits for the flag (spinning, system-scope acquire), then the block reads b_host
 /// with ld.cv. A CPU segment's output read by the residual add after it, in place: the same
 /// results as wait_copy_in of b_host into device memory, then add_rms_norm, in one launch.
-bool wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
+void wait_add_rms_norm(const uint32_t* flag, uint32_t value, const float* a, const float* b_host,
                        float* sum, const float* w, float* out, int64_t rows, int64_t cols,
-                       float eps, cudaStream_t stream, void* q8_ws = nullptr);
+                       float eps, cudaStream_t stream);
 /// out = a + b, n elements. out may alias a or b.
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
 /// out[r, c] = x[r, c] + bias[c], x [rows, cols]. out may equal x.

@@ -145,23 +145,6 @@ class Device {
     wait_flag(s, flag, value);
     add_rms_norm(s, a, b_host, sum, w, out, rows, cols, eps);
   }
-  /// add_rms_norm / wait_add_rms_norm / attention, and where the device can, also the 8-bit
-  /// blocks of `out` in q8_ws (the workspace of the matmul_group_q8 that reads out next; CUDA:
-  /// the decode GEMV's activation blocks, the bits its own quantization makes). Return whether
-  /// they were written (the default: never).
-  virtual bool add_rms_norm_q8(int s, const float* a, const float* b, float* sum, const float* w,
-                               float* out, int64_t rows, int64_t cols, float eps, void* q8_ws) {
-    (void)q8_ws;
-    add_rms_norm(s, a, b, sum, w, out, rows, cols, eps);
-    return false;
-  }
-  virtual bool wait_add_rms_norm_q8(int s, const uint32_t* flag, uint32_t value, const float* a,
-                                    const float* b_host, float* sum, const float* w, float* out,
-                                    int64_t rows, int64_t cols, float eps, void* q8_ws) {
-    (void)q8_ws;
-    wait_add_rms_norm(s, flag, value, a, b_host, sum, w, out, rows, cols, eps);
-    return false;
-  }
   virtual void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
                         int64_t cols) = 0;
   virtual void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) = 0;
@@ -187,6 +170,10 @@ class Device {
                          const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache,
                          int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                          float scale, float* out, void* ws, size_t ws_bytes) = 0;
+  /// attention, and where the device can, also the 8-bit blocks of `out` in q8_ws (the
+  /// workspace of the matmul_group_q8 that reads out next; CUDA: the decode GEMV's activation
+  /// blocks, the bits its own quantization makes). Returns whether they were written (the
+  /// default: never).
   virtual bool attention_q8(int s, const float* q, const float* k, const float* v, int64_t n_tok,
                             const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache,
                             int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
