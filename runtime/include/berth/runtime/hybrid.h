@@ -62,9 +62,11 @@ enum class Handoff {
   /// callback thread, and the caller's thread does the work instead of sleeping. In a decode
   /// step the two device operations fuse with their neighbours where they can: a single-token
   /// moe_route followed by the segment's fork sends the segment's inputs and the ready flag in
-  /// its own launch (Device::moe_route_signal), and when the segment's one output that the
-  /// device reads feeds only a residual add fused with the norm after it, that add waits for
-  /// the done flag and reads the output from its pinned buffer (Device::wait_add_rms_norm).
+  /// its own launch (Device::moe_route_signal; with the router's matmul of float weights just
+  /// before it, in one launch with that too: Device::router_route_signal), and when the
+  /// segment's one output that the device reads feeds only a residual add fused with the norm
+  /// after it, that add waits for the done flag and reads the output from its pinned buffer
+  /// (Device::wait_add_rms_norm).
   flags,
 };
 
