@@ -1,5 +1,5 @@
-// 8-bit activation blocks of the decode GEMV (matmul.cu's quantize_act and the producers that
-// leave them beside their f32 output: rms_norm_kernel, the attention decode kernel).
+// 8-bit activation blocks of the decode GEMV (matmul.cu's quantize_act, and the attention decode
+// kernel, which leaves them beside its f32 output for the output projection).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -17,7 +17,9 @@
 //   writes (m, l, unnormalised acc) to the workspace and attn_combine_kernel merges them.
 //
 // K/V of this ubatch are first written (rounded to f16) into the cache rows positions[t] by
-// kv_write_kernel, launched before the attention kernel in the same stream.
+// kv_write_kernel, launched before the attention kernel in the same stream. A decode call (one
+// token) on compute capability >= 9.0 takes attention_decode_kernel instead (below), one launch
+// that also writes the token's K/V row.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -40,9 +40,11 @@ bool cluster_kernels_available() {
   int st = state[dev].load(std::memory_order_relaxed);
   if (st == 0) {
     cudaFuncAttributes fa{};
+    // ptxVersion is the virtual architecture the code was compiled for (__CUDA_ARCH__);
+    // binaryVersion that of the code the driver loaded, which a PTX JIT sets to the device's.
     const bool ok = device_major(dev) >= 9 &&
                     cudaFuncGetAttributes(&fa, probe_kernel) == cudaSuccess &&
-                    fa.binaryVersion >= 90;
+                    fa.ptxVersion >= 90 && fa.binaryVersion >= 90;
     st = ok ? 1 : 2;
     state[dev].store(st, std::memory_order_relaxed);
   }

@@ -37,8 +37,8 @@ __device__ __forceinline__ void pdl_enter() {
 bool env_says_off(const char* name);
 
 /// Whether the current device runs thread-block-cluster kernels of this build: compute capability
-/// >= 9.0 and sm_90+ code in the binary (a PTX JIT from an older target compiles the cluster
-/// kernels' sm_90 bodies out). Read once per device.
+/// >= 9.0 and code compiled for a virtual architecture >= 9.0 (a PTX JIT from an older target
+/// would run the cluster kernels with their sm_90 bodies compiled out). Read once per device.
 bool cluster_kernels_available();
 
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither

@@ -295,6 +295,11 @@ class CudaDevice final : public Device {
                     const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                     int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
                     void* ws, size_t ws_bytes, void* q8_ws) override {
+    // The 8-bit blocks need the room the output projection's workspace has (ws is that one).
+    const int64_t n = static_cast<int64_t>(n_head) * head_dim;
+    if (q8_ws != ws || n % 32 != 0 ||
+        ws_bytes < gpu::matmul_workspace_bytes(GgmlType::Q8_0, n, 1, 1))
+      q8_ws = nullptr;
     return gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv,
                           head_dim, scale, out, ws, ws_bytes, st(s), q8_ws);
   }

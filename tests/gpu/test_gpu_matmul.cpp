@@ -389,12 +389,15 @@ TEST_CASE("gpu: the 8-bit blocks left by the attention decode kernel feed matmul
   const size_t wsb = std::max(gpu::matmul_workspace_bytes(GgmlType::Q4_K, q_dim, 515, 1),
                               gpu::attention_workspace_bytes(1, n_ctx, n_head, hd));
   Dev ws(wsb);
+  const bool saved = gpu::detail::attention_cluster_decode();
+  gpu::detail::attention_cluster_decode() = true;  // whatever BERTH_ATTN_CLUSTER says
   const bool wrote =
       gpu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), 1, dpos.as<int32_t>(),
                      kcache.as<uint16_t>(), vcache.as<uint16_t>(), n_ctx, n_head, n_head_kv, hd,
                      0.088f, out.as<float>(), ws.p, wsb, nullptr, ws.p);
   int major = 0;
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  gpu::detail::attention_cluster_decode() = saved;
   CHECK(wrote == (major >= 9));  // the cluster decode kernel writes them
   if (wrote) check_x_q8("attention", q_dim, out, ws, wsb, 300);
   // x_q8 serves one token only.

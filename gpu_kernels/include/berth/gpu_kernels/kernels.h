@@ -132,8 +132,10 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, i
 /// h / (n_head / n_head_kv). out [n_tok, n_head*head_dim]. positions: n_tok int32 in device
 /// memory, consecutive; the number of cache rows read is taken from them on the device, so one
 /// captured graph serves every decode position.
-/// q8_ws: null, or the workspace of the matmul_group that reads `out` next: the cluster decode
-/// kernel (n_tok == 1, head_dim % 32 == 0) then also writes out's 8-bit blocks there (the bits
+/// q8_ws: null, or the workspace of the matmul_group that reads `out` next (at least
+/// matmul_workspace_bytes of a quantized type for n_in = n_head * head_dim, one token): the
+/// cluster decode kernel (n_tok == 1, head_dim % 32 == 0, compute capability >= 9.0,
+/// detail::attention_cluster_decode() on) then also writes out's 8-bit blocks there (the bits
 /// quantize_act makes of out) and attention returns true; false: nothing written there.
 bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
@@ -167,7 +169,8 @@ void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool nor
 /// The router's matmul and moe_route_signal of one token in one launch (a thread block cluster;
 /// on devices without clusters the two launches): logits [1, n_expert] = W x, W [n_expert, n_in]
 /// of a float type (F32, F16, BF16; row-major, n_in contiguous) and x [1, n_in] f32, each logit
-/// the bits matmul computes; then as moe_route_signal (route [1, 2k], copies, flag).
+/// the bits matmul computes; then as moe_route_signal (route [1, 2k], copies, flag). Two
+/// launches (matmul's GEMV, moe_route_signal) without cluster kernels or past 4096 experts.
 /// Errors: Error(invalid_argument) for a quantized W, and as matmul and moe_route_signal.
 void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float* x,
                          int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
