@@ -355,7 +355,8 @@ __global__ void attn_combine_kernel(const float* ws_acc, const float* ws_ml, int
 // workspace, nor attn_combine_kernel.
 constexpr int kDecCluster = 8;  // portable cluster size
 constexpr int kDecGM = 4;       // query heads per block
-constexpr int kDecSlab = 8;     // cache rows per warp step (kDecSlab * kDecGM == 32)
+constexpr int kDecSlab = 8;     // cache rows per warp step
+static_assert(kDecSlab * kDecGM == 32, "a slab's scores are one per lane");
 
 // Dynamic shared memory of the decode kernel with W warps, in floats: per warp kDecGM x (m, l)
 // and kDecGM x hd accumulators, then the block's merged ones.
@@ -586,14 +587,14 @@ __global__ void __launch_bounds__(W * 32, 1)
 #endif
 }
 
-// The decode kernel instance for a head dim (pairs per lane, warps per block), or null when
-// head_dim > 256. 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
+// The decode kernel instance for a head dim <= 256 (attention() checks it): pairs per lane and
+// warps per block, 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
 using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*, uint32_t*,
                               uint32_t*, int64_t, int32_t, int32_t, int32_t, float, float*, int8_t*,
                               float4*);
 struct DecodeChoice {
-  DecodeKernel kernel = nullptr;
-  int warps = 0;
+  DecodeKernel kernel;
+  int warps;
 };
 DecodeChoice decode_kernel_for(int32_t head_dim) {
   if (head_dim <= 64) return {attention_decode_kernel<1, 16>, 16};

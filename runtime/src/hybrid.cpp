@@ -656,7 +656,8 @@ void HybridExecutor::stream_copy(const graph::Op& op, int buf) {
   }
 }
 
-void HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w) {
+bool HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w, void* q8_out,
+                                bool x_q8) {
   const graph::Graph& g = sp.g;
   const Op& op = g.ops[i];
   const graph::ValueInfo& oi = g.values[static_cast<size_t>(op.output)];
@@ -668,59 +669,63 @@ void HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* strea
     case OpKind::embed: {
       const TensorView& w = weights_[op.weight];
       dev_.embed(kMain, w.type, wdev(op.weight), w.ne[0], w.ne[1], tokens_dev_, rows, out);
-      return;
+      return false;
     }
     case OpKind::rms_norm: {
       const float* w =
           op.weight == graph::kNoWeight ? nullptr : static_cast<const float*>(wdev(op.weight));
       dev_.rms_norm(kMain, in(0), w, out, rows, cols, op.norm_group > 0 ? op.norm_group : cols,
                     op.eps);
-      return;
+      return false;
     }
     case OpKind::matmul: {
       const TensorView& w = weights_[op.weight];
-      dev_.matmul(kMain, w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, sp.ws,
-                  sp.ws_bytes);
-      return;
+      if (x_q8) {
+        const MatmulJob job{w.type, wdev(op.weight), w.n_rows(), out};
+        dev_.matmul_group_q8(kMain, &job, 1, w.ne[0], in(0), rows, sp.ws, sp.ws_bytes);
+      } else {
+        dev_.matmul(kMain, w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, sp.ws,
+                    sp.ws_bytes);
+      }
+      return false;
     }
     case OpKind::add:
       dev_.add(kMain, in(0), in(1), out, rows * cols);
-      return;
+      return false;
     case OpKind::swiglu:
       dev_.swiglu(kMain, in(0), in(1), out, rows * cols);
-      return;
+      return false;
     case OpKind::rope: {
       const graph::RopeParams& p = op.rope;
       dev_.rope(kMain, in(0), out, rows, p.n_head, p.head_dim, p.n_rot, p.freq_base,
                 p.mode == graph::RopeMode::neox, positions_dev_);
-      return;
+      return false;
     }
     case OpKind::attention: {
       const graph::AttentionParams& p = op.attn;
       const size_t l = static_cast<size_t>(p.layer);
-      dev_.attention(kMain, in(0), in(1), in(2), rows, positions_dev_, dev_k_.at(l), dev_v_.at(l),
-                     cpu_kv_.n_ctx(), p.n_head, p.n_head_kv, p.head_dim, p.scale, out, sp.ws,
-                     sp.ws_bytes);
-      return;
+      return dev_.attention_q8(kMain, in(0), in(1), in(2), rows, positions_dev_, dev_k_.at(l),
+                               dev_v_.at(l), cpu_kv_.n_ctx(), p.n_head, p.n_head_kv, p.head_dim,
+                               p.scale, out, sp.ws, sp.ws_bytes, q8_out);
     }
     case OpKind::take_last_rows: {
       const graph::ValueInfo& ii = g.values[static_cast<size_t>(op.inputs[0])];
       dev_.copy_d2d(kMain, out, in(0) + (ii.rows - rows) * cols,
                     static_cast<size_t>(rows * cols) * 4);
-      return;
+      return false;
     }
     case OpKind::add_bias:
       dev_.add_bias(kMain, in(0), static_cast<const float*>(wdev(op.weight)), out, rows, cols);
-      return;
+      return false;
     case OpKind::moe_route:
       dev_.moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights,
                      out);
-      return;
+      return false;
     case OpKind::moe_experts: {
       const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
       dev_.moe_experts(kMain, moe_weights(weights_, op.moe, stream_w ? stream_w : dw), in(0), in(1),
                        rows, sp.masks[i], out, sp.ws, sp.ws_bytes);
-      return;
+      return false;
     }
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
@@ -821,17 +826,19 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
     signalled[next_seg] = true;
     return true;
   };
+  const auto is_float_w = [&](graph::WeightId id) {
+    const GgmlType t = weights_[id].type;
+    return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
+  };
   // The router's matmul (op i, on the device, float weights) just before such a moe_route that
   // reads its output: both in one device operation (Device::router_route_signal).
   const auto router_route_signal = [&](size_t i) {
     const Op& mm = g.ops[i];
     if (mm.kind != OpKind::matmul || seg_after[i] || sp.streamed[i] || sp.host_w[i] ||
         i + 1 >= g.ops.size() || sp.op_home[i + 1] != Home::gpu ||
-        g.ops[i + 1].inputs[0] != mm.output || !signals_route(i + 1))
+        g.ops[i + 1].inputs[0] != mm.output || !is_float_w(mm.weight) || !signals_route(i + 1))
       return false;
     const TensorView& w = weights_[mm.weight];
-    if (w.type != GgmlType::F32 && w.type != GgmlType::F16 && w.type != GgmlType::BF16)
-      return false;
     const Op& op = g.ops[i + 1];
     const std::vector<HostCopy> out = copies_out(sp, sp.segs[next_seg]);
     dev_.router_route_signal(
@@ -849,10 +856,6 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
   // holds, good for the next device op only. (The residual add + norm kernels did it too for a
   // while: one block quantizing 64 groups took longer than the separate 64-warp launch.)
   ValueId q8_val = -1;
-  const auto is_float_w = [&](graph::WeightId id) {
-    const GgmlType t = weights_[id].type;
-    return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
-  };
   // Op j (the next device op) is a single matmul of one token, quantized weights, reading v:
   // its producer may leave v's 8-bit blocks in sp.ws.
   const auto q8_for = [&](size_t j, ValueId v) -> void* {
@@ -974,25 +977,11 @@ void HybridExecutor::enqueue_step(StepPlan& sp) {
                           weights_[g.ops[i].weight].ne[0], sp.dev_val[static_cast<size_t>(x)],
                           g.values[static_cast<size_t>(x)].rows, sp.ws, sp.ws_bytes);
         for (; i + 1 < end; ++i) launch_ready(static_cast<int32_t>(i));  // none fork here
-      } else if (op.kind == OpKind::matmul && q8_in >= 0 && op.inputs[0] == q8_in) {
-        const TensorView& w = weights_[op.weight];
-        const MatmulJob job{w.type, dev_weight_.at(static_cast<size_t>(op.weight)), w.n_rows(),
-                            sp.dev_val[static_cast<size_t>(op.output)]};
-        dev_.matmul_group_q8(kMain, &job, 1, w.ne[0], sp.dev_val[static_cast<size_t>(q8_in)], 1,
-                             sp.ws, sp.ws_bytes);
-      } else if (op.kind == OpKind::attention && q8_for(i + 1, op.output)) {
-        const graph::AttentionParams& p = op.attn;
-        const size_t l = static_cast<size_t>(p.layer);
-        const auto dv = [&](size_t j) { return sp.dev_val[static_cast<size_t>(op.inputs.at(j))]; };
-        if (dev_.attention_q8(kMain, dv(0), dv(1), dv(2),
-                              g.values[static_cast<size_t>(op.output)].rows, positions_dev_,
-                              dev_k_.at(l), dev_v_.at(l), cpu_kv_.n_ctx(), p.n_head, p.n_head_kv,
-                              p.head_dim, p.scale, sp.dev_val[static_cast<size_t>(op.output)],
-                              sp.ws, sp.ws_bytes, sp.ws))
-          q8_val = op.output;
       } else if (!router_route_signal(i) && !route_and_signal(i)) {
         const int a = profiling_ ? dev_.record(kMain) : -1;
-        enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr);
+        void* q8_out = op.kind == OpKind::attention ? q8_for(i + 1, op.output) : nullptr;
+        const bool x_q8 = op.kind == OpKind::matmul && q8_in >= 0 && op.inputs[0] == q8_in;
+        if (enqueue_op(sp, i, sp.host_w[i] ? host_w : nullptr, q8_out, x_q8)) q8_val = op.output;
         if (profiling_) marks_.push_back({g.ops[i].kind, {a, dev_.record(kMain)}});
       }
     }

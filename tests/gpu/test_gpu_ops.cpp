@@ -314,12 +314,28 @@ TEST_CASE("gpu: hand-off kernels copy to and from pinned memory around their fla
   cudaFreeHost(flags);
 }
 
+// A non-blocking stream and 16 bytes of page-locked host memory for hand-off flags, released
+// at the end of the scope.
+struct HandoffRig {
+  cudaStream_t st = nullptr;
+  uint32_t* flags = nullptr;
+  HandoffRig() {
+    ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+    ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 16, cudaHostAllocDefault), "cudaHostAlloc");
+  }
+  ~HandoffRig() {
+    cudaStreamDestroy(st);
+    cudaFreeHost(flags);
+  }
+  HandoffRig(const HandoffRig&) = delete;
+  HandoffRig& operator=(const HandoffRig&) = delete;
+};
+
 TEST_CASE("gpu: the fused hand-offs equal moe_route + copy_out and wait_copy_in + add_rms_norm") {
   REQUIRE_DEVICE();
-  cudaStream_t st = nullptr;
-  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-  uint32_t* flags = nullptr;
-  ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 16, cudaHostAllocDefault), "cudaHostAlloc");
+  const HandoffRig rig;
+  cudaStream_t st = rig.st;
+  uint32_t* flags = rig.flags;
   const auto wait_host = [&](uint32_t* f) {
     const auto t0 = std::chrono::steady_clock::now();
     while (std::atomic_ref<uint32_t>(*f).load(std::memory_order_acquire) != 1)
@@ -367,17 +383,14 @@ TEST_CASE("gpu: the fused hand-offs equal moe_route + copy_out and wait_copy_in 
   const auto s1 = sum1.down(), s2 = sum2.down(), o1 = out1.down(), o2 = out2.down();
   CHECK(std::memcmp(s1.data(), s2.data(), s1.size() * 4) == 0);
   CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
-  cudaStreamDestroy(st);
   cudaFreeHost(host);
-  cudaFreeHost(flags);
 }
 
 TEST_CASE("gpu: router_route_signal equals matmul + moe_route_signal bit for bit") {
   REQUIRE_DEVICE();
-  cudaStream_t st = nullptr;
-  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-  uint32_t* flags = nullptr;
-  ck(cudaHostAlloc(reinterpret_cast<void**>(&flags), 16, cudaHostAllocDefault), "cudaHostAlloc");
+  const HandoffRig rig;
+  cudaStream_t st = rig.st;
+  uint32_t* flags = rig.flags;
   struct Case {
     int32_t n_expert, k;
     int64_t n_in;
@@ -440,8 +453,6 @@ TEST_CASE("gpu: router_route_signal equals matmul + moe_route_signal bit for bit
   CHECK_THROWS_WITH(gpu::router_route_signal(GgmlType::Q8_0, nullptr, 64, nullptr, 8, 2, true,
                                              nullptr, nullptr, none, 0, &flags[0], 1, st),
                     doctest::Contains("gpu::router_route_signal"));
-  cudaStreamDestroy(st);
-  cudaFreeHost(flags);
 }
 
 TEST_CASE("gpu: rope, adjacent and neox, partial rotation, several positions") {

@@ -165,7 +165,11 @@ class HybridExecutor {
                  std::span<const int32_t> positions, bool select);
   void split_host_experts(StepPlan& sp) const;
   void enqueue_step(StepPlan& sp);
-  void enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr);
+  /// Enqueues op i on the device. q8_out (attention only): the workspace the next matmul reads,
+  /// where the op may also leave its output's 8-bit blocks (returns true when it did); x_q8
+  /// (single-token matmul only): its input's blocks are already there.
+  bool enqueue_op(StepPlan& sp, size_t i, const void* const* stream_w = nullptr,
+                  void* q8_out = nullptr, bool x_q8 = false);
   void stream_copy(const graph::Op& op, int buf);
   static void run_segment(void* arg);
   void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
