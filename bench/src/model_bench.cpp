@@ -131,7 +131,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
   for (const std::string& note :
-       device_option_notes(sp, o.handoff != "auto", o.warm_workers_us >= 0))
+       device_option_notes(*model, sp, o.handoff != "auto", o.warm_workers_us >= 0))
     log::warn("{}", note);
   r.placement = placed.plan.how;
   if (sp.device) {

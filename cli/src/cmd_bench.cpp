@@ -164,11 +164,7 @@ Runner add_bench(CLI::App& app) {
   m->add_flag("--profile", o->m.profile,
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");
-  m->add_option("--host-expert-share", o->m.host_expert_share,
-                "decode: the GPU computes this fraction of each CPU-held layer's experts by "
-                "reading them over PCIe from pinned host memory, while the CPU computes the rest "
-                "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
-      ->check(unit_fraction());
+  add_host_expert_share(*m, o->m.host_expert_share);
   m->add_option(
        "--warm-workers", o->m.warm_workers_us,
        "flag hand-off: the CPU workers spin with the calling thread for up to US "

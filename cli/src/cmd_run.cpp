@@ -182,7 +182,7 @@ int run(const RunOptions& o) {
   const PlacementSetup placed = place(*model, o.placement, params, true);
   params.hybrid.stream_experts_min_tokens = o.stream_min;
   params.hybrid.host_expert_share = o.host_expert_share;
-  for (const std::string& note : device_option_notes(params, false)) log::warn("{}", note);
+  for (const std::string& note : device_option_notes(*model, params, false)) log::warn("{}", note);
   log::info("{}", placed.summary());
   Session session(*model, params);
   log::info("{}: {} {}, {} layers, n_embd {}, vocab {}; context {} tokens, KV cache {:.1f} MiB",
@@ -245,11 +245,7 @@ Runner add_run(CLI::App& app) {
                   "streaming their weights (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
-  sub->add_option("--host-expert-share", o->host_expert_share,
-                  "decode: the GPU computes this fraction of each CPU-held layer's experts by "
-                  "reading them over PCIe from pinned host memory, while the CPU computes the rest "
-                  "(0: off; about PCIe / (PCIe + DRAM) bandwidth balances the two)")
-      ->check(unit_fraction());
+  add_host_expert_share(*sub, o->host_expert_share);
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
       ->capture_default_str()

@@ -71,4 +71,14 @@ CLI::Validator unit_fraction() {
       "FLOAT in [0 - 1]");
 }
 
+void add_host_expert_share(CLI::App& cmd, double& share) {
+  cmd.add_option("--host-expert-share", share,
+                 "decode: the GPU computes this fraction of each token's routed experts (the "
+                 "last round(F * n_expert_used) slots of its top-k, alternating between the two "
+                 "nearest counts over the layers) in every CPU-held MoE layer, copying their "
+                 "weights over PCIe from pinned host memory, while the CPU computes the other "
+                 "slots (0: off)")
+      ->check(unit_fraction());
+}
+
 }  // namespace berth::cli

@@ -20,4 +20,9 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f);
 /// compares false both ways). A usage error names the value.
 CLI::Validator unit_fraction();
 
+/// Registers `--host-expert-share F` (run and bench model; HybridOptions::host_expert_share):
+/// at decode the GPU computes the fraction F of each token's routed experts in every CPU-held
+/// MoE layer, copying their weights from pinned host memory, while the CPU computes the rest.
+void add_host_expert_share(CLI::App& cmd, double& share);
+
 }  // namespace berth::cli

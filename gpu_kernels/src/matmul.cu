@@ -138,11 +138,14 @@ __device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w,
   if (a.r.route == nullptr) return true;
   const int64_t p = blockIdx.y;
   const int64_t t = p / a.r.k, j = p % a.r.k;
+  if (j < a.r.slot_begin || j >= a.r.slot_end) return false;
   const float ev = a.r.route[t * 2 * a.r.k + j];
   if (!(ev >= 0.0f && ev < static_cast<float>(a.r.n_expert))) return false;
   const int e = static_cast<int>(ev);
   if (a.r.mask && a.r.mask[e] == 0) return false;
-  w += static_cast<size_t>(e) * a.r.expert_bytes;
+  const int64_t m =
+      a.r.by_slot ? t * (a.r.slot_end - a.r.slot_begin) + j - a.r.slot_begin : int64_t{e};
+  w += static_cast<size_t>(m) * a.r.expert_bytes;
   act0 = p / a.r.act_div;
   out0 = p;
   return true;

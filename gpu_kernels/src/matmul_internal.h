@@ -78,6 +78,11 @@ void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct
 /// Expert routing of a GEMV launch: one grid row per (token, slot) pair p = t * k + j; the
 /// weights are expert route[t * 2k + j]'s (skipped when masked out or invalid); the activation
 /// row is p / act_div and the output row p.
+/// A routed GEMV (moe_experts' decode path): grid row y = (token, slot) pair p = t * k + j; the
+/// pair's expert e = route[t, j] picks the matrix at w + e * expert_bytes (by_slot: at
+/// w + (t * (slot_end - slot_begin) + j - slot_begin) * expert_bytes, the order moe_experts
+/// stages them in); pairs whose slot is outside [slot_begin, slot_end), whose id is invalid or
+/// whose expert is masked out exit at once. Activation row p / act_div, output row p.
 struct GemvRoute {
   const float* route = nullptr;
   int k = 0;
@@ -86,6 +91,9 @@ struct GemvRoute {
   int n_expert = 0;
   int64_t pairs = 0;
   size_t expert_bytes = 0;
+  int slot_begin = 0;
+  int slot_end = 1 << 30;
+  bool by_slot = false;
 };
 
 /// out[t * out_stride + r] = W[r] . x[t] for r < n_out, t < n_tok (n_tok <= kGemvTok; 1 with a

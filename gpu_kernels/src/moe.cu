@@ -14,6 +14,10 @@
 // down. Its grid is (n_out / 64) x (an upper bound on the tile count, ceil(P / 64) + n_expert);
 // blocks past the real tile count exit. The combine reads each pair's row in slot order.
 // Everything is deterministic: each output element is computed by one thread in a fixed order.
+//
+// MoeSlots restricts both paths to a range of each token's slots. With `stage` (weights in
+// pinned host memory, one token), moe_stage_kernel first copies the selected experts' matrices
+// to the workspace in large coalesced reads, and the routed GEMVs address them by slot.
 #include <cuda_fp16.h>
 #include <mma.h>
 
@@ -36,9 +40,19 @@ constexpr int kBM = 64, kBN = 64, kBK = 32, kGemmThreads = 128;
 
 __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + __expf(-z)); }
 
-// Expert of slot j of token t, or -1 when invalid or masked out.
+// Which (token, slot) pairs a call computes: the expert mask and the slot range (MoeSlots).
+struct PairSel {
+  const uint8_t* mask;
+  int n_expert;
+  int sb, se;  // slots [sb, se)
+};
+
+// Expert of slot j of token t, or -1 when the slot is outside the range, invalid or masked out.
 __device__ __forceinline__ int slot_expert(const float* route, int64_t t, int k, int j,
-                                           const uint8_t* mask, int n_expert) {
+                                           const PairSel& sel) {
+  if (j < sel.sb || j >= sel.se) return -1;
+  const uint8_t* mask = sel.mask;
+  const int n_expert = sel.n_expert;
   const float ev = route[t * 2 * k + j];
   if (!(ev >= 0.0f && ev < static_cast<float>(n_expert))) return -1;
   const int e = static_cast<int>(ev);
@@ -49,19 +63,19 @@ __device__ __forceinline__ int slot_expert(const float* route, int64_t t, int k,
 // One warp. Outputs: expert_off / tile_off [n_expert + 1], list [valid pairs] (pair ids grouped
 // by expert), pos [P] (row of each pair in the list, -1 when skipped).
 __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok, int k,
-                                  const uint8_t* __restrict__ mask, int n_expert,
-                                  int32_t* __restrict__ expert_off, int32_t* __restrict__ tile_off,
-                                  int32_t* __restrict__ list, int32_t* __restrict__ pos) {
+                                  PairSel sel, int32_t* __restrict__ expert_off,
+                                  int32_t* __restrict__ tile_off, int32_t* __restrict__ list,
+                                  int32_t* __restrict__ pos) {
   pdl_enter();
   extern __shared__ int32_t cnt[];
   const int lane = threadIdx.x;
   const int64_t P = n_tok * k;
+  const int n_expert = sel.n_expert;
   for (int e = lane; e < n_expert; e += 32) cnt[e] = 0;
   __syncwarp();
   for (int64_t base = 0; base < P; base += 32) {
     const int64_t p = base + lane;
-    const int e =
-        p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), sel) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, e);
     if (e >= 0 && lane == __ffs(same) - 1) cnt[e] += __popc(same);
     __syncwarp();
@@ -83,8 +97,7 @@ __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok
   const unsigned lt = (1u << lane) - 1u;
   for (int64_t base = 0; base < P; base += 32) {
     const int64_t p = base + lane;
-    const int e =
-        p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) : -1;
+    const int e = p < P ? slot_expert(route, p / k, k, static_cast<int>(p % k), sel) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, e);
     if (p < P) {
       if (e >= 0) {
@@ -219,11 +232,10 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
 
 // g = silu(g) * u over the rows of valid pairs (float down weights in decode).
 __global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u, int64_t n,
-                                   const float* __restrict__ route, int k,
-                                   const uint8_t* __restrict__ mask, int n_expert) {
+                                   const float* __restrict__ route, int k, PairSel sel) {
   pdl_enter();
   const int64_t p = blockIdx.x;
-  if (slot_expert(route, p / k, k, static_cast<int>(p % k), mask, n_expert) < 0) return;
+  if (slot_expert(route, p / k, k, static_cast<int>(p % k), sel) < 0) return;
   for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
     const int64_t i = p * n + c;
     g[i] = silu_f(g[i]) * u[i];
@@ -231,8 +243,7 @@ __global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restric
 }
 
 // out[t] = sum over valid slots j, in slot order, of weight[t, j] * y[row of (t, j)].
-__global__ void moe_combine_kernel(const float* __restrict__ route, int k,
-                                   const uint8_t* __restrict__ mask, int n_expert,
+__global__ void moe_combine_kernel(const float* __restrict__ route, int k, PairSel sel,
                                    const int32_t* __restrict__ pos, const float* __restrict__ y,
                                    int64_t n_embd, float* __restrict__ out) {
   pdl_enter();
@@ -241,12 +252,61 @@ __global__ void moe_combine_kernel(const float* __restrict__ route, int k,
        c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
-      if (slot_expert(route, t, k, j, mask, n_expert) < 0) continue;
+      if (slot_expert(route, t, k, j, sel) < 0) continue;
       const int64_t p = t * k + j;
       const int64_t row = pos ? pos[p] : p;
       acc += route[t * 2 * k + k + j] * y[row * n_embd + c];
     }
     out[t * n_embd + c] = acc;
+  }
+}
+
+// Staging of host-held experts (MoeSlots::stage): for each slot s in [sel.sb, sel.se) of token 0
+// whose expert e is valid and not masked out, matrix z (gate, up, down) of expert e is copied
+// from src[z] + e * bytes[z] to dst[z] + (s - sb) * bytes[z]. grid (chunks, slots, 3): block x
+// copies kStageChunk bytes; each thread issues kStageLoads 16-byte loads before its stores, so
+// that many PCIe reads are in flight. `vec`: every source, destination and size is 16-byte
+// aligned; otherwise bytes are copied one by one.
+constexpr int kStageThreads = 256, kStageLoads = 8;
+constexpr size_t kStageChunk = size_t{kStageThreads} * kStageLoads * 16;
+
+struct StageArgs {
+  const uint8_t* src[3];
+  uint8_t* dst[3];
+  size_t bytes[3];
+  bool vec;
+};
+
+__global__ void __launch_bounds__(kStageThreads)
+    moe_stage_kernel(const float* __restrict__ route, int k, PairSel sel, StageArgs a) {
+  pdl_enter();
+  const int s = sel.sb + static_cast<int>(blockIdx.y);
+  const int e = slot_expert(route, 0, k, s, sel);
+  if (e < 0) return;
+  const int z = static_cast<int>(blockIdx.z);
+  const size_t bytes = a.bytes[z];
+  const size_t c0 = static_cast<size_t>(blockIdx.x) * kStageChunk;
+  if (c0 >= bytes) return;
+  const size_t n = bytes - c0 < kStageChunk ? bytes - c0 : kStageChunk;
+  const uint8_t* src = a.src[z] + static_cast<size_t>(e) * bytes + c0;
+  uint8_t* dst = a.dst[z] + static_cast<size_t>(blockIdx.y) * bytes + c0;
+  if (a.vec) {
+    const auto* s4 = reinterpret_cast<const uint4*>(src);
+    auto* d4 = reinterpret_cast<uint4*>(dst);
+    const size_t n4 = n / 16;
+    uint4 v[kStageLoads];
+#pragma unroll
+    for (int i = 0; i < kStageLoads; ++i) {
+      const size_t q = threadIdx.x + static_cast<size_t>(i) * kStageThreads;
+      if (q < n4) v[i] = s4[q];
+    }
+#pragma unroll
+    for (int i = 0; i < kStageLoads; ++i) {
+      const size_t q = threadIdx.x + static_cast<size_t>(i) * kStageThreads;
+      if (q < n4) d4[q] = v[i];
+    }
+  } else {
+    for (size_t i = threadIdx.x; i < n; i += kStageThreads) dst[i] = src[i];
   }
 }
 
@@ -262,16 +322,30 @@ void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
   launch("grouped_gemm_kernel", grouped_gemm_kernel<T>, grid, kGemmThreads, 0, s, a);
 }
 
+// Bytes of one expert's gate (z 0), up (1) or down (2) matrix.
+size_t matrix_bytes(const MoeWeights& w, int z) {
+  if (z == 2) return static_cast<size_t>(w.n_embd) * row_bytes(w.down_type, w.n_ff);
+  return static_cast<size_t>(w.n_ff) * row_bytes(z == 0 ? w.gate_type : w.up_type, w.n_embd);
+}
+
+// The end of the slot range (MoeSlots::end, -1: n_expert_used).
+int slot_end(const MoeWeights& w, const MoeSlots& slots) {
+  return slots.end < 0 ? w.n_expert_used : slots.end;
+}
+
 // Workspace layout of one call (both paths); total() is moe_workspace_bytes.
 struct MoeLayout {
   bool decode;
+  bool stage = false;                                            // decode, one token, staged
   size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                    // decode
+  size_t st[3] = {0, 0, 0};                                      // staged gate, up, down
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
   size_t end = 0;
 
-  MoeLayout(const MoeWeights& w, int64_t n_tok) {
+  MoeLayout(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) {
     const int64_t P = n_tok * w.n_expert_used;
     decode = n_tok <= moe_gemv_max_tok();
+    stage = decode && slots.stage && n_tok == 1;
     auto take = [&](size_t bytes) {
       const size_t at = end;
       end += align_up(bytes);
@@ -284,6 +358,12 @@ struct MoeLayout {
       u = take(static_cast<size_t>(P * w.n_ff) * 4);
       if (is_quantized(w.down_type)) aq = take(qact_bytes(P, w.n_ff));
       y = take(static_cast<size_t>(P * w.n_embd) * 4);
+      if (stage) {
+        const int64_t n_sel = slot_end(w, slots) - slots.begin;
+        st[0] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 0));
+        st[1] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 1));
+        st[2] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 2));
+      }
     } else {
       eoff = take(static_cast<size_t>(w.n_expert + 1) * 4);
       toff = take(static_cast<size_t>(w.n_expert + 1) * 4);
@@ -297,7 +377,13 @@ struct MoeLayout {
   }
 };
 
-void check_moe(const MoeWeights& w) {
+void check_moe(const MoeWeights& w, const MoeSlots& slots) {
+  if (slots.begin < 0 || slots.begin >= w.n_expert_used || slots.end < -1 ||
+      (slots.end >= 0 && (slots.end <= slots.begin || slots.end > w.n_expert_used)))
+    throw Error(ErrorCategory::invalid_argument,
+                "moe_experts: slots [" + std::to_string(slots.begin) + ", " +
+                    std::to_string(slots.end) + ") are not a non-empty range of the " +
+                    std::to_string(w.n_expert_used) + " used");
   if (w.n_expert < 1 || w.n_expert_used < 1 || w.n_expert_used > w.n_expert || w.n_embd < 1 ||
       w.n_ff < 1)
     throw Error(ErrorCategory::invalid_argument,
@@ -311,18 +397,19 @@ void check_moe(const MoeWeights& w) {
 
 }  // namespace
 
-size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) {
-  check_moe(w);
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) {
+  check_moe(w, slots);
   if (n_tok <= 0) return 0;
-  return MoeLayout(w, n_tok).end;
+  return MoeLayout(w, n_tok, slots).end;
 }
 
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream) {
-  check_moe(w);
+                 cudaStream_t stream, const MoeSlots& slots) {
+  check_moe(w, slots);
   if (n_tok <= 0) return;
-  const MoeLayout L(w, n_tok);
+  const MoeLayout L(w, n_tok, slots);
+  const PairSel sel{expert_mask, w.n_expert, slots.begin, slot_end(w, slots)};
   if (workspace_bytes < L.end || workspace == nullptr)
     throw Error(ErrorCategory::invalid_argument, "moe_experts: workspace of " +
                                                      std::to_string(workspace_bytes) + " bytes, " +
@@ -345,6 +432,29 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream);
     }
     auto* U = reinterpret_cast<float*>(ws + L.u);
+    const void* wg = w.gate;
+    const void* wu = w.up;
+    const void* wd = w.down;
+    if (L.stage) {
+      StageArgs sa{};
+      sa.vec = true;
+      const void* src[3] = {w.gate, w.up, w.down};
+      size_t most = 0;
+      for (int z = 0; z < 3; ++z) {
+        sa.src[z] = static_cast<const uint8_t*>(src[z]);
+        sa.dst[z] = ws + L.st[z];
+        sa.bytes[z] = matrix_bytes(w, z);
+        most = std::max(most, sa.bytes[z]);
+        sa.vec = sa.vec && sa.bytes[z] % 16 == 0 &&
+                 (reinterpret_cast<uintptr_t>(sa.src[z]) & 15) == 0 &&
+                 (reinterpret_cast<uintptr_t>(sa.dst[z]) & 15) == 0;
+      }
+      const dim3 grid(static_cast<unsigned>((most + kStageChunk - 1) / kStageChunk),
+                      static_cast<unsigned>(sel.se - sel.sb), 3);
+      launch("moe_stage_kernel", moe_stage_kernel, grid, kStageThreads, 0, stream, route, k, sel,
+             sa);
+      wg = sa.dst[0], wu = sa.dst[1], wd = sa.dst[2];
+    }
     GemvRoute r;
     r.route = route;
     r.k = k;
@@ -352,22 +462,25 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
     r.mask = expert_mask;
     r.n_expert = w.n_expert;
     r.pairs = P;
+    r.slot_begin = sel.sb;
+    r.slot_end = sel.se;
+    r.by_slot = L.stage;
     r.expert_bytes = gate_bytes;
-    gemv(w.gate_type, w.gate, w.n_embd, w.n_ff, h, hq, 1, G, w.n_ff, r, stream);
+    gemv(w.gate_type, wg, w.n_embd, w.n_ff, h, hq, 1, G, w.n_ff, r, stream);
     r.expert_bytes = up_bytes;
-    gemv(w.up_type, w.up, w.n_embd, w.n_ff, h, hq, 1, U, w.n_ff, r, stream);
+    gemv(w.up_type, wu, w.n_embd, w.n_ff, h, hq, 1, U, w.n_ff, r, stream);
     if (is_quantized(w.down_type)) {
       aq = qact_at(ws + L.aq, P, w.n_ff);
       quantize_act(G, U, P, w.n_ff, aq, stream);
     } else {
       launch("swiglu_rows_kernel", swiglu_rows_kernel, static_cast<unsigned>(P), 256, 0, stream, G,
-             U, w.n_ff, route, k, expert_mask, w.n_expert);
+             U, w.n_ff, route, k, sel);
     }
     r.act_div = 1;
     r.expert_bytes = down_bytes;
-    gemv(w.down_type, w.down, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
+    gemv(w.down_type, wd, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
     launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
-           route, k, expert_mask, w.n_expert, nullptr, Y, w.n_embd, out);
+           route, k, sel, nullptr, Y, w.n_embd, out);
     return;
   }
 
@@ -381,7 +494,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   auto* A = reinterpret_cast<__half*>(ws + L.a);
   auto* act = reinterpret_cast<__half*>(ws + L.act);
   launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(w.n_expert) * 4, stream,
-         route, n_tok, k, expert_mask, w.n_expert, eoff, toff, list, pos);
+         route, n_tok, k, sel, eoff, toff, list, pos);
   to_half(h, P, w.n_embd, list, k, eoff + w.n_expert, A, stream);
   const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + w.n_expert);
   GemmArgs a{};
@@ -419,7 +532,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
   BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
   launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
-         route, k, expert_mask, w.n_expert, pos, Y, w.n_embd, out);
+         route, k, sel, pos, Y, w.n_embd, out);
 }
 
 }  // namespace berth::gpu

@@ -309,9 +309,9 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
 
 namespace {
 
-// Columns [c0, c1) of out[t] for tokens [t0, t1): the sum over t's slots j (in slot order) whose
-// expert the op computes of weight[t, j] * y[t * k + j], from zero. One out-of-line function for
-// both of moe_experts' combines, so they round alike.
+// Columns [c0, c1) of out[t] for tokens [t0, t1): the sum over t's slots j (in slot order) that
+// the op computes (its slot range, an expert it computes) of weight[t, j] * y[t * k + j], from
+// zero. One out-of-line function for both of moe_experts' combines, so they round alike.
 [[gnu::noinline]] void moe_combine_rows(const float* route, int32_t k, const graph::MoeParams& p,
                                         const float* y_all, int64_t n_embd, int64_t t0, int64_t t1,
                                         int64_t c0, int64_t c1, float* out) {
@@ -320,7 +320,7 @@ namespace {
     std::fill(o + c0, o + c1, 0.0f);
     for (int32_t j = 0; j < k; ++j) {
       const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
-      if (!p.has_expert(e)) continue;
+      if (!p.has_expert(e) || !p.has_slot(j)) continue;
       const float w = route[t * 2 * k + k + j];
       const float* y = y_all + (t * k + j) * n_embd;
       for (int64_t c = c0; c < c1; ++c) o[c] += w * y[c];
@@ -353,7 +353,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
       const auto e = static_cast<int32_t>(idf);
       if (!(idf >= 0.0f) || e >= p.n_expert || static_cast<float>(e) != idf)
         throw Error(ErrorCategory::internal, fmt::format("moe route holds expert id {}", idf));
-      if (p.has_expert(e)) ++moe_first_[static_cast<size_t>(e) + 1];
+      if (p.has_expert(e) && p.has_slot(j)) ++moe_first_[static_cast<size_t>(e) + 1];
     }
   for (int32_t e = 0; e < p.n_expert; ++e) moe_first_[e + 1] += moe_first_[e];
   const int64_t n_pairs = moe_first_[static_cast<size_t>(p.n_expert)];
@@ -364,7 +364,8 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     for (int64_t t = 0; t < n_tok; ++t)
       for (int32_t j = 0; j < k; ++j) {
         const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
-        if (p.has_expert(e)) moe_slots_[static_cast<size_t>(fill[e]++)] = t * k + j;
+        if (p.has_expert(e) && p.has_slot(j))
+          moe_slots_[static_cast<size_t>(fill[e]++)] = t * k + j;
       }
   }
 

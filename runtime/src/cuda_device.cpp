@@ -322,12 +322,13 @@ class CudaDevice final : public Device {
                              value, st(s));
   }
 
-  size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) override {
-    return gpu::moe_workspace_bytes(w, n_tok);
+  size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) override {
+    return gpu::moe_workspace_bytes(w, n_tok, slots);
   }
   void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
-                   const uint8_t* mask, float* out, void* ws, size_t ws_bytes) override {
-    gpu::moe_experts(w, h, route, n_tok, mask, out, ws, ws_bytes, st(s));
+                   const uint8_t* mask, const MoeSlots& slots, float* out, void* ws,
+                   size_t ws_bytes) override {
+    gpu::moe_experts(w, h, route, n_tok, mask, out, ws, ws_bytes, st(s), slots);
   }
   void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) override {
     gpu::argmax(logits, rows, n_vocab, ids, st(s));

@@ -276,14 +276,18 @@ Home HybridExecutor::op_home(const graph::Graph& g, size_t i) {
 
 void HybridExecutor::split_host_experts(StepPlan& sp) const {
   // Each moe_experts op whose experts live on the CPU, whose input comes from a device-held norm
-  // and that is not streamed becomes: the CPU's share (the op over the other experts), the
-  // device's share (the op over every 1/f-th expert, weights read from the pinned host copy) and
-  // an add. The graph's contract: ops over disjoint expert sets add up to the layer.
+  // and that is not streamed becomes: the CPU's share (the op over the first slots of each
+  // token's route), the device's share (the op over its last slots, weights read from the pinned
+  // host copy) and an add. The graph's contract: ops over disjoint slot ranges add up to the
+  // layer. The c-th split layer gives the device round((c + 1) f k) - round(c f k) of its k
+  // slots, so every token's work divides the same way (an expert-id split left a token's share
+  // to chance) and a fractional f k alternates between its neighbours over the layers.
   graph::Graph& g = sp.g;
   const double f = opt_.host_expert_share;
   std::vector<Op> ops;
   std::vector<int32_t> producer(g.values.size(), -1);
   sp.orig_index.clear();
+  int64_t n_split = 0;  // layers considered so far
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
     const int32_t p =
@@ -297,24 +301,26 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
         weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
         g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
     Op cpu_op = op, dev_op = op;
+    int32_t n_dev = 0, n_cpu = 1;
     if (split) {
-      cpu_op.moe.experts.clear();
-      dev_op.moe.experts.clear();
-      // Every 1/f-th expert (evenly spread over the ids), among those the op computes.
-      int64_t taken = 0, seen = 0;
-      for (int32_t e = 0; e < op.moe.n_expert; ++e) {
-        if (!op.moe.has_expert(e)) continue;
-        ++seen;
-        const bool dev = static_cast<int64_t>(static_cast<double>(seen) * f) > taken;
-        taken += dev;
-        (dev ? dev_op : cpu_op).moe.experts.push_back(e);
-      }
+      const int32_t sb = op.moe.slot_begin;
+      const int32_t se = op.moe.slot_end < 0 ? op.moe.n_expert_used : op.moe.slot_end;
+      const double per = f * (se - sb);
+      const auto upto = [&](int64_t c) {
+        return static_cast<int32_t>(std::floor(static_cast<double>(c) * per + 0.5));
+      };
+      n_dev = std::clamp(upto(n_split + 1) - upto(n_split), 0, se - sb);
+      n_cpu = se - sb - n_dev;
+      ++n_split;
+      cpu_op.moe.slot_begin = sb;
+      cpu_op.moe.slot_end = se - n_dev;
+      dev_op.moe.slot_begin = se - n_dev;
+      dev_op.moe.slot_end = se;
     }
-    // An empty expert list means "all experts" (graph.h), so a side left with none must not
-    // become an op: the device taking none is no split, the CPU taking none leaves the whole op
-    // to the device (reading host memory).
-    if (!split || dev_op.moe.experts.empty() || cpu_op.moe.experts.empty()) {
-      const bool all_dev = split && !dev_op.moe.experts.empty();
+    // A side left with no slot must not become an op: the device taking none is no split, the
+    // CPU taking none leaves the whole op to the device (reading host memory).
+    if (!split || n_dev == 0 || n_cpu == 0) {
+      const bool all_dev = split && n_dev > 0;
       sp.orig_index.push_back(static_cast<int32_t>(ops.size()));
       producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size());
       ops.push_back(op);
@@ -362,9 +368,14 @@ MoeWeights moe_weights(const graph::WeightTable& w, const graph::MoeParams& p,
   return m;
 }
 
-// Workspace the op needs on the device.
+// A moe_experts op's slot range; `host_w`: its weights are the pinned host copy (staged).
+MoeSlots moe_slots(const Op& op, bool host_w) {
+  return MoeSlots{.begin = op.moe.slot_begin, .end = op.moe.slot_end, .stage = host_w};
+}
+
+// Workspace the op needs on the device (`host_w`: it reads the pinned host copy of its weights).
 size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable& w, const Op& op,
-                    int64_t n_ctx) {
+                    int64_t n_ctx, bool host_w) {
   const int64_t rows = g.values[static_cast<size_t>(op.output)].rows;
   switch (op.kind) {
     case OpKind::matmul: {
@@ -373,9 +384,8 @@ size_t op_workspace(Device& dev, const graph::Graph& g, const graph::WeightTable
     }
     case OpKind::attention:
       return dev.attention_workspace_bytes(rows, n_ctx, op.attn.n_head, op.attn.head_dim);
-    case OpKind::moe_experts: {
-      return dev.moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows);
-    }
+    case OpKind::moe_experts:
+      return dev.moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows, moe_slots(op, host_w));
     default:
       return 0;
   }
@@ -558,8 +568,8 @@ HybridExecutor::StepPlan& HybridExecutor::plan_for(const graph::Graph& model_gra
   sp.ws_bytes = 0;
   for (size_t i = 0; i < n_ops; ++i)
     if (sp.op_home[i] == Home::gpu)
-      sp.ws_bytes =
-          std::max(sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx()));
+      sp.ws_bytes = std::max(
+          sp.ws_bytes, op_workspace(dev_, g, weights_, g.ops[i], cpu_kv_.n_ctx(), sp.host_w[i]));
   try {
     size_t stage = 0;
     for (size_t i = 0; i < n_ops; ++i)
@@ -724,7 +734,7 @@ bool HybridExecutor::enqueue_op(StepPlan& sp, size_t i, const void* const* strea
     case OpKind::moe_experts: {
       const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
       dev_.moe_experts(kMain, moe_weights(weights_, op.moe, stream_w ? stream_w : dw), in(0), in(1),
-                       rows, sp.masks[i], out, sp.ws, sp.ws_bytes);
+                       rows, sp.masks[i], moe_slots(op, sp.host_w[i]), out, sp.ws, sp.ws_bytes);
       return false;
     }
   }
@@ -1215,7 +1225,7 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
   const graph::WeightTable& w = model.weights();
   for (const Op& op : g.ops) {
     if (dev) {
-      ws = std::max(ws, op_workspace(*dev, g, w, op, n_ctx));
+      ws = std::max(ws, op_workspace(*dev, g, w, op, n_ctx, false));
     } else if (op.kind == OpKind::matmul || op.kind == OpKind::moe_experts) {
       const TensorView& t = w[op.kind == OpKind::matmul ? op.weight : op.moe.gate];
       ws = std::max(ws, (size_t{64} << 20) + static_cast<size_t>(n_ubatch * t.ne[0]) * 8);

@@ -85,10 +85,28 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   return s;
 }
 
-std::vector<std::string> device_option_notes(const SessionParams& params, bool handoff_set,
-                                             bool warm_set) {
+std::vector<std::string> device_option_notes(const Model& model, const SessionParams& params,
+                                             bool handoff_set, bool warm_set) {
   std::vector<std::string> out;
-  if (params.device) return out;
+  if (params.device) {
+    // The expert options act on stacked expert tensors (ne[2] > 1) that stay on the CPU.
+    const graph::WeightTable& w = model.weights();
+    bool cpu_experts = false;
+    for (size_t i = 0; i < w.size() && i < params.weight_home.size(); ++i)
+      cpu_experts =
+          cpu_experts || (params.weight_home[i] == placement::Home::cpu && w[i].ne[2] > 1);
+    if (cpu_experts) return out;
+    const char* none =
+        "has no effect: no expert tensor stays on the CPU (--cpu-moe or "
+        "--n-cpu-moe N keeps some there)";
+    if (params.hybrid.stream_experts_min_tokens > 0)
+      out.push_back(
+          fmt::format("--stream-experts {} {}", params.hybrid.stream_experts_min_tokens, none));
+    if (params.hybrid.host_expert_share > 0)
+      out.push_back(
+          fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, none));
+    return out;
+  }
   const char* why = "has no effect: no GPU holds any weight or KV cache";
   if (params.hybrid.stream_experts_min_tokens > 0)
     out.push_back(

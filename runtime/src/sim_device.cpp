@@ -245,16 +245,19 @@ class SimDevice final : public Device {
       }
     });
   }
-  size_t moe_workspace_bytes(const MoeWeights& w, int64_t) override {
+  // Host and device memory are one here, so MoeSlots::stage needs no copy (and no room).
+  size_t moe_workspace_bytes(const MoeWeights& w, int64_t, const MoeSlots&) override {
     const size_t a = std::max(cpu::activation_row_bytes(w.gate_type, w.n_embd),
                               cpu::activation_row_bytes(w.up_type, w.n_embd));
     const size_t b = cpu::activation_row_bytes(w.down_type, w.n_ff);
     return a + b + static_cast<size_t>(3 * w.n_ff + w.n_embd) * 4 + 256;
   }
   void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
-                   const uint8_t* mask, float* out, void* ws, size_t) override {
+                   const uint8_t* mask, const MoeSlots& slots, float* out, void* ws,
+                   size_t) override {
     enqueue(s, [=] {
       const int32_t k = w.n_expert_used;
+      const int32_t sb = slots.begin, se = slots.end < 0 ? k : slots.end;
       const size_t gate_row = row_bytes(w.gate_type, w.n_embd);
       const size_t up_row = row_bytes(w.up_type, w.n_embd);
       const size_t down_row = row_bytes(w.down_type, w.n_ff);
@@ -270,7 +273,7 @@ class SimDevice final : public Device {
       for (int64_t t = 0; t < n_tok; ++t) {
         float* o = out + t * w.n_embd;
         std::fill(o, o + w.n_embd, 0.0f);
-        for (int32_t j = 0; j < k; ++j) {
+        for (int32_t j = sb; j < se; ++j) {
           const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
           if (e < 0 || e >= w.n_expert || !mask[e]) continue;
           const float wt = route[t * 2 * k + k + j];

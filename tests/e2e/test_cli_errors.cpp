@@ -208,6 +208,23 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --host-expert-share 0.5");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--host-expert-share 0.5 has no effect") != std::string::npos);
+  // ... and when no expert tensor stays on the CPU (every weight on the simulated device).
+  const std::string moe_model =
+      shell_quote((berth::test::temp_dir("cli-errors") / "tiny-qwen3moe.gguf").string());
+  REQUIRE(
+      run_command(bin + " synth --preset tiny-qwen3moe --type q8_0 -o " + moe_model).exit_code ==
+      0);
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
+                  "-ngl 99 --host-expert-share 0.5 --stream-experts 64");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--host-expert-share 0.5 has no effect: no expert tensor stays on the CPU") !=
+        std::string::npos);
+  CHECK(r.err.find("--stream-experts 64 has no effect: no expert tensor stays on the CPU") !=
+        std::string::npos);
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
+                  "-ngl 99 --cpu-moe --host-expert-share 0.5");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("has no effect") == std::string::npos);
   // An unknown subcommand is named, with the choices.
   r = run_command(bin + " bench foo");
   CHECK(r.exit_code == 2);

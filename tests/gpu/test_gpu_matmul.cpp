@@ -499,12 +499,14 @@ struct MoeCase {
       }
     return r;
   }
+  // Slots [s0, s1) of each token (s1 -1: all).
   std::vector<double> reference(const std::vector<float>& h, const std::vector<float>& r,
-                                int64_t n_tok, const std::vector<uint8_t>& mask) const {
+                                int64_t n_tok, const std::vector<uint8_t>& mask, int s0 = 0,
+                                int s1 = -1) const {
     std::vector<double> out(static_cast<size_t>(n_tok * n_embd), 0.0);
     std::vector<double> a(static_cast<size_t>(n_ff));
     for (int64_t t = 0; t < n_tok; ++t)
-      for (int j = 0; j < k; ++j) {
+      for (int j = s0; j < (s1 < 0 ? k : s1); ++j) {
         const int e = static_cast<int>(r[static_cast<size_t>(t * 2 * k + j)]);
         if (!mask[static_cast<size_t>(e)]) continue;
         const double wt = r[static_cast<size_t>(t * 2 * k + k + j)];
@@ -528,18 +530,21 @@ struct MoeCase {
   }
 };
 
-// Runs moe_experts with the decode (GEMV) or prefill (grouped GEMM) path forced.
+// Runs moe_experts with the decode (GEMV) or prefill (grouped GEMM) path forced; `w` (default:
+// mc's device copy) may point at pinned host memory.
 std::vector<float> run_moe(const MoeCase& mc, const Dev& h, const Dev& route, int64_t n_tok,
-                           const std::vector<uint8_t>& mask, bool decode_path) {
+                           const std::vector<uint8_t>& mask, bool decode_path,
+                           const gpu::MoeSlots& slots = {},
+                           const gpu::MoeWeights* weights = nullptr) {
   gpu::detail::moe_gemv_max_tok() = decode_path ? 1 << 30 : 0;
-  const auto w = mc.weights();
-  const size_t wsb = gpu::moe_workspace_bytes(w, n_tok);
+  const auto w = weights ? *weights : mc.weights();
+  const size_t wsb = gpu::moe_workspace_bytes(w, n_tok, slots);
   Dev ws(wsb), dm(mask.size()), out(static_cast<size_t>(n_tok * mc.n_embd) * 4);
   dm.put(mask);
   out.poison();
   ws.poison();
   gpu::moe_experts(w, h.as<float>(), route.as<float>(), n_tok, dm.as<uint8_t>(), out.as<float>(),
-                   ws.p, wsb, nullptr);
+                   ws.p, wsb, nullptr, slots);
   CUDA_OK(cudaDeviceSynchronize());
   return out.get<float>(static_cast<size_t>(n_tok * mc.n_embd));
 }
@@ -599,6 +604,85 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
         CHECK(std::memcmp(full.data(), again.data(), full.size() * 4) == 0);
       }
     }
+  }
+  gpu::detail::moe_gemv_max_tok() = saved;
+}
+
+// Pinned host memory holding a copy of `v` (cudaMallocHost: device-readable through UVA).
+struct Pinned {
+  void* p = nullptr;
+  explicit Pinned(const std::vector<uint8_t>& v) {
+    CUDA_OK(cudaMallocHost(&p, v.size()));
+    std::memcpy(p, v.data(), v.size());
+  }
+  ~Pinned() { cudaFreeHost(p); }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+};
+
+TEST_CASE("gpu moe_experts: slot ranges, and experts staged from pinned host memory") {
+  REQUIRE_DEVICE();
+  const int saved = gpu::detail::moe_gemv_max_tok();
+  MoeCase mc(GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K);
+  const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0};
+  Pinned hg(mc.gq), hu(mc.uq), hd(mc.dq);
+  gpu::MoeWeights hw = mc.weights();
+  hw.gate = hg.p;
+  hw.up = hu.p;
+  hw.down = hd.p;
+  for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
+    CAPTURE(n_tok);
+    const auto h = gaussian(static_cast<size_t>(n_tok * mc.n_embd), 700 + n_tok, 1.0f, 0.05f);
+    const auto r = mc.route(n_tok);
+    Dev dh(h.size() * 4), dr(r.size() * 4);
+    dh.put(h);
+    dr.put(r);
+    for (bool dec : {true, false}) {
+      CAPTURE(dec);
+      const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
+      const auto full = run_moe(mc, dh, dr, n_tok, all, dec);
+      // Slots [0, 1) and [1, 3): each against the reference over its slots, and their sum
+      // against the whole call (the slot sums regrouped).
+      const auto first = run_moe(mc, dh, dr, n_tok, all, dec, {0, 1});
+      const auto rest = run_moe(mc, dh, dr, n_tok, all, dec, {1, -1});
+      const double e_first = nmse_d(mc.reference(h, r, n_tok, all, 0, 1), first);
+      const double e_rest = nmse_d(mc.reference(h, r, n_tok, all, 1, 3), rest);
+      CAPTURE(e_first);
+      CAPTURE(e_rest);
+      CHECK(e_first <= tol);
+      CHECK(e_rest <= tol);
+      std::vector<float> sum(full.size());
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] = first[i] + rest[i];
+      CHECK(nmse(full.data(), sum.data(), sum.size()) <= kTolMoeSplit);
+      // Slots and the expert mask together.
+      const auto both = run_moe(mc, dh, dr, n_tok, keep, dec, {1, 3});
+      const double e_both = nmse_d(mc.reference(h, r, n_tok, keep, 1, 3), both);
+      CAPTURE(e_both);
+      CHECK(e_both <= tol);
+      // Weights read from pinned host memory: in place, or staged (one token; more tokens
+      // ignore `stage`). The same kernels on the same bytes: the same bits.
+      for (bool stage : {false, true}) {
+        CAPTURE(stage);
+        const auto host_rest = run_moe(mc, dh, dr, n_tok, all, dec, {1, -1, stage}, &hw);
+        CHECK(std::memcmp(host_rest.data(), rest.data(), rest.size() * 4) == 0);
+        const auto host_both = run_moe(mc, dh, dr, n_tok, keep, dec, {1, 3, stage}, &hw);
+        CHECK(std::memcmp(host_both.data(), both.data(), both.size() * 4) == 0);
+      }
+    }
+  }
+  // Staging (decode path, one token) needs room for the selected experts' matrices.
+  gpu::detail::moe_gemv_max_tok() = 1 << 30;
+  const gpu::MoeWeights w = mc.weights();
+  const size_t one = row_bytes(GgmlType::Q4_K, mc.n_embd) * static_cast<size_t>(2 * mc.n_ff) +
+                     row_bytes(GgmlType::Q6_K, mc.n_ff) * static_cast<size_t>(mc.n_embd);
+  CHECK(gpu::moe_workspace_bytes(w, 1, {1, 3, true}) >= gpu::moe_workspace_bytes(w, 1) + 2 * one);
+  CHECK(gpu::moe_workspace_bytes(w, 2, {1, 3, true}) == gpu::moe_workspace_bytes(w, 2));
+  // Bad slot ranges are refused by name.
+  for (const auto& bad :
+       {gpu::MoeSlots{2, 2}, gpu::MoeSlots{-1, 2}, gpu::MoeSlots{0, 4}, gpu::MoeSlots{3, -1}}) {
+    CAPTURE(bad.begin);
+    CAPTURE(bad.end);
+    CHECK_THROWS_WITH_AS(gpu::moe_workspace_bytes(w, 1, bad), doctest::Contains("slots"), Error);
   }
   gpu::detail::moe_gemv_max_tok() = saved;
 }
@@ -724,6 +808,79 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
   gpu::detail::gemv_max_tok() = saved;
   gpu::detail::gemv_max_tok_float() = saved_f;
   gpu::detail::moe_gemv_max_tok() = saved_moe;
+}
+
+TEST_CASE("gpu moe_experts timing, weights in pinned host memory" * doctest::skip()) {
+  REQUIRE_DEVICE();
+  // One decode token of a 128-expert, 2048 -> 768 layer (Q4_K gate/up, Q6_K down, as the
+  // synthetic qwen3-30b-a3b), computing the last n of its 8 slots with the weights read over
+  // PCIe: in place by the GEMVs, or staged to the workspace first.
+  gpu::MoeWeights w{};
+  w.gate_type = w.up_type = GgmlType::Q4_K;
+  w.down_type = GgmlType::Q6_K;
+  w.n_embd = 2048;
+  w.n_ff = 768;
+  w.n_expert = 128;
+  w.n_expert_used = 8;
+  const size_t gb = row_bytes(GgmlType::Q4_K, 2048) * 768,
+               db = row_bytes(GgmlType::Q6_K, 768) * 2048;
+  void *g, *u, *d;
+  CUDA_OK(cudaMallocHost(&g, gb * 128));
+  CUDA_OK(cudaMallocHost(&u, gb * 128));
+  CUDA_OK(cudaMallocHost(&d, db * 128));
+  std::memset(g, 0x11, gb * 128);
+  std::memset(u, 0x11, gb * 128);
+  std::memset(d, 0x11, db * 128);
+  w.gate = g;
+  w.up = u;
+  w.down = d;
+  std::vector<uint8_t> mask(128, 1);
+  Dev dm(128), dr(16 * 4), dh(2048 * 4), o(2048 * 4), copy(3 * gb);
+  dm.put(mask);
+  dh.put(gaussian(2048, 9));
+  std::mt19937_64 rng(3);
+  int reps_seen = 0;
+  for (int n : {1, 2, 3, 8}) {
+    for (int stage = 0; stage < 2; ++stage) {
+      const gpu::MoeSlots slots{8 - n, -1, stage == 1};
+      const size_t wsb = gpu::moe_workspace_bytes(w, 1, slots);
+      Dev ws(wsb);
+      // A new route per call (distinct experts), so that no expert's bytes sit in L2.
+      std::vector<std::vector<float>> routes;
+      for (int rep = 0; rep < 21; ++rep) {
+        std::vector<int> ids(128);
+        for (int i = 0; i < 128; ++i) ids[static_cast<size_t>(i)] = i;
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<float> r(16);
+        for (int j = 0; j < 8; ++j) {
+          r[static_cast<size_t>(j)] = static_cast<float>(ids[static_cast<size_t>(j)]);
+          r[static_cast<size_t>(8 + j)] = 0.125f;
+        }
+        routes.push_back(r);
+      }
+      Dev dra(21 * 16 * 4);
+      std::vector<float> flat;
+      for (auto& r : routes) flat.insert(flat.end(), r.begin(), r.end());
+      dra.put(flat);
+      reps_seen = 0;
+      const double ms = time_ms([&] {
+        const float* rt = dra.as<float>() + 16 * (reps_seen++ % 21);
+        gpu::moe_experts(w, dh.as<float>(), rt, 1, dm.as<uint8_t>(), o.as<float>(), ws.p, wsb,
+                         nullptr, slots);
+      });
+      CUDA_OK(cudaDeviceSynchronize());
+      const double bytes = static_cast<double>(n) * static_cast<double>(2 * gb + db);
+      std::printf("moe host weights, %d of 8 slots, %s: %.1f us, %.1f GB/s of weights\n", n,
+                  stage ? "staged" : "in place", ms * 1e3, bytes / ms / 1e6);
+    }
+  }
+  const double ms = time_ms(
+      [&] { CUDA_OK(cudaMemcpyAsync(copy.p, g, 3 * gb, cudaMemcpyHostToDevice, nullptr)); });
+  std::printf("cudaMemcpy pinned -> device, %.2f MB: %.1f us, %.1f GB/s\n", 3.0 * gb / 1e6,
+              ms * 1e3, 3.0 * gb / ms / 1e6);
+  cudaFreeHost(g);
+  cudaFreeHost(u);
+  cudaFreeHost(d);
 }
 
 }  // namespace

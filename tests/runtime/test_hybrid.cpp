@@ -494,10 +494,17 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   }
   CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
   CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
+  // The device's slots per layer: 0.25 of k = 2 is half a slot, so the first layer gives it
+  // round(0.5) = 1 and the second round(1.0) - 1 = 0 (that layer stays whole on the CPU).
+  REQUIRE(model->hparams().n_layer == 2);
+  SessionParams sq = on_device(dev.get(), h, 64, 1);
+  sq.hybrid.host_expert_share = 0.25;
+  Session s_quarter(*model, sq);
+  s_quarter.eval(std::span<const int32_t>(&tok, 1));
+  CHECK(s_quarter.hybrid()->host_expert_ops() == 1);
 
-  // A share that leaves one side no expert (an empty list would mean "all experts" and count
-  // the layer twice): 0.01 of 4 experts gives the device none (no split), 1 gives it all (no
-  // CPU op). Both match the run without the share.
+  // A share that leaves one side no slot: 0.01 of 2 slots gives the device none (no split), 1
+  // gives it all (no CPU op). Both match the run without the share.
   const Run ref = greedy(*model, prompt, 8, dev.get(), &h, 512);
   for (const double share : {0.01, 1.0}) {
     CAPTURE(share);

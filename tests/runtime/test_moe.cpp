@@ -90,14 +90,31 @@ struct MoeFixture {
     id_down = wt.add(down.view);
   }
 
-  graph::MoeParams params(std::vector<int32_t> experts = {}) const {
+  graph::MoeParams params(std::vector<int32_t> experts = {}, int32_t slot_begin = 0,
+                          int32_t slot_end = -1) const {
     return graph::MoeParams{.n_expert = kExperts,
                             .n_expert_used = kUsed,
                             .norm_weights = true,
                             .gate = id_gate,
                             .up = id_up,
                             .down = id_down,
-                            .experts = std::move(experts)};
+                            .experts = std::move(experts),
+                            .slot_begin = slot_begin,
+                            .slot_end = slot_end};
+  }
+
+  // As build, with one op per range of route slots [first, second) instead.
+  graph::Graph build_slots(int32_t n_tok, const std::vector<std::pair<int32_t, int32_t>>& ranges,
+                           std::vector<int32_t> experts = {}) const {
+    graph::Builder b(wt, n_tok);
+    graph::ValueId h = b.embed(id_embd, "h");
+    graph::ValueId route = b.moe_route(b.matmul(h, id_router, "router"), params(), "route");
+    graph::ValueId out = graph::kNoValue;
+    for (const auto& [s0, s1] : ranges) {
+      graph::ValueId part = b.moe_experts(h, route, params(experts, s0, s1), "moe");
+      out = out == graph::kNoValue ? part : b.add(out, part, "sum");
+    }
+    return b.finish(out);
   }
 
   // Graph: h = embed(token); route = moe_route(router h); out = sum of moe_experts over the
@@ -276,6 +293,31 @@ TEST_CASE("moe_experts over disjoint expert sets adds up to the whole layer") {
   CHECK(std::all_of(dead.begin(), dead.end(), [](float v) { return v == 0.0f; }));
 }
 
+TEST_CASE("moe_experts over disjoint slot ranges adds up to the whole layer") {
+  MoeFixture fx(GgmlType::Q8_0);
+  ThreadPool pool(2);
+  for (const int32_t n : {1, 40}) {
+    CAPTURE(n);
+    const std::vector<int32_t> tokens = token_batch(n, 11);
+    const std::vector<float> whole = run(pool, fx.wt, fx.build(n, {{}}), tokens);
+    // With k = 2, slot 0's op gives w0 y0 and slot 1's w1 y1; the whole op sums 0 + w0 y0 +
+    // w1 y1 in slot order and the add sums w0 y0 + w1 y1: the same bits.
+    CHECK(run(pool, fx.wt, fx.build_slots(n, {{0, 1}, {1, -1}}), tokens) == whole);
+    CHECK(run(pool, fx.wt, fx.build_slots(n, {{0, 2}}), tokens) == whole);
+    // Slot ranges and expert sets combine: the first slot over two halves of the experts.
+    const std::vector<float> first = run(pool, fx.wt, fx.build_slots(n, {{0, 1}}), tokens);
+    std::vector<float> halves = run(pool, fx.wt, fx.build_slots(n, {{0, 1}}, {0, 1, 2, 3}), tokens);
+    const std::vector<float> upper =
+        run(pool, fx.wt, fx.build_slots(n, {{0, 1}}, {4, 5, 6, 7}), tokens);
+    for (size_t i = 0; i < halves.size(); ++i) halves[i] += upper[i];
+    CHECK(halves == first);  // each token's slot 0 is in exactly one half: x + 0 == x
+    const bool any_nonzero =
+        std::any_of(first.begin(), first.end(), [](float v) { return v != 0.0f; });
+    CHECK(any_nonzero);
+    CHECK(first != whole);
+  }
+}
+
 TEST_CASE("Graph::validate rejects malformed MoE ops") {
   MoeFixture fx(GgmlType::F32);
   graph::Builder b(fx.wt, 2);
@@ -296,4 +338,14 @@ TEST_CASE("Graph::validate rejects malformed MoE ops") {
   route = b3.moe_route(b3.matmul(h, fx.id_router, "router"), fx.params(), "route");
   CHECK_THROWS_WITH_AS(b3.finish(b3.moe_experts(h, route, fx.params({3, 1}), "moe")),
                        doctest::Contains("ascending"), Error);
+  for (const auto& [s0, s1] :
+       std::vector<std::pair<int32_t, int32_t>>{{1, 1}, {-1, 2}, {0, 3}, {2, -1}, {0, -2}}) {
+    CAPTURE(s0);
+    CAPTURE(s1);
+    graph::Builder b4(fx.wt, 2);
+    h = b4.embed(fx.id_embd, "h");
+    route = b4.moe_route(b4.matmul(h, fx.id_router, "router"), fx.params(), "route");
+    CHECK_THROWS_WITH_AS(b4.finish(b4.moe_experts(h, route, fx.params({}, s0, s1), "moe")),
+                         doctest::Contains("route slots"), Error);
+  }
 }

@@ -199,6 +199,11 @@ void Graph::validate(const WeightTable& weights) const {
           if (p.experts[i] < 0 || p.experts[i] >= p.n_expert ||
               (i > 0 && p.experts[i] <= p.experts[i - 1]))
             bad(op, "experts must be ascending ids below n_expert");
+        if (p.slot_begin < 0 || p.slot_begin >= p.n_expert_used ||
+            (p.slot_end >= 0 && (p.slot_end <= p.slot_begin || p.slot_end > p.n_expert_used)) ||
+            p.slot_end < -1)
+          bad(op, fmt::format("route slots [{}, {}) are not a non-empty range of the {} used",
+                              p.slot_begin, p.slot_end, p.n_expert_used));
         if (out.rows != h.rows || out.cols != h.cols) bad(op, "output shape");
         break;
       }

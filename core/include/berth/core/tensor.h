@@ -72,4 +72,16 @@ struct MoeWeights {
   int32_t n_expert = 0, n_expert_used = 0;
 };
 
+/// Which of a moe_experts call's (token, slot) pairs it computes besides its expert mask, and
+/// how it reads its weights. Slots are positions in each token's route (moe_route's top-k order,
+/// 0 = largest weight): the call computes slots [begin, end) (end -1: n_expert_used). `stage`:
+/// the weights are pinned host memory; a single-token call first copies the matrices of the
+/// experts its slots select into its workspace (large coalesced reads over PCIe) and computes
+/// from there (moe_workspace_bytes counts the room). Ignored for more than one token.
+struct MoeSlots {
+  int32_t begin = 0;
+  int32_t end = -1;
+  bool stage = false;
+};
+
 }  // namespace berth

@@ -179,19 +179,23 @@ void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float
 
 /// Stacked expert weights of one MoE layer: berth::MoeWeights (core/tensor.h).
 using berth::MoeWeights;
+/// Slot range and staging of a moe_experts call: berth::MoeSlots (core/tensor.h).
+using berth::MoeSlots;
 
-/// Workspace bytes of moe_experts for n_tok tokens.
-size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok);
+/// Workspace bytes of moe_experts for n_tok tokens (with `slots`: the staging room).
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots = {});
 
 /// Routed experts: out [n_tok, n_embd] = for each token, the sum over its slots j (in slot
-/// order) whose expert e = route[t, j] has expert_mask[e] != 0 of
+/// order) in [slots.begin, slots.end) whose expert e = route[t, j] has expert_mask[e] != 0 of
 /// route[t, k + j] * down_e(silu(gate_e h_t) * up_e h_t); zero rows for tokens with no such slot.
 /// h [n_tok, n_embd], route [n_tok, 2k] (moe_route's output), expert_mask n_expert bytes, all in
-/// device memory. Tokens are gathered per expert (several tokens may pick one expert; an expert
+/// device memory; the weights in device memory or (slots.stage, or reading in place) pinned
+/// host memory. Tokens are gathered per expert (several tokens may pick one expert; an expert
 /// no token picks costs nothing) and each expert's tokens go through grouped GEMV/GEMM.
+/// Throws Error(invalid_argument) for a bad shape, slot range or too small a workspace.
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream);
+                 cudaStream_t stream, const MoeSlots& slots = {});
 
 /// Greedy selection: ids[r] = argmax of logits row r ([rows, n_vocab]); ties: lowest id.
 void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream);

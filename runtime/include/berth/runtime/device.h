@@ -204,10 +204,13 @@ class Device {
     matmul(s, type, w, n_in, n_expert, x, 1, logits, ws, ws_bytes);
     moe_route_signal(s, logits, n_expert, k, norm, route, copies, n, flag, value);
   }
-  virtual size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok) = 0;
+  /// moe_experts' workspace for n_tok tokens and `slots` (its staging room).
+  virtual size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) = 0;
+  /// gpu::moe_experts: the slots [slots.begin, slots.end) of each token whose expert the mask
+  /// keeps; slots.stage: the weights are pinned host memory, copied in before computing.
   virtual void moe_experts(int s, const MoeWeights& w, const float* h, const float* route,
-                           int64_t n_tok, const uint8_t* expert_mask, float* out, void* ws,
-                           size_t ws_bytes) = 0;
+                           int64_t n_tok, const uint8_t* expert_mask, const MoeSlots& slots,
+                           float* out, void* ws, size_t ws_bytes) = 0;
   virtual void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) = 0;
 };
 

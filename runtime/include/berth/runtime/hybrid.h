@@ -80,15 +80,19 @@ struct HybridOptions {
   /// computes). Costs a pinned copy of those tensors in host memory and two layers' expert tensors
   /// on the device. 0: never (the CPU computes them at every batch size).
   int32_t stream_experts_min_tokens = 0;
-  /// Decode steps: the device computes this fraction (0..1) of each CPU-held
-  /// layer's experts (every 1/f-th expert id) by reading their weights over PCIe from a pinned
-  /// host copy, at the same time as the CPU computes the rest; the two partial sums are added
-  /// on the device. Balances when f ~ PCIe / (PCIe + DRAM) bandwidth. Needs the pinned copy (as
-  /// stream_experts_min_tokens). 0: off. A fraction that gives the device no expert of a layer
-  /// leaves that layer to the CPU; one that gives it every expert (1) leaves the CPU none. Only
-  /// single-token steps are split: in a diagnostic run on the H200, a 24-token step of a tiny
-  /// model with the device reading host memory did not finish within 120 s (not investigated),
-  /// so multi-token steps keep the CPU path.
+  /// Decode steps: the device computes this fraction (0..1) of each token's routed experts in
+  /// every CPU-held layer, at the same time as the CPU computes the others; the two partial
+  /// sums are added on the device. The split is by route slot, so every token divides alike:
+  /// the c-th split layer gives the device the last round((c + 1) f k) - round(c f k) of its k
+  /// slots (f k = 1.5 alternates 2 and 1), whose experts' matrices one kernel copies from the
+  /// pinned host copy into the workspace (MoeSlots::stage: large reads over PCIe) before the
+  /// GEMVs read them there. (Until 2026-12-01 the split was by expert id, every 1/f-th id, so
+  /// a token's share was left to its route, and the GEMVs read host memory in place.) Needs
+  /// the pinned copy (as stream_experts_min_tokens). 0: off. A layer whose count is 0 stays
+  /// with the CPU; f = 1 leaves the CPU none. Only single-token steps are split: in a
+  /// diagnostic run on the H200, a 24-token step of a tiny model with the device reading host
+  /// memory did not finish within 120 s (not investigated), so multi-token steps keep the CPU
+  /// path.
   double host_expert_share = 0;
   /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
   /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the

@@ -110,8 +110,15 @@ struct MoeParams {
   WeightId down = kNoWeight;  ///< moe_experts: ffn_down_exps
   std::vector<int32_t>
       experts;  ///< moe_experts: the expert ids this op computes (ascending); empty = all
+  /// moe_experts: the route slots this op computes, [slot_begin, slot_end) of each token's
+  /// n_expert_used (top-k order; slot_end -1 = all). Ops over disjoint slot ranges (or disjoint
+  /// expert sets) of one route add up to the layer.
+  int32_t slot_begin = 0;
+  int32_t slot_end = -1;
   /// True when this op computes expert e.
   bool has_expert(int32_t e) const;
+  /// True when this op computes route slot j (0 <= j < n_expert_used).
+  bool has_slot(int32_t j) const { return j >= slot_begin && (slot_end < 0 || j < slot_end); }
 };
 
 struct Op {
