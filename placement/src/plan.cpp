@@ -12,7 +12,6 @@
 #include <pcre2.h>
 
 #include "berth/core/error.h"
-#include "berth/core/log.h"
 
 namespace berth::placement {
 
@@ -262,10 +261,7 @@ Plan make_plan(const Request& req) {
   plan.home.assign(n, Home::cpu);
   plan.kv_home.assign(static_cast<size_t>(n_layer), Home::cpu);
   plan.how = describe_flags(f);
-  const auto note = [&](std::string s) {
-    log::warn("{}", s);
-    plan.notes.push_back(std::move(s));
-  };
+  const auto note = [&](std::string s) { plan.notes.push_back(std::move(s)); };
 
   // Groups. Without output.weight the head reuses token_embd, which then belongs to the output.
   const bool tied = std::none_of(req.tensors.begin(), req.tensors.end(),

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 #include "berth/runtime/plan_request.h"
 
 namespace berth {
@@ -47,6 +48,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
                            s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
                            s.device ? s.device->free_bytes() : 0, s.device != nullptr);
   s.plan = placement::make_plan(s.request);
+  for (const std::string& note : s.plan.notes) log::warn("{}", note);
   bool any_gpu = false;
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
@@ -77,8 +79,12 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       if (done == total) {
         const double sec =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - *t0).count();
-        std::fprintf(stderr, "%sloaded %.2f GiB of weights to %s in %.1f s\n",
-                     tty ? "\r\x1b[K" : "", gib(total), name.c_str(), sec);
+        // GiB for model-sized totals; a tiny model in MiB rather than "0.00 GiB".
+        const std::string size = total >= (size_t{1} << 30)
+                                     ? fmt::format("{:.2f} GiB", gib(total))
+                                     : fmt::format("{:.1f} MiB", gib(total) * 1024.0);
+        std::fprintf(stderr, "%sloaded %s of weights to %s in %.1f s\n", tty ? "\r\x1b[K" : "",
+                     size.c_str(), name.c_str(), sec);
       }
     };
   }

@@ -728,6 +728,17 @@ TEST_CASE("berth plan on the command line") {
   r = run_command(bin + " plan -m " + model + " -ngl -3");
   CHECK(r.exit_code == 2);
   CHECK(r.out.empty());
+
+  // A flag that changes nothing is a note in the report, said once (not also as a warning).
+  r = run_command(bin + " plan -m " + model + " --vram-budget 1G -ngl 99 --cpu-moe");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("note: --cpu-moe ignored: the model has no routed experts") !=
+        std::string::npos);
+  CHECK(r.err.find("--cpu-moe ignored") == std::string::npos);
+  // run and bench say it as a warning.
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 -ngl 0 --cpu-moe");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--cpu-moe ignored: the model has no routed experts") != std::string::npos);
 }
 
 TEST_CASE(

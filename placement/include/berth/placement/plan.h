@@ -115,7 +115,9 @@ void add_override(Flags& flags, std::string_view arg);
 /// Error(out_of_memory) when the GPU share does not fit the budget, with one message naming
 /// every term: "plan needs 30512.0 MiB on CUDA0 (NVIDIA H200) but the budget is 24576.0 MiB:
 /// weights 28000.0 MiB + KV cache 1536.0 MiB + scratch 464.0 MiB + margin 512.0 MiB (-ngl 99)".
-/// Scratch and margin count only when something is on the GPU.
+/// Scratch and margin count only when something is on the GPU. Warnings (flags that change
+/// nothing, no device) go to Plan::notes; the caller shows them (berth plan in its report, run
+/// and bench as log warnings).
 Plan make_plan(const Request& req);
 
 /// Human-readable table: the notes, one line per tensor (name, type, MiB, home), the KV cache as
