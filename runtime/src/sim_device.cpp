@@ -1,17 +1,29 @@
 // SimDevice: the Device contract on the CPU (see device.h). Memory is ordinary host memory
-// tracked against a capacity; every stream operation runs at once, in enqueue order, on the
-// calling thread (or is recorded while capturing and run again by replay); kernels are the CPU
-// kernels, with the KV cache stored as f16 as on the GPU.
+// tracked against a capacity; kernels are the CPU kernels, with the KV cache stored as f16 as
+// on the GPU. Stream operations run asynchronously, as on a GPU: one worker thread runs every
+// stream's operations in enqueue order (a valid schedule of the streams: whatever a wait or an
+// event orders, enqueue order already does), or they are recorded while capturing and
+// enqueued again by replay. So the executor's flag hand-off works here as on CUDA (the worker
+// waits for a flag a host thread writes), and host code that reads results without the
+// synchronisation a GPU needs reads stale memory here too. upload, download and the frees
+// wait for the worker first (cudaMemcpy and cudaFree order themselves after earlier work).
+// An operation that throws (or a flag wait that times out) makes the device fail: the rest of
+// the queue is dropped and the next synchronize() rethrows the error.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -28,8 +40,15 @@ constexpr size_t kMiB = size_t{1} << 20;
 
 class SimDevice final : public Device {
  public:
-  explicit SimDevice(size_t capacity) : capacity_(capacity) {}
+  explicit SimDevice(size_t capacity) : capacity_(capacity), worker_([this] { work(); }) {}
   ~SimDevice() override {
+    stop_flag_waits_.store(true, std::memory_order_relaxed);  // no flag will come any more
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
     for (auto& [p, n] : sizes_) std::free(p);
     for (void* p : host_) std::free(p);
   }
@@ -56,6 +75,7 @@ class SimDevice final : public Device {
     return p;
   }
   void dealloc(void* p) override {
+    drain();
     auto it = sizes_.find(p);
     if (it == sizes_.end()) return;
     used_ -= it->second;
@@ -72,13 +92,20 @@ class SimDevice final : public Device {
     return p;
   }
   void dealloc_host(void* p) override {
+    drain();
     auto it = std::find(host_.begin(), host_.end(), p);
     if (it == host_.end()) return;
     std::free(p);
     host_.erase(it);
   }
-  void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
-  void download(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void upload(void* dst, const void* src, size_t bytes) override {
+    synchronize();
+    std::memcpy(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, size_t bytes) override {
+    synchronize();
+    std::memcpy(dst, src, bytes);
+  }
 
   void copy_h2d(int s, void* dst, const void* src, size_t bytes) override {
     copy(s, dst, src, bytes);
@@ -107,13 +134,43 @@ class SimDevice final : public Device {
   }
   void wait_event(int s, int) override { check_stream(s); }
   double elapsed_ms(int from, int to) override {
+    synchronize();  // CUDA refuses marks not yet reached; here they are waited for
     return marks_.at(static_cast<size_t>(to)) - marks_.at(static_cast<size_t>(from));
   }
-  // Work runs at enqueue time here, so a wait for a host thread's flag could never be met.
-  bool supports_flags() const override { return false; }
-  void write_flag(int, uint32_t*, uint32_t) override { no_flags(); }
-  void wait_flag(int, const uint32_t*, uint32_t) override { no_flags(); }
-  void synchronize() override {}
+  bool supports_flags() const override { return true; }
+  void write_flag(int s, uint32_t* flag, uint32_t value) override {
+    enqueue(s, [flag, value] {
+      std::atomic_ref<uint32_t>(*flag).store(value, std::memory_order_release);
+    });
+  }
+  // Waits on the worker, as the GPU's stream would; a flag not written within kFlagTimeout
+  // fails the device (a GPU would hang) so that a test reports it instead of hanging.
+  void wait_flag(int s, const uint32_t* flag, uint32_t value) override {
+    enqueue(s, [this, flag, value] {
+      std::atomic_ref<uint32_t> f(*const_cast<uint32_t*>(flag));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (uint64_t spin = 0; f.load(std::memory_order_acquire) < value; ++spin) {
+        if (stop_flag_waits_.load(std::memory_order_relaxed))
+          throw Error(ErrorCategory::internal, "SIM0: device closed while waiting for a flag");
+        if (std::chrono::steady_clock::now() - t0 > kFlagTimeout)
+          throw Error(
+              ErrorCategory::internal,
+              fmt::format("SIM0: a flag wait for value {} was not met in {} s", value,
+                          std::chrono::duration_cast<std::chrono::seconds>(kFlagTimeout).count()));
+        std::this_thread::yield();
+      }
+    });
+  }
+  // Waits until the worker has run everything enqueued; rethrows the error that failed it.
+  void synchronize() override {
+    drain();
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      std::swap(e, error_);
+    }
+    if (e) std::rethrow_exception(e);
+  }
 
   void begin_capture() override {
     if (capturing_) throw Error(ErrorCategory::internal, "SIM0: capture already begun");
@@ -128,7 +185,7 @@ class SimDevice final : public Device {
     return static_cast<int>(graphs_.size() - 1);
   }
   void replay(int graph) override {
-    for (auto& f : graphs_.at(static_cast<size_t>(graph))) f();
+    for (auto& f : graphs_.at(static_cast<size_t>(graph))) push(f);
   }
 
   size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t, int64_t) override {
@@ -309,15 +366,50 @@ class SimDevice final : public Device {
     if (s < 0 || s >= kNumStreams)
       throw Error(ErrorCategory::internal, fmt::format("SIM0: no stream {}", s));
   }
-  [[noreturn]] static void no_flags() {
-    throw Error(ErrorCategory::unsupported, "SIM0 runs work at enqueue time and has no flags");
-  }
   void enqueue(int s, std::function<void()> f) {
     check_stream(s);
     if (capturing_)
       captured_.push_back(std::move(f));
     else
-      f();
+      push(std::move(f));
+  }
+  void push(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.push_back(std::move(f));
+    }
+    cv_.notify_all();
+  }
+  // Blocks until the queue is empty and the worker idle (errors stay for synchronize()).
+  void drain() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [this] { return queue_.empty() && !busy_; });
+  }
+  // The worker: runs the queue in order; after an error it drops what is queued until the
+  // error is collected.
+  void work() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_
+      std::function<void()> f = std::move(queue_.front());
+      queue_.pop_front();
+      const bool failed = error_ != nullptr;
+      busy_ = true;
+      lk.unlock();
+      std::exception_ptr e;
+      if (!failed) {
+        try {
+          f();
+        } catch (...) {
+          e = std::current_exception();
+        }
+      }
+      lk.lock();
+      busy_ = false;
+      if (e && !error_) error_ = e;
+      cv_.notify_all();
+    }
   }
   void copy(int s, void* dst, const void* src, size_t bytes) {
     enqueue(s, [=] { std::memcpy(dst, src, bytes); });
@@ -332,6 +424,14 @@ class SimDevice final : public Device {
   bool capturing_ = false;
   std::vector<std::function<void()>> captured_;
   std::vector<std::vector<std::function<void()>>> graphs_;
+  static constexpr std::chrono::seconds kFlagTimeout{120};
+  std::atomic<bool> stop_flag_waits_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;  // last: started once the members it uses exist
 };
 
 }  // namespace

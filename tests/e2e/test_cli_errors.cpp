@@ -251,9 +251,9 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --vram-budget 1G");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--vram-budget 1024.0 MiB ignored: no GPU found") != std::string::npos);
-  // --warm-workers with a device that hands off by callbacks (the simulated one) says so.
+  // --warm-workers with the hand-off by callbacks says so.
   r = run_command("BERTH_SIM_DEVICE=1G " + bin + " bench model -m " + model +
-                  " -p 0 -n 2 -r 1 -q --dram-mib 64 -ngl 99 --warm-workers 500");
+                  " -p 0 -n 2 -r 1 -q --dram-mib 64 -ngl 99 --handoff callback --warm-workers 500");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--warm-workers 500 has no effect: the hand-off is by host callbacks") !=
         std::string::npos);

@@ -8,11 +8,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <thread>
 
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
@@ -363,6 +366,46 @@ TEST_CASE("hybrid: a device that runs out of memory names itself, the MiB needed
     CHECK(msg.find("cannot allocate") != std::string::npos);
   }
   CHECK(dev->free_bytes() == dev->total_bytes());  // nothing leaked on the way out
+}
+
+TEST_CASE("SimDevice: stream work is asynchronous, waits for a host-written flag, never hangs") {
+  // The worker runs a stream's work in order, blocked at wait_flag until a host thread writes
+  // the flag (as a GPU's stream is); download() waits for the work before it.
+  auto dev = make_sim_device(size_t{1} << 20);
+  REQUIRE(dev->supports_flags());
+  auto* flag = static_cast<uint32_t*>(dev->alloc_host(8, "flags"));
+  flag[0] = flag[1] = 0;
+  auto* h = static_cast<float*>(dev->alloc_host(4, "host value"));
+  auto* d = static_cast<float*>(dev->alloc(4, "device value"));
+  *h = 1.0f;
+  dev->wait_flag(kMain, flag, 1);
+  dev->copy_h2d(kMain, d, h, 4);
+  dev->write_flag(kMain, flag + 1, 7);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(std::atomic_ref<uint32_t>(flag[1]).load(std::memory_order_acquire) == 0);  // still waiting
+  *h = 2.0f;  // before the flag: the copy after the wait reads it
+  std::atomic_ref<uint32_t>(flag[0]).store(1, std::memory_order_release);
+  float got = 0;
+  dev->download(&got, d, 4);
+  CHECK(got == 2.0f);
+  CHECK(std::atomic_ref<uint32_t>(flag[1]).load(std::memory_order_acquire) == 7);
+  CHECK_THROWS_AS(dev->copy_h2d(5, d, h, 4), Error);  // no stream 5: refused at enqueue
+  dev->synchronize();
+  dev->dealloc(d);
+  dev->dealloc_host(h);
+  CHECK(dev->free_bytes() == dev->total_bytes());
+  // Destroyed while its stream waits for a flag that never comes: the wait gives up, no hang.
+  flag[0] = 0;
+  dev->wait_flag(kMain, flag, 1);
+  dev->write_flag(kMain, flag + 1, 9);
+  uint32_t* pinned = flag;
+  std::vector<uint32_t> after(2);
+  {
+    auto gone = std::move(dev);  // the flags' memory goes with it: read them before
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    after = {pinned[0], std::atomic_ref<uint32_t>(pinned[1]).load(std::memory_order_acquire)};
+  }
+  CHECK(after[1] == 7);  // the write after the abandoned wait did not run
 }
 
 TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a full ubatch") {

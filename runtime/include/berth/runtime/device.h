@@ -6,10 +6,11 @@
 // - CudaDevice (cuda_device.cpp, built with BERTH_CUDA): CUDA streams, events, cudaLaunchHostFunc,
 //   CUDA graphs, gpu_kernels/.
 // - SimDevice (sim_device.cpp, always built): the same contract on the CPU, with memory of its
-//   own, executed in enqueue order on the calling thread; kernels are the scalar/SIMD CPU
-//   kernels, with the KV cache rounded to f16 as on the GPU. CI has no GPU: the executor's split
-//   (what runs where, what is copied, in which order, what a replayed graph reads) is tested
-//   against SimDevice, and the same tests run against CudaDevice on a GPU machine.
+//   own, executed asynchronously in enqueue order by one worker thread (so the pinned-memory
+//   flag hand-off works as on CUDA); kernels are the scalar/SIMD CPU kernels, with the KV cache
+//   rounded to f16 as on the GPU. CI has no GPU: the executor's split (what runs where, what is
+//   copied, in which order, what a replayed graph reads, both hand-offs) is tested against
+//   SimDevice, and the same tests run against CudaDevice on a GPU machine.
 //
 // Pointers called "device" below are from alloc(); "host" pointers from alloc_host() (pinned);
 // a copy between device and pageable host memory is not allowed in a stream (upload() is the
