@@ -75,9 +75,6 @@ QAct qact_at(void* p, int64_t rows, int64_t n);
 void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa,
                   cudaStream_t s);
 
-/// Expert routing of a GEMV launch: one grid row per (token, slot) pair p = t * k + j; the
-/// weights are expert route[t * 2k + j]'s (skipped when masked out or invalid); the activation
-/// row is p / act_div and the output row p.
 /// A routed GEMV (moe_experts' decode path): grid row y = (token, slot) pair p = t * k + j; the
 /// pair's expert e = route[t, j] picks the matrix at w + e * expert_bytes (by_slot: at
 /// w + (t * (slot_end - slot_begin) + j - slot_begin) * expert_bytes, the order moe_experts

@@ -333,7 +333,8 @@ int slot_end(const MoeWeights& w, const MoeSlots& slots) {
   return slots.end < 0 ? w.n_expert_used : slots.end;
 }
 
-// Workspace layout of one call (both paths); total() is moe_workspace_bytes.
+// Workspace layout of one call (both paths); `end` is moe_workspace_bytes. With staging, the
+// staged gate, up and down matrices come last, in slot order.
 struct MoeLayout {
   bool decode;
   bool stage = false;                                            // decode, one token, staged
