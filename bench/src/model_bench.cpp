@@ -119,9 +119,9 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("bench model: {} tokens exceed the model's context_length {}", sp.n_ctx,
                             hp.n_ctx_train));
-  PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
-  sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
+  sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
+  PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
   if (o.handoff == "flags")
     sp.hybrid.handoff = Handoff::flags;

@@ -179,9 +179,9 @@ int run(const RunOptions& o) {
               n_ctx, model->hparams().n_ctx_train, model->hparams().arch);
 
   SessionParams params = o.session;
-  const PlacementSetup placed = place(*model, o.placement, params, true);
-  params.hybrid.stream_experts_min_tokens = o.stream_min;
+  params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room
   params.hybrid.host_expert_share = o.host_expert_share;
+  const PlacementSetup placed = place(*model, o.placement, params, true);
   for (const std::string& note : device_option_notes(*model, params, false)) log::warn("{}", note);
   log::info("{}", placed.summary());
   Session session(*model, params);

@@ -1235,4 +1235,26 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
   return (total + (size_t{1} << 20) - 1) >> 20 << 20;
 }
 
+size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
+                          double host_expert_share) {
+  if (stream_experts_min_tokens <= 0 && !(host_expert_share > 0)) return 0;
+  // The model's moe_experts ops name each layer's stacked tensors.
+  const graph::Graph g = model.build_step(1, 1);
+  const graph::WeightTable& w = model.weights();
+  size_t layer = 0, expert = 0;
+  int32_t k = 0;
+  for (const Op& op : g.ops) {
+    if (op.kind != OpKind::moe_experts) continue;
+    const size_t b = w[op.moe.gate].n_bytes + w[op.moe.up].n_bytes + w[op.moe.down].n_bytes;
+    layer = std::max(layer, b);
+    expert = std::max(expert, b / static_cast<size_t>(std::max(op.moe.n_expert, 1)));
+    k = std::max(k, op.moe.n_expert_used);
+  }
+  size_t total = 0;
+  if (stream_experts_min_tokens > 0) total += 2 * layer;
+  if (host_expert_share > 0)
+    total += static_cast<size_t>(std::ceil(std::min(host_expert_share, 1.0) * k)) * expert;
+  return (total + (size_t{1} << 20) - 1) >> 20 << 20;
+}
+
 }  // namespace berth

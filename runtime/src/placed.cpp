@@ -44,9 +44,11 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     if (dev != "CPU" && dev != "cpu") wants_gpu = true;
   if (wants_gpu) s.device = default_device();
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  s.request = plan_request(model, n_ctx, params.n_ubatch, flags,
-                           s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
-                           s.device ? s.device->free_bytes() : 0, s.device != nullptr);
+  s.request =
+      plan_request(model, n_ctx, params.n_ubatch, flags,
+                   s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
+                   s.device ? s.device->free_bytes() : 0, s.device != nullptr,
+                   params.hybrid.stream_experts_min_tokens, params.hybrid.host_expert_share);
   s.plan = placement::make_plan(s.request);
   for (const std::string& note : s.plan.notes) log::warn("{}", note);
   bool any_gpu = false;

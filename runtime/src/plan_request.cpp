@@ -27,7 +27,8 @@ int32_t layer_of(std::string_view name) {
 
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,
-                                size_t device_free_bytes, bool has_device) {
+                                size_t device_free_bytes, bool has_device,
+                                int32_t stream_experts_min_tokens, double host_expert_share) {
   if (n_ctx < 1)
     throw Error(ErrorCategory::invalid_argument, fmt::format("-c {}: must be >= 1", n_ctx));
   if (n_ubatch < 1)
@@ -54,7 +55,8 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
   for (size_t l = 0; l < kv.size() && l < req.kv_bytes.size(); ++l)
     req.kv_bytes[l] =
         static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx);
-  req.scratch_bytes = device_scratch_bytes(model, n_ubatch, n_ctx);
+  req.scratch_bytes = device_scratch_bytes(model, n_ubatch, n_ctx) +
+                      expert_stage_bytes(model, stream_experts_min_tokens, host_expert_share);
   req.has_device = has_device;
   req.device_name = std::move(device_name);
   req.device_free_bytes = device_free_bytes;

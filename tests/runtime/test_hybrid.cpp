@@ -22,6 +22,7 @@
 #include "berth/models/model.h"
 #include "berth/runtime/device.h"
 #include "berth/runtime/hybrid.h"
+#include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
 #include "berth/runtime/synth.h"
 #include "naive_llama.h"
@@ -406,6 +407,39 @@ TEST_CASE("SimDevice: stream work is asynchronous, waits for a host-written flag
     after = {pinned[0], std::atomic_ref<uint32_t>(pinned[1]).load(std::memory_order_acquire)};
   }
   CHECK(after[1] == 7);  // the write after the abandoned wait did not run
+}
+
+TEST_CASE("expert_stage_bytes: the streamed experts' buffers and the share's staging count") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  const graph::WeightTable& w = model->weights();
+  size_t layer = 0;  // one layer's three stacked expert tensors (the layers are alike)
+  for (const TensorView& t : w.tensors)
+    if (t.name.rfind("blk.0.", 0) == 0 && t.name.find("_exps") != std::string::npos)
+      layer += t.n_bytes;
+  REQUIRE(layer > 0);
+  const auto mib_up = [](size_t b) { return (b + (size_t{1} << 20) - 1) >> 20 << 20; };
+  const auto& hp = model->hparams();
+  const size_t expert = layer / static_cast<size_t>(hp.n_expert);
+  CHECK(expert_stage_bytes(*model, 0, 0) == 0);
+  CHECK(expert_stage_bytes(*model, 64, 0) == mib_up(2 * layer));
+  // 0.25 of k = 2 slots is half a slot: one expert's room, as is 0.5; 1 is k experts.
+  CHECK(expert_stage_bytes(*model, 0, 0.25) == mib_up(expert));
+  CHECK(expert_stage_bytes(*model, 0, 0.5) == mib_up(expert));
+  CHECK(expert_stage_bytes(*model, 0, 1.0) ==
+        mib_up(static_cast<size_t>(hp.n_expert_used) * expert));
+  CHECK(expert_stage_bytes(*model, 64, 1.0) ==
+        mib_up(2 * layer + static_cast<size_t>(hp.n_expert_used) * expert));
+  // They are part of the placement request's scratch.
+  placement::Flags f;
+  f.n_gpu_layers = 99;
+  const placement::Request plain = plan_request(*model, 64, 16, f, "TEST0", size_t{1} << 30, true);
+  const placement::Request more =
+      plan_request(*model, 64, 16, f, "TEST0", size_t{1} << 30, true, 64, 0.25);
+  CHECK(more.scratch_bytes == plain.scratch_bytes + expert_stage_bytes(*model, 64, 0.25));
+  // A model without stacked experts needs none.
+  gguf::File stories = gguf::File::open(test::stories260k().string());
+  CHECK(expert_stage_bytes(*load_model(stories), 64, 0.5) == 0);
 }
 
 TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a full ubatch") {

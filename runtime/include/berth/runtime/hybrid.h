@@ -50,6 +50,16 @@ namespace berth {
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
                             Device* dev = nullptr);
 
+/// Device bytes for CPU-held experts the executor brings to the device, beyond
+/// device_scratch_bytes: with stream_experts_min_tokens > 0, the two buffers that stream a
+/// layer's expert tensors (2 x the largest layer's ffn_{gate,up,down}_exps bytes); with
+/// host_expert_share f > 0, the decode workspace's staged experts (ceil(f x n_expert_used)
+/// slots x the largest expert's gate + up + down bytes). Counted whether or not the plan leaves
+/// experts on the CPU (placement plans before it knows), rounded up to MiB; 0 for a model
+/// without stacked expert tensors.
+size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
+                          double host_expert_share);
+
 /// How a CPU segment and the device's streams hand over.
 enum class Handoff {
   automatic,  ///< flags when the device supports them, else callback

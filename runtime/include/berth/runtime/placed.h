@@ -30,7 +30,9 @@ std::unique_ptr<Device> default_device();
 
 /// Plans `model` with `flags` for default_device() (or none when flags.n_gpu_layers == 0 and no
 /// -ot names the GPU, so a CPU-only run touches no device), using params.n_ctx (0: the
-/// default) and params.n_ubatch, and sets params.device, weight_home and kv_home (device null
+/// default), params.n_ubatch and params.hybrid's stream_experts_min_tokens and
+/// host_expert_share (their device buffers count as scratch), and sets params.device,
+/// weight_home and kv_home (device null
 /// when nothing is on it). Uploads happen when the Session is built; `progress_to_stderr` sets
 /// params.hybrid.progress to a progress bar on stderr (a bar on a terminal, one summary line
 /// otherwise). Throws what placement::make_plan throws (Error(out_of_memory) naming every term

@@ -18,12 +18,16 @@ namespace berth {
 ///   name contains "_exps";
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
 ///   (model.kv_layers(); a layer without an entry gets 0);
-/// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) (runtime/hybrid.h);
+/// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
+///   stream_experts_min_tokens, host_expert_share) (runtime/hybrid.h: --stream-experts and
+///   --host-expert-share bring CPU-held experts to the device);
 /// - the device fields and flags as given (device_free_bytes in bytes).
 /// Throws Error(invalid_argument) for n_ctx < 1 or n_ubatch < 1 (naming -c / -ub and the value)
 /// and for a "blk.N." name whose N is not below the model's n_layer.
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,
-                                size_t device_free_bytes, bool has_device);
+                                size_t device_free_bytes, bool has_device,
+                                int32_t stream_experts_min_tokens = 0,
+                                double host_expert_share = 0);
 
 }  // namespace berth
