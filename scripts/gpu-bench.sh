@@ -31,5 +31,5 @@ bench budget-24g -p 512 -n 128 --vram-budget 24G --stream-experts 64
 bench cpu-moe -p 512 -n 128 -ngl 99 --cpu-moe --stream-experts 64
 bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.25
 bench cpu-moe-warm -p 0 -n 128 -ngl 99 --cpu-moe --warm-workers 1000
-bench cpu-moe-cpu-prefill -p 512 -n 0 -ngl 99 --cpu-moe
+bench cpu-moe-cpu-prefill -p 512 -n 0 -ngl 99 --cpu-moe --stream-experts 0
 bench cpu-only -p 512 -n 32 -ngl 0

@@ -154,6 +154,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (session.hybrid()) {
     session.hybrid()->set_profiling(o.profile);
     r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
+    r.stream_experts_min_tokens = sp.hybrid.stream_experts_min_tokens;
     if (r.handoff == "flags")
       r.warm_workers_us = sp.hybrid.warm_workers_us;
     else if (o.warm_workers_us > 0)
@@ -365,6 +366,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"host_expert_share", r.options.host_expert_share},
       {"warm_workers_us", r.warm_workers_us},
       {"handoff", r.handoff},
+      {"stream_experts_min_tokens", r.stream_experts_min_tokens},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},
       {"pp_profile", prof(r.pp_profile)},
@@ -398,13 +400,17 @@ std::string format_text(const ModelBenchResult& r) {
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s; hand-off {}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
+        "{:.1f} GB/s; hand-off {}{}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
         "GB/token "
         "from "
         "DRAM -> hybrid bound {:.2f} tok/s\n",
         r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
         r.h2d_gbps, r.handoff,
         r.warm_workers_us > 0 ? fmt::format(" (workers warm {} us)", r.warm_workers_us) : "",
+        r.stream_experts_min_tokens > 0
+            ? fmt::format("; prefill streams CPU-held experts from {} tokens",
+                          r.stream_experts_min_tokens)
+            : "",
         static_cast<double>(r.decode_gpu_bytes) / 1e9,
         static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s);
     // Only the phases that ran.

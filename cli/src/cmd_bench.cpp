@@ -176,10 +176,7 @@ Runner add_bench(CLI::App& app) {
                 "callback (host callbacks)")
       ->check(CLI::IsMember({"auto", "flags", "callback"}));
   add_placement_flags(*m, o->m.placement);
-  m->add_option("--stream-experts", o->m.stream_min_tokens,
-                "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "
-                "streaming their weights (0: off)")
-      ->check(CLI::Range(0, 1 << 20));
+  add_stream_experts(*m, o->m.stream_min_tokens);
   m->add_option("--json", o->json_path,
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");

@@ -46,7 +46,7 @@ struct RunOptions {
   int32_t n_predict = -1;
   SessionParams session;
   placement::Flags placement;
-  int32_t stream_min = 0;
+  int32_t stream_min = kStreamExpertsAuto;
   double host_expert_share = 0;
   SamplerParams sampling;
   bool display_prompt = false;
@@ -240,11 +240,7 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
   add_placement_flags(*sub, o->placement);
-  sub->add_option("--stream-experts", o->stream_min,
-                  "prefill ubatches of at least N tokens compute CPU-held experts on the GPU, "
-                  "streaming their weights (0: off)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 1 << 20));
+  add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")

@@ -1,8 +1,13 @@
 #include "placement_flags.h"
 
+#include <fmt/format.h>
+
 #include <limits>
+#include <map>
+#include <string>
 
 #include "berth/core/error.h"
+#include "berth/runtime/placed.h"
 
 namespace berth::cli {
 
@@ -79,6 +84,18 @@ void add_host_expert_share(CLI::App& cmd, double& share) {
                  "weights over PCIe from pinned host memory, while the CPU computes the other "
                  "slots (0: off)")
       ->check(unit_fraction());
+}
+
+void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {
+  cmd.add_option("--stream-experts", min_tokens,
+                 fmt::format("prefill ubatches of at least N tokens compute CPU-held experts on "
+                             "the GPU, streaming their weights over PCIe from a pinned copy "
+                             "(0: off; auto, the default: from {} tokens when host memory holds "
+                             "the pinned copy)",
+                             kStreamExpertsAutoTokens))
+      ->transform(CLI::Transformer(
+          std::map<std::string, std::string>{{"auto", std::to_string(kStreamExpertsAuto)}}))
+      ->check(CLI::Range(-1, 1 << 20));
 }
 
 }  // namespace berth::cli

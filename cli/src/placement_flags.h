@@ -25,4 +25,10 @@ CLI::Validator unit_fraction();
 /// MoE layer, copying their weights from pinned host memory, while the CPU computes the rest.
 void add_host_expert_share(CLI::App& cmd, double& share);
 
+/// Registers `--stream-experts N|auto` (run and bench model): prefill ubatches of at least N
+/// tokens compute CPU-held experts on the GPU, streaming their weights; 0: off; auto (stored as
+/// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory holds the
+/// pinned copy (runtime/placed.h).
+void add_stream_experts(CLI::App& cmd, int32_t& min_tokens);
+
 }  // namespace berth::cli

@@ -16,6 +16,25 @@ namespace berth {
 
 namespace {
 double gib(size_t b) { return static_cast<double>(b) / (1ull << 30); }
+
+// Host memory available for new allocations: MemAvailable of /proc/meminfo (free memory plus
+// reclaimable cache), else the free pages; bytes.
+size_t host_available_bytes() {
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kb = 0;
+    bool found = false;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+        found = true;
+        break;
+      }
+    std::fclose(f);
+    if (found) return static_cast<size_t>(kb) * 1024;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+}
 }  // namespace
 
 std::string PlacementSetup::summary() const {
@@ -27,6 +46,24 @@ std::string PlacementSetup::summary() const {
       "{:.2f} GiB of weights on the CPU",
       plan.how, gib(plan.gpu_weight_bytes), gib(plan.gpu_kv_bytes), gib(plan.scratch_bytes),
       device->name(), gib(plan.cpu_weight_bytes));
+}
+
+std::string auto_stream_off(const Model& model, const placement::Plan& plan,
+                            size_t host_available) {
+  const graph::WeightTable& w = model.weights();
+  size_t pinned = 0;  // the CPU-held stacked expert tensors' pinned copy
+  for (size_t i = 0; i < w.size() && i < plan.home.size(); ++i)
+    if (plan.home[i] == placement::Home::cpu && w[i].ne[2] > 1) pinned += w[i].n_bytes;
+  if (pinned == 0) return "-";
+  // The CPU-held weights themselves must stay in memory too (their pages may not be cached
+  // yet), and 2 GiB are left to everything else.
+  const size_t need = pinned + plan.cpu_weight_bytes + (size_t{2} << 30);
+  if (need <= host_available) return {};
+  return fmt::format(
+      "the pinned copy of the CPU-held experts ({:.2f} GiB), with the CPU's weights ({:.2f} "
+      "GiB) and 2 GiB to spare, needs more than the {:.2f} GiB of host memory available "
+      "(--stream-experts N forces it)",
+      gib(pinned), gib(plan.cpu_weight_bytes), gib(host_available));
 }
 
 std::unique_ptr<Device> default_device() {
@@ -44,17 +81,34 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     if (dev != "CPU" && dev != "cpu") wants_gpu = true;
   if (wants_gpu) s.device = default_device();
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  s.request =
-      plan_request(model, n_ctx, params.n_ubatch, flags,
-                   s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
-                   s.device ? s.device->free_bytes() : 0, s.device != nullptr,
-                   params.hybrid.stream_experts_min_tokens, params.hybrid.host_expert_share);
-  s.plan = placement::make_plan(s.request);
-  for (const std::string& note : s.plan.notes) log::warn("{}", note);
+  // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
+  // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
+  // the room otherwise).
+  int32_t& stream = params.hybrid.stream_experts_min_tokens;
+  const bool auto_stream = stream == kStreamExpertsAuto;
+  if (auto_stream) stream = kStreamExpertsAutoTokens;
+  const auto make = [&] {
+    s.request = plan_request(model, n_ctx, params.n_ubatch, flags,
+                             s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
+                             s.device ? s.device->free_bytes() : 0, s.device != nullptr, stream,
+                             params.hybrid.host_expert_share);
+    s.plan = placement::make_plan(s.request);
+  };
+  make();
   bool any_gpu = false;
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  if (auto_stream && any_gpu && s.device) {
+    const std::string off = auto_stream_off(model, s.plan, host_available_bytes());
+    if (!off.empty()) {
+      stream = 0;
+      make();
+      if (off != "-") s.plan.notes.push_back("--stream-experts auto: off: " + off);
+    }
+  }
+  for (const std::string& note : s.plan.notes) log::warn("{}", note);
   if (!any_gpu || !s.device) {
+    if (auto_stream) stream = 0;
     s.device.reset();
     params.device = nullptr;
     return s;

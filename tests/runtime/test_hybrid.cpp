@@ -22,6 +22,7 @@
 #include "berth/models/model.h"
 #include "berth/runtime/device.h"
 #include "berth/runtime/hybrid.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
 #include "berth/runtime/synth.h"
@@ -440,6 +441,43 @@ TEST_CASE("expert_stage_bytes: the streamed experts' buffers and the share's sta
   // A model without stacked experts needs none.
   gguf::File stories = gguf::File::open(test::stories260k().string());
   CHECK(expert_stage_bytes(*load_model(stories), 64, 0.5) == 0);
+}
+
+TEST_CASE("--stream-experts auto: on when experts stay on the CPU and their pinned copy fits") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  const auto plan_of = [&](bool cpu_moe) {
+    placement::Flags f;
+    f.n_gpu_layers = 99;
+    f.cpu_moe = cpu_moe;
+    return placement::make_plan(plan_request(*model, 64, 16, f, "TEST0", size_t{1} << 30, true));
+  };
+  const placement::Plan split = plan_of(true), all_gpu = plan_of(false);
+  CHECK(auto_stream_off(*model, split, size_t{1} << 40).empty());
+  CHECK(auto_stream_off(*model, all_gpu, size_t{1} << 40) == "-");          // nothing to stream
+  const std::string off = auto_stream_off(*model, split, size_t{1} << 30);  // 1 GiB: too little
+  CHECK(off.find("pinned copy of the CPU-held experts") != std::string::npos);
+  CHECK(off.find("1.00 GiB of host memory available") != std::string::npos);
+  // place() resolves it (on the simulated device here; CUDA where BERTH_TEST_DEVICE=cuda).
+  if (!use_cuda()) ::setenv("BERTH_SIM_DEVICE", "2G", 1);
+  for (const bool cpu_moe : {true, false}) {
+    CAPTURE(cpu_moe);
+    placement::Flags f;
+    f.n_gpu_layers = 99;
+    f.cpu_moe = cpu_moe;
+    SessionParams params;
+    params.n_ctx = 64;
+    params.n_ubatch = 16;
+    params.hybrid.stream_experts_min_tokens = kStreamExpertsAuto;
+    const PlacementSetup placed = place(*model, f, params, false);
+    CHECK(params.hybrid.stream_experts_min_tokens == (cpu_moe ? kStreamExpertsAutoTokens : 0));
+    // The plan kept room for the streaming buffers only where it streams.
+    const placement::Request plain = plan_request(*model, 64, 16, f, placed.request.device_name,
+                                                  placed.request.device_free_bytes, true);
+    CHECK(placed.request.scratch_bytes ==
+          plain.scratch_bytes + (cpu_moe ? expert_stage_bytes(*model, 64, 0) : 0));
+  }
+  if (!use_cuda()) ::unsetenv("BERTH_SIM_DEVICE");
 }
 
 TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a full ubatch") {

@@ -39,8 +39,9 @@ struct ModelBenchOptions {
   /// Placement flags (-ngl, -ot, --cpu-moe, --n-cpu-moe, --vram-budget); with a device the
   /// default is the automatic plan, without one everything runs on the CPU.
   placement::Flags placement;
-  /// HybridOptions::stream_experts_min_tokens (0: CPU-held experts stay on the CPU in prefill).
-  int32_t stream_min_tokens = 0;
+  /// HybridOptions::stream_experts_min_tokens (0: CPU-held experts stay on the CPU in prefill;
+  /// -1, the default: automatic, kStreamExpertsAuto in runtime/placed.h).
+  int32_t stream_min_tokens = -1;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
   /// HybridOptions::warm_workers_us (0: off; -1: HybridOptions' default).
@@ -75,8 +76,9 @@ struct ModelBenchResult {
   std::vector<OpShare> pp_profile, tg_profile;
   /// With `profile` and a device: device time per op kind (steps run without graph replay).
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
-  std::string handoff;          ///< "flags" or "callback"
-  int64_t warm_workers_us = 0;  ///< in effect (flag hand-off only; 0: off)
+  std::string handoff;                    ///< "flags" or "callback"
+  int64_t warm_workers_us = 0;            ///< in effect (flag hand-off only; 0: off)
+  int32_t stream_experts_min_tokens = 0;  ///< in effect (--stream-experts resolved; 0: off)
   // With a device (hybrid runs):
   std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
   std::string placement;          ///< the plan's description ("automatic", "--cpu-moe", ...)

@@ -13,6 +13,15 @@
 
 namespace berth {
 
+/// params.hybrid.stream_experts_min_tokens value for `--stream-experts auto` (the CLI default):
+/// place() turns it into kStreamExpertsAutoTokens when a device holds part of the model, some
+/// stacked expert tensors stay on the CPU and host memory holds their pinned copy, else 0.
+constexpr int32_t kStreamExpertsAuto = -1;
+/// The ubatch size from which streaming CPU-held experts to the device pays: measured on the
+/// H200 (Q4_K synthetic qwen3-30b-a3b, docs/performance.md): pp64 177 (streamed) vs 185 (CPU)
+/// tok/s, pp128 348 vs 226.
+constexpr int32_t kStreamExpertsAutoTokens = 64;
+
 struct PlacementSetup {
   std::unique_ptr<Device> device;  ///< null: CPU only
   placement::Request request;
@@ -31,7 +40,8 @@ std::unique_ptr<Device> default_device();
 /// Plans `model` with `flags` for default_device() (or none when flags.n_gpu_layers == 0 and no
 /// -ot names the GPU, so a CPU-only run touches no device), using params.n_ctx (0: the
 /// default), params.n_ubatch and params.hybrid's stream_experts_min_tokens and
-/// host_expert_share (their device buffers count as scratch), and sets params.device,
+/// host_expert_share (their device buffers count as scratch; kStreamExpertsAuto is resolved
+/// here, see there), and sets params.device,
 /// weight_home and kv_home (device null
 /// when nothing is on it). Uploads happen when the Session is built; `progress_to_stderr` sets
 /// params.hybrid.progress to a progress bar on stderr (a bar on a terminal, one summary line
@@ -39,6 +49,11 @@ std::unique_ptr<Device> default_device();
 /// when the plan cannot fit).
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
                      bool progress_to_stderr);
+
+/// Why `--stream-experts auto` stays off for `plan`: "-" when no stacked expert tensor stays
+/// on the CPU (nothing to stream, nothing to say), a sentence when their pinned copy, with the
+/// CPU-held weights and 2 GiB to spare, exceeds `host_available` bytes; empty when it streams.
+std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available);
 
 /// Warnings (one line each) for params.hybrid options that cannot act: ones that need a device
 /// when params.device is null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any
