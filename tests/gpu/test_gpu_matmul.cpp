@@ -549,6 +549,21 @@ std::vector<float> run_moe(const MoeCase& mc, const Dev& h, const Dev& route, in
   return out.get<float>(static_cast<size_t>(n_tok * mc.n_embd));
 }
 
+// One call's inputs: h [n_tok, n_embd] (normal, sd 1, mean 0.05, from `seed`) and mc's route,
+// on the host and on the device.
+struct MoeInputs {
+  std::vector<float> h, r;
+  Dev dh, dr;
+  MoeInputs(const MoeCase& mc, int64_t n_tok, uint64_t seed)
+      : h(gaussian(static_cast<size_t>(n_tok * mc.n_embd), seed, 1.0f, 0.05f)),
+        r(mc.route(n_tok)),
+        dh(h.size() * 4),
+        dr(r.size() * 4) {
+    dh.put(h);
+    dr.put(r);
+  }
+};
+
 // Decode: h and the SwiGLU output rounded to int8 per 32 (two stages of the GEMV bound).
 constexpr double kTolMoeDecode = 3e-4;
 // Prefill: h, the weights and the SwiGLU output rounded to f16.
@@ -572,11 +587,9 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
                                           rest = {1, 0, 1, 1, 0, 0, 1, 1};
     for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
       CAPTURE(n_tok);
-      const auto h = gaussian(static_cast<size_t>(n_tok * mc.n_embd), 900 + n_tok, 1.0f, 0.05f);
-      const auto r = mc.route(n_tok);
-      Dev dh(h.size() * 4), dr(r.size() * 4);
-      dh.put(h);
-      dr.put(r);
+      const MoeInputs in(mc, n_tok, 900 + static_cast<uint64_t>(n_tok));
+      const auto &h = in.h, &r = in.r;
+      const Dev &dh = in.dh, &dr = in.dr;
       const auto ref_all = mc.reference(h, r, n_tok, all);
       const auto ref_keep = mc.reference(h, r, n_tok, keep);
       for (bool dec : {true, false}) {
@@ -632,11 +645,9 @@ TEST_CASE("gpu moe_experts: slot ranges, and experts staged from pinned host mem
   hw.down = hd.p;
   for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
     CAPTURE(n_tok);
-    const auto h = gaussian(static_cast<size_t>(n_tok * mc.n_embd), 700 + n_tok, 1.0f, 0.05f);
-    const auto r = mc.route(n_tok);
-    Dev dh(h.size() * 4), dr(r.size() * 4);
-    dh.put(h);
-    dr.put(r);
+    const MoeInputs in(mc, n_tok, 700 + static_cast<uint64_t>(n_tok));
+    const auto &h = in.h, &r = in.r;
+    const Dev &dh = in.dh, &dr = in.dr;
     for (bool dec : {true, false}) {
       CAPTURE(dec);
       const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
@@ -688,18 +699,15 @@ TEST_CASE("gpu moe_experts: slot ranges, and experts staged from pinned host mem
     // That staging ran: the staged down matrices are the workspace's last bytes (MoeLayout),
     // in slot order: slots 1 and 2 of token 0 are experts 3 and 6.
     gpu::detail::moe_gemv_max_tok() = 1 << 30;
-    const auto h = gaussian(static_cast<size_t>(mc.n_embd), 701, 1.0f, 0.05f);
-    const auto r = mc.route(1);
-    Dev dh(h.size() * 4), dr(r.size() * 4), dm(8), out(static_cast<size_t>(mc.n_embd) * 4);
-    dh.put(h);
-    dr.put(r);
+    const MoeInputs in(mc, 1, 701);
+    Dev dm(8), out(static_cast<size_t>(mc.n_embd) * 4);
     dm.put(all);
     const gpu::MoeSlots slots{1, 3, true};
     const size_t wsb = gpu::moe_workspace_bytes(hw, 1, slots);
     Dev ws(wsb);
     ws.poison();
-    gpu::moe_experts(hw, dh.as<float>(), dr.as<float>(), 1, dm.as<uint8_t>(), out.as<float>(), ws.p,
-                     wsb, nullptr, slots);
+    gpu::moe_experts(hw, in.dh.as<float>(), in.dr.as<float>(), 1, dm.as<uint8_t>(), out.as<float>(),
+                     ws.p, wsb, nullptr, slots);
     CUDA_OK(cudaDeviceSynchronize());
     const size_t db = row_bytes(GgmlType::Q6_K, mc.n_ff) * static_cast<size_t>(mc.n_embd);
     REQUIRE(2 * db % 256 == 0);  // so the region's end is the workspace's end
@@ -726,6 +734,19 @@ TEST_CASE("gpu moe_experts: slot ranges, and experts staged from pinned host mem
 
 // ---------------------------------------------------------------------------------------------
 // Speeds (printed, never asserted). Run with: test_gpu --no-skip -tc='*timing*'
+
+// The MoE layer of synthetic qwen3-30b-a3b Q4_K_M: 128 experts, 8 used, 2048 -> 768 -> 2048,
+// Q4_K gate/up, Q6_K down; no pointers.
+gpu::MoeWeights qwen3_30b_moe_shape() {
+  gpu::MoeWeights w{};
+  w.gate_type = w.up_type = GgmlType::Q4_K;
+  w.down_type = GgmlType::Q6_K;
+  w.n_embd = 2048;
+  w.n_ff = 768;
+  w.n_expert = 128;
+  w.n_expert_used = 8;
+  return w;
+}
 
 template <class F>
 double time_ms(F&& f, int reps = 20) {
@@ -792,13 +813,7 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
   }
   // MoE layer: 128 experts, 8 used, 2048 -> 768 -> 2048, Q4_K gate/up, Q6_K down.
   {
-    gpu::MoeWeights w{};
-    w.gate_type = w.up_type = GgmlType::Q4_K;
-    w.down_type = GgmlType::Q6_K;
-    w.n_embd = 2048;
-    w.n_ff = 768;
-    w.n_expert = 128;
-    w.n_expert_used = 8;
+    gpu::MoeWeights w = qwen3_30b_moe_shape();
     const size_t gb = row_bytes(GgmlType::Q4_K, 2048) * 768 * 128,
                  db = row_bytes(GgmlType::Q6_K, 768) * 2048 * 128;
     Dev g(gb), u(gb), d(db);
@@ -852,13 +867,7 @@ TEST_CASE("gpu moe_experts timing, weights in pinned host memory" * doctest::ski
   // One decode token of a 128-expert, 2048 -> 768 layer (Q4_K gate/up, Q6_K down, as the
   // synthetic qwen3-30b-a3b), computing the last n of its 8 slots with the weights read over
   // PCIe: in place by the GEMVs, or staged to the workspace first.
-  gpu::MoeWeights w{};
-  w.gate_type = w.up_type = GgmlType::Q4_K;
-  w.down_type = GgmlType::Q6_K;
-  w.n_embd = 2048;
-  w.n_ff = 768;
-  w.n_expert = 128;
-  w.n_expert_used = 8;
+  gpu::MoeWeights w = qwen3_30b_moe_shape();
   const size_t gb = row_bytes(GgmlType::Q4_K, 2048) * 768,
                db = row_bytes(GgmlType::Q6_K, 768) * 2048;
   void *g, *u, *d;
