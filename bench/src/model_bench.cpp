@@ -155,13 +155,15 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     session.hybrid()->set_profiling(o.profile);
     r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
     r.stream_experts_min_tokens = sp.hybrid.stream_experts_min_tokens;
+    r.host_experts_pinning = std::string(session.hybrid()->host_experts_pinning());
     if (r.handoff == "flags")
       r.warm_workers_us = sp.hybrid.warm_workers_us;
     else if (o.warm_workers_us > 0)
-      log::warn(
-          "--warm-workers {} has no effect: the hand-off is by host callbacks ({} has no "
-          "flags or --handoff callback was given)",
-          o.warm_workers_us, r.device.empty() ? std::string("the device") : r.device);
+      log::warn("--warm-workers {} has no effect: the hand-off is by host callbacks ({})",
+                o.warm_workers_us,
+                o.handoff == "callback"
+                    ? std::string("--handoff callback")
+                    : fmt::format("{} has no flags", r.device.empty() ? "the device" : r.device));
   }
   auto reset_gpu = [&] {
     if (session.hybrid()) session.hybrid()->reset_gpu_profile();
@@ -366,7 +368,8 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"host_expert_share", r.options.host_expert_share},
       {"warm_workers_us", r.warm_workers_us},
       {"handoff", r.handoff},
-      {"stream_experts_min_tokens", r.stream_experts_min_tokens},
+      {"stream_min_tokens_in_effect", r.stream_experts_min_tokens},
+      {"host_experts_pinning", r.host_experts_pinning},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},
       {"pp_profile", prof(r.pp_profile)},
@@ -399,17 +402,27 @@ std::string format_text(const ModelBenchResult& r) {
       static_cast<double>(r.decode_kv_bytes) / 1e9, r.dram.gbps.median, r.bound_tok_s);
   if (!r.device.empty()) {
     s += fmt::format(
-        "device {} ({}): {:.2f} GB of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
-        "{:.1f} GB/s; hand-off {}{}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
+        "device {} ({}): {} of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
+        "{:.1f} GB/s; hand-off {}{}{}{}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
         "GB/token "
         "from "
         "DRAM -> hybrid bound {:.2f} tok/s\n",
-        r.device, r.placement, static_cast<double>(r.gpu_weight_bytes) / 1e9, r.hbm_gbps,
-        r.h2d_gbps, r.handoff,
+        r.device, r.placement,
+        r.gpu_weight_bytes >= 10'000'000
+            ? fmt::format("{:.2f} GB", static_cast<double>(r.gpu_weight_bytes) / 1e9)
+            : fmt::format("{:.2f} MB", static_cast<double>(r.gpu_weight_bytes) / 1e6),
+        r.hbm_gbps, r.h2d_gbps, r.handoff,
         r.warm_workers_us > 0 ? fmt::format(" (workers warm {} us)", r.warm_workers_us) : "",
         r.stream_experts_min_tokens > 0
             ? fmt::format("; prefill streams CPU-held experts from {} tokens",
                           r.stream_experts_min_tokens)
+            : "",
+        r.host_experts_pinning.empty() ? ""
+        : r.host_experts_pinning == "registered"
+            ? std::string("; CPU-held experts read by the device in place (registered)")
+            : std::string("; CPU-held experts read by the device from a pinned copy"),
+        r.options.host_expert_share > 0
+            ? fmt::format("; host expert share {}", r.options.host_expert_share)
             : "",
         static_cast<double>(r.decode_gpu_bytes) / 1e9,
         static_cast<double>(r.decode_cpu_bytes) / 1e9, r.hybrid_bound_tok_s);

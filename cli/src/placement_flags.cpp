@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <limits>
-#include <map>
 #include <string>
 
 #include "berth/core/error.h"
@@ -89,13 +88,22 @@ void add_host_expert_share(CLI::App& cmd, double& share) {
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {
   cmd.add_option("--stream-experts", min_tokens,
                  fmt::format("prefill ubatches of at least N tokens compute CPU-held experts on "
-                             "the GPU, streaming their weights over PCIe from a pinned copy "
-                             "(0: off; auto, the default: from {} tokens when host memory holds "
-                             "the pinned copy)",
+                             "the GPU, streaming their weights over PCIe from page-locked host "
+                             "memory (0: off; auto, the default: from {} tokens when host memory "
+                             "has room to lock them)",
                              kStreamExpertsAutoTokens))
-      ->transform(CLI::Transformer(
-          std::map<std::string, std::string>{{"auto", std::to_string(kStreamExpertsAuto)}}))
-      ->check(CLI::Range(-1, 1 << 20));
+      ->transform(CLI::Validator(
+          [](std::string& in) -> std::string {
+            if (in == "auto") {
+              in = std::to_string(kStreamExpertsAuto);
+              return {};
+            }
+            int64_t v = 0;
+            if (!CLI::detail::lexical_cast(in, v) || v < 0 || v > (1 << 20))
+              return "'" + in + "' is not auto or a number of tokens in [0, 1048576]";
+            return {};
+          },
+          "auto|N"));
 }
 
 }  // namespace berth::cli

@@ -27,8 +27,8 @@ void add_host_expert_share(CLI::App& cmd, double& share);
 
 /// Registers `--stream-experts N|auto` (run and bench model): prefill ubatches of at least N
 /// tokens compute CPU-held experts on the GPU, streaming their weights; 0: off; auto (stored as
-/// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory holds the
-/// pinned copy (runtime/placed.h).
+/// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory has room
+/// to lock them (runtime/placed.h). Anything else is a usage error naming the value.
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens);
 
 }  // namespace berth::cli

@@ -6,9 +6,12 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <array>
+#include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "berth/core/error.h"
@@ -121,6 +124,38 @@ class CudaDevice final : public Device {
     return p;
   }
   void dealloc_host(void* p) override { cudaFreeHost(p); }
+  bool can_register_host() const override {
+    int reg = 0, ro = 0, same = 0;
+    cudaDeviceGetAttribute(&reg, cudaDevAttrHostRegisterSupported, index_);
+    cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, index_);
+    cudaDeviceGetAttribute(&same, cudaDevAttrCanUseHostPointerForRegisteredMem, index_);
+    cudaGetLastError();
+    return reg != 0 && ro != 0 && same != 0;
+  }
+  bool register_host(const void* p, size_t bytes) override {
+    if (!can_register_host() || bytes == 0) return false;
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t base = a / page * page, end = (a + bytes + page - 1) / page * page;
+    void* b = reinterpret_cast<void*>(base);
+    const cudaError_t e = cudaHostRegister(
+        b, end - base,
+        cudaHostRegisterMapped | cudaHostRegisterReadOnly | cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    registered_.emplace_back(p, b);
+    return true;
+  }
+  void unregister_host(const void* p) override {
+    for (size_t i = 0; i < registered_.size(); ++i)
+      if (registered_[i].first == p) {
+        cudaHostUnregister(registered_[i].second);
+        registered_.erase(registered_.begin() + static_cast<std::ptrdiff_t>(i));
+        return;
+      }
+  }
   void upload(void* dst, const void* src, size_t bytes) override {
     check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload (cudaMemcpy)");
   }
@@ -353,6 +388,7 @@ class CudaDevice final : public Device {
 
   int index_;
   std::string name_;
+  std::vector<std::pair<const void*, void*>> registered_;  // register_host: key, page base
   std::array<cudaStream_t, kNumStreams> streams_{};
   std::vector<cudaEvent_t> events_;
   std::array<cudaEvent_t, kNumStreams * kNumStreams> pair_events_{};

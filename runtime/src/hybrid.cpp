@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -207,17 +208,7 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
       dev_v_[l] = static_cast<uint16_t*>(dev_.alloc(vb, fmt::format("the V cache of layer {}", l)));
       dev_kv_bytes_ += kb + vb;
     }
-    if (opt_.stream_experts_min_tokens > 0 || opt_.host_expert_share > 0) {
-      // Pinned copies of the CPU-held expert tensors: streamed to the device (prefill) or read
-      // by it in place over PCIe (host_expert_share).
-      pinned_weight_.assign(weights_.size(), nullptr);
-      for (size_t i = 0; i < weights_.size(); ++i) {
-        const TensorView& w = weights_.tensors[i];
-        if (weight_home_[i] != Home::cpu || w.ne[2] <= 1) continue;  // stacked experts only
-        pinned_weight_[i] = dev_.alloc_host(w.n_bytes, w.name);
-        std::memcpy(pinned_weight_[i], w.data, w.n_bytes);
-      }
-    }
+    if (opt_.stream_experts_min_tokens > 0 || opt_.host_expert_share > 0) pin_host_experts();
     max_tokens_ = n_ctx;
     const size_t tb = static_cast<size_t>(max_tokens_) * 4;
     tokens_host_ = static_cast<int32_t*>(dev_.alloc_host(tb, "token ids"));
@@ -227,6 +218,64 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
   } catch (...) {
     release();
     throw;
+  }
+}
+
+namespace {
+// True when the environment variable is set to 1, on or true.
+bool env_says_on(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return false;
+  const std::string_view s(v);
+  return s == "1" || s == "on" || s == "true";
+}
+}  // namespace
+
+void HybridExecutor::pin_host_experts() {
+  // The CPU-held stacked expert tensors, streamed to the device (prefill) or read by it over
+  // PCIe (host_expert_share), need page-locked memory. First choice: their own memory (the
+  // file mapping) registered in place, as runs of tensors whose gaps are under 2 MiB (so no
+  // two runs share a page); else, or with BERTH_PIN_COPY=1, a pinned copy of each.
+  pinned_weight_.assign(weights_.size(), nullptr);
+  std::vector<size_t> ids;
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    const TensorView& w = weights_.tensors[i];
+    if (weight_home_[i] == Home::cpu && w.ne[2] > 1 && w.n_bytes > 0) ids.push_back(i);
+  }
+  if (ids.empty()) return;
+  const auto at = [&](size_t i) { return reinterpret_cast<uintptr_t>(weights_.tensors[i].data); };
+  bool in_place = !env_says_on("BERTH_PIN_COPY") && dev_.can_register_host();
+  if (in_place) {
+    std::vector<size_t> order = ids;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at(a) < at(b); });
+    constexpr uintptr_t kGap = uintptr_t{2} << 20;
+    for (size_t r = 0; r < order.size() && in_place;) {
+      const uintptr_t begin = at(order[r]);
+      uintptr_t end = begin + weights_.tensors[order[r]].n_bytes;
+      size_t q = r + 1;
+      for (; q < order.size() && at(order[q]) <= end + kGap; ++q)
+        end = std::max<uintptr_t>(end, at(order[q]) + weights_.tensors[order[q]].n_bytes);
+      const void* p = reinterpret_cast<const void*>(begin);
+      if (dev_.register_host(p, end - begin))
+        registered_.push_back(p);
+      else
+        in_place = false;
+      r = q;
+    }
+    if (!in_place) {
+      for (const void* p : registered_) dev_.unregister_host(p);
+      registered_.clear();
+    }
+  }
+  pinned_copies_ = !in_place;
+  for (size_t i : ids) {
+    const TensorView& w = weights_.tensors[i];
+    if (in_place) {
+      pinned_weight_[i] = const_cast<void*>(w.data);  // read only: the device never writes it
+    } else {
+      pinned_weight_[i] = dev_.alloc_host(w.n_bytes, w.name);
+      std::memcpy(pinned_weight_[i], w.data, w.n_bytes);
+    }
   }
 }
 
@@ -248,8 +297,12 @@ void HybridExecutor::release() {
   plans_.clear();
   for (void*& p : dev_weight_)
     if (p) dev_.dealloc(p), p = nullptr;
-  for (void*& p : pinned_weight_)
-    if (p) dev_.dealloc_host(p), p = nullptr;
+  if (pinned_copies_)
+    for (void*& p : pinned_weight_)
+      if (p) dev_.dealloc_host(p);
+  pinned_weight_.clear();
+  for (const void* p : registered_) dev_.unregister_host(p);
+  registered_.clear();
   for (void*& p : stage_)
     if (p) dev_.dealloc(p), p = nullptr;
   for (auto* p : dev_k_)
@@ -1128,7 +1181,10 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
       pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; },
                        opt_.warm_workers_us);
     const auto t0 = std::chrono::steady_clock::now();
+    // Spins a few microseconds, then yields each turn: a device whose work runs on host cores
+    // (SimDevice) or another process may need this core to produce the flag.
     for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
+      if (spin >= 4096) std::this_thread::yield();
       if ((spin & 0xffff) == 0xffff) {
         if (serve_abort_.load(std::memory_order_acquire)) return;  // the enqueue failed
         if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {

@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string_view>
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
@@ -48,17 +50,23 @@ std::string PlacementSetup::summary() const {
       device->name(), gib(plan.cpu_weight_bytes));
 }
 
-std::string auto_stream_off(const Model& model, const placement::Plan& plan,
-                            size_t host_available) {
+std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
+                            bool copies) {
   const graph::WeightTable& w = model.weights();
   size_t pinned = 0;  // the CPU-held stacked expert tensors' pinned copy
   for (size_t i = 0; i < w.size() && i < plan.home.size(); ++i)
     if (plan.home[i] == placement::Home::cpu && w[i].ne[2] > 1) pinned += w[i].n_bytes;
   if (pinned == 0) return "-";
-  // The CPU-held weights themselves must stay in memory too (their pages may not be cached
-  // yet), and 2 GiB are left to everything else.
-  const size_t need = pinned + plan.cpu_weight_bytes + (size_t{2} << 30);
+  // The CPU-held weights themselves must stay in memory (their pages may not be cached yet;
+  // registered in place they are locked there), and 2 GiB are left to everything else.
+  const size_t need = (copies ? pinned : 0) + plan.cpu_weight_bytes + (size_t{2} << 30);
   if (need <= host_available) return {};
+  if (!copies)
+    return fmt::format(
+        "the CPU-held weights ({:.2f} GiB), locked in memory for the device with 2 GiB to "
+        "spare, need more than the {:.2f} GiB of host memory available (--stream-experts N "
+        "forces it)",
+        gib(plan.cpu_weight_bytes), gib(host_available));
   return fmt::format(
       "the pinned copy of the CPU-held experts ({:.2f} GiB), with the CPU's weights ({:.2f} "
       "GiB) and 2 GiB to spare, needs more than the {:.2f} GiB of host memory available "
@@ -99,11 +107,17 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
   if (auto_stream && any_gpu && s.device) {
-    const std::string off = auto_stream_off(model, s.plan, host_available_bytes());
+    const char* copy_env = std::getenv("BERTH_PIN_COPY");
+    const bool copies =
+        !s.device->can_register_host() ||
+        (copy_env && (std::string_view(copy_env) == "1" || std::string_view(copy_env) == "on" ||
+                      std::string_view(copy_env) == "true"));
+    const std::string off = auto_stream_off(model, s.plan, host_available_bytes(), copies);
     if (!off.empty()) {
       stream = 0;
       make();
-      if (off != "-") s.plan.notes.push_back("--stream-experts auto: off: " + off);
+      // Not a warning: the user asked for nothing; prefill keeps the CPU path.
+      if (off != "-") log::info("--stream-experts auto: off: {}", off);
     }
   }
   for (const std::string& note : s.plan.notes) log::warn("{}", note);
@@ -153,14 +167,27 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
   if (params.device) {
     // The expert options act on stacked expert tensors (ne[2] > 1) that stay on the CPU.
     const graph::WeightTable& w = model.weights();
-    bool cpu_experts = false;
-    for (size_t i = 0; i < w.size() && i < params.weight_home.size(); ++i)
-      cpu_experts =
-          cpu_experts || (params.weight_home[i] == placement::Home::cpu && w[i].ne[2] > 1);
-    if (cpu_experts) return out;
-    const char* none =
-        "has no effect: no expert tensor stays on the CPU (--cpu-moe or "
-        "--n-cpu-moe N keeps some there)";
+    bool any_experts = false;
+    int64_t cpu_experts = 0;  // CPU-held stacked expert tensors (three per MoE layer)
+    for (size_t i = 0; i < w.size() && i < params.weight_home.size(); ++i) {
+      any_experts = any_experts || w[i].ne[2] > 1;
+      cpu_experts += params.weight_home[i] == placement::Home::cpu && w[i].ne[2] > 1;
+    }
+    if (cpu_experts > 0) {
+      // The share's slots over the CPU-held layers (split_host_experts' cumulative rounding).
+      const double f = params.hybrid.host_expert_share;
+      const double slots = f * static_cast<double>(model.hparams().n_expert_used) *
+                           static_cast<double>(cpu_experts / 3);
+      if (f > 0 && std::floor(slots + 0.5) < 1)
+        out.push_back(
+            fmt::format("--host-expert-share {} has no effect: it gives the device no slot (F x "
+                        "n_expert_used {} x {} CPU-held MoE layers rounds to 0)",
+                        f, model.hparams().n_expert_used, cpu_experts / 3));
+      return out;
+    }
+    const char* none = any_experts ? "has no effect: no expert tensor stays on the CPU (--cpu-moe "
+                                     "or --n-cpu-moe N keeps some there)"
+                                   : "has no effect: the model has no routed experts";
     if (params.hybrid.stream_experts_min_tokens > 0)
       out.push_back(
           fmt::format("--stream-experts {} {}", params.hybrid.stream_experts_min_tokens, none));

@@ -98,6 +98,10 @@ class SimDevice final : public Device {
     std::free(p);
     host_.erase(it);
   }
+  // Host memory is what the worker reads anyway: nothing to lock.
+  bool register_host(const void*, size_t) override { return true; }
+  void unregister_host(const void*) override { drain(); }
+  bool can_register_host() const override { return true; }
   void upload(void* dst, const void* src, size_t bytes) override {
     synchronize();
     std::memcpy(dst, src, bytes);
@@ -157,7 +161,12 @@ class SimDevice final : public Device {
               ErrorCategory::internal,
               fmt::format("SIM0: a flag wait for value {} was not met in {} s", value,
                           std::chrono::duration_cast<std::chrono::seconds>(kFlagTimeout).count()));
-        std::this_thread::yield();
+        // Yield at first, then sleep: the host thread that writes the flag needs a core, and
+        // on a loaded machine a yielding loop keeps taking it.
+        if (spin < 256)
+          std::this_thread::yield();
+        else
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
     });
   }

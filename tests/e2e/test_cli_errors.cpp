@@ -225,6 +225,21 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
                   "-ngl 99 --cpu-moe --host-expert-share 0.5");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("has no effect") == std::string::npos);
+  // A share too small to give the device one slot of the 2 x 2 (layers x n_expert_used).
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
+                  "-ngl 99 --cpu-moe --host-expert-share 1e-300");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("gives the device no slot") != std::string::npos);
+  // A dense model: the expert options name the reason.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +
+                  " -p hi -n 1 --temp 0 -ngl 99 --stream-experts 8");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--stream-experts 8 has no effect: the model has no routed experts") !=
+        std::string::npos);
+  // --stream-experts takes auto or a token count, and says so.
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --stream-experts foo");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("'foo' is not auto or a number of tokens") != std::string::npos);
   // An unknown subcommand is named, with the choices.
   r = run_command(bin + " bench foo");
   CHECK(r.exit_code == 2);

@@ -453,11 +453,23 @@ TEST_CASE("--stream-experts auto: on when experts stay on the CPU and their pinn
     return placement::make_plan(plan_request(*model, 64, 16, f, "TEST0", size_t{1} << 30, true));
   };
   const placement::Plan split = plan_of(true), all_gpu = plan_of(false);
-  CHECK(auto_stream_off(*model, split, size_t{1} << 40).empty());
-  CHECK(auto_stream_off(*model, all_gpu, size_t{1} << 40) == "-");          // nothing to stream
-  const std::string off = auto_stream_off(*model, split, size_t{1} << 30);  // 1 GiB: too little
-  CHECK(off.find("pinned copy of the CPU-held experts") != std::string::npos);
-  CHECK(off.find("1.00 GiB of host memory available") != std::string::npos);
+  for (const bool copies : {true, false}) {
+    CAPTURE(copies);
+    CHECK(auto_stream_off(*model, split, size_t{1} << 40, copies).empty());
+    CHECK(auto_stream_off(*model, all_gpu, size_t{1} << 40, copies) == "-");  // nothing to stream
+    const std::string off = auto_stream_off(*model, split, size_t{1} << 30, copies);  // 1 GiB
+    CHECK(off.find(copies ? "pinned copy of the CPU-held experts" : "locked in memory") !=
+          std::string::npos);
+    CHECK(off.find("1.00 GiB of host memory available") != std::string::npos);
+  }
+  // The copy's size decides: room for the weights and 2 GiB but not for the copy.
+  size_t pinned = 0;
+  for (size_t i = 0; i < model->weights().size(); ++i)
+    if (split.home[i] == placement::Home::cpu && model->weights()[i].ne[2] > 1)
+      pinned += model->weights()[i].n_bytes;
+  const size_t room = split.cpu_weight_bytes + (size_t{2} << 30) + pinned / 2;
+  CHECK(auto_stream_off(*model, split, room, false).empty());
+  CHECK_FALSE(auto_stream_off(*model, split, room, true).empty());
   // place() resolves it (on the simulated device here; CUDA where BERTH_TEST_DEVICE=cuda).
   if (!use_cuda()) ::setenv("BERTH_SIM_DEVICE", "2G", 1);
   for (const bool cpu_moe : {true, false}) {
@@ -518,7 +530,41 @@ TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the 
     MESSAGE("--n-cpu-moe ", n_cpu_moe, " streamed: NMSE ", nmse(got, ref));
     CHECK(nmse(got, ref) < placement_nmse("q8_0"));
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);
+    // The experts' own memory registered in place (the default where the device can) or a
+    // pinned copy (BERTH_PIN_COPY=1): the same bytes, so the same bits.
+    ::setenv("BERTH_PIN_COPY", "1", 1);
+    const Run copied = greedy(*model, prompt, 16, dev.get(), &h, 16, true, 9, &streamed);
+    ::unsetenv("BERTH_PIN_COPY");
+    CHECK(streamed == 2 * n_cpu_moe);
+    CHECK(same_bits(copied, got));
   }
+}
+
+TEST_CASE("hybrid: the CPU-held experts reach the device registered in place or as a copy") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  const Homes h = homes_by(
+      *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  for (const bool copy : {false, true}) {
+    CAPTURE(copy);
+    if (copy) ::setenv("BERTH_PIN_COPY", "1", 1);
+    SessionParams sp = on_device(dev.get(), h, 64, 1);
+    sp.hybrid.stream_experts_min_tokens = 8;
+    Session s(*model, sp);
+    if (copy) ::unsetenv("BERTH_PIN_COPY");
+    const std::string want = copy || !dev->can_register_host() ? "copied" : "registered";
+    CHECK(s.hybrid()->host_experts_pinning() == want);
+  }
+  // Neither option: nothing pinned.
+  Session none(*model, on_device(dev.get(), h, 64, 1));
+  CHECK(none.hybrid()->host_experts_pinning().empty());
+  // All experts on the device: nothing to pin either.
+  const Homes all = homes_by(*model, [](const std::string&, int) { return true; });
+  SessionParams sp = on_device(dev.get(), all, 64, 1);
+  sp.hybrid.stream_experts_min_tokens = 8;
+  Session gpu_only(*model, sp);
+  CHECK(gpu_only.hybrid()->host_experts_pinning().empty());
 }
 
 TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 oracle anywhere") {

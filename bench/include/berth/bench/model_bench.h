@@ -79,6 +79,8 @@ struct ModelBenchResult {
   std::string handoff;                    ///< "flags" or "callback"
   int64_t warm_workers_us = 0;            ///< in effect (flag hand-off only; 0: off)
   int32_t stream_experts_min_tokens = 0;  ///< in effect (--stream-experts resolved; 0: off)
+  /// HybridExecutor::host_experts_pinning(): "registered", "copied" or "" (none pinned).
+  std::string host_experts_pinning;
   // With a device (hybrid runs):
   std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
   std::string placement;          ///< the plan's description ("automatic", "--cpu-moe", ...)

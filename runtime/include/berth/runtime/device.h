@@ -48,6 +48,16 @@ class Device {
   /// Page-locked host memory, usable by copies and host callbacks. Same errors as alloc().
   virtual void* alloc_host(size_t bytes, std::string_view what) = 0;
   virtual void dealloc_host(void* p) = 0;
+  /// Page-locks host memory [p, p + bytes) that the process already owns and only reads (e.g. a
+  /// read-only file mapping of the weights), so that copies from it and kernels reading it work
+  /// as with alloc_host memory, at the same addresses. True on success; false when the device
+  /// cannot (CUDA: cudaHostRegister with cudaHostRegisterReadOnly unsupported or refused, or
+  /// host pointers not usable by kernels), and then nothing is registered. The pages covering
+  /// the range are locked, so two ranges must not share a page. `p` keys unregister_host.
+  virtual bool register_host(const void* p, size_t bytes) = 0;
+  virtual void unregister_host(const void* p) = 0;
+  /// Whether register_host can succeed here (its capability checks, no registration).
+  virtual bool can_register_host() const = 0;
   /// Synchronous copy from any host memory to device memory (load time).
   virtual void upload(void* dst, const void* src, size_t bytes) = 0;
   /// Synchronous copy from device memory to any host memory (tests, diagnostics).

@@ -29,6 +29,8 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -168,6 +170,12 @@ class HybridExecutor {
   int64_t streamed_ops() const { return n_streamed_; }
   /// Device ops enqueued that read expert weights from pinned host memory (host_expert_share).
   int64_t host_expert_ops() const { return n_host_w_; }
+  /// How the CPU-held experts reach the device (stream_experts_min_tokens, host_expert_share):
+  /// "registered" (their own memory page-locked in place), "copied" (a pinned copy: the device
+  /// cannot register it, or BERTH_PIN_COPY=1) or "" (neither option is on).
+  std::string_view host_experts_pinning() const {
+    return pinned_copies_ ? "copied" : registered_.empty() ? "" : "registered";
+  }
   CpuExecutor& cpu() { return cpu_; }
   Device& device() { return dev_; }
 
@@ -178,6 +186,7 @@ class HybridExecutor {
   StepPlan& step(const graph::Graph& g, std::span<const int32_t> tokens,
                  std::span<const int32_t> positions, bool select);
   void split_host_experts(StepPlan& sp) const;
+  void pin_host_experts();
   void enqueue_step(StepPlan& sp);
   /// Enqueues op i on the device. q8_out (attention only): the workspace the next matmul reads,
   /// where the op may also leave its output's 8-bit blocks (returns true when it did); x_q8
@@ -198,8 +207,12 @@ class HybridExecutor {
   std::vector<placement::Home> weight_home_, kv_home_;
   HybridOptions opt_;
   CpuExecutor cpu_;
-  std::vector<void*> dev_weight_;        // per WeightId: device copy, or nullptr
-  std::vector<void*> pinned_weight_;     // per WeightId: pinned host copy (streamed experts)
+  std::vector<void*> dev_weight_;  // per WeightId: device copy, or nullptr
+  // Per WeightId: the CPU-held expert tensor's page-locked host memory for the device (its own
+  // memory registered in place, or a pinned copy), or nullptr.
+  std::vector<void*> pinned_weight_;
+  std::vector<const void*> registered_;  // keys of Device::register_host ranges
+  bool pinned_copies_ = false;           // pinned_weight_ holds copies (alloc_host)
   void* stage_[2] = {nullptr, nullptr};  // device buffers of streamed expert layers
   size_t stage_bytes_ = 0;
   std::vector<uint16_t*> dev_k_, dev_v_;  // per layer: f16 KV cache, or nullptr

@@ -51,9 +51,12 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
                      bool progress_to_stderr);
 
 /// Why `--stream-experts auto` stays off for `plan`: "-" when no stacked expert tensor stays
-/// on the CPU (nothing to stream, nothing to say), a sentence when their pinned copy, with the
-/// CPU-held weights and 2 GiB to spare, exceeds `host_available` bytes; empty when it streams.
-std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available);
+/// on the CPU (nothing to stream, nothing to say), a sentence when the CPU-held weights with
+/// 2 GiB to spare, plus their experts' pinned copy when `copies` (the device cannot register
+/// the weights in place, or BERTH_PIN_COPY=1), exceed `host_available` bytes; empty when it
+/// streams.
+std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
+                            bool copies);
 
 /// Warnings (one line each) for params.hybrid options that cannot act: ones that need a device
 /// when params.device is null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any
