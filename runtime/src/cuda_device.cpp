@@ -151,7 +151,7 @@ class CudaDevice final : public Device {
   void unregister_host(const void* p) override {
     for (size_t i = 0; i < registered_.size(); ++i)
       if (registered_[i].first == p) {
-        cudaHostUnregister(registered_[i].second);
+        if (cudaHostUnregister(registered_[i].second) != cudaSuccess) cudaGetLastError();
         registered_.erase(registered_.begin() + static_cast<std::ptrdiff_t>(i));
         return;
       }

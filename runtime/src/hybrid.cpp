@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 #include "berth/cpu_kernels/ops.h"
 
 namespace berth {
@@ -244,7 +245,10 @@ void HybridExecutor::pin_host_experts() {
   }
   if (ids.empty()) return;
   const auto at = [&](size_t i) { return reinterpret_cast<uintptr_t>(weights_.tensors[i].data); };
-  bool in_place = !env_says_on("BERTH_PIN_COPY") && dev_.can_register_host();
+  // In place needs 16-byte aligned tensors (the staging kernel's wide loads; a pinned copy is
+  // page-aligned), as GGUF's default general.alignment of 32 gives.
+  bool in_place = !env_says_on("BERTH_PIN_COPY") && dev_.can_register_host() &&
+                  std::all_of(ids.begin(), ids.end(), [&](size_t i) { return at(i) % 16 == 0; });
   if (in_place) {
     std::vector<size_t> order = ids;
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return at(a) < at(b); });
@@ -266,6 +270,16 @@ void HybridExecutor::pin_host_experts() {
       for (const void* p : registered_) dev_.unregister_host(p);
       registered_.clear();
     }
+  }
+  if (!in_place && !opt_.copy_host_experts) {
+    // The plan counted no room for a copy (--stream-experts auto): stream nothing instead.
+    log::warn(
+        "{}: the CPU-held experts could not be registered in place and there is no room "
+        "planned for a pinned copy: prefill keeps them on the CPU (--stream-experts N "
+        "forces a copy)",
+        dev_.name());
+    opt_.stream_experts_min_tokens = 0;
+    return;
   }
   pinned_copies_ = !in_place;
   for (size_t i : ids) {
@@ -301,6 +315,7 @@ void HybridExecutor::release() {
     for (void*& p : pinned_weight_)
       if (p) dev_.dealloc_host(p);
   pinned_weight_.clear();
+  pinned_copies_ = false;
   for (const void* p : registered_) dev_.unregister_host(p);
   registered_.clear();
   for (void*& p : stage_)
@@ -1185,7 +1200,7 @@ void HybridExecutor::serve_segments(StepPlan& sp) {
     // (SimDevice) or another process may need this core to produce the flag.
     for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
       if (spin >= 4096) std::this_thread::yield();
-      if ((spin & 0xffff) == 0xffff) {
+      if ((spin & 0xff) == 0xff) {
         if (serve_abort_.load(std::memory_order_acquire)) return;  // the enqueue failed
         if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
           // Never signalled: release every waiting stream so the device can finish, then fail.

@@ -113,6 +113,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
         (copy_env && (std::string_view(copy_env) == "1" || std::string_view(copy_env) == "on" ||
                       std::string_view(copy_env) == "true"));
     const std::string off = auto_stream_off(model, s.plan, host_available_bytes(), copies);
+    // Room was checked for a copy only when one is expected; an explicit share needs the
+    // experts pinned either way.
+    params.hybrid.copy_host_experts = copies || params.hybrid.host_expert_share > 0;
     if (!off.empty()) {
       stream = 0;
       make();

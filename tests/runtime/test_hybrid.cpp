@@ -556,6 +556,20 @@ TEST_CASE("hybrid: the CPU-held experts reach the device registered in place or 
     const std::string want = copy || !dev->can_register_host() ? "copied" : "registered";
     CHECK(s.hybrid()->host_experts_pinning() == want);
   }
+  // No registration (BERTH_PIN_COPY=1 stands in for a refusal) and no copy allowed (the
+  // plan of --stream-experts auto counted no room for one): streaming is turned off instead.
+  {
+    ::setenv("BERTH_PIN_COPY", "1", 1);
+    SessionParams sp = on_device(dev.get(), h, 64, 1);
+    sp.hybrid.stream_experts_min_tokens = 8;
+    sp.hybrid.copy_host_experts = false;
+    Session s(*model, sp);
+    ::unsetenv("BERTH_PIN_COPY");
+    CHECK(s.hybrid()->host_experts_pinning().empty());
+    std::vector<int32_t> prompt(20, 7);
+    (void)s.eval(prompt);
+    CHECK(s.hybrid()->streamed_ops() == 0);
+  }
   // Neither option: nothing pinned.
   Session none(*model, on_device(dev.get(), h, 64, 1));
   CHECK(none.hybrid()->host_experts_pinning().empty());

@@ -113,6 +113,10 @@ struct HybridOptions {
   /// qwen3-30b-a3b 41.3 -> 42.6 and 48.1 -> 52.6 tok/s in two interleaved pairs but 54.1 -> 52.6
   /// in a third, within that host's run-to-run spread, while keeping every worker spinning.
   int64_t warm_workers_us = 0;
+  /// When the device cannot register the CPU-held experts' own memory in place, pin a copy of
+  /// them (true) or, false (place() for --stream-experts auto, whose plan counted no room for a
+  /// copy), turn streaming off instead.
+  bool copy_host_experts = true;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
