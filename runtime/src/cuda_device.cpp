@@ -72,6 +72,13 @@ class CudaDevice final : public Device {
     write_value_ = driver_fn("cuStreamWriteValue32");
     wait_value_ = driver_fn("cuStreamWaitValue32");
     flags_ = host_ptr != 0 && write_value_ && wait_value_;
+    // register_host: read-only registration of memory mapped read-only (the weights' file),
+    // used through its host pointer.
+    int reg = 0, ro = 0;
+    cudaDeviceGetAttribute(&reg, cudaDevAttrHostRegisterSupported, index);
+    cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, index);
+    cudaGetLastError();
+    register_ok_ = reg != 0 && ro != 0 && host_ptr != 0;
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);
@@ -124,14 +131,7 @@ class CudaDevice final : public Device {
     return p;
   }
   void dealloc_host(void* p) override { cudaFreeHost(p); }
-  bool can_register_host() const override {
-    int reg = 0, ro = 0, same = 0;
-    cudaDeviceGetAttribute(&reg, cudaDevAttrHostRegisterSupported, index_);
-    cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, index_);
-    cudaDeviceGetAttribute(&same, cudaDevAttrCanUseHostPointerForRegisteredMem, index_);
-    cudaGetLastError();
-    return reg != 0 && ro != 0 && same != 0;
-  }
+  bool can_register_host() const override { return register_ok_; }
   bool register_host(const void* p, size_t bytes) override {
     if (!can_register_host() || bytes == 0) return false;
     const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -389,6 +389,7 @@ class CudaDevice final : public Device {
   int index_;
   std::string name_;
   std::vector<std::pair<const void*, void*>> registered_;  // register_host: key, page base
+  bool register_ok_ = false;                               // can_register_host()
   std::array<cudaStream_t, kNumStreams> streams_{};
   std::vector<cudaEvent_t> events_;
   std::array<cudaEvent_t, kNumStreams * kNumStreams> pair_events_{};

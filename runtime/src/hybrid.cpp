@@ -222,15 +222,15 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
   }
 }
 
-namespace {
-// True when the environment variable is set to 1, on or true.
-bool env_says_on(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v) return false;
-  const std::string_view s(v);
-  return s == "1" || s == "on" || s == "true";
+bool registers_host_experts(const Device& dev) {
+  const char* v = std::getenv("BERTH_PIN_COPY");
+  const std::string_view copy = v ? v : "";
+  return !(copy == "1" || copy == "on" || copy == "true") && dev.can_register_host();
 }
-}  // namespace
+
+int32_t host_share_slots(double f, int32_t k, int64_t n) {
+  return static_cast<int32_t>(std::floor(static_cast<double>(n) * f * k + 0.5));
+}
 
 void HybridExecutor::pin_host_experts() {
   // The CPU-held stacked expert tensors, streamed to the device (prefill) or read by it over
@@ -247,7 +247,7 @@ void HybridExecutor::pin_host_experts() {
   const auto at = [&](size_t i) { return reinterpret_cast<uintptr_t>(weights_.tensors[i].data); };
   // In place needs 16-byte aligned tensors (the staging kernel's wide loads; a pinned copy is
   // page-aligned), as GGUF's default general.alignment of 32 gives.
-  bool in_place = !env_says_on("BERTH_PIN_COPY") && dev_.can_register_host() &&
+  bool in_place = registers_host_experts(dev_) &&
                   std::all_of(ids.begin(), ids.end(), [&](size_t i) { return at(i) % 16 == 0; });
   if (in_place) {
     std::vector<size_t> order = ids;
@@ -369,15 +369,13 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
         weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
         g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
     Op cpu_op = op, dev_op = op;
-    int32_t n_dev = 0, n_cpu = 1;
+    int32_t n_dev = 0, n_cpu = 0;
     if (split) {
       const int32_t sb = op.moe.slot_begin;
       const int32_t se = op.moe.slot_end < 0 ? op.moe.n_expert_used : op.moe.slot_end;
-      const double per = f * (se - sb);
-      const auto upto = [&](int64_t c) {
-        return static_cast<int32_t>(std::floor(static_cast<double>(c) * per + 0.5));
-      };
-      n_dev = std::clamp(upto(n_split + 1) - upto(n_split), 0, se - sb);
+      n_dev = std::clamp(
+          host_share_slots(f, se - sb, n_split + 1) - host_share_slots(f, se - sb, n_split), 0,
+          se - sb);
       n_cpu = se - sb - n_dev;
       ++n_split;
       cpu_op.moe.slot_begin = sb;
@@ -1279,6 +1277,10 @@ std::vector<CpuExecutor::OpTime> HybridExecutor::gpu_profile() const {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+size_t round_up_mib(size_t bytes) { return (bytes + (size_t{1} << 20) - 1) >> 20 << 20; }
+}  // namespace
+
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx, Device* dev) {
   const graph::Graph g = model.build_step(n_ubatch, 1);
   const size_t n_val = g.values.size(), n_ops = g.ops.size();
@@ -1303,7 +1305,7 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
     }
   }
   total += ws;
-  return (total + (size_t{1} << 20) - 1) >> 20 << 20;
+  return round_up_mib(total);
 }
 
 size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
@@ -1325,7 +1327,7 @@ size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
   if (stream_experts_min_tokens > 0) total += 2 * layer;
   if (host_expert_share > 0)
     total += static_cast<size_t>(std::ceil(std::min(host_expert_share, 1.0) * k)) * expert;
-  return (total + (size_t{1} << 20) - 1) >> 20 << 20;
+  return round_up_mib(total);
 }
 
 }  // namespace berth

@@ -4,14 +4,13 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <string_view>
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
+#include "berth/runtime/hybrid.h"
 #include "berth/runtime/plan_request.h"
 
 namespace berth {
@@ -107,11 +106,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
   if (auto_stream && any_gpu && s.device) {
-    const char* copy_env = std::getenv("BERTH_PIN_COPY");
-    const bool copies =
-        !s.device->can_register_host() ||
-        (copy_env && (std::string_view(copy_env) == "1" || std::string_view(copy_env) == "on" ||
-                      std::string_view(copy_env) == "true"));
+    const bool copies = !registers_host_experts(*s.device);
     const std::string off = auto_stream_off(model, s.plan, host_available_bytes(), copies);
     // Room was checked for a copy only when one is expected; an explicit share needs the
     // experts pinned either way.
@@ -169,23 +164,25 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
   std::vector<std::string> out;
   if (params.device) {
     // The expert options act on stacked expert tensors (ne[2] > 1) that stay on the CPU.
-    const graph::WeightTable& w = model.weights();
+    // The expert options act on the MoE layers whose experts stay on the CPU.
     bool any_experts = false;
-    int64_t cpu_experts = 0;  // CPU-held stacked expert tensors (three per MoE layer)
-    for (size_t i = 0; i < w.size() && i < params.weight_home.size(); ++i) {
-      any_experts = any_experts || w[i].ne[2] > 1;
-      cpu_experts += params.weight_home[i] == placement::Home::cpu && w[i].ne[2] > 1;
+    int64_t cpu_layers = 0;
+    int32_t k = 0;
+    for (const graph::Op& op : model.build_step(1, 1).ops) {
+      if (op.kind != graph::OpKind::moe_experts) continue;
+      any_experts = true;
+      k = op.moe.n_expert_used;
+      const auto gate = static_cast<size_t>(op.moe.gate);
+      cpu_layers +=
+          gate < params.weight_home.size() && params.weight_home[gate] == placement::Home::cpu;
     }
-    if (cpu_experts > 0) {
-      // The share's slots over the CPU-held layers (split_host_experts' cumulative rounding).
+    if (cpu_layers > 0) {
       const double f = params.hybrid.host_expert_share;
-      const double slots = f * static_cast<double>(model.hparams().n_expert_used) *
-                           static_cast<double>(cpu_experts / 3);
-      if (f > 0 && std::floor(slots + 0.5) < 1)
+      if (f > 0 && host_share_slots(f, k, cpu_layers) < 1)
         out.push_back(
             fmt::format("--host-expert-share {} has no effect: it gives the device no slot (F x "
                         "n_expert_used {} x {} CPU-held MoE layers rounds to 0)",
-                        f, model.hparams().n_expert_used, cpu_experts / 3));
+                        f, k, cpu_layers));
       return out;
     }
     const char* none = any_experts ? "has no effect: no expert tensor stays on the CPU (--cpu-moe "

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <random>
 
 #include "test_util.h"
@@ -214,32 +215,33 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   REQUIRE(
       run_command(bin + " synth --preset tiny-qwen3moe --type q8_0 -o " + moe_model).exit_code ==
       0);
-  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
-                  "-ngl 99 --host-expert-share 0.5 --stream-experts 64");
-  CHECK(r.exit_code == 0);
-  CHECK(r.err.find("--host-expert-share 0.5 has no effect: no expert tensor stays on the CPU") !=
-        std::string::npos);
-  CHECK(r.err.find("--stream-experts 64 has no effect: no expert tensor stays on the CPU") !=
-        std::string::npos);
-  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
-                  "-ngl 99 --cpu-moe --host-expert-share 0.5");
-  CHECK(r.exit_code == 0);
+  // `berth run` with these arguments (on the simulated device) exits with `code` and its
+  // stderr holds each of `says`.
+  const auto expect_run = [&](const std::string& args, int code,
+                              std::initializer_list<const char*> says) {
+    CAPTURE(args);
+    const CommandResult c = run_command("BERTH_SIM_DEVICE=1G " + bin + " run " + args);
+    CHECK(c.exit_code == code);
+    for (const char* text : says) {
+      CAPTURE(text);
+      CHECK(c.err.find(text) != std::string::npos);
+    }
+    return c;
+  };
+  const std::string moe_run = "-m " + moe_model + " -p hi -n 1 --temp 0 -ngl 99 ";
+  expect_run(moe_run + "--host-expert-share 0.5 --stream-experts 64", 0,
+             {"--host-expert-share 0.5 has no effect: no expert tensor stays on the CPU",
+              "--stream-experts 64 has no effect: no expert tensor stays on the CPU"});
+  r = expect_run(moe_run + "--cpu-moe --host-expert-share 0.5", 0, {});
   CHECK(r.err.find("has no effect") == std::string::npos);
   // A share too small to give the device one slot of the 2 x 2 (layers x n_expert_used).
-  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 " +
-                  "-ngl 99 --cpu-moe --host-expert-share 1e-300");
-  CHECK(r.exit_code == 0);
-  CHECK(r.err.find("gives the device no slot") != std::string::npos);
+  expect_run(moe_run + "--cpu-moe --host-expert-share 1e-300", 0, {"gives the device no slot"});
   // A dense model: the expert options name the reason.
-  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +
-                  " -p hi -n 1 --temp 0 -ngl 99 --stream-experts 8");
-  CHECK(r.exit_code == 0);
-  CHECK(r.err.find("--stream-experts 8 has no effect: the model has no routed experts") !=
-        std::string::npos);
+  expect_run("-m " + model + " -p hi -n 1 --temp 0 -ngl 99 --stream-experts 8", 0,
+             {"--stream-experts 8 has no effect: the model has no routed experts"});
   // --stream-experts takes auto or a token count, and says so.
-  r = run_command(bin + " run -m " + model + " -p hi -n 1 --stream-experts foo");
-  CHECK(r.exit_code == 2);
-  CHECK(r.err.find("'foo' is not auto or a number of tokens") != std::string::npos);
+  expect_run("-m " + model + " -p hi -n 1 --stream-experts foo", 2,
+             {"'foo' is not auto or a number of tokens"});
   // An unknown subcommand is named, with the choices.
   r = run_command(bin + " bench foo");
   CHECK(r.exit_code == 2);

@@ -62,6 +62,15 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
 size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
                           double host_expert_share);
 
+/// round(n f k): the route slots HybridOptions::host_expert_share `f` gives the device over the
+/// first n split layers of k slots each (layer c gets host_share_slots(f, k, c + 1) -
+/// host_share_slots(f, k, c)).
+int32_t host_share_slots(double f, int32_t k, int64_t n);
+
+/// Whether HybridExecutor registers the CPU-held experts' own memory on `dev` in place
+/// (Device::can_register_host, unless BERTH_PIN_COPY=1 asks for a pinned copy).
+bool registers_host_experts(const Device& dev);
+
 /// How a CPU segment and the device's streams hand over.
 enum class Handoff {
   automatic,  ///< flags when the device supports them, else callback
