@@ -223,9 +223,12 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
 }
 
 bool registers_host_experts(const Device& dev) {
-  const char* v = std::getenv("BERTH_PIN_COPY");
-  const std::string_view copy = v ? v : "";
-  return !(copy == "1" || copy == "on" || copy == "true") && dev.can_register_host();
+  // Off by default: with it, test_hybrid's streaming case hung on the H200 (2026-12-01; the
+  // main thread running, another in a futex wait; cause not found), where the pinned copy
+  // passes. llama.cpp too keeps registering mmap'd weights opt-in (GGML_CUDA_REGISTER_HOST).
+  const char* v = std::getenv("BERTH_REGISTER_HOST");
+  const std::string_view on = v ? v : "";
+  return (on == "1" || on == "on" || on == "true") && dev.can_register_host();
 }
 
 int32_t host_share_slots(double f, int32_t k, int64_t n) {
@@ -234,9 +237,9 @@ int32_t host_share_slots(double f, int32_t k, int64_t n) {
 
 void HybridExecutor::pin_host_experts() {
   // The CPU-held stacked expert tensors, streamed to the device (prefill) or read by it over
-  // PCIe (host_expert_share), need page-locked memory. First choice: their own memory (the
-  // file mapping) registered in place, as runs of tensors whose gaps are under 2 MiB (so no
-  // two runs share a page); else, or with BERTH_PIN_COPY=1, a pinned copy of each.
+  // PCIe (host_expert_share), need page-locked memory: a pinned copy of each, or with
+  // BERTH_REGISTER_HOST=1 their own memory (the file mapping) registered in place, as runs of
+  // tensors whose gaps are under 2 MiB (so no two runs share a page).
   pinned_weight_.assign(weights_.size(), nullptr);
   std::vector<size_t> ids;
   for (size_t i = 0; i < weights_.size(); ++i) {

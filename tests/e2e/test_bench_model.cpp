@@ -78,6 +78,34 @@ TEST_CASE("bench model: bounds and busy shares follow from the measured numbers"
   CHECK(j["tg_cpu_busy"].get<double>() <= 1.0);
   CHECK(j["tg_device_busy"].get<double>() > 0);
 
+  // --host-expert-share 0.25: the device takes round(n_layer x 0.25 x k) of the CPU-held route
+  // slots (q8_0 experts, every layer alike), which leave the DRAM bytes for the PCIe bytes, and
+  // the two sides' expert parts run at the same time (max, not sum).
+  nlohmann::json sh = bench_json("BERTH_SIM_DEVICE=1G", model,
+                                 "-ngl 99 --cpu-moe --host-expert-share 0.25", dir / "share.json");
+  const double n_layer = sh["model"]["n_layer"].get<double>(),
+               k = sh["model"]["n_expert_used"].get<double>();
+  const double slots = std::floor(n_layer * 0.25 * k + 0.5);
+  REQUIRE(slots > 0);
+  const double share_b = sh["decode_share_bytes"].get<double>(),
+               cpu_share = sh["decode_cpu_bytes"].get<double>();
+  // Share 1: every slot to the device, so the whole routed experts' bytes (cpu_b also counts
+  // the token_embd row that stays on the CPU).
+  const double experts_b =
+      bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 99 --cpu-moe --host-expert-share 1",
+                 dir / "all.json")["decode_share_bytes"]
+          .get<double>();
+  CHECK(experts_b > 0);
+  CHECK(experts_b < cpu_b);
+  CHECK(near(share_b, experts_b * slots / (n_layer * k)));
+  CHECK(near(cpu_share + share_b, cpu_b));
+  CHECK(near(sh["decode_gpu_bytes"].get<double>(), gpu_b));
+  const double ts = std::max(cpu_share / (sh["dram_gbps"].get<double>() * 1e9),
+                             share_b / (sh["h2d_pinned_gbps"].get<double>() * 1e9)) +
+                    gpu_b / (sh["hbm_copy_gbps"].get<double>() * 1e9);
+  CHECK(near(sh["hybrid_bound_tok_s"].get<double>(), 1.0 / ts));
+  CHECK(j["decode_share_bytes"].get<double>() == 0);
+
   // --profile with a device: device time per op kind (the simulated device times its marks too;
   // it once reported every op at 0 s), and the device's ops are the model's (matmul among them).
   j = bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 99 --cpu-moe --profile", dir / "prof.json");

@@ -87,10 +87,14 @@ struct ModelBenchResult {
   uint64_t gpu_weight_bytes = 0;  ///< weights resident on the device
   uint64_t decode_gpu_bytes = 0;  ///< per decode token: weights + KV read on the device
   uint64_t decode_cpu_bytes = 0;  ///< per decode token: weights + KV read from host DRAM
-  double hbm_gbps = 0;            ///< device-to-device copy, bytes read + written per s
-  double h2d_gbps = 0;            ///< pinned host-to-device copy
-  /// Decode bound with the per-layer dependency (each side waits for the other):
-  /// 1 / (decode_cpu_bytes / DRAM + decode_gpu_bytes / HBM).
+  /// Per decode token: CPU-held expert bytes the device reads over PCIe (host_expert_share,
+  /// counted out of decode_cpu_bytes).
+  uint64_t decode_share_bytes = 0;
+  double hbm_gbps = 0;  ///< device-to-device copy, bytes read + written per s
+  double h2d_gbps = 0;  ///< pinned host-to-device copy
+  /// Decode bound with the per-layer dependency (the experts wait for attention and the reverse;
+  /// the CPU's and the device's shares of the experts run at the same time):
+  /// 1 / (max(decode_cpu_bytes / DRAM, decode_share_bytes / pinned H2D) + decode_gpu_bytes / HBM).
   double hybrid_bound_tok_s = 0;
   /// Share of the timed tg steps' wall time spent in CPU segments (host callbacks); the rest is
   /// device work, copies and hand-offs.

@@ -68,7 +68,7 @@ size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
 int32_t host_share_slots(double f, int32_t k, int64_t n);
 
 /// Whether HybridExecutor registers the CPU-held experts' own memory on `dev` in place
-/// (Device::can_register_host, unless BERTH_PIN_COPY=1 asks for a pinned copy).
+/// (BERTH_REGISTER_HOST=1 and Device::can_register_host; otherwise a pinned copy).
 bool registers_host_experts(const Device& dev);
 
 /// How a CPU segment and the device's streams hand over.
@@ -113,7 +113,8 @@ struct HybridOptions {
   /// with the CPU; f = 1 leaves the CPU none. Only single-token steps are split: in a
   /// diagnostic run on the H200, a 24-token step of a tiny model with the device reading host
   /// memory did not finish within 120 s (not investigated), so multi-token steps keep the CPU
-  /// path.
+  /// path. Measured on the H200 (synthetic qwen3-30b-a3b, docs/performance.md): f = 0.25 gave
+  /// --cpu-moe decode +4% to +25%, depending on the host's spare DRAM bandwidth.
   double host_expert_share = 0;
   /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
   /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
@@ -122,8 +123,8 @@ struct HybridOptions {
   /// qwen3-30b-a3b 41.3 -> 42.6 and 48.1 -> 52.6 tok/s in two interleaved pairs but 54.1 -> 52.6
   /// in a third, within that host's run-to-run spread, while keeping every worker spinning.
   int64_t warm_workers_us = 0;
-  /// When the device cannot register the CPU-held experts' own memory in place, pin a copy of
-  /// them (true) or, false (place() for --stream-experts auto, whose plan counted no room for a
+  /// When the CPU-held experts' own memory is not registered in place (the default; see
+  /// registers_host_experts), pin a copy of them (true) or, false (place() for --stream-experts auto, whose plan counted no room for a
   /// copy), turn streaming off instead.
   bool copy_host_experts = true;
   /// Called while uploading weights: bytes done and total.
@@ -185,7 +186,7 @@ class HybridExecutor {
   int64_t host_expert_ops() const { return n_host_w_; }
   /// How the CPU-held experts reach the device (stream_experts_min_tokens, host_expert_share):
   /// "registered" (their own memory page-locked in place), "copied" (a pinned copy: the device
-  /// cannot register it, or BERTH_PIN_COPY=1) or "" (neither option is on).
+  /// cannot register it, or BERTH_REGISTER_HOST is not set) or "" (neither option is on).
   std::string_view host_experts_pinning() const {
     return pinned_copies_ ? "copied" : registered_.empty() ? "" : "registered";
   }
