@@ -1,6 +1,8 @@
 #include "berth/runtime/hybrid.h"
 
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -149,7 +151,8 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
       weight_home_(std::move(weight_home)),
       kv_home_(std::move(kv_home)),
       opt_(std::move(options)),
-      cpu_(pool, weights, cpu_kv) {
+      cpu_weights_(weights),
+      cpu_(pool, cpu_weights_, cpu_kv) {
   if (weight_home_.size() != weights_.size())
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("placement names {} tensors but the model has {}", weight_home_.size(),
@@ -292,6 +295,15 @@ void HybridExecutor::pin_host_experts() {
     } else {
       pinned_weight_[i] = dev_.alloc_host(w.n_bytes, w.name);
       std::memcpy(pinned_weight_[i], w.data, w.n_bytes);
+      // The CPU reads the copy too, so the source pages are no longer needed here; a hint,
+      // non-destructive whatever memory the tensor lives in (a file mapping or the heap).
+      cpu_weights_.tensors[i].data = pinned_weight_[i];
+#ifdef MADV_COLD
+      const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+      const auto a = reinterpret_cast<uintptr_t>(w.data);
+      const uintptr_t b = (a + page - 1) / page * page, e = (a + w.n_bytes) / page * page;
+      if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_COLD);
+#endif
     }
   }
 }
@@ -314,6 +326,7 @@ void HybridExecutor::release() {
   plans_.clear();
   for (void*& p : dev_weight_)
     if (p) dev_.dealloc(p), p = nullptr;
+  cpu_weights_ = weights_;  // before the copies it may point at go
   if (pinned_copies_)
     for (void*& p : pinned_weight_)
       if (p) dev_.dealloc_host(p);

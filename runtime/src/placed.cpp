@@ -56,21 +56,17 @@ std::string auto_stream_off(const Model& model, const placement::Plan& plan, siz
   for (size_t i = 0; i < w.size() && i < plan.home.size(); ++i)
     if (plan.home[i] == placement::Home::cpu && w[i].ne[2] > 1) pinned += w[i].n_bytes;
   if (pinned == 0) return "-";
-  // The CPU-held weights themselves must stay in memory (their pages may not be cached yet;
-  // registered in place they are locked there), and 2 GiB are left to everything else.
-  const size_t need = (copies ? pinned : 0) + plan.cpu_weight_bytes + (size_t{2} << 30);
+  // The CPU-held weights must fit in memory with 2 GiB left to everything else: registered in
+  // place they are locked there; otherwise their experts' pinned copy is what the CPU then
+  // reads (HybridExecutor::cpu_weights), so the file's pages of them may be reclaimed.
+  const size_t need = plan.cpu_weight_bytes + (size_t{2} << 30);
   if (need <= host_available) return {};
-  if (!copies)
-    return fmt::format(
-        "the CPU-held weights ({:.2f} GiB), locked in memory for the device with 2 GiB to "
-        "spare, need more than the {:.2f} GiB of host memory available (--stream-experts N "
-        "forces it)",
-        gib(plan.cpu_weight_bytes), gib(host_available));
   return fmt::format(
-      "the pinned copy of the CPU-held experts ({:.2f} GiB), with the CPU's weights ({:.2f} "
-      "GiB) and 2 GiB to spare, needs more than the {:.2f} GiB of host memory available "
+      "the CPU-held weights ({:.2f} GiB, {:.2f} GiB of experts among them {} for the device) "
+      "with 2 GiB to spare need more than the {:.2f} GiB of host memory available "
       "(--stream-experts N forces it)",
-      gib(pinned), gib(plan.cpu_weight_bytes), gib(host_available));
+      gib(plan.cpu_weight_bytes), gib(pinned), copies ? "as a pinned copy" : "locked in place",
+      gib(host_available));
 }
 
 std::unique_ptr<Device> default_device() {

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <regex>
 #include <string>
@@ -448,7 +449,7 @@ TEST_CASE("expert_stage_bytes: the streamed experts' buffers and the share's sta
   CHECK(expert_stage_bytes(*load_model(stories), 64, 0.5) == 0);
 }
 
-TEST_CASE("--stream-experts auto: on when experts stay on the CPU and their pinned copy fits") {
+TEST_CASE("--stream-experts auto: on when experts stay on the CPU and the CPU's weights fit") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);
   const auto plan_of = [&](bool cpu_moe) {
@@ -458,23 +459,19 @@ TEST_CASE("--stream-experts auto: on when experts stay on the CPU and their pinn
     return placement::make_plan(plan_request(*model, 64, 16, f, "TEST0", size_t{1} << 30, true));
   };
   const placement::Plan split = plan_of(true), all_gpu = plan_of(false);
+  // The CPU-held weights and 2 GiB decide, copied or not: the CPU reads the experts' pinned
+  // copy instead of the file's pages (HybridExecutor::cpu_weights), so memory holds them once.
+  const size_t room = split.cpu_weight_bytes + (size_t{2} << 30);
   for (const bool copies : {true, false}) {
     CAPTURE(copies);
     CHECK(auto_stream_off(*model, split, size_t{1} << 40, copies).empty());
     CHECK(auto_stream_off(*model, all_gpu, size_t{1} << 40, copies) == "-");  // nothing to stream
     const std::string off = auto_stream_off(*model, split, size_t{1} << 30, copies);  // 1 GiB
-    CHECK(off.find(copies ? "pinned copy of the CPU-held experts" : "locked in memory") !=
-          std::string::npos);
+    CHECK(off.find(copies ? "as a pinned copy" : "locked in place") != std::string::npos);
     CHECK(off.find("1.00 GiB of host memory available") != std::string::npos);
+    CHECK(auto_stream_off(*model, split, room, copies).empty());
+    CHECK_FALSE(auto_stream_off(*model, split, room - 1, copies).empty());
   }
-  // The copy's size decides: room for the weights and 2 GiB but not for the copy.
-  size_t pinned = 0;
-  for (size_t i = 0; i < model->weights().size(); ++i)
-    if (split.home[i] == placement::Home::cpu && model->weights()[i].ne[2] > 1)
-      pinned += model->weights()[i].n_bytes;
-  const size_t room = split.cpu_weight_bytes + (size_t{2} << 30) + pinned / 2;
-  CHECK(auto_stream_off(*model, split, room, false).empty());
-  CHECK_FALSE(auto_stream_off(*model, split, room, true).empty());
   // place() resolves it (on the simulated device here; CUDA where BERTH_TEST_DEVICE=cuda).
   if (!use_cuda()) ::setenv("BERTH_SIM_DEVICE", "2G", 1);
   for (const bool cpu_moe : {true, false}) {
@@ -562,6 +559,21 @@ TEST_CASE("hybrid: the CPU-held experts reach the device registered in place or 
     if (reg) ::unsetenv("BERTH_REGISTER_HOST");
     const std::string want = reg && dev->can_register_host() ? "registered" : "copied";
     CHECK(s.hybrid()->host_experts_pinning() == want);
+    // The CPU segments read the pinned copy of each CPU-held expert tensor (the same bytes),
+    // and the model's own memory for everything else and when registered in place.
+    const graph::WeightTable& cw = s.hybrid()->cpu_weights();
+    const graph::WeightTable& mw = model->weights();
+    REQUIRE(cw.size() == mw.size());
+    int64_t n_copied = 0;
+    for (size_t i = 0; i < mw.size(); ++i) {
+      const bool copied = want == "copied" && h.w[i] == Home::cpu && mw.tensors[i].ne[2] > 1;
+      CAPTURE(mw.tensors[i].name);
+      CHECK((cw.tensors[i].data != mw.tensors[i].data) == copied);
+      if (copied)
+        CHECK(std::memcmp(cw.tensors[i].data, mw.tensors[i].data, mw.tensors[i].n_bytes) == 0);
+      n_copied += copied;
+    }
+    CHECK(n_copied == (want == "copied" ? 3 * model->hparams().n_layer : 0));
   }
   // No registration (the default) and no copy allowed (the plan of --stream-experts auto
   // counted no room for one): streaming is turned off instead.

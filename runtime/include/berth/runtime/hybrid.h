@@ -98,8 +98,9 @@ struct HybridOptions {
   /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes the
   /// routed experts that live on the CPU on the device instead, streaming each layer's expert
   /// tensors from pinned host memory through two device buffers (layer l+1 copies while layer l
-  /// computes). Costs a pinned copy of those tensors in host memory and two layers' expert tensors
-  /// on the device. 0: never (the CPU computes them at every batch size).
+  /// computes). Costs a pinned copy of those tensors in host memory (which the CPU then reads
+  /// instead of the file's pages: see cpu_weights) and two layers' expert tensors on the device. 0:
+  /// never (the CPU computes them at every batch size).
   int32_t stream_experts_min_tokens = 0;
   /// Decode steps: the device computes this fraction (0..1) of each token's routed experts in
   /// every CPU-held layer, at the same time as the CPU computes the others; the two partial
@@ -190,6 +191,10 @@ class HybridExecutor {
   std::string_view host_experts_pinning() const {
     return pinned_copies_ ? "copied" : registered_.empty() ? "" : "registered";
   }
+  /// The weights the CPU segments read: the model's, except that CPU-held expert tensors with
+  /// a pinned copy ("copied") point at the copy, so the file mapping's pages of them go unused
+  /// (advised cold: the kernel reclaims them first) and host memory holds those experts once.
+  const graph::WeightTable& cpu_weights() const { return cpu_weights_; }
   CpuExecutor& cpu() { return cpu_; }
   Device& device() { return dev_; }
 
@@ -220,6 +225,7 @@ class HybridExecutor {
   Device& dev_;
   std::vector<placement::Home> weight_home_, kv_home_;
   HybridOptions opt_;
+  graph::WeightTable cpu_weights_;  // cpu_weights(); before cpu_, which reads it
   CpuExecutor cpu_;
   std::vector<void*> dev_weight_;  // per WeightId: device copy, or nullptr
   // Per WeightId: the CPU-held expert tensor's page-locked host memory for the device (its own

@@ -52,9 +52,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 
 /// Why `--stream-experts auto` stays off for `plan`: "-" when no stacked expert tensor stays
 /// on the CPU (nothing to stream, nothing to say), a sentence when the CPU-held weights with
-/// 2 GiB to spare, plus their experts' pinned copy when `copies` (BERTH_REGISTER_HOST is not
-/// set, or the device cannot register the weights in place), exceed `host_available` bytes;
-/// empty when it streams.
+/// 2 GiB to spare exceed `host_available` bytes; empty when it streams. `copies` (the experts
+/// get a pinned copy, which the CPU then reads instead of the file's pages: BERTH_REGISTER_HOST
+/// is not set, or the device cannot register them in place) only changes the sentence.
 std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
                             bool copies);
 
