@@ -278,11 +278,11 @@ void HybridExecutor::pin_host_experts() {
     }
   }
   if (!in_place && !opt_.copy_host_experts) {
-    // The plan counted no room for a copy (--stream-experts auto): stream nothing instead.
+    // The caller allows no copy (HybridOptions::copy_host_experts): stream nothing instead, and
+    // the share finds no pinned weights (it splits nothing).
     log::warn(
-        "{}: the CPU-held experts could not be registered in place and there is no room "
-        "planned for a pinned copy: prefill keeps them on the CPU (--stream-experts N "
-        "forces a copy)",
+        "{}: the CPU-held experts are not registered in place and no pinned copy is allowed: "
+        "the CPU computes all of them, at prefill and decode",
         dev_.name());
     opt_.stream_experts_min_tokens = 0;
     return;

@@ -103,10 +103,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
   if (auto_stream && any_gpu && s.device) {
     const bool copies = !registers_host_experts(*s.device);
+    // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a
+    // failed registration may fall back to one (HybridOptions::copy_host_experts stays true).
     const std::string off = auto_stream_off(model, s.plan, host_available_bytes(), copies);
-    // Room was checked for a copy only when one is expected; an explicit share needs the
-    // experts pinned either way.
-    params.hybrid.copy_host_experts = copies || params.hybrid.host_expert_share > 0;
     if (!off.empty()) {
       stream = 0;
       make();

@@ -125,8 +125,9 @@ struct HybridOptions {
   /// in a third, within that host's run-to-run spread, while keeping every worker spinning.
   int64_t warm_workers_us = 0;
   /// When the CPU-held experts' own memory is not registered in place (the default; see
-  /// registers_host_experts), pin a copy of them (true) or, false (place() for --stream-experts
-  /// auto, whose plan counted no room for a copy), turn streaming off instead.
+  /// registers_host_experts), pin a copy of them (true: place() always; the CPU then reads the
+  /// copy, see cpu_weights) or, false (a caller with no host memory for a copy), turn streaming
+  /// off instead.
   bool copy_host_experts = true;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
