@@ -19,12 +19,12 @@ golden=0b999e769e18af0f01f0ff820e3b3698
 status=0
 step() { local name=$1; shift; echo "== $name: $*"; if stdbuf -oL -eL "$@" >"$out/$name.txt" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?)"; status=1; fi; tail -4 "$out/$name.txt" | sed 's/^/   /'; }
 nvidia-smi -L
-step test_gpu timeout -k 10 150 test_gpu
+step test_gpu timeout -k 10 300 test_gpu
 step hybrid_cuda env BERTH_TEST_DEVICE=cuda timeout -k 10 120 test_runtime -tc='hybrid*'
 for ngl in 99 3 0; do
   got=$(timeout -k 5 60 berth run -m $stories -p "Once upon a time" -n 64 --temp 0 -ngl $ngl 2>"$out/run_ngl$ngl.err" | md5sum | cut -d' ' -f1)
   if [[ $got == "$golden" ]]; then echo "== berth run -ngl $ngl: golden md5 ok"; else echo "== berth run -ngl $ngl: md5 $got != $golden"; status=1; fi
 done
 step memcheck env BERTH_TEST_DEVICE=cuda timeout -k 10 120 compute-sanitizer --tool memcheck --error-exitcode 3 test_runtime -tc='hybrid: replaying*,hybrid: prefill streams*'
-step racecheck timeout -k 10 150 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*'
+step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*'
 exit $status

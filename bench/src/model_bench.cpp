@@ -62,29 +62,19 @@ uint64_t decode_weight_bytes(const Model& m, const std::vector<placement::Home>*
 }
 
 // Per decode token, the bytes of CPU-held routed experts that HybridOptions::host_expert_share
-// `f` moves to the device, which reads them over PCIe: the c-th MoE layer whose expert tensors
-// all stay on the CPU gives the device host_share_slots(f, k, c + 1) - host_share_slots(f, k, c)
-// of its k slots, as the executor splits it.
+// `f` moves to the device, which reads them over PCIe: each op's slots as the executor splits
+// them (host_share_device_slots).
 uint64_t decode_share_bytes(const Model& m, const std::vector<placement::Home>& home, double f) {
-  if (f <= 0) return 0;
   const graph::Graph g = m.build_step(1, 1);
   const graph::WeightTable& w = m.weights();
+  const std::vector<int32_t> slots = host_share_device_slots(g, home, f);
   uint64_t bytes = 0;
-  int64_t c = 0;
-  for (const graph::Op& op : g.ops) {
-    if (op.kind != graph::OpKind::moe_experts) continue;
-    const graph::WeightId ids[3] = {op.moe.gate, op.moe.up, op.moe.down};
-    if (!std::all_of(ids, ids + 3, [&](graph::WeightId id) {
-          return home[static_cast<size_t>(id)] == placement::Home::cpu;
-        }))
-      continue;
-    const int32_t k = op.moe.n_expert_used;
-    const int32_t n_dev =
-        std::clamp(host_share_slots(f, k, c + 1) - host_share_slots(f, k, c), 0, k);
-    ++c;
-    for (graph::WeightId id : ids)
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const graph::Op& op = g.ops[i];
+    if (slots[i] == 0) continue;
+    for (graph::WeightId id : {op.moe.gate, op.moe.up, op.moe.down})
       bytes +=
-          w[id].n_bytes / static_cast<uint64_t>(op.moe.n_expert) * static_cast<uint64_t>(n_dev);
+          w[id].n_bytes / static_cast<uint64_t>(op.moe.n_expert) * static_cast<uint64_t>(slots[i]);
   }
   return bytes;
 }

@@ -238,6 +238,35 @@ int32_t host_share_slots(double f, int32_t k, int64_t n) {
   return static_cast<int32_t>(std::floor(static_cast<double>(n) * f * k + 0.5));
 }
 
+std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
+                                             const std::vector<Home>& weight_home, double f) {
+  std::vector<int32_t> slots(g.ops.size(), 0);
+  if (f <= 0 || g.n_tokens != 1) return slots;  // decode only: see HybridOptions
+  std::vector<int32_t> producer(g.values.size(), -1);
+  const auto home = [&](graph::WeightId id) {
+    return id >= 0 && static_cast<size_t>(id) < weight_home.size()
+               ? weight_home[static_cast<size_t>(id)]
+               : Home::cpu;
+  };
+  int64_t c = 0;  // candidate layers so far
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const Op& op = g.ops[i];
+    producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(i);
+    if (op.kind != OpKind::moe_experts) continue;
+    const int32_t p = producer[static_cast<size_t>(op.inputs[0])];
+    if (p < 0 || home(op.moe.gate) != Home::cpu || home(op.moe.up) != Home::cpu ||
+        home(op.moe.down) != Home::cpu)
+      continue;
+    const graph::WeightId pw = g.ops[static_cast<size_t>(p)].weight;
+    if (pw == graph::kNoWeight || home(pw) != Home::gpu) continue;
+    const int32_t sb = op.moe.slot_begin;
+    const int32_t k = (op.moe.slot_end < 0 ? op.moe.n_expert_used : op.moe.slot_end) - sb;
+    slots[i] = std::clamp(host_share_slots(f, k, c + 1) - host_share_slots(f, k, c), 0, k);
+    ++c;
+  }
+  return slots;
+}
+
 void HybridExecutor::pin_host_experts() {
   // The CPU-held stacked expert tensors, streamed to the device (prefill) or read by it over
   // PCIe (host_expert_share), need page-locked memory: a pinned copy of each, or with
@@ -359,41 +388,34 @@ Home HybridExecutor::op_home(const graph::Graph& g, size_t i) {
 }
 
 void HybridExecutor::split_host_experts(StepPlan& sp) const {
-  // Each moe_experts op whose experts live on the CPU, whose input comes from a device-held norm
-  // and that is not streamed becomes: the CPU's share (the op over the first slots of each
-  // token's route), the device's share (the op over its last slots, weights read from the pinned
-  // host copy) and an add. The graph's contract: ops over disjoint slot ranges add up to the
-  // layer. The c-th split layer gives the device round((c + 1) f k) - round(c f k) of its k
-  // slots, so every token's work divides the same way (an expert-id split left a token's share
-  // to chance) and a fractional f k alternates between its neighbours over the layers.
+  // Each moe_experts op host_share_device_slots() gives the device some slots of (experts on
+  // the CPU, pinned; input from a device-held norm; single-token steps) becomes: the CPU's share
+  // (the op over the first slots of each token's route), the device's share (the op over its last
+  // slots, weights read from the pinned host copy) and an add. The graph's contract: ops over
+  // disjoint slot ranges add up to the layer. The c-th split layer gives the device round((c + 1) f
+  // k) - round(c f k) of its k slots, so every token's work divides the same way (an expert-id
+  // split left a token's share to chance) and a fractional f k alternates between its neighbours
+  // over the layers.
   graph::Graph& g = sp.g;
-  const double f = opt_.host_expert_share;
+  const auto pinned = [&](graph::WeightId id) {
+    return !pinned_weight_.empty() && pinned_weight_[static_cast<size_t>(id)] != nullptr;
+  };
+  const std::vector<int32_t> dev_slots =
+      host_share_device_slots(g, weight_home_, opt_.host_expert_share);
   std::vector<Op> ops;
-  std::vector<int32_t> producer(g.values.size(), -1);
   sp.orig_index.clear();
-  int64_t n_split = 0;  // layers considered so far
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
-    const int32_t p =
-        op.kind == OpKind::moe_experts ? producer[static_cast<size_t>(op.inputs[0])] : -1;
-    const bool split =
-        f > 0 && p >= 0 && weight_home_[static_cast<size_t>(op.moe.gate)] == Home::cpu &&
-        !pinned_weight_.empty() && pinned_weight_[static_cast<size_t>(op.moe.gate)] &&
-        pinned_weight_[static_cast<size_t>(op.moe.up)] &&
-        pinned_weight_[static_cast<size_t>(op.moe.down)] &&
-        ops[static_cast<size_t>(p)].weight != graph::kNoWeight &&
-        weight_home_[static_cast<size_t>(ops[static_cast<size_t>(p)].weight)] == Home::gpu &&
-        g.n_tokens == 1;  // decode only: see HybridOptions::host_expert_share
+    // pin_host_experts pins every CPU-held expert tensor or none.
+    const bool split = op.kind == OpKind::moe_experts && pinned(op.moe.gate) && pinned(op.moe.up) &&
+                       pinned(op.moe.down);
     Op cpu_op = op, dev_op = op;
     int32_t n_dev = 0, n_cpu = 0;
     if (split) {
       const int32_t sb = op.moe.slot_begin;
       const int32_t se = op.moe.slot_end < 0 ? op.moe.n_expert_used : op.moe.slot_end;
-      n_dev = std::clamp(
-          host_share_slots(f, se - sb, n_split + 1) - host_share_slots(f, se - sb, n_split), 0,
-          se - sb);
+      n_dev = dev_slots[i];
       n_cpu = se - sb - n_dev;
-      ++n_split;
       cpu_op.moe.slot_begin = sb;
       cpu_op.moe.slot_end = se - n_dev;
       dev_op.moe.slot_begin = se - n_dev;
@@ -404,7 +426,6 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
     if (!split || n_dev == 0 || n_cpu == 0) {
       const bool all_dev = split && n_dev > 0;
       sp.orig_index.push_back(static_cast<int32_t>(ops.size()));
-      producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size());
       ops.push_back(op);
       sp.host_w.push_back(all_dev);
       continue;
@@ -426,8 +447,6 @@ void HybridExecutor::split_host_experts(StepPlan& sp) const {
     ops.push_back(dev_op);
     ops.push_back(sum);
     sp.host_w.insert(sp.host_w.end(), {false, true, false});
-    producer.resize(g.values.size(), -1);
-    producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(ops.size() - 1);
   }
   g.ops = std::move(ops);
 }

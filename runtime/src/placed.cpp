@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -158,12 +159,12 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
                                              bool handoff_set, bool warm_set) {
   std::vector<std::string> out;
   if (params.device) {
-    // The expert options act on stacked expert tensors (ne[2] > 1) that stay on the CPU.
     // The expert options act on the MoE layers whose experts stay on the CPU.
     bool any_experts = false;
     int64_t cpu_layers = 0;
     int32_t k = 0;
-    for (const graph::Op& op : model.build_step(1, 1).ops) {
+    const graph::Graph g = model.build_step(1, 1);
+    for (const graph::Op& op : g.ops) {
       if (op.kind != graph::OpKind::moe_experts) continue;
       any_experts = true;
       k = op.moe.n_expert_used;
@@ -173,11 +174,23 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
     }
     if (cpu_layers > 0) {
       const double f = params.hybrid.host_expert_share;
-      if (f > 0 && host_share_slots(f, k, cpu_layers) < 1)
-        out.push_back(
-            fmt::format("--host-expert-share {} has no effect: it gives the device no slot (F x "
-                        "n_expert_used {} x {} CPU-held MoE layers rounds to 0)",
-                        f, k, cpu_layers));
+      if (f > 0) {
+        // The layers the executor can split (f = 1 gives each of them all its slots).
+        const auto cand = host_share_device_slots(g, params.weight_home, 1.0);
+        const auto slots = host_share_device_slots(g, params.weight_home, f);
+        const auto n_cand =
+            std::count_if(cand.begin(), cand.end(), [](int32_t n) { return n > 0; });
+        if (n_cand == 0)
+          out.push_back(fmt::format(
+              "--host-expert-share {} has no effect: no CPU-held MoE layer has the norm before "
+              "its experts on the device",
+              f));
+        else if (std::all_of(slots.begin(), slots.end(), [](int32_t n) { return n == 0; }))
+          out.push_back(
+              fmt::format("--host-expert-share {} has no effect: it gives the device no slot (F x "
+                          "n_expert_used {} x {} CPU-held MoE layers rounds to 0)",
+                          f, k, n_cand));
+      }
       return out;
     }
     const char* none = any_experts ? "has no effect: no expert tensor stays on the CPU (--cpu-moe "

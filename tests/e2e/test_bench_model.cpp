@@ -105,6 +105,13 @@ TEST_CASE("bench model: bounds and busy shares follow from the measured numbers"
                     gpu_b / (sh["hbm_copy_gbps"].get<double>() * 1e9);
   CHECK(near(sh["hybrid_bound_tok_s"].get<double>(), 1.0 / ts));
   CHECK(j["decode_share_bytes"].get<double>() == 0);
+  // -ngl 1: layer 0 stays wholly on the CPU (its norm too), so only layer 1 is split; the two
+  // layers' experts are alike (q8_0), so share 1 moves half of the experts' bytes.
+  const double half_b =
+      bench_json("BERTH_SIM_DEVICE=1G", model, "-ngl 1 --cpu-moe --host-expert-share 1",
+                 dir / "ngl1.json")["decode_share_bytes"]
+          .get<double>();
+  CHECK(near(half_b, experts_b / 2));
 
   // --profile with a device: device time per op kind (the simulated device times its marks too;
   // it once reported every op at 0 s), and the device's ops are the model's (matmul among them).

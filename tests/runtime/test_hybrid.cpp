@@ -713,6 +713,55 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   }
 }
 
+TEST_CASE("host_share_device_slots: the slots the share gives the device, per op") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  REQUIRE(model->hparams().n_layer == 2);
+  const graph::Graph g = model->build_step(1, 1);
+  std::vector<size_t> moe;  // the moe_experts ops, layer order
+  for (size_t i = 0; i < g.ops.size(); ++i)
+    if (g.ops[i].kind == graph::OpKind::moe_experts) moe.push_back(i);
+  REQUIRE(moe.size() == 2);
+  const int32_t k = g.ops[moe[0]].moe.n_expert_used;
+  REQUIRE(k == 2);
+  const auto is_exp = [](const std::string& n) { return n.find("_exps") != std::string::npos; };
+  const auto slots_of = [&](const Homes& h, double f, const graph::Graph& gr) {
+    const std::vector<int32_t> v = host_share_device_slots(gr, h.w, f);
+    REQUIRE(v.size() == gr.ops.size());
+    std::vector<int32_t> per_layer;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (gr.ops[i].kind == graph::OpKind::moe_experts)
+        per_layer.push_back(v[i]);
+      else
+        CHECK(v[i] == 0);  // only moe_experts ops take slots
+    }
+    return per_layer;
+  };
+  const Homes cpu_moe = homes_by(*model, [&](const std::string& n, int) { return !is_exp(n); });
+  // 0.25 of 2 slots over 2 layers: round(0.5) = 1, then round(1.0) - 1 = 0; 1: all of each.
+  CHECK(slots_of(cpu_moe, 0.25, g) == std::vector<int32_t>{1, 0});
+  CHECK(slots_of(cpu_moe, 0.5, g) == std::vector<int32_t>{1, 1});
+  CHECK(slots_of(cpu_moe, 1.0, g) == std::vector<int32_t>{2, 2});
+  CHECK(slots_of(cpu_moe, 0.0, g) == std::vector<int32_t>{0, 0});
+  // Layer 0 wholly on the CPU (-ngl 1): its norm is there too, so it is no candidate and the
+  // first candidate is layer 1.
+  const Homes ngl1 =
+      homes_by(*model, [&](const std::string& n, int l) { return l >= 1 && !is_exp(n); });
+  CHECK(slots_of(ngl1, 0.25, g) == std::vector<int32_t>{0, 1});
+  // Experts on the device: nothing to share; a multi-token step: never split.
+  const Homes all = homes_by(*model, [](const std::string&, int) { return true; });
+  CHECK(slots_of(all, 1.0, g) == std::vector<int32_t>{0, 0});
+  CHECK(slots_of(cpu_moe, 1.0, model->build_step(4, 1)) == std::vector<int32_t>{0, 0});
+  // The executor splits as it says: with -ngl 1 and share 1 the device takes layer 1's experts.
+  auto dev = test_device();
+  SessionParams sp = on_device(dev.get(), ngl1, 64, 1);
+  sp.hybrid.host_expert_share = 1.0;
+  Session s(*model, sp);
+  const int32_t tok = 9;
+  s.eval(std::span<const int32_t>(&tok, 1));
+  CHECK(s.hybrid()->host_expert_ops() == 1);
+}
+
 TEST_CASE("hybrid: skipping CPU segments (bench timing) runs none, and a reset session is exact") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);

@@ -67,6 +67,17 @@ size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
 /// host_share_slots(f, k, c)).
 int32_t host_share_slots(double f, int32_t k, int64_t n);
 
+/// Per op of the step graph `g`: how many route slots HybridOptions::host_expert_share `f`
+/// gives the device (0: none, the op is not split; the op's k: the device computes it all),
+/// as HybridExecutor splits a single-token step. Candidates are moe_experts ops whose gate, up
+/// and down tensors are CPU-held (`weight_home`, per WeightId) and whose input comes from an op
+/// with a device-held weight (the norm before them); the c-th candidate takes
+/// host_share_slots(f, k, c + 1) - host_share_slots(f, k, c) of its slot range. All zeros for
+/// f <= 0 or a multi-token graph. (The executor also needs the experts pinned.)
+std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
+                                             const std::vector<placement::Home>& weight_home,
+                                             double f);
+
 /// Whether HybridExecutor registers the CPU-held experts' own memory on `dev` in place
 /// (BERTH_REGISTER_HOST=1 and Device::can_register_host; otherwise a pinned copy).
 bool registers_host_experts(const Device& dev);
