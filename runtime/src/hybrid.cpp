@@ -254,8 +254,9 @@ std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
     producer[static_cast<size_t>(op.output)] = static_cast<int32_t>(i);
     if (op.kind != OpKind::moe_experts) continue;
     const int32_t p = producer[static_cast<size_t>(op.inputs[0])];
-    if (p < 0 || home(op.moe.gate) != Home::cpu || home(op.moe.up) != Home::cpu ||
-        home(op.moe.down) != Home::cpu)
+    // Stacked experts only (n_expert > 1), as pin_host_experts pins.
+    if (p < 0 || op.moe.n_expert < 2 || home(op.moe.gate) != Home::cpu ||
+        home(op.moe.up) != Home::cpu || home(op.moe.down) != Home::cpu)
       continue;
     const graph::WeightId pw = g.ops[static_cast<size_t>(p)].weight;
     if (pw == graph::kNoWeight || home(pw) != Home::gpu) continue;
@@ -355,7 +356,8 @@ void HybridExecutor::release() {
   plans_.clear();
   for (void*& p : dev_weight_)
     if (p) dev_.dealloc(p), p = nullptr;
-  cpu_weights_ = weights_;  // before the copies it may point at go
+  for (size_t i = 0; i < cpu_weights_.size(); ++i)  // before the copies it may point at go
+    cpu_weights_.tensors[i].data = weights_.tensors[i].data;
   if (pinned_copies_)
     for (void*& p : pinned_weight_)
       if (p) dev_.dealloc_host(p);
