@@ -225,6 +225,8 @@ HybridExecutor::HybridExecutor(ThreadPool& pool, const graph::WeightTable& weigh
   }
 }
 
+bool copy_read_by_cpu() { return numa_node_count() <= 1; }
+
 bool registers_host_experts(const Device& dev) {
   // Off by default: with it, test_hybrid's streaming case hung on the H200 (2026-12-01; the
   // main thread running, another in a futex wait; cause not found), where the pinned copy
@@ -318,6 +320,7 @@ void HybridExecutor::pin_host_experts() {
     return;
   }
   pinned_copies_ = !in_place;
+  const bool cpu_reads_copy = copy_read_by_cpu();
   for (size_t i : ids) {
     const TensorView& w = weights_.tensors[i];
     if (in_place) {
@@ -325,8 +328,11 @@ void HybridExecutor::pin_host_experts() {
     } else {
       pinned_weight_[i] = dev_.alloc_host(w.n_bytes, w.name);
       std::memcpy(pinned_weight_[i], w.data, w.n_bytes);
-      // The CPU reads the copy too, so the source pages are no longer needed here; a hint,
-      // non-destructive whatever memory the tensor lives in (a file mapping or the heap).
+      // On one NUMA node the CPU reads the copy too, so the source pages are no longer needed
+      // here. (The copy is allocated by this thread, on its node; with more nodes the workers
+      // keep reading the pages they first touched.) MADV_COLD is a hint, non-destructive
+      // whatever memory the tensor lives in (a file mapping or the heap).
+      if (!cpu_reads_copy) continue;
       cpu_weights_.tensors[i].data = pinned_weight_[i];
 #ifdef MADV_COLD
       const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));

@@ -51,23 +51,29 @@ std::string PlacementSetup::summary() const {
 }
 
 std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
-                            bool copies) {
+                            bool extra_copy) {
   const graph::WeightTable& w = model.weights();
   size_t pinned = 0;  // the CPU-held stacked expert tensors' pinned copy
   for (size_t i = 0; i < w.size() && i < plan.home.size(); ++i)
     if (plan.home[i] == placement::Home::cpu && w[i].ne[2] > 1) pinned += w[i].n_bytes;
   if (pinned == 0) return "-";
-  // The CPU-held weights must fit in memory with 2 GiB left to everything else: registered in
-  // place they are locked there; otherwise their experts' pinned copy is what the CPU then
-  // reads (HybridExecutor::cpu_weights), so the file's pages of them may be reclaimed.
-  const size_t need = plan.cpu_weight_bytes + (size_t{2} << 30);
+  // The CPU-held weights must fit in memory with 2 GiB left to everything else (registered in
+  // place they are locked there), plus the experts' pinned copy when `extra_copy`: the CPU
+  // reads the copy instead of the file's pages where copy_read_by_cpu(), so it costs nothing
+  // more there.
+  const size_t need = (extra_copy ? pinned : 0) + plan.cpu_weight_bytes + (size_t{2} << 30);
   if (need <= host_available) return {};
+  if (extra_copy)
+    return fmt::format(
+        "the pinned copy of the CPU-held experts ({:.2f} GiB), with the CPU's weights ({:.2f} "
+        "GiB) and 2 GiB to spare, needs more than the {:.2f} GiB of host memory available "
+        "(--stream-experts N forces it)",
+        gib(pinned), gib(plan.cpu_weight_bytes), gib(host_available));
   return fmt::format(
-      "the CPU-held weights ({:.2f} GiB, {:.2f} GiB of experts among them {} for the device) "
-      "with 2 GiB to spare need more than the {:.2f} GiB of host memory available "
+      "the CPU-held weights ({:.2f} GiB, {:.2f} GiB of experts among them pinned for the "
+      "device) with 2 GiB to spare need more than the {:.2f} GiB of host memory available "
       "(--stream-experts N forces it)",
-      gib(plan.cpu_weight_bytes), gib(pinned), copies ? "as a pinned copy" : "locked in place",
-      gib(host_available));
+      gib(plan.cpu_weight_bytes), gib(pinned), gib(host_available));
 }
 
 std::unique_ptr<Device> default_device() {
@@ -106,7 +112,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     const bool copies = !registers_host_experts(*s.device);
     // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a
     // failed registration may fall back to one (HybridOptions::copy_host_experts stays true).
-    const std::string off = auto_stream_off(model, s.plan, host_available_bytes(), copies);
+    const std::string off =
+        auto_stream_off(model, s.plan, host_available_bytes(), copies && !copy_read_by_cpu());
     if (!off.empty()) {
       stream = 0;
       make();

@@ -7,6 +7,7 @@
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -35,6 +36,10 @@ struct Topology {
     if (!topo) return 0;
     return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
   }
+  int n_numa() const {
+    if (!topo) return 0;
+    return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+  }
   int n_pus() const {
     if (!topo) return 0;
     return hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
@@ -61,6 +66,8 @@ int physical_core_count() {
   unsigned hc = std::thread::hardware_concurrency();
   return hc > 0 ? static_cast<int>(hc) : 1;
 }
+
+int numa_node_count() { return std::max(topology().n_numa(), 1); }
 
 // Pins each thread that enters the arena to the core of its arena slot. The calling (master)
 // thread is pinned too while the pool lives; its previous binding is saved and restored by

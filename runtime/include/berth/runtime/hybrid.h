@@ -78,6 +78,11 @@ std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
                                              const std::vector<placement::Home>& weight_home,
                                              double f);
 
+/// Whether the CPU segments read the CPU-held experts' pinned copy (HybridExecutor::cpu_weights)
+/// rather than the model's own pages: on a host of one NUMA node (numa_node_count()). The copy
+/// lands on one node, so with more nodes the workers keep reading the pages they first touched.
+bool copy_read_by_cpu();
+
 /// Whether HybridExecutor registers the CPU-held experts' own memory on `dev` in place
 /// (BERTH_REGISTER_HOST=1 and Device::can_register_host; otherwise a pinned copy).
 bool registers_host_experts(const Device& dev);
@@ -204,8 +209,9 @@ class HybridExecutor {
     return pinned_copies_ ? "copied" : registered_.empty() ? "" : "registered";
   }
   /// The weights the CPU segments read: the model's, except that CPU-held expert tensors with
-  /// a pinned copy ("copied") point at the copy, so the file mapping's pages of them go unused
-  /// (advised cold: the kernel reclaims them first) and host memory holds those experts once.
+  /// a pinned copy ("copied") point at the copy where copy_read_by_cpu(), so the file mapping's
+  /// pages of them go unused (advised cold: the kernel reclaims them first) and host memory
+  /// holds those experts once.
   const graph::WeightTable& cpu_weights() const { return cpu_weights_; }
   CpuExecutor& cpu() { return cpu_; }
   Device& device() { return dev_; }

@@ -52,11 +52,11 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 
 /// Why `--stream-experts auto` stays off for `plan`: "-" when no stacked expert tensor stays
 /// on the CPU (nothing to stream, nothing to say), a sentence when the CPU-held weights with
-/// 2 GiB to spare exceed `host_available` bytes; empty when it streams. `copies` (the experts
-/// get a pinned copy, which the CPU then reads instead of the file's pages: BERTH_REGISTER_HOST
-/// is not set, or the device cannot register them in place) only changes the sentence.
+/// 2 GiB to spare, plus their experts' pinned copy when `extra_copy` (a copy is made and the CPU
+/// does not read it: see copy_read_by_cpu), exceed `host_available` bytes; empty when it
+/// streams.
 std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
-                            bool copies);
+                            bool extra_copy);
 
 /// Warnings (one line each) for params.hybrid options that cannot act: ones that need a device
 /// when params.device is null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any

@@ -11,6 +11,9 @@ namespace berth {
 /// Physical cores this process may run on (hwloc; falls back to hardware_concurrency()).
 int physical_core_count();
 
+/// NUMA nodes of the machine (hwloc; 1 when hwloc cannot tell).
+int numa_node_count();
+
 /// A fixed-size pool of `n_threads` workers (the calling thread counts as one). Each worker is
 /// pinned to its own physical core (worker i to the i-th allowed core) when there are at least
 /// as many cores as threads; otherwise threads float and a warning is logged. A request for more
