@@ -236,9 +236,12 @@ bool registers_host_experts(const Device& dev) {
   return (on == "1" || on == "on" || on == "true") && dev.can_register_host();
 }
 
+namespace {
+// round(n f k): the slots the share gives the device over its first n candidate layers.
 int32_t host_share_slots(double f, int32_t k, int64_t n) {
   return static_cast<int32_t>(std::floor(static_cast<double>(n) * f * k + 0.5));
 }
+}  // namespace
 
 std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
                                              const std::vector<Home>& weight_home, double f) {

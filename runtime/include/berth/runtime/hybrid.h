@@ -62,18 +62,14 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
 size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
                           double host_expert_share);
 
-/// round(n f k): the route slots HybridOptions::host_expert_share `f` gives the device over the
-/// first n split layers of k slots each (layer c gets host_share_slots(f, k, c + 1) -
-/// host_share_slots(f, k, c)).
-int32_t host_share_slots(double f, int32_t k, int64_t n);
-
 /// Per op of the step graph `g`: how many route slots HybridOptions::host_expert_share `f`
-/// gives the device (0: none, the op is not split; the op's k: the device computes it all),
-/// as HybridExecutor splits a single-token step. Candidates are moe_experts ops whose gate, up
-/// and down tensors are stacked (n_expert > 1) and CPU-held (`weight_home`, per WeightId) and whose
+/// gives the device (0: none, the op is not split; the op's k: the device computes it all), as
+/// HybridExecutor splits a single-token step. Candidates are moe_experts ops whose gate, up and
+/// down tensors are stacked (n_expert > 1) and CPU-held (`weight_home`, per WeightId) and whose
 /// input comes from an op with a device-held weight (the norm before them); the c-th candidate
-/// takes host_share_slots(f, k, c + 1) - host_share_slots(f, k, c) of its slot range. All zeros for
-/// f <= 0 or a multi-token graph. (The executor also needs the experts pinned.)
+/// takes round((c + 1) f k) - round(c f k) of its k slots (cumulative rounding: f k = 1.5
+/// alternates 2 and 1). All zeros for f <= 0 or a multi-token graph. (The executor also needs
+/// the experts pinned.)
 std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
                                              const std::vector<placement::Home>& weight_home,
                                              double f);
