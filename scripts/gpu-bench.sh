@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The heterogeneous-step benchmark of docs/performance.md, on a machine with a CUDA device:
 # generates synthetic qwen3-30b-a3b (Q4_K_M-like mix, router skew 1) and runs `berth bench model`
-# for all-GPU, --vram-budget 24G (automatic plan), --cpu-moe (prefill streams the experts),
+# for all-GPU, --vram-budget 24G (automatic plan), --cpu-moe (prefill streams the experts: the
+# default --stream-experts auto),
 # --cpu-moe with a share of each token's experts computed by the GPU from pinned host memory
-# (2 of the 8 slots; scripts/diag/host-share.sh sweeps the share), --cpu-moe with the workers
+# (3 of the 8 slots; scripts/diag/host-share.sh sweeps the share, scripts/diag/share-paired.sh
+# repeats it), --cpu-moe with the workers
 # kept spinning during the GPU's part (--warm-workers), --cpu-moe prefill with the experts on
 # the CPU (no streaming), and CPU-only.
 # usage: bash scripts/gpu-bench.sh OUTDIR [TYPE] [REPS]   (TYPE default q4_k_m, REPS 2)
@@ -27,9 +29,9 @@ bench() {
     tee "$logs/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off|moe_experts"
 }
 bench all-gpu -p 512 -n 128 -ngl 99
-bench budget-24g -p 512 -n 128 --vram-budget 24G --stream-experts 64
-bench cpu-moe -p 512 -n 128 -ngl 99 --cpu-moe --stream-experts 64
-bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.25
+bench budget-24g -p 512 -n 128 --vram-budget 24G
+bench cpu-moe -p 512 -n 128 -ngl 99 --cpu-moe
+bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.375
 bench cpu-moe-warm -p 0 -n 128 -ngl 99 --cpu-moe --warm-workers 1000
 bench cpu-moe-cpu-prefill -p 512 -n 0 -ngl 99 --cpu-moe --stream-experts 0
 bench cpu-only -p 512 -n 32 -ngl 0

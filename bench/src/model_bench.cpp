@@ -176,7 +176,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     r.stream_experts_min_tokens = sp.hybrid.stream_experts_min_tokens;
     r.host_experts_pinning = std::string(session.hybrid()->host_experts_pinning());
     if (r.handoff == "flags")
-      r.warm_workers_us = sp.hybrid.warm_workers_us;
+      r.warm_workers_us = session.hybrid()->warm_workers_us();
     else if (o.warm_workers_us > 0)
       log::warn("--warm-workers {} has no effect: the hand-off is by host callbacks ({})",
                 o.warm_workers_us,

@@ -168,7 +168,8 @@ Runner add_bench(CLI::App& app) {
   m->add_option(
        "--warm-workers", o->m.warm_workers_us,
        "flag hand-off: the CPU workers spin with the calling thread for up to US "
-       "microseconds while it waits for the GPU, instead of sleeping (0: off, the default)")
+       "microseconds while it waits for the GPU, instead of sleeping (0: off; default: 1000 in "
+       "decode steps replayed on a CUDA device, off otherwise)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   m->add_option("--handoff", o->m.handoff,
                 "how CPU segments hand over with the device: auto (the default: flags where the "

@@ -203,6 +203,7 @@ class CudaDevice final : public Device {
     return ms;
   }
   bool supports_flags() const override { return flags_; }
+  bool computes_on_host() const override { return false; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
     drv(write_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag), value,
                      CU_STREAM_WRITE_VALUE_DEFAULT),

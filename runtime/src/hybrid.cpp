@@ -1177,7 +1177,7 @@ HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
     std::exception_ptr serve_error;
     std::thread server([&] {
       try {
-        serve_segments(sp);
+        serve_segments(sp, std::max<int64_t>(opt_.warm_workers_us, 0));
       } catch (...) {
         serve_error = std::current_exception();
       }
@@ -1212,7 +1212,7 @@ HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
       sp.graph = dev_.end_capture();
     }
     dev_.replay(sp.graph);
-    if (sp.flags) serve_segments(sp);
+    if (sp.flags) serve_segments(sp, warm_workers_us());
   } else {
     enqueue_step(sp);
   }
@@ -1229,16 +1229,15 @@ HybridExecutor::StepPlan& HybridExecutor::step(const graph::Graph& g,
   return sp;
 }
 
-void HybridExecutor::serve_segments(StepPlan& sp) {
+void HybridExecutor::serve_segments(StepPlan& sp, int64_t warm_us) {
   // The device writes segment i's ready flag once its inputs are on the host, then waits for
   // its done flag; segments become ready in order.
   for (size_t i = 0; i < sp.segs.size(); ++i) {
     Segment& s = sp.segs[i];
     if (s.ready < 0) continue;
     std::atomic_ref<uint32_t> ready(sp.flags[2 * i]);
-    if (opt_.warm_workers_us > 0 && ready.load(std::memory_order_acquire) == 0)
-      pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; },
-                       opt_.warm_workers_us);
+    if (warm_us > 0 && ready.load(std::memory_order_acquire) == 0)
+      pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; }, warm_us);
     const auto t0 = std::chrono::steady_clock::now();
     // Spins a few microseconds, then yields each turn: a device whose work runs on host cores
     // (SimDevice) or another process may need this core to produce the flag.

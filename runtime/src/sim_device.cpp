@@ -142,6 +142,7 @@ class SimDevice final : public Device {
     return marks_.at(static_cast<size_t>(to)) - marks_.at(static_cast<size_t>(from));
   }
   bool supports_flags() const override { return true; }
+  bool computes_on_host() const override { return true; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
     enqueue(s, [flag, value] {
       std::atomic_ref<uint32_t>(*flag).store(value, std::memory_order_release);

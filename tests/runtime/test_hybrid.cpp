@@ -301,6 +301,38 @@ TEST_CASE("hybrid: replaying captured decode graphs equals eager steps bit for b
   }
 }
 
+TEST_CASE("hybrid: workers spin through decode by default only on a device with its own cores") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 9; ++i) prompt.push_back((i * 37 + 5) % 200 + 3);
+  auto dev = test_device();
+  const Homes h = homes_by(
+      *model, [&](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
+  std::vector<Run> runs;
+  for (int64_t warm : {kAutoWarmWorkersUs, int64_t{0}, int64_t{300}}) {
+    CAPTURE(warm);
+    SessionParams sp;
+    sp.n_threads = 2;
+    sp.n_ctx = 256;
+    sp.device = dev.get();
+    sp.weight_home = h.w;
+    sp.kv_home = h.kv;
+    sp.hybrid.warm_workers_us = warm;
+    Session s(*model, sp);
+    REQUIRE(s.hybrid());
+    REQUIRE(s.hybrid()->handoff() == Handoff::flags);
+    // The default: 1000 us on CUDA; off on the simulated device, whose work needs the host's
+    // cores the workers would spin on. A value given is kept.
+    CHECK(s.hybrid()->warm_workers_us() ==
+          (warm == kAutoWarmWorkersUs ? (use_cuda() ? 1000 : 0) : warm));
+    runs.push_back(greedy(s, prompt, 12));
+  }
+  // Spinning changes when the workers start, not what they compute.
+  CHECK(same_bits(runs[0], runs[1]));
+  CHECK(same_bits(runs[2], runs[1]));
+}
+
 TEST_CASE("hybrid: eager steps through a hundred CPU segments finish (the device's queue fills)") {
   // Each --cpu-moe layer enqueues a wait for its CPU segment and ~25 operations. On CUDA the
   // device stops at the first wait, and past ~1000 queued operations an enqueue blocks the

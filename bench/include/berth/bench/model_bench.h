@@ -76,8 +76,8 @@ struct ModelBenchResult {
   std::vector<OpShare> pp_profile, tg_profile;
   /// With `profile` and a device: device time per op kind (steps run without graph replay).
   std::vector<OpShare> pp_gpu_profile, tg_gpu_profile;
-  std::string handoff;                    ///< "flags" or "callback"
-  int64_t warm_workers_us = 0;            ///< in effect (flag hand-off only; 0: off)
+  std::string handoff;          ///< "flags" or "callback"
+  int64_t warm_workers_us = 0;  ///< in effect in decode steps (flag hand-off only; 0: off)
   int32_t stream_experts_min_tokens = 0;  ///< in effect (--stream-experts resolved; 0: off)
   /// HybridExecutor::host_experts_pinning(): "registered", "copied" or "" (none pinned).
   std::string host_experts_pinning;

@@ -84,6 +84,9 @@ class Device {
   /// a host callback: the CPU side polls and writes them itself. supports_flags() says whether
   /// this device can (CUDA: stream memory operations on host memory).
   virtual bool supports_flags() const = 0;
+  /// Whether this device's work runs on the host's own cores (SimDevice: yes; CUDA: no). Host
+  /// threads that spin while waiting for such a device take the cores it needs.
+  virtual bool computes_on_host() const = 0;
   /// When the work before it in `s` is done, stores `value` to *flag (visible to host threads).
   virtual void write_flag(int s, uint32_t* flag, uint32_t value) = 0;
   /// Work enqueued on `s` after this call waits until *flag >= value (written by a host thread).

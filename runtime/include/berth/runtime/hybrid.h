@@ -103,6 +103,9 @@ enum class Handoff {
   flags,
 };
 
+/// HybridOptions::warm_workers_us: chosen by the executor (see there).
+inline constexpr int64_t kAutoWarmWorkersUs = -1;
+
 struct HybridOptions {
   Handoff handoff = Handoff::automatic;
   /// Capture decode steps (1 token) as a Device graph and replay them.
@@ -131,11 +134,14 @@ struct HybridOptions {
   double host_expert_share = 0;
   /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
   /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
-  /// segment does not pay their wake-up (30-50 us after >= 200 us idle on a Zen 4 VM). 0: off,
-  /// the default: on the H200's Xeon host, 1000 gave --cpu-moe decode of synthetic
-  /// qwen3-30b-a3b 41.3 -> 42.6 and 48.1 -> 52.6 tok/s in two interleaved pairs but 54.1 -> 52.6
-  /// in a third, within that host's run-to-run spread, while keeping every worker spinning.
-  int64_t warm_workers_us = 0;
+  /// segment does not pay their wake-up (30-50 us after >= 200 us idle on a Zen 4 VM). 0: off.
+  /// -1, the default (kAutoWarmWorkersUs): 1000 us in graph-replayed (single-token decode)
+  /// steps on a device whose work does not run on the host's cores (Device::computes_on_host),
+  /// off in eager steps and with the simulated device. Measured on the H200's Xeon host
+  /// (--cpu-moe decode of synthetic qwen3-30b-a3b, interleaved pairs, tok/s off -> 1000):
+  /// 41.3 -> 42.6, 48.1 -> 52.6, 54.1 -> 52.6 (2026-12-01), 49.3 -> 60.2, 60.6 -> 69.5,
+  /// 68.0 -> 73.5 (2026-12-02): the CPU's expert calls gain most on a busy host.
+  int64_t warm_workers_us = kAutoWarmWorkersUs;
   /// When the CPU-held experts' own memory is not registered in place (the default; see
   /// registers_host_experts), pin a copy of them (true: place() always; the CPU then reads the
   /// copy, see cpu_weights) or, false (a caller with no host memory for a copy), turn streaming
@@ -193,6 +199,13 @@ class HybridExecutor {
   void reset_gpu_profile() { gpu_prof_.clear(); }
   /// The hand-off in use (automatic resolved).
   Handoff handoff() const { return handoff_; }
+  /// HybridOptions::warm_workers_us resolved for graph-replayed (decode) steps, in us (0: off);
+  /// eager steps use the option as given, off when it is kAutoWarmWorkersUs.
+  int64_t warm_workers_us() const {
+    return opt_.warm_workers_us != kAutoWarmWorkersUs ? opt_.warm_workers_us
+           : dev_.computes_on_host()                  ? 0
+                                                      : 1000;
+  }
 
   /// moe_experts ops run on the device with streamed weights since construction.
   int64_t streamed_ops() const { return n_streamed_; }
@@ -228,7 +241,8 @@ class HybridExecutor {
                   void* q8_out = nullptr, bool x_q8 = false);
   void stream_copy(const graph::Op& op, int buf);
   static void run_segment(void* arg);
-  void serve_segments(StepPlan& sp);  // Handoff::flags: runs the ready segments in order
+  void serve_segments(StepPlan& sp,
+                      int64_t warm_us);  // Handoff::flags: runs the ready segments in order
   void release_flags(StepPlan& sp, size_t from);  // sets the done flags of segments >= from
   void plan_norm_rope(StepPlan& sp) const;        // sets sp.rope_of and sp.rope_pair
   void release();  // frees everything on the device (destructor, failed constructor)
