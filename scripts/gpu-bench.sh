@@ -5,9 +5,9 @@
 # default --stream-experts auto),
 # --cpu-moe with a share of each token's experts computed by the GPU from pinned host memory
 # (3 of the 8 slots; scripts/diag/host-share.sh sweeps the share, scripts/diag/share-paired.sh
-# repeats it), --cpu-moe with the workers
-# kept spinning during the GPU's part (--warm-workers), --cpu-moe prefill with the experts on
-# the CPU (no streaming), and CPU-only.
+# repeats it), --cpu-moe with the workers asleep during the GPU's part (--warm-workers 0; the
+# other rows keep the default, warm in replayed decode on CUDA), --cpu-moe prefill with the
+# experts on the CPU (no streaming), and CPU-only.
 # usage: bash scripts/gpu-bench.sh OUTDIR [TYPE] [REPS]   (TYPE default q4_k_m, REPS 2)
 set -uo pipefail
 out=${1:-.}
@@ -32,6 +32,6 @@ bench all-gpu -p 512 -n 128 -ngl 99
 bench budget-24g -p 512 -n 128 --vram-budget 24G
 bench cpu-moe -p 512 -n 128 -ngl 99 --cpu-moe
 bench cpu-moe-share -p 0 -n 128 -ngl 99 --cpu-moe --host-expert-share 0.375
-bench cpu-moe-warm -p 0 -n 128 -ngl 99 --cpu-moe --warm-workers 1000
+bench cpu-moe-cold -p 0 -n 128 -ngl 99 --cpu-moe --warm-workers 0
 bench cpu-moe-cpu-prefill -p 512 -n 0 -ngl 99 --cpu-moe --stream-experts 0
 bench cpu-only -p 512 -n 32 -ngl 0

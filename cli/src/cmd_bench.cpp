@@ -165,12 +165,7 @@ Runner add_bench(CLI::App& app) {
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");
   add_host_expert_share(*m, o->m.host_expert_share);
-  m->add_option(
-       "--warm-workers", o->m.warm_workers_us,
-       "flag hand-off: the CPU workers spin with the calling thread for up to US "
-       "microseconds while it waits for the GPU, instead of sleeping (0: off; default: 1000 in "
-       "decode steps replayed on a CUDA device, off otherwise)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
+  add_warm_workers(*m, o->m.warm_workers_us);
   m->add_option("--handoff", o->m.handoff,
                 "how CPU segments hand over with the device: auto (the default: flags where the "
                 "device has them), flags (pinned-memory flags polled by the calling thread) or "

@@ -48,6 +48,7 @@ struct RunOptions {
   placement::Flags placement;
   int32_t stream_min = kStreamExpertsAuto;
   double host_expert_share = 0;
+  int64_t warm_workers_us = kAutoWarmWorkersUs;  ///< --warm-workers (not given: the default)
   SamplerParams sampling;
   bool display_prompt = false;
   bool no_bos = false;
@@ -182,7 +183,10 @@ int run(const RunOptions& o) {
   params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room
   params.hybrid.host_expert_share = o.host_expert_share;
   const PlacementSetup placed = place(*model, o.placement, params, true);
-  for (const std::string& note : device_option_notes(*model, params, false)) log::warn("{}", note);
+  params.hybrid.warm_workers_us = o.warm_workers_us;
+  for (const std::string& note :
+       device_option_notes(*model, params, false, o.warm_workers_us != kAutoWarmWorkersUs))
+    log::warn("{}", note);
   log::info("{}", placed.summary());
   Session session(*model, params);
   log::info("{}: {} {}, {} layers, n_embd {}, vocab {}; context {} tokens, KV cache {:.1f} MiB",
@@ -242,6 +246,7 @@ Runner add_run(CLI::App& app) {
   add_placement_flags(*sub, o->placement);
   add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);
+  add_warm_workers(*sub, o->warm_workers_us);
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
       ->capture_default_str()

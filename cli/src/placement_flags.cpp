@@ -85,6 +85,14 @@ void add_host_expert_share(CLI::App& cmd, double& share) {
       ->check(unit_fraction());
 }
 
+void add_warm_workers(CLI::App& cmd, int64_t& us) {
+  cmd.add_option("--warm-workers", us,
+                 "flag hand-off: the CPU workers spin with the calling thread for up to US "
+                 "microseconds while it waits for the GPU, instead of sleeping (0: off; default: "
+                 "1000 in decode steps replayed on a CUDA device, off otherwise)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
+}
+
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {
   cmd.add_option("--stream-experts", min_tokens,
                  fmt::format("prefill ubatches of at least N tokens compute CPU-held experts on "

@@ -25,6 +25,11 @@ CLI::Validator unit_fraction();
 /// MoE layer, copying their weights from pinned host memory, while the CPU computes the rest.
 void add_host_expert_share(CLI::App& cmd, double& share);
 
+/// Registers `--warm-workers US` (run and bench model; HybridOptions::warm_workers_us): with
+/// the flag hand-off the CPU workers spin for up to US microseconds while waiting for the GPU;
+/// 0: off; not given, `us` keeps kAutoWarmWorkersUs (the executor's default).
+void add_warm_workers(CLI::App& cmd, int64_t& us);
+
 /// Registers `--stream-experts N|auto` (run and bench model): prefill ubatches of at least N
 /// tokens compute CPU-held experts on the GPU, streaming their weights; 0: off; auto (stored as
 /// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory has room

@@ -1236,8 +1236,10 @@ void HybridExecutor::serve_segments(StepPlan& sp, int64_t warm_us) {
     Segment& s = sp.segs[i];
     if (s.ready < 0) continue;
     std::atomic_ref<uint32_t> ready(sp.flags[2 * i]);
-    if (warm_us > 0 && ready.load(std::memory_order_acquire) == 0)
+    if (warm_us > 0 && ready.load(std::memory_order_acquire) == 0) {
+      ++n_warm_spins_;
       pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; }, warm_us);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     // Spins a few microseconds, then yields each turn: a device whose work runs on host cores
     // (SimDevice) or another process may need this core to produce the flag.

@@ -282,6 +282,24 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
                   " -p 0 -n 2 -r 1 --dram-mib 64 --warm-workers 500");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--warm-workers 500 has no effect") != std::string::npos);
+  // run takes --warm-workers too: unused without a device, a range error below 0, and with the
+  // simulated device the same tokens as without the spin.
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 --warm-workers 500");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--warm-workers 500 has no effect") != std::string::npos);
+  r = run_command(bin + " run -m " + model + " -p hi -n 1 --warm-workers -5");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--warm-workers") != std::string::npos);
+  const CommandResult cold = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +
+                                         " -p 'Once upon a time' -n 12 --temp 0 -ngl 99 -ot " +
+                                         "'ffn=CPU' --warm-workers 0");
+  const CommandResult warm = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +
+                                         " -p 'Once upon a time' -n 12 --temp 0 -ngl 99 -ot " +
+                                         "'ffn=CPU' --warm-workers 300");
+  CHECK(cold.exit_code == 0);
+  CHECK(warm.exit_code == 0);
+  CHECK(cold.out.size() > 20);
+  CHECK(warm.out == cold.out);
   // Nothing to measure is an error, not an empty report.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 0");
   CHECK(r.exit_code == 1);

@@ -324,9 +324,24 @@ TEST_CASE("hybrid: workers spin through decode by default only on a device with 
     REQUIRE(s.hybrid()->handoff() == Handoff::flags);
     // The default: 1000 us on CUDA; off on the simulated device, whose work needs the host's
     // cores the workers would spin on. A value given is kept.
+    const bool auto_on = warm == kAutoWarmWorkersUs && use_cuda();
     CHECK(s.hybrid()->warm_workers_us() ==
           (warm == kAutoWarmWorkersUs ? (use_cuda() ? 1000 : 0) : warm));
-    runs.push_back(greedy(s, prompt, 12));
+    // The prompt (an eager step, one CPU segment per layer) spins only with a value given; the
+    // replayed decode steps spin when the value in effect is not 0. (Each step's first segment
+    // waits for the device's attention and router: its flag is not set when the wait starts.)
+    Run r;
+    std::span<const float> l = s.eval(prompt);
+    CHECK((s.hybrid()->warm_spins() > 0) == (warm > 0));
+    const int64_t after_prompt = s.hybrid()->warm_spins();
+    for (int i = 0; i < 12; ++i) {
+      r.logits.emplace_back(l.begin(), l.end());
+      const int32_t t = argmax(l);
+      r.tokens.push_back(t);
+      l = s.eval(std::span<const int32_t>(&t, 1));
+    }
+    CHECK((s.hybrid()->warm_spins() > after_prompt) == (warm > 0 || auto_on));
+    runs.push_back(std::move(r));
   }
   // Spinning changes when the workers start, not what they compute.
   CHECK(same_bits(runs[0], runs[1]));

@@ -199,13 +199,17 @@ class HybridExecutor {
   void reset_gpu_profile() { gpu_prof_.clear(); }
   /// The hand-off in use (automatic resolved).
   Handoff handoff() const { return handoff_; }
-  /// HybridOptions::warm_workers_us resolved for graph-replayed (decode) steps, in us (0: off);
-  /// eager steps use the option as given, off when it is kAutoWarmWorkersUs.
+  /// HybridOptions::warm_workers_us in effect in single-token (decode) steps, in us (0: off):
+  /// the value given, or for kAutoWarmWorkersUs 1000 where those steps are replayed (graphs
+  /// on, profiling off) on a device with its own cores, else 0. Eager steps use the value
+  /// given, off for kAutoWarmWorkersUs. The spin only runs while a CPU segment's ready flag is
+  /// awaited (Handoff::flags).
   int64_t warm_workers_us() const {
-    return opt_.warm_workers_us != kAutoWarmWorkersUs ? opt_.warm_workers_us
-           : dev_.computes_on_host()                  ? 0
-                                                      : 1000;
+    if (opt_.warm_workers_us != kAutoWarmWorkersUs) return opt_.warm_workers_us;
+    return dev_.computes_on_host() || !opt_.graphs || profiling_ ? 0 : 1000;
   }
+  /// Waits for a ready flag the workers spun through (warm_workers_us) since construction.
+  int64_t warm_spins() const { return n_warm_spins_; }
 
   /// moe_experts ops run on the device with streamed weights since construction.
   int64_t streamed_ops() const { return n_streamed_; }
@@ -279,6 +283,7 @@ class HybridExecutor {
   std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
   std::vector<CpuExecutor::OpTime> gpu_prof_;                         // indexed by OpKind
   int64_t n_streamed_ = 0, n_host_w_ = 0;
+  int64_t n_warm_spins_ = 0;  // written by serve_segments (a step's server thread), read after
 };
 
 }  // namespace berth
