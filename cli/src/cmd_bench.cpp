@@ -160,7 +160,8 @@ Runner add_bench(CLI::App& app) {
   m->add_option("-r,--repetitions", o->m.repetitions, "timed runs after a warm-up (default 3)")
       ->check(CLI::Range(1, 1000));
   m->add_option("--dram-mib", o->model_dram_mib,
-                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))");
+                "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
   m->add_flag("--profile", o->m.profile,
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");

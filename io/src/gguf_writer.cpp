@@ -98,13 +98,12 @@ void write_value(Out& out, const Value& value) {
 
 // Validates a tensor's name, type and shape against what is already added; returns its bytes.
 uint64_t check_tensor(const std::string& name, GgmlType type, const std::vector<int64_t>& ne,
-                      const auto& existing) {
+                      const std::unordered_set<std::string>& existing) {
   if (name.empty()) invalid("tensor name is empty");
   if (name.size() > kMaxTensorNameBytes)
     invalid(fmt::format("tensor name '{}' has {} bytes; at most {} are allowed", name, name.size(),
                         kMaxTensorNameBytes));
-  for (const auto& t : existing)
-    if (t.name == name) invalid(fmt::format("tensor '{}' added twice", name));
+  if (existing.count(name)) invalid(fmt::format("tensor '{}' added twice", name));
   const TypeTraits* tr = find_type(static_cast<uint32_t>(type));
   if (tr == nullptr)
     invalid(fmt::format("tensor '{}' has invalid type id {}", name, static_cast<uint32_t>(type)));
@@ -243,10 +242,11 @@ void Writer::set_i32_array(std::string key, std::vector<int32_t> v) {
 
 void Writer::add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne,
                         std::span<const uint8_t> bytes) {
-  const uint64_t n_bytes = check_tensor(name, type, ne, tensors_);
+  const uint64_t n_bytes = check_tensor(name, type, ne, tensor_names_);
   if (bytes.size() != n_bytes)
     invalid(fmt::format("tensor '{}' of type {} and shape [{}] needs {} bytes, got {}", name,
                         type_name(type), fmt::join(ne, ", "), n_bytes, bytes.size()));
+  tensor_names_.insert(name);
   tensors_.push_back(PendingTensor{std::move(name), type, std::move(ne), n_bytes,
                                    std::vector<uint8_t>(bytes.begin(), bytes.end()), nullptr});
 }
@@ -254,7 +254,8 @@ void Writer::add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne
 void Writer::add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne,
                         Producer produce) {
   if (!produce) invalid(fmt::format("tensor '{}' has an empty producer", name));
-  const uint64_t n_bytes = check_tensor(name, type, ne, tensors_);
+  const uint64_t n_bytes = check_tensor(name, type, ne, tensor_names_);
+  tensor_names_.insert(name);
   tensors_.push_back(
       PendingTensor{std::move(name), type, std::move(ne), n_bytes, {}, std::move(produce)});
 }

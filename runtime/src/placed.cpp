@@ -104,11 +104,25 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
                              params.hybrid.host_expert_share);
     s.plan = placement::make_plan(s.request);
   };
-  make();
+  bool stream_refused = false;
+  try {
+    make();
+  } catch (const Error& e) {
+    // auto's streaming buffers count as scratch; a plan of explicit flags that fits only
+    // without them plans without them (a plan that does not fit either way reports the smaller
+    // need). The automatic plan fits them in itself.
+    if (!auto_stream || e.category() != ErrorCategory::out_of_memory) throw;
+    stream = 0;
+    make();
+    stream_refused = true;
+    log::info(
+        "--stream-experts auto: off: the plan fits the device only without the streaming "
+        "buffers (--stream-experts N forces them)");
+  }
   bool any_gpu = false;
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
-  if (auto_stream && any_gpu && s.device) {
+  if (auto_stream && !stream_refused && any_gpu && s.device) {
     const bool copies = !registers_host_experts(*s.device);
     // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a
     // failed registration may fall back to one (HybridOptions::copy_host_experts stays true).

@@ -152,6 +152,7 @@ std::optional<GgmlType> uniform_type(const std::string& type) {
 
 constexpr int64_t kSpmChars = 95;  // "▁" and the printable ASCII characters 0x21..0x7E
 constexpr int64_t kMaxDim = int64_t{1} << 24;
+constexpr int64_t kMaxLayers = 4096;
 
 // Fills n_head_kv, head_dim and (from the tokenizer file) n_vocab when left at 0.
 SynthSpec resolved(const SynthSpec& in, VocabData* hf_vocab) {
@@ -182,7 +183,10 @@ void check_spec(const SynthSpec& s) {
     if (v < 1 || v > kMaxDim)
       bad(fmt::format("{}: {} = {} must be in 1..{}", flag, field, v, kMaxDim));
   };
-  dim(s.n_layer, "n_layer", "--n-layer");
+  // Each layer adds ~10 tensor entries before the size check: bounded well above any real model
+  // (Llama 3.1 405B: 126 layers) so a typo cannot allocate millions of them.
+  if (s.n_layer < 1 || s.n_layer > kMaxLayers)
+    bad(fmt::format("--n-layer: n_layer = {} must be in 1..{}", s.n_layer, kMaxLayers));
   dim(s.n_embd, "n_embd", "--n-embd");
   dim(s.n_head, "n_head", "--n-head");
   dim(s.n_head_kv, "n_head_kv", "--n-head-kv");

@@ -300,6 +300,13 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   CHECK(warm.exit_code == 0);
   CHECK(cold.out.size() > 20);
   CHECK(warm.out == cold.out);
+  // Counts and sizes below 0 are usage errors, not huge unsigned values.
+  r = run_command(bin + " inspect " + model + " --max-array-items -1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--max-array-items") != std::string::npos);
+  r = run_command(bin + " bench model -m " + model + " -p 0 -n 2 --dram-mib -1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--dram-mib") != std::string::npos);
   // Nothing to measure is an error, not an empty report.
   r = run_command(bin + " bench model -m " + model + " -p 0 -n 0");
   CHECK(r.exit_code == 1);

@@ -545,7 +545,29 @@ TEST_CASE("--stream-experts auto: on when experts stay on the CPU and the CPU's 
     CHECK(placed.request.scratch_bytes ==
           plain.scratch_bytes + (cpu_moe ? expert_stage_bytes(*model, 64, 0) : 0));
   }
-  if (!use_cuda()) ::unsetenv("BERTH_SIM_DEVICE");
+  if (!use_cuda()) {
+    // Flags whose plan fits the device only without auto's streaming buffers plan without
+    // them (found by a new-user trial: -ngl 99 on a card just large enough was refused).
+    placement::Flags f;
+    f.n_gpu_layers = 99;
+    f.cpu_moe = true;
+    const placement::Request plain = plan_request(*model, 64, 16, f, "SIM0", size_t{1} << 40, true);
+    const size_t need = placement::make_plan(plain).gpu_total();
+    const size_t stage = expert_stage_bytes(*model, 64, 0);
+    REQUIRE(stage > 0);
+    ::setenv("BERTH_SIM_DEVICE", std::to_string(need + stage / 2).c_str(), 1);
+    SessionParams params;
+    params.n_ctx = 64;
+    params.n_ubatch = 16;
+    params.hybrid.stream_experts_min_tokens = kStreamExpertsAuto;
+    const PlacementSetup placed = place(*model, f, params, false);
+    CHECK(params.hybrid.stream_experts_min_tokens == 0);
+    CHECK(placed.request.scratch_bytes == plain.scratch_bytes);
+    // Asked for by number, the buffers stay, and the plan is refused naming its terms.
+    params.hybrid.stream_experts_min_tokens = 64;
+    CHECK_THROWS_WITH_AS(place(*model, f, params, false), doctest::Contains("scratch"), Error);
+    ::unsetenv("BERTH_SIM_DEVICE");
+  }
 }
 
 TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a full ubatch") {

@@ -569,6 +569,11 @@ TEST_CASE("synth: bad arguments are invalid_argument errors naming the flag") {
   s = berth::synth_preset("tiny-llama");
   s.n_head_kv = 3;
   expect_invalid([&] { berth::write_synth_model(s, out, 1); }, "--n-head-kv");
+  // A layer count past any model is refused before a tensor is listed (10000 once spent
+  // minutes in the writer's duplicate-name scan; found by a new-user trial).
+  s = berth::synth_preset("tiny-llama");
+  s.n_layer = 4097;
+  expect_invalid([&] { berth::validate_synth_spec(s); }, "--n-layer");
   s = berth::synth_preset("tiny-qwen3moe");
   s.n_expert_used = 5;
   expect_invalid([&] { berth::write_synth_model(s, out, 1); }, "--n-expert-used");

@@ -7,6 +7,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "berth/io/gguf.h"
@@ -70,6 +71,7 @@ class Writer {
   uint64_t alignment_;
   std::vector<KeyValue> kvs_;
   std::vector<PendingTensor> tensors_;
+  std::unordered_set<std::string> tensor_names_;  // of tensors_: a duplicate check in O(1)
 };
 
 }  // namespace berth::gguf
