@@ -1,5 +1,6 @@
 // `berth plan`: where each tensor and each layer's KV cache would live, without loading weights.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <memory>
 
@@ -52,6 +53,20 @@ int plan(const PlanOptions& o) {
       plan_request(*model, n_ctx, o.n_ubatch, o.flags, device_name, free_bytes, has_device);
   placement::Plan p = placement::make_plan(req);
   if (!note.empty()) p.notes.insert(p.notes.begin(), note);
+  // What `run` would refuse or warn about with the same -c (found by a new-user trial).
+  const Hparams& hp = model->hparams();
+  if (n_ctx > hp.n_ctx_train)
+    p.notes.push_back(
+        fmt::format("-c {} is more than the {} tokens the model was trained on "
+                    "({}.context_length)",
+                    n_ctx, hp.n_ctx_train, hp.arch));
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  const size_t phys = pages > 0 && page > 0 ? static_cast<size_t>(pages) * page : 0;
+  if (phys > 0 && p.cpu_kv_bytes > phys)
+    p.notes.push_back(fmt::format(
+        "the CPU's KV cache ({:.1f} MiB) is more than this machine's {:.1f} MiB of memory: run "
+        "refuses it (lower -c)",
+        static_cast<double>(p.cpu_kv_bytes) / (1 << 20), static_cast<double>(phys) / (1 << 20)));
   p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, o.n_ubatch);
   (void)write_stdout(o.json ? placement::plan_json(req, p) : placement::plan_table(req, p));
   return 0;

@@ -108,9 +108,14 @@ std::vector<Rule> compile_rules(const Flags& flags) {
 // What a user can do about a plan that does not fit.
 std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps) {
   const Flags& f = req.flags;
-  if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes)
+  if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes) {
+    // A budget the device caps cannot be raised by --vram-budget.
+    if (req.has_device && plan.budget_bytes >= req.device_free_bytes)
+      return "the device's free memory does not even hold the scratch and margin: run on the "
+             "CPU with -ngl 0";
     return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
            "or run on the CPU with -ngl 0";
+  }
   if (f.n_gpu_layers < 0) return "the -ot rules send more to the GPU than the budget holds";
   std::string hint = "lower -ngl";
   if (has_exps && !f.cpu_moe) hint += ", add --n-cpu-moe N or --cpu-moe";
@@ -507,14 +512,18 @@ Plan make_plan(const Request& req) {
   }
   if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
     const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
+    const std::string source =
+        by_flag ? std::string("--vram-budget")
+        : f.vram_budget
+            ? fmt::format("free on the device; --vram-budget {} asks for more", mib(*f.vram_budget))
+            : std::string("free on the device");
     throw Error(
         ErrorCategory::out_of_memory,
         fmt::format("plan needs {} on {} but the budget is {} ({}): weights {} + KV cache {} + "
                     "scratch {} + margin {} ({}); {}",
-                    mib(plan.gpu_total()), req.device_name, mib(plan.budget_bytes),
-                    by_flag ? "--vram-budget" : "free on the device", mib(plan.gpu_weight_bytes),
-                    mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes), mib(plan.margin_bytes),
-                    describe_flags(f), refusal_hint(req, plan, has_exps)));
+                    mib(plan.gpu_total()), req.device_name, mib(plan.budget_bytes), source,
+                    mib(plan.gpu_weight_bytes), mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes),
+                    mib(plan.margin_bytes), describe_flags(f), refusal_hint(req, plan, has_exps)));
   }
   return plan;
 }

@@ -2,6 +2,7 @@
 // line on stderr and a non-zero exit, never a crash.
 #include <doctest/doctest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -300,6 +301,18 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   CHECK(warm.exit_code == 0);
   CHECK(cold.out.size() > 20);
   CHECK(warm.out == cold.out);
+  // plan notes what run would warn about or refuse with the same -c: above the trained
+  // context_length, and a CPU KV cache larger than the machine's memory (stories260K: 1280
+  // bytes per position; 2^24 positions are 20 GiB, more or less than this machine has).
+  r = run_command(bin + " plan -m " + model + " -c 16777216");
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("-c 16777216 is more than the 2048 tokens the model was trained on "
+                   "(llama.context_length)") != std::string::npos);
+  const double phys = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  CHECK((r.out.find("the CPU's KV cache (20480.0 MiB) is more than this machine's") !=
+         std::string::npos) == (phys < 20480.0 * 1024 * 1024));
+  r = run_command(bin + " plan -m " + model + " -c 2048");
+  CHECK(r.out.find("trained on") == std::string::npos);
   // Counts and sizes below 0 are usage errors, not huge unsigned values.
   r = run_command(bin + " inspect " + model + " --max-array-items -1");
   CHECK(r.exit_code == 2);

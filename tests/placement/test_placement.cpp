@@ -385,6 +385,13 @@ TEST_CASE("a plan that exceeds the budget is refused with every term named") {
   r.device_free_bytes = 500 * MiB;
   CHECK(category_of([&] { make_plan(r); }, &what) == ErrorCategory::out_of_memory);
   CHECK(what.find("budget is 500.0 MiB (free on the device)") != std::string::npos);
+  // A --vram-budget above the device's free memory is named as capped (found by a new-user
+  // trial: it was dropped silently).
+  r.flags.vram_budget = 100000 * MiB;
+  CHECK(category_of([&] { make_plan(r); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("budget is 500.0 MiB (free on the device; --vram-budget 100000.0 MiB asks for "
+                  "more)") != std::string::npos);
+  r.flags.vram_budget.reset();
 
   // Exactly the budget fits; -ngl 0 needs nothing, not even scratch and margin.
   r.device_free_bytes = 587 * MiB;
@@ -409,6 +416,13 @@ TEST_CASE("a plan that exceeds the budget is refused with every term named") {
   d.flags.vram_budget = 90 * MiB;  // scratch 64 + margin 32 = 96
   CHECK(category_of([&] { make_plan(d); }, &what) == ErrorCategory::out_of_memory);
   CHECK(what.find("does not even hold the scratch and margin") != std::string::npos);
+  CHECK(what.find("give a larger --vram-budget") != std::string::npos);
+  // When the device's free memory is the limit, a larger --vram-budget cannot help.
+  d.flags.vram_budget = 1000 * MiB;
+  d.device_free_bytes = 90 * MiB;
+  CHECK(category_of([&] { make_plan(d); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("the device's free memory does not even hold") != std::string::npos);
+  CHECK(what.find("larger --vram-budget") == std::string::npos);
 
   // The automatic plan fails only for what -ot pins to the GPU.
   r = moe_request();
