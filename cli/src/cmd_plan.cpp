@@ -1,6 +1,5 @@
 // `berth plan`: where each tensor and each layer's KV cache would live, without loading weights.
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <memory>
 
@@ -11,6 +10,7 @@
 #include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
+#include "berth/runtime/thread_pool.h"
 #include "commands.h"
 #include "placement_flags.h"
 
@@ -54,14 +54,8 @@ int plan(const PlanOptions& o) {
   placement::Plan p = placement::make_plan(req);
   if (!note.empty()) p.notes.insert(p.notes.begin(), note);
   // What `run` would refuse or warn about with the same -c (found by a new-user trial).
-  const Hparams& hp = model->hparams();
-  if (n_ctx > hp.n_ctx_train)
-    p.notes.push_back(
-        fmt::format("-c {} is more than the {} tokens the model was trained on "
-                    "({}.context_length)",
-                    n_ctx, hp.n_ctx_train, hp.arch));
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  const size_t phys = pages > 0 && page > 0 ? static_cast<size_t>(pages) * page : 0;
+  if (std::string c = context_note(n_ctx, model->hparams()); !c.empty()) p.notes.push_back(c);
+  const size_t phys = physical_memory_bytes();
   if (phys > 0 && p.cpu_kv_bytes > phys)
     p.notes.push_back(fmt::format(
         "the CPU's KV cache ({:.1f} MiB) is more than this machine's {:.1f} MiB of memory: run "

@@ -25,6 +25,13 @@
 
 namespace berth::cli {
 
+std::string context_note(int64_t n_ctx, const Hparams& hp) {
+  if (n_ctx <= hp.n_ctx_train) return {};
+  return fmt::format(
+      "-c {} is more than the {} tokens the model was trained on ({}.context_length)", n_ctx,
+      hp.n_ctx_train, hp.arch);
+}
+
 bool write_stdout(std::string_view s) {
   if (s.empty()) return true;
   errno = 0;
@@ -175,9 +182,7 @@ int run(const RunOptions& o) {
   const int64_t n_ctx = o.session.n_ctx > 0 ? o.session.n_ctx : default_n_ctx(model->hparams());
   if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(n_ctx);  // as llama.cpp
   Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
-  if (n_ctx > model->hparams().n_ctx_train)
-    log::warn("-c {} is more than the {} tokens the model was trained on ({}.context_length)",
-              n_ctx, model->hparams().n_ctx_train, model->hparams().arch);
+  if (std::string c = context_note(n_ctx, model->hparams()); !c.empty()) log::warn("{}", c);
 
   SessionParams params = o.session;
   params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room

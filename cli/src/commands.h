@@ -4,6 +4,9 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
+
+#include "berth/models/model.h"
 
 namespace berth::cli {
 
@@ -21,5 +24,9 @@ Runner add_plan(CLI::App& app);
 /// (EPIPE, e.g. `| head`): commands then stop and exit 0. Throws Error(io) for any other write
 /// failure (a full disk, an I/O error).
 bool write_stdout(std::string_view s);
+
+/// The warning `run` prints and `plan` notes when the context `n_ctx` exceeds the trained
+/// context_length of `hp`; empty when it does not.
+std::string context_note(int64_t n_ctx, const Hparams& hp);
 
 }  // namespace berth::cli

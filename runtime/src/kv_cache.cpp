@@ -1,22 +1,13 @@
 #include "berth/runtime/kv_cache.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <new>
 
 #include "berth/core/error.h"
+#include "berth/runtime/thread_pool.h"
 
 namespace berth {
-namespace {
-
-size_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
-}
-
-}  // namespace
 
 KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx)
     : layers_(layers), n_ctx_(n_ctx) {

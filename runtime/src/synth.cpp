@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -770,9 +769,7 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
           static_cast<uint64_t>(n_elements(g.t.ne) / g.t.ne[0]) * row_bytes(g.t.type, g.t.ne[0]);
       if (b > largest_bytes) largest_bytes = b, largest = &g;
     }
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    const uint64_t phys =
-        pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+    const uint64_t phys = physical_memory_bytes();
     if (largest && phys > 0 && largest_bytes > phys / 2)
       bad(fmt::format(
           "tensor '{}' would be {:.1f} GB ({} {}), and it is held in memory while it is "

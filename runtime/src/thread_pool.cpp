@@ -6,6 +6,7 @@
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -68,6 +69,11 @@ int physical_core_count() {
 }
 
 int numa_node_count() { return std::max(topology().n_numa(), 1); }
+
+size_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+}
 
 // Pins each thread that enters the arena to the core of its arena slot. The calling (master)
 // thread is pinned too while the pool lives; its previous binding is saved and restored by

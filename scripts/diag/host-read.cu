@@ -122,7 +122,9 @@ int main(int argc, char** argv) {
     std::printf("median %-10s %6.1f GB/s\n", kinds[i].first.c_str(), got[i][2]);
   }
   // The THP state the kernel gave the anonymous buffers (AnonHugePages, kB).
-  std::system("grep -E 'AnonHugePages|Hugepagesize' /proc/meminfo; cat /sys/kernel/mm/transparent_hugepage/enabled");
+  std::system(
+      "grep -E 'AnonHugePages|Hugepagesize' /proc/meminfo; cat "
+      "/sys/kernel/mm/transparent_hugepage/enabled");
   unlink("/tmp/host-read.bin");
   return 0;
 }

@@ -326,7 +326,7 @@ TEST_CASE("hybrid: workers spin through decode by default only on a device with 
     // cores the workers would spin on. A value given is kept.
     const bool auto_on = warm == kAutoWarmWorkersUs && use_cuda();
     CHECK(s.hybrid()->warm_workers_us() ==
-          (warm == kAutoWarmWorkersUs ? (use_cuda() ? 1000 : 0) : warm));
+          (warm == kAutoWarmWorkersUs ? (use_cuda() ? kDecodeWarmWorkersUs : 0) : warm));
     // The prompt (an eager step, one CPU segment per layer) spins only with a value given; the
     // replayed decode steps spin when the value in effect is not 0. (Each step's first segment
     // waits for the device's attention and router: its flag is not set when the wait starts.)

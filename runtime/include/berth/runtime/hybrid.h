@@ -105,6 +105,8 @@ enum class Handoff {
 
 /// HybridOptions::warm_workers_us: chosen by the executor (see there).
 inline constexpr int64_t kAutoWarmWorkersUs = -1;
+/// What kAutoWarmWorkersUs gives replayed decode steps on a device with its own cores, in us.
+inline constexpr int64_t kDecodeWarmWorkersUs = 1000;
 
 struct HybridOptions {
   Handoff handoff = Handoff::automatic;
@@ -206,7 +208,7 @@ class HybridExecutor {
   /// awaited (Handoff::flags).
   int64_t warm_workers_us() const {
     if (opt_.warm_workers_us != kAutoWarmWorkersUs) return opt_.warm_workers_us;
-    return dev_.computes_on_host() || !opt_.graphs || profiling_ ? 0 : 1000;
+    return dev_.computes_on_host() || !opt_.graphs || profiling_ ? 0 : kDecodeWarmWorkersUs;
   }
   /// Waits for a ready flag the workers spun through (warm_workers_us) since construction.
   int64_t warm_spins() const { return n_warm_spins_; }

@@ -1,6 +1,7 @@
 // The CPU worker pool: a oneTBB task arena whose threads are pinned to physical cores with hwloc.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -13,6 +14,9 @@ int physical_core_count();
 
 /// NUMA nodes of the machine (hwloc; 1 when hwloc cannot tell).
 int numa_node_count();
+
+/// Bytes of physical memory of the machine (sysconf; 0 when it cannot tell).
+size_t physical_memory_bytes();
 
 /// A fixed-size pool of `n_threads` workers (the calling thread counts as one). Each worker is
 /// pinned to its own physical core (worker i to the i-th allowed core) when there are at least
