@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >&2
-scripts/build.sh >&2  # build logs go to stderr: stdout carries only the story
+scripts/build.sh berth >&2  # only the executable and its libraries; build logs go to stderr
 model=../shared/models/stories260K.gguf
 if [[ ! -f $model ]]; then
   echo "demo: $model not found (get tinyllamas/stories260K.gguf from the Hugging Face repository ggml-org/models)" >&2

@@ -4,7 +4,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 int main(int argc, char** argv) {
   berth::WorkerThreadsGuard workers;

@@ -42,7 +42,7 @@
 #include "berth/core/log.h"
 #include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth::bench {
 namespace {

@@ -13,10 +13,10 @@
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/runtime/hybrid.h"
+#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth::bench {
 namespace {

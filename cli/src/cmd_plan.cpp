@@ -6,11 +6,11 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/runtime/device.h"
+#include "berth/backends/device.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 #include "commands.h"
 #include "placement_flags.h"
 

@@ -3,8 +3,8 @@
 
 #include <map>
 
-#include "berth/runtime/quantize.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/tools/quantize.h"
+#include "berth/backends/thread_pool.h"
 #include "commands.h"
 
 namespace berth::cli {

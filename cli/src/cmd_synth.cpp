@@ -1,5 +1,5 @@
 // `berth synth`: write a synthetic GGUF model (random weights of realistic scale) of a preset
-// or a given shape. See runtime/include/berth/runtime/synth.h for the file it writes.
+// or a given shape. See runtime/include/berth/tools/synth.h for the file it writes.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <optional>
 
 #include "berth/core/error.h"
-#include "berth/runtime/synth.h"
+#include "berth/tools/synth.h"
 #include "commands.h"
 
 namespace berth::cli {

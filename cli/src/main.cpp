@@ -14,7 +14,7 @@
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/core/strings.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 #include "commands.h"
 
 namespace {

@@ -11,7 +11,7 @@
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
-#include "berth/runtime/hybrid.h"
+#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/plan_request.h"
 
 namespace berth {

@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "berth/core/error.h"
-#include "berth/runtime/hybrid.h"
+#include "berth/scheduler/hybrid.h"
 
 namespace berth {
 namespace {
@@ -24,6 +24,16 @@ int32_t layer_of(std::string_view name) {
 }
 
 }  // namespace
+
+size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx, Device* dev) {
+  return device_scratch_bytes(model.build_step(n_ubatch, 1), model.weights(), n_ctx, dev);
+}
+
+size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
+                          double host_expert_share) {
+  return expert_stage_bytes(model.build_step(1, 1), model.weights(), stream_experts_min_tokens,
+                            host_expert_share);
+}
 
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,

@@ -15,7 +15,7 @@
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/chat.h"
 #include "berth/runtime/session.h"
-#include "berth/runtime/synth.h"
+#include "berth/tools/synth.h"
 #include "test_util.h"
 
 using namespace berth;

@@ -14,7 +14,7 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/runtime/quantize.h"
+#include "berth/tools/quantize.h"
 #include "berth/runtime/session.h"
 #include "test_util.h"
 

@@ -11,7 +11,7 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/runtime/hybrid.h"
+#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/plan_request.h"
 #include "test_util.h"
 

@@ -17,9 +17,9 @@
 #include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
-#include "berth/runtime/cpu_backend.h"
-#include "berth/runtime/kv_cache.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/kv_cache.h"
+#include "berth/backends/thread_pool.h"
 
 using namespace berth;
 

@@ -22,7 +22,7 @@
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/session.h"
-#include "berth/runtime/synth.h"
+#include "berth/tools/synth.h"
 #include "test_util.h"
 
 using berth::ErrorCategory;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "berth/graph/cache.h"
 #include "berth/graph/graph.h"
 
 namespace berth::gguf {
@@ -42,12 +43,6 @@ struct Hparams {
 /// MoE keys: expert_count > 0 requires expert_used_count; expert_weights_norm defaults to true
 /// (Mixtral and Qwen3-MoE renormalise the selected weights).
 Hparams read_hparams(const gguf::File& file);
-
-/// Per-layer KV cache row widths (floats per token) that a model's attention ops need.
-struct KvLayer {
-  int64_t k_dim = 0;  ///< n_head_kv * head_dim
-  int64_t v_dim = 0;
-};
 
 class Model {
  public:

@@ -8,7 +8,7 @@
 
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/runtime/device.h"
+#include "berth/backends/device.h"
 #include "berth/runtime/session.h"
 
 namespace berth {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "berth/backends/device.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
 
@@ -24,6 +25,13 @@ namespace berth {
 /// - the device fields and flags as given (device_free_bytes in bytes).
 /// Throws Error(invalid_argument) for n_ctx < 1 or n_ubatch < 1 (naming -c / -ub and the value)
 /// and for a "blk.N." name whose N is not below the model's n_layer.
+/// scheduler/hybrid.h's device_scratch_bytes for `model`'s step graph of `n_ubatch` tokens.
+size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
+                            Device* dev = nullptr);
+/// scheduler/hybrid.h's expert_stage_bytes for `model` (its decode step graph).
+size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
+                          double host_expert_share);
+
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,
                                 size_t device_free_bytes, bool has_device,

@@ -11,11 +11,11 @@
 
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
-#include "berth/runtime/cpu_backend.h"
-#include "berth/runtime/hybrid.h"
-#include "berth/runtime/kv_cache.h"
+#include "berth/backends/cpu_executor.h"
+#include "berth/scheduler/hybrid.h"
+#include "berth/backends/kv_cache.h"
 #include "berth/runtime/sampler.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 

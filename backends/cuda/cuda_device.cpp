@@ -16,7 +16,7 @@
 
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
-#include "berth/runtime/device.h"
+#include "berth/backends/device.h"
 
 namespace berth {
 namespace {

@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "berth/models/model.h"
+#include "berth/graph/cache.h"
 
 namespace berth {
 

@@ -1,4 +1,4 @@
-#include "berth/runtime/synth.h"
+#include "berth/tools/synth.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -22,8 +22,8 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/io/gguf_writer.h"
 #include "berth/models/tokenizer.h"
-#include "berth/runtime/quantize.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/tools/quantize.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 namespace {

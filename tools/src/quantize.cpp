@@ -1,4 +1,4 @@
-#include "berth/runtime/quantize.h"
+#include "berth/tools/quantize.h"
 
 #include <fmt/format.h>
 

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "berth/core/types.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 

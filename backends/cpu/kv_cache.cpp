@@ -1,11 +1,11 @@
-#include "berth/runtime/kv_cache.h"
+#include "berth/backends/kv_cache.h"
 
 #include <fmt/format.h>
 
 #include <new>
 
 #include "berth/core/error.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 

@@ -31,7 +31,7 @@
 #include "berth/core/fp16.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
-#include "berth/runtime/device.h"
+#include "berth/backends/device.h"
 
 namespace berth {
 namespace {

@@ -1,4 +1,4 @@
-#include "berth/runtime/cpu_backend.h"
+#include "berth/backends/cpu_executor.h"
 
 #include <fmt/format.h>
 

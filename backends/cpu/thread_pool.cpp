@@ -1,4 +1,4 @@
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/thread_pool.h"
 
 #include <hwloc.h>
 #include <oneapi/tbb/blocked_range.h>

@@ -1,4 +1,4 @@
-#include "berth/runtime/hybrid.h"
+#include "berth/scheduler/hybrid.h"
 
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -1328,8 +1328,9 @@ namespace {
 size_t round_up_mib(size_t bytes) { return (bytes + (size_t{1} << 20) - 1) >> 20 << 20; }
 }  // namespace
 
-size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx, Device* dev) {
-  const graph::Graph g = model.build_step(n_ubatch, 1);
+size_t device_scratch_bytes(const graph::Graph& g, const graph::WeightTable& w, int64_t n_ctx,
+                            Device* dev) {
+  const int64_t n_ubatch = g.n_tokens;
   const size_t n_val = g.values.size(), n_ops = g.ops.size();
   std::vector<size_t> sizes(n_val), offsets;
   std::vector<int64_t> birth(n_val, 0), death(n_val, 0);
@@ -1342,7 +1343,6 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
   death[static_cast<size_t>(g.output)] = static_cast<int64_t>(n_ops);
   size_t total = assign_offsets(sizes, birth, death, offsets);
   size_t ws = 0;
-  const graph::WeightTable& w = model.weights();
   for (const Op& op : g.ops) {
     if (dev) {
       ws = std::max(ws, op_workspace(*dev, g, w, op, n_ctx, false));
@@ -1355,12 +1355,10 @@ size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
   return round_up_mib(total);
 }
 
-size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
-                          double host_expert_share) {
+size_t expert_stage_bytes(const graph::Graph& g, const graph::WeightTable& w,
+                          int32_t stream_experts_min_tokens, double host_expert_share) {
   if (stream_experts_min_tokens <= 0 && !(host_expert_share > 0)) return 0;
-  // The model's moe_experts ops name each layer's stacked tensors.
-  const graph::Graph g = model.build_step(1, 1);
-  const graph::WeightTable& w = model.weights();
+  // The moe_experts ops name each layer's stacked tensors.
   size_t layer = 0, expert = 0;
   int32_t k = 0;
   for (const Op& op : g.ops) {

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "berth/graph/graph.h"
-#include "berth/runtime/kv_cache.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/kv_cache.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 

@@ -35,32 +35,33 @@
 #include <vector>
 
 #include "berth/graph/graph.h"
-#include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/runtime/cpu_backend.h"
-#include "berth/runtime/device.h"
-#include "berth/runtime/kv_cache.h"
-#include "berth/runtime/thread_pool.h"
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/device.h"
+#include "berth/backends/kv_cache.h"
+#include "berth/backends/thread_pool.h"
 
 namespace berth {
 
-/// Device bytes the hybrid executor needs besides weights and KV cache for steps of up to
-/// `n_ubatch` tokens with a context of `n_ctx`: the peak of live activations of the all-GPU
-/// step (values are assigned offsets in one arena by liveness) plus the largest kernel
-/// workspace (asked from `dev` when given, else estimated: 64 MiB + 8 bytes per input element),
-/// rounded up to MiB. An estimate from shapes alone, used by placement before loading.
-size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
-                            Device* dev = nullptr);
+/// Device bytes the hybrid executor needs besides weights and KV cache for steps of the shape of
+/// `g` (the step graph of a full ubatch, as a model builds it) with a context of `n_ctx`: the
+/// peak of live activations of the all-GPU step (values are assigned offsets in one arena by
+/// liveness) plus the largest kernel workspace (asked from `dev` when given, else estimated: 64
+/// MiB + 8 bytes per input element), rounded up to MiB. An estimate from shapes alone, used by
+/// placement before loading.
+size_t device_scratch_bytes(const graph::Graph& g, const graph::WeightTable& weights,
+                            int64_t n_ctx, Device* dev = nullptr);
 
 /// Device bytes for CPU-held experts the executor brings to the device, beyond
 /// device_scratch_bytes: with stream_experts_min_tokens > 0, the two buffers that stream a
 /// layer's expert tensors (2 x the largest layer's ffn_{gate,up,down}_exps bytes); with
 /// host_expert_share f > 0, the decode workspace's staged experts (ceil(f x n_expert_used)
-/// slots x the largest expert's gate + up + down bytes). Counted whether or not the plan leaves
+/// slots x the largest expert's gate + up + down bytes). `g` is any step graph of the model (its
+/// moe_experts ops name each layer's stacked tensors). Counted whether or not the plan leaves
 /// experts on the CPU (placement plans before it knows), rounded up to MiB; 0 for a model
 /// without stacked expert tensors.
-size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
-                          double host_expert_share);
+size_t expert_stage_bytes(const graph::Graph& g, const graph::WeightTable& weights,
+                          int32_t stream_experts_min_tokens, double host_expert_share);
 
 /// Per op of the step graph `g`: how many route slots HybridOptions::host_expert_share `f`
 /// gives the device (0: none, the op is not split; the op's k: the device computes it all), as
