@@ -18,7 +18,7 @@ namespace berth {
 using graph::Op;
 using graph::OpKind;
 
-CpuExecutor::CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& kv)
+CpuExecutor::CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv)
     : pool_(pool), weights_(weights), kv_(kv), scratch_(static_cast<size_t>(pool.n_threads())) {}
 
 float* CpuExecutor::worker_scratch(size_t floats) {
@@ -34,10 +34,10 @@ void CpuExecutor::check_ubatch(const graph::Graph& g, std::span<const int32_t> t
                 fmt::format("graph of {} tokens run with {} tokens and {} positions", g.n_tokens,
                             tokens.size(), positions.size()));
   for (size_t i = 0; i < positions.size(); ++i) {
-    if (positions[i] < 0 || positions[i] >= kv_.n_ctx())
+    if (positions[i] < 0 || positions[i] >= kv_.n_ctx)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("position {} is outside the context of {} tokens", positions[i],
-                              kv_.n_ctx()));
+                              kv_.n_ctx));
     if (i > 0 && positions[i] != positions[i - 1] + 1)
       throw Error(ErrorCategory::invalid_argument, "ubatch positions must be consecutive");
   }
@@ -222,8 +222,8 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const float* k = buf(op.inputs[1]);
       const float* v = buf(op.inputs[2]);
       const KvLayer& kl = kv_.layer(p.layer);
-      float* kc = kv_.k(p.layer);
-      float* vc = kv_.v(p.layer);
+      float* kc = kv_.k.at(static_cast<size_t>(p.layer));
+      float* vc = kv_.v.at(static_cast<size_t>(p.layer));
       const int64_t n_tok = rows;
       for (int64_t t = 0; t < n_tok; ++t) {
         const int64_t pos = positions[static_cast<size_t>(t)];
@@ -241,7 +241,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
         const int64_t qb = n_kv <= 512 ? 1 : 4;
         const int64_t per_head = (group + qb - 1) / qb;
         pool_.parallel_for(p.n_head_kv * per_head, 1, [&](int64_t i0, int64_t i1) {
-          float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
+          float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
           for (int64_t i = i0; i < i1; ++i) {
             const int64_t hk = i / per_head, j0 = (i % per_head) * qb;
             const int64_t nq = std::min<int64_t>(qb, group - j0);
@@ -258,7 +258,7 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       constexpr int64_t kQueryBlock = 32;
       const int64_t n_blocks = (n_tok + kQueryBlock - 1) / kQueryBlock;
       pool_.parallel_for(p.n_head * n_blocks, 1, [&](int64_t i0, int64_t i1) {
-        float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx()));
+        float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t h = i % p.n_head;
           const int64_t t0 = (i / p.n_head) * kQueryBlock;

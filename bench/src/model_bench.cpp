@@ -9,14 +9,14 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
-#include "berth/backends/thread_pool.h"
+#include "berth/scheduler/scheduler.h"
 
 namespace berth::bench {
 namespace {
@@ -170,13 +170,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     return t;
   };
   session.executor().set_profiling(o.profile);
-  if (session.hybrid()) {
-    session.hybrid()->set_profiling(o.profile);
-    r.handoff = session.hybrid()->handoff() == Handoff::flags ? "flags" : "callback";
+  if (session.device()) {
+    session.scheduler().set_profiling(o.profile);
+    r.handoff = session.scheduler().handoff() == Handoff::flags ? "flags" : "callback";
     r.stream_experts_min_tokens = sp.hybrid.stream_experts_min_tokens;
-    r.host_experts_pinning = std::string(session.hybrid()->host_experts_pinning());
+    r.host_experts_pinning = std::string(session.residency()->host_experts_pinning());
     if (r.handoff == "flags")
-      r.warm_workers_us = session.hybrid()->warm_workers_us();
+      r.warm_workers_us = session.scheduler().warm_workers_us();
     else if (o.warm_workers_us > 0)
       log::warn("--warm-workers {} has no effect: the hand-off is by host callbacks ({})",
                 o.warm_workers_us,
@@ -185,10 +185,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                     : fmt::format("{} has no flags", r.device.empty() ? "the device" : r.device));
   }
   auto reset_gpu = [&] {
-    if (session.hybrid()) session.hybrid()->reset_gpu_profile();
+    if (session.device()) session.scheduler().reset_gpu_profile();
   };
   auto gpu_shares = [&] {
-    return session.hybrid() ? shares(session.hybrid()->gpu_profile(), o.repetitions)
+    return session.device() ? shares(session.scheduler().gpu_profile(), o.repetitions)
                             : std::vector<OpShare>{};
   };
   if (o.n_prompt > 0) {
@@ -201,8 +201,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       (void)session.eval(t);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep > 0) secs.push_back(s);
-      if (rep > 0 && session.hybrid())
-        r.pp_cpu_busy += session.hybrid()->last_cpu_seconds() / s / o.repetitions;
+      if (rep > 0 && session.device())
+        r.pp_cpu_busy += session.scheduler().last_cpu_seconds() / s / o.repetitions;
       say(fmt::format("pp{}   run {}{}  {:8.2f} tok/s", o.n_prompt, rep, rep ? "" : " (warm-up)",
                       o.n_prompt / s));
     }
@@ -220,7 +220,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       double cpu_s = 0;
       for (int32_t id : t) {
         (void)session.eval(std::span<const int32_t>(&id, 1));
-        if (session.hybrid()) cpu_s += session.hybrid()->last_cpu_seconds();
+        if (session.device()) cpu_s += session.scheduler().last_cpu_seconds();
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep > 0) r.tg_cpu_busy += cpu_s / s / o.repetitions;
@@ -243,12 +243,12 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       m.wait_us = 1e6 * mt.wait / tc;
       m.tail_us = 1e6 * mt.tail / tc;
     }
-    if (session.hybrid() && r.tg_cpu_busy > 0) {
+    if (session.device() && r.tg_cpu_busy > 0) {
       // The device alone: the same steps with the CPU segments skipped (timing only; the
       // outputs and KV rows are wrong, so the session is reset after), as many runs as above,
       // median over median.
       std::vector<double> alone;
-      session.hybrid()->set_skip_cpu_segments(true);
+      session.scheduler().set_skip_cpu_segments(true);
       try {
         for (int rep = 0; rep < o.repetitions; ++rep) {
           const std::vector<int32_t> t = tokens(o.n_gen);
@@ -259,10 +259,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
       } catch (...) {
-        session.hybrid()->set_skip_cpu_segments(false);
+        session.scheduler().set_skip_cpu_segments(false);
         throw;
       }
-      session.hybrid()->set_skip_cpu_segments(false);
+      session.scheduler().set_skip_cpu_segments(false);
       session.reset();
       const double alone_tok_s = rate_of(alone, o.n_gen).median;
       r.tg_device_busy = alone_tok_s > 0 ? r.tg_tok_s.median / alone_tok_s : 0;

@@ -167,11 +167,7 @@ Runner add_bench(CLI::App& app) {
               "replay, each device op timed)");
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
-  m->add_option("--handoff", o->m.handoff,
-                "how CPU segments hand over with the device: auto (the default: flags where the "
-                "device has them), flags (pinned-memory flags polled by the calling thread) or "
-                "callback (host callbacks)")
-      ->check(CLI::IsMember({"auto", "flags", "callback"}));
+  add_handoff(*m, o->m.handoff);
   add_placement_flags(*m, o->m.placement);
   add_stream_experts(*m, o->m.stream_min_tokens);
   m->add_option("--json", o->json_path,

@@ -1,16 +1,16 @@
-// `berth plan`: where each tensor and each layer's KV cache would live, without loading weights.
+// `berth plan`: where each tensor and each layer's KV cache would live, without loading weights;
+// with --ops, also the schedule of a decode step and of a prefill ubatch.
 #include <fmt/format.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/backends/device.h"
 #include "berth/runtime/placed.h"
-#include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
-#include "berth/backends/thread_pool.h"
 #include "commands.h"
 #include "placement_flags.h"
 
@@ -22,37 +22,27 @@ struct PlanOptions {
   int64_t n_ctx = 0;
   int32_t n_ubatch = 512;
   placement::Flags flags;
+  int32_t stream_min = kStreamExpertsAuto;
+  double host_expert_share = 0;
+  int64_t warm_workers_us = kAutoWarmWorkersUs;
+  std::string handoff = "auto";
   bool json = false;
+  bool ops = false;
 };
 
 int plan(const PlanOptions& o) {
   gguf::File file = gguf::File::open(o.model);
   std::unique_ptr<Model> model = load_model(file);  // views into the mapping; nothing is read
+  SessionParams sp;
+  sp.n_ctx = o.n_ctx;
+  sp.n_ubatch = o.n_ubatch;
+  sp.hybrid.stream_experts_min_tokens = o.stream_min;
+  sp.hybrid.host_expert_share = o.host_expert_share;
+  sp.hybrid.warm_workers_us = o.warm_workers_us;
+  sp.hybrid.handoff = parse_handoff(o.handoff);
   const int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(model->hparams());
-
-  std::string device_name;
-  size_t free_bytes = 0;
-  bool has_device = false;
-  std::string note;
-  if (std::unique_ptr<Device> dev = default_device()) {  // CUDA, or BERTH_SIM_DEVICE
-    device_name = dev->name();
-    free_bytes = dev->free_bytes();
-    has_device = true;
-  } else if (o.flags.vram_budget) {
-    device_name = "GPU (none found)";
-    free_bytes = *o.flags.vram_budget;
-    has_device = true;
-    note = "planned for a GPU with --vram-budget; none found";
-  } else {
-    note =
-        "no GPU found: everything runs on the CPU (--vram-budget SIZE plans for a GPU of "
-        "that size)";
-  }
-
-  const placement::Request req =
-      plan_request(*model, n_ctx, o.n_ubatch, o.flags, device_name, free_bytes, has_device);
-  placement::Plan p = placement::make_plan(req);
-  if (!note.empty()) p.notes.insert(p.notes.begin(), note);
+  PlacementSetup setup = place(*model, o.flags, sp, false, /*plan_only=*/true);
+  placement::Plan& p = setup.plan;
   // What `run` would refuse or warn about with the same -c (found by a new-user trial).
   if (std::string c = context_note(n_ctx, model->hparams()); !c.empty()) p.notes.push_back(c);
   const size_t phys = physical_memory_bytes();
@@ -62,7 +52,22 @@ int plan(const PlanOptions& o) {
         "refuses it (lower -c)",
         static_cast<double>(p.cpu_kv_bytes) / (1 << 20), static_cast<double>(phys) / (1 << 20)));
   p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, o.n_ubatch);
-  (void)write_stdout(o.json ? placement::plan_json(req, p) : placement::plan_table(req, p));
+  if (!o.ops)
+    return write_stdout(o.json ? placement::plan_json(setup.request, p)
+                               : placement::plan_table(setup.request, p)),
+           0;
+  const auto schedules = step_schedules(*model, setup, sp);
+  if (o.json) {
+    nlohmann::json j = nlohmann::json::parse(placement::plan_json(setup.request, p));
+    j["schedules"] = nlohmann::json::array();
+    for (const auto& [title, s] : schedules)
+      j["schedules"].push_back(nlohmann::json::parse(schedule_json(s, model->weights(), title)));
+    (void)write_stdout(j.dump(1) + "\n");
+    return 0;
+  }
+  std::string out = placement::plan_table(setup.request, p);
+  for (const auto& [title, s] : schedules) out += "\n" + schedule_text(s, model->weights(), title);
+  (void)write_stdout(out);
   return 0;
 }
 
@@ -72,7 +77,8 @@ Runner add_plan(CLI::App& app) {
   auto o = std::make_shared<PlanOptions>();
   CLI::App* sub = app.add_subcommand(
       "plan",
-      "show where each tensor and KV cache would live (GPU or CPU) for the placement flags");
+      "show where each tensor and KV cache would live (GPU or CPU) for the placement flags, and "
+      "with --ops the schedule of a decode step and a prefill ubatch");
   sub->add_option("-m,--model", o->model, "GGUF model file")->required();
   sub->add_option("-c,--ctx-size", o->n_ctx, "context size in tokens (0: min(4096, model's))")
       ->capture_default_str()
@@ -81,7 +87,15 @@ Runner add_plan(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
   add_placement_flags(*sub, o->flags);
-  sub->add_flag("--json", o->json, "print the plan as JSON instead of a table");
+  add_stream_experts(*sub, o->stream_min);
+  add_host_expert_share(*sub, o->host_expert_share);
+  add_warm_workers(*sub, o->warm_workers_us);
+  add_handoff(*sub, o->handoff);
+  sub->add_flag("--ops", o->ops,
+                "also print the schedule of a decode step and of a prefill ubatch: each op's "
+                "side (GPU or CPU) and why, the CPU segments, the copies between the sides with "
+                "their bytes, and the device's calls (fused ones named)");
+  sub->add_flag("--json", o->json, "print the plan (and schedules) as JSON instead of a table");
   return [o] { return plan(*o); };
 }
 

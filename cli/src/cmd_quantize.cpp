@@ -3,8 +3,8 @@
 
 #include <map>
 
-#include "berth/tools/quantize.h"
 #include "berth/backends/thread_pool.h"
+#include "berth/tools/quantize.h"
 #include "commands.h"
 
 namespace berth::cli {

@@ -114,4 +114,20 @@ void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {
           "auto|N"));
 }
 
+void add_handoff(CLI::App& cmd, std::string& handoff) {
+  cmd.add_option("--handoff", handoff,
+                 "how CPU segments hand over with the device: auto (the default: flags where the "
+                 "device has them), flags (pinned-memory flags polled by the calling thread) or "
+                 "callback (host callbacks)")
+      ->check(CLI::IsMember({"auto", "flags", "callback"}));
+}
+
+Handoff parse_handoff(const std::string& s) {
+  if (s == "auto") return Handoff::automatic;
+  if (s == "flags") return Handoff::flags;
+  if (s == "callback") return Handoff::callback;
+  throw Error(ErrorCategory::invalid_argument,
+              fmt::format("--handoff must be auto, flags or callback, got '{}'", s));
+}
+
 }  // namespace berth::cli

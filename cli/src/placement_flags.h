@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "berth/placement/plan.h"
+#include "berth/scheduler/schedule.h"
 
 namespace berth::cli {
 
@@ -35,5 +36,12 @@ void add_warm_workers(CLI::App& cmd, int64_t& us);
 /// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory has room
 /// to lock them (runtime/placed.h). Anything else is a usage error naming the value.
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens);
+
+/// Registers `--handoff auto|flags|callback` (bench model and plan): how CPU segments hand over
+/// with the device (HybridOptions::handoff).
+void add_handoff(CLI::App& cmd, std::string& handoff);
+/// The Handoff of a --handoff value (auto, flags or callback; anything else: Error
+/// invalid_argument naming it).
+Handoff parse_handoff(const std::string& s);
 
 }  // namespace berth::cli

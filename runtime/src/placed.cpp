@@ -11,8 +11,9 @@
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
-#include "berth/scheduler/hybrid.h"
+#include "berth/residency/residency.h"
 #include "berth/runtime/plan_request.h"
+#include "berth/scheduler/scheduler.h"
 
 namespace berth {
 
@@ -84,12 +85,28 @@ std::unique_ptr<Device> default_device() {
 }
 
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
-                     bool progress_to_stderr) {
+                     bool progress_to_stderr, bool plan_only) {
   PlacementSetup s;
   bool wants_gpu = flags.n_gpu_layers != 0;
   for (const auto& [re, dev] : flags.overrides)
     if (dev != "CPU" && dev != "cpu") wants_gpu = true;
-  if (wants_gpu) s.device = default_device();
+  if (wants_gpu || plan_only) s.device = default_device();
+  std::string device_name = s.device ? s.device->name() : std::string("GPU (--vram-budget)");
+  size_t free_bytes = s.device ? s.device->free_bytes() : 0;
+  bool has_device = s.device != nullptr;
+  std::vector<std::string> notes;
+  if (plan_only && !s.device) {
+    if (flags.vram_budget) {
+      device_name = "GPU (none found)";
+      free_bytes = *flags.vram_budget;
+      has_device = true;
+      notes.push_back("planned for a GPU with --vram-budget; none found");
+    } else {
+      notes.push_back(
+          "no GPU found: everything runs on the CPU (--vram-budget SIZE plans for a GPU of "
+          "that size)");
+    }
+  }
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
   // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
@@ -98,11 +115,15 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   const bool auto_stream = stream == kStreamExpertsAuto;
   if (auto_stream) stream = kStreamExpertsAutoTokens;
   const auto make = [&] {
-    s.request = plan_request(model, n_ctx, params.n_ubatch, flags,
-                             s.device ? s.device->name() : std::string("GPU (--vram-budget)"),
-                             s.device ? s.device->free_bytes() : 0, s.device != nullptr, stream,
-                             params.hybrid.host_expert_share);
+    s.request = plan_request(model, n_ctx, params.n_ubatch, flags, device_name, free_bytes,
+                             has_device, stream, params.hybrid.host_expert_share);
     s.plan = placement::make_plan(s.request);
+  };
+  const auto info = [&](std::string line) {
+    if (plan_only)
+      notes.push_back(std::move(line));
+    else
+      log::info("{}", line);
   };
   bool stream_refused = false;
   try {
@@ -115,15 +136,15 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     stream = 0;
     make();
     stream_refused = true;
-    log::info(
+    info(
         "--stream-experts auto: off: the plan fits the device only without the streaming "
         "buffers (--stream-experts N forces them)");
   }
   bool any_gpu = false;
   for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
   for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
-  if (auto_stream && !stream_refused && any_gpu && s.device) {
-    const bool copies = !registers_host_experts(*s.device);
+  if (auto_stream && !stream_refused && any_gpu && has_device) {
+    const bool copies = !s.device || !registers_host_experts(*s.device);
     // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a
     // failed registration may fall back to one (HybridOptions::copy_host_experts stays true).
     const std::string off =
@@ -132,8 +153,17 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       stream = 0;
       make();
       // Not a warning: the user asked for nothing; prefill keeps the CPU path.
-      if (off != "-") log::info("--stream-experts auto: off: {}", off);
+      if (off != "-") info(fmt::format("--stream-experts auto: off: {}", off));
     }
+  }
+  if (plan_only) {
+    s.plan.notes.insert(s.plan.notes.begin(), notes.begin(), notes.end());
+    if (!any_gpu && auto_stream) stream = 0;
+    if (any_gpu && s.device) {
+      params.weight_home = s.plan.home;
+      params.kv_home = s.plan.kv_home;
+    }
+    return s;
   }
   for (const std::string& note : s.plan.notes) log::warn("{}", note);
   if (!any_gpu || !s.device) {
@@ -174,6 +204,37 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     };
   }
   return s;
+}
+
+std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
+                                                             const PlacementSetup& setup,
+                                                             const SessionParams& params) {
+  const graph::WeightTable& w = model.weights();
+  const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
+  bool any_gpu = false;
+  for (placement::Home h : setup.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
+  for (placement::Home h : setup.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  Device* dev = any_gpu ? setup.device.get() : nullptr;
+  Capabilities caps = capabilities(dev, nullptr, w.size());
+  const HybridOptions& h = params.hybrid;
+  if (dev && (h.stream_experts_min_tokens > 0 || h.host_expert_share > 0)) {
+    caps.pinned.assign(w.size(), false);
+    for (size_t i = 0; i < w.size(); ++i)
+      caps.pinned[i] = setup.plan.home[i] == placement::Home::cpu && w.tensors[i].ne[2] > 1 &&
+                       w.tensors[i].n_bytes > 0;
+  }
+  const ScheduleOptions opt{.handoff = h.handoff,
+                            .stream_experts_min_tokens = h.stream_experts_min_tokens,
+                            .host_expert_share = h.host_expert_share};
+  const int32_t n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
+  std::vector<std::pair<std::string, Schedule>> out;
+  for (const auto& [n_tokens, title] : {std::pair<int32_t, std::string>{1, "decode step (1 token)"},
+                                        {n_ub, fmt::format("prefill ubatch ({} tokens)", n_ub)}}) {
+    const graph::Graph g = model.build_step(n_tokens, 1);
+    out.emplace_back(
+        title, make_schedule(g, w, setup.plan.home, setup.plan.kv_home, caps, opt, dev, n_ctx));
+  }
+  return out;
 }
 
 std::vector<std::string> device_option_notes(const Model& model, const SessionParams& params,

@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "berth/core/error.h"
-#include "berth/scheduler/hybrid.h"
+#include "berth/scheduler/scheduler.h"
 
 namespace berth {
 namespace {

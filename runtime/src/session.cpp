@@ -21,15 +21,22 @@ Session::Session(const Model& model, SessionParams params)
     : model_(model),
       params_(params),
       pool_(std::make_unique<ThreadPool>(resolve_threads(params.n_threads))),
-      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams())),
-      exec_(*pool_, model.weights(), kv_) {
+      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams())) {
   if (params_.n_ubatch < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));
-  if (params_.device)
-    hybrid_ =
-        std::make_unique<HybridExecutor>(*pool_, model.weights(), kv_, *params_.device,
-                                         params_.weight_home, params_.kv_home, params_.hybrid);
+  if (params_.device) {
+    const HybridOptions& h = params_.hybrid;
+    residency_ = std::make_unique<Residency>(
+        *params_.device, model.weights(), params_.weight_home,
+        ResidencyOptions{
+            .pin_host_experts = h.stream_experts_min_tokens > 0 || h.host_expert_share > 0,
+            .copy_host_experts = h.copy_host_experts,
+            .progress = h.progress});
+    kv_.allocate_device(*params_.device, params_.kv_home);
+  }
+  scheduler_ = std::make_unique<Scheduler>(*pool_, model.weights(), kv_.view(), residency_.get(),
+                                           params_.kv_home, params_.hybrid);
 }
 
 const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs) {
@@ -66,8 +73,7 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
     // A ubatch whose logits nobody wants still needs one output row to make a valid graph.
     const graph::Graph& g = graph_for(nt, std::max(n_out, 1));
     const auto ub = tokens.subspan(static_cast<size_t>(done), nt);
-    std::span<const float> out =
-        hybrid_ ? hybrid_->run(g, ub, positions_) : exec_.run(g, ub, positions_);
+    std::span<const float> out = scheduler_->run(g, ub, positions_);
     if (all_logits) {
       std::memcpy(logits_.data() + done * n_vocab, out.data(), out.size_bytes());
     } else if (last) {
@@ -81,7 +87,7 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
 }
 
 int32_t Session::eval_argmax(int32_t token) {
-  if (!hybrid_) {
+  if (!params_.device) {
     std::span<const float> l = eval(std::span<const int32_t>(&token, 1));
     return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
   }
@@ -96,7 +102,7 @@ int32_t Session::eval_argmax(int32_t token) {
                             model_.hparams().n_vocab));
   positions_.assign(1, static_cast<int32_t>(n_past_));
   const int32_t id =
-      hybrid_->run_argmax(graph_for(1, 1), std::span<const int32_t>(&token, 1), positions_);
+      scheduler_->run_argmax(graph_for(1, 1), std::span<const int32_t>(&token, 1), positions_);
   ++n_past_;
   ++n_decode_tokens_;
   return id;
@@ -126,7 +132,7 @@ GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
   // Greedy decoding with a device: the device picks each token (Session::eval_argmax).
   const SamplerParams& spar = sampler.params();
   const bool device_greedy =
-      session.hybrid() != nullptr && spar.temp <= 0 && spar.repeat_penalty == 1.0f;
+      session.device() != nullptr && spar.temp <= 0 && spar.repeat_penalty == 1.0f;
   int32_t picked = -1;  // the token the device chose at the last step
   StreamDecoder dec(tok);
   auto t1 = clock::now();

@@ -14,7 +14,7 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/backends/cpu_executor.h"
-#include "berth/backends/kv_cache.h"
+#include "berth/runtime/kv_cache.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
 #include "berth/backends/thread_pool.h"
@@ -219,7 +219,7 @@ TEST_CASE("a qwen3moe forward routes every token of a batch as the oracle does")
   std::iota(pos.begin(), pos.end(), 0);
   ThreadPool pool(2);
   KvCache kv(model->kv_layers(), 64);
-  CpuExecutor ex(pool, model->weights(), kv);
+  CpuExecutor ex(pool, model->weights(), kv.view());
   const graph::Graph g = model->build_step(n, 1);
   (void)ex.run(g, tokens, pos);
   std::vector<std::span<const float>> routes;

@@ -11,8 +11,8 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/plan_request.h"
+#include "berth/scheduler/scheduler.h"
 #include "test_util.h"
 
 using berth::Error;
@@ -753,6 +753,57 @@ TEST_CASE("berth plan on the command line") {
   r = run_command(bin + " run -m " + model + " -p hi -n 1 --temp 0 -ngl 0 --cpu-moe");
   CHECK(r.exit_code == 0);
   CHECK(r.err.find("--cpu-moe ignored: the model has no routed experts") != std::string::npos);
+}
+
+TEST_CASE("berth plan --ops prints the schedules the run follows") {
+  using berth::test::run_command;
+  using berth::test::shell_quote;
+  const std::string bin = berth::test::berth_bin();
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  // Without a device: the CPU-only schedules, whatever the placement table says.
+  berth::test::CommandResult r =
+      run_command("env -u BERTH_SIM_DEVICE " + bin + " plan -m " + model + " --ops");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("decode step (1 token): no device, every op on the CPU") != std::string::npos);
+  CHECK(r.out.find("prefill ubatch (512 tokens): no device") != std::string::npos);
+  // On the simulated device with -ngl 3: the first two layers run before the step, their
+  // residual stream is uploaded, the output layer forks back to the CPU.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " plan -m " + model +
+                  " -c 256 -ub 32 -ngl 3 --ops --json");
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  REQUIRE(j.at("schedules").size() == 2);
+  const auto& d = j.at("schedules").at(0);
+  CHECK(d.at("n_tokens") == 1);
+  CHECK(d.at("device") == "SIM0");
+  CHECK(d.at("handoff") == "flags");
+  CHECK(j.at("schedules").at(1).at("n_tokens") == 32);
+  const auto& segs = d.at("segments");
+  REQUIRE(segs.size() == 2);
+  CHECK(segs.at(0).at("fork_after") == -1);
+  CHECK(segs.at(0).at("outputs").at(0).at("name") == "blk.1.ffn_residual");
+  CHECK(segs.at(0).at("outputs").at(0).at("bytes") == 64 * 4);
+  // The output layer (output_norm, output) on the CPU: it forks after the last GPU op.
+  CHECK(segs.at(1).at("inputs").at(0).at("name") == "blk.4.ffn_residual");
+  for (const auto& op : d.at("ops")) {
+    const std::string name = op.at("name");
+    const bool gpu = name.rfind("blk.2.", 0) == 0 || name.rfind("blk.3.", 0) == 0 ||
+                     name.rfind("blk.4.", 0) == 0;
+    CAPTURE(name);
+    CHECK(op.at("side") == (gpu ? "GPU" : "CPU"));
+  }
+  CHECK(d.at("bytes_to_device") == 64 * 4);
+  CHECK(d.at("bytes_to_host") == 64 * 4);
+  // The placement flags of run are accepted, and the text names the hand-off and crossings.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " plan -m " + model +
+                  " -ngl 99 --stream-experts 0 --host-expert-share 0.5 --warm-workers 0 "
+                  "--handoff callback --ops");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("decode step (1 token): SIM0, hand-off callback") != std::string::npos);
+  CHECK(r.out.find("CPU segment 0 (ops 0-0) runs before the step; to the GPU: token_embd") !=
+        std::string::npos);
+  CHECK(r.err.find("--host-expert-share") == std::string::npos);
 }
 
 TEST_CASE(

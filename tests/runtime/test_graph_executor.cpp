@@ -18,7 +18,7 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
 #include "berth/backends/cpu_executor.h"
-#include "berth/backends/kv_cache.h"
+#include "berth/runtime/kv_cache.h"
 #include "berth/backends/thread_pool.h"
 
 using namespace berth;
@@ -175,7 +175,7 @@ TEST_CASE("executor matmul over every computable weight type equals the decoded 
                                             .n_bytes = q.size()});
     graph::Builder b(wt, static_cast<int32_t>(n_tok));
     graph::Graph g = b.finish(b.matmul(b.embed(e, "x"), wid, "y"));
-    CpuExecutor ex(pool, wt, kv);
+    CpuExecutor ex(pool, wt, kv.view());
     std::span<const float> y = ex.run(g, toks, pos);
     for (int64_t tk = 0; tk < n_tok; ++tk)
       for (int64_t o = 0; o < n_out; ++o) {
@@ -214,14 +214,14 @@ TEST_CASE("executor: rope, attention with grouped heads and the KV cache, on a t
 
   ThreadPool pool(2);
   KvCache kv({KvLayer{4, 4}}, 8);
-  CpuExecutor ex(pool, wt, kv);
+  CpuExecutor ex(pool, wt, kv.view());
   graph::Graph g = build(5);
   std::span<const float> out = ex.run(g, toks, pos);
   std::vector<float> batched(out.begin(), out.end());
 
   // Token by token through a fresh cache gives the same result bit for bit.
   KvCache kv2({KvLayer{4, 4}}, 8);
-  CpuExecutor ex2(pool, wt, kv2);
+  CpuExecutor ex2(pool, wt, kv2.view());
   graph::Graph g1 = build(1);
   for (size_t t = 0; t < toks.size(); ++t) {
     std::span<const float> o =
@@ -271,7 +271,7 @@ TEST_CASE("executor rejects out-of-vocabulary tokens and positions outside the c
   graph::Graph g = b.finish(b.embed(e, "x"));
   ThreadPool pool(1);
   KvCache kv({KvLayer{8, 8}}, 4);
-  CpuExecutor ex(pool, wt, kv);
+  CpuExecutor ex(pool, wt, kv.view());
   const int32_t bad_tok[1] = {4}, ok_tok[1] = {3}, p0[1] = {0}, p9[1] = {9};
   CHECK_THROWS_WITH_AS(ex.run(g, bad_tok, p0), doctest::Contains("outside the vocabulary"), Error);
   CHECK_THROWS_WITH_AS(ex.run(g, ok_tok, p9), doctest::Contains("outside the context"), Error);

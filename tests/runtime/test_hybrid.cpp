@@ -18,14 +18,14 @@
 #include <string>
 #include <thread>
 
+#include "berth/backends/device.h"
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/backends/device.h"
-#include "berth/scheduler/hybrid.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
+#include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
 #include "naive_llama.h"
 #include "test_util.h"
@@ -122,7 +122,7 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
   }
   Session s(m, sp);
   Run r = greedy(s, prompt, n);
-  if (streamed) *streamed = s.hybrid() ? s.hybrid()->streamed_ops() : 0;
+  if (streamed) *streamed = s.scheduler().streamed_ops();
   return r;
 }
 
@@ -320,27 +320,27 @@ TEST_CASE("hybrid: workers spin through decode by default only on a device with 
     sp.kv_home = h.kv;
     sp.hybrid.warm_workers_us = warm;
     Session s(*model, sp);
-    REQUIRE(s.hybrid());
-    REQUIRE(s.hybrid()->handoff() == Handoff::flags);
+    REQUIRE(s.device());
+    REQUIRE(s.scheduler().handoff() == Handoff::flags);
     // The default: 1000 us on CUDA; off on the simulated device, whose work needs the host's
     // cores the workers would spin on. A value given is kept.
     const bool auto_on = warm == kAutoWarmWorkersUs && use_cuda();
-    CHECK(s.hybrid()->warm_workers_us() ==
+    CHECK(s.scheduler().warm_workers_us() ==
           (warm == kAutoWarmWorkersUs ? (use_cuda() ? kDecodeWarmWorkersUs : 0) : warm));
     // The prompt (an eager step, one CPU segment per layer) spins only with a value given; the
     // replayed decode steps spin when the value in effect is not 0. (Each step's first segment
     // waits for the device's attention and router: its flag is not set when the wait starts.)
     Run r;
     std::span<const float> l = s.eval(prompt);
-    CHECK((s.hybrid()->warm_spins() > 0) == (warm > 0));
-    const int64_t after_prompt = s.hybrid()->warm_spins();
+    CHECK((s.scheduler().warm_spins() > 0) == (warm > 0));
+    const int64_t after_prompt = s.scheduler().warm_spins();
     for (int i = 0; i < 12; ++i) {
       r.logits.emplace_back(l.begin(), l.end());
       const int32_t t = argmax(l);
       r.tokens.push_back(t);
       l = s.eval(std::span<const int32_t>(&t, 1));
     }
-    CHECK((s.hybrid()->warm_spins() > after_prompt) == (warm > 0 || auto_on));
+    CHECK((s.scheduler().warm_spins() > after_prompt) == (warm > 0 || auto_on));
     runs.push_back(std::move(r));
   }
   // Spinning changes when the workers start, not what they compute.
@@ -396,12 +396,12 @@ TEST_CASE("hybrid: ops run where their weights live and CPU segments fork and jo
   int cpu_ops = 0;
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Home want = g.ops[i].kind == graph::OpKind::moe_experts ? Home::cpu : Home::gpu;
-    CHECK(s.hybrid()->op_home(g, i) == want);
+    CHECK(s.scheduler().op_home(g, i) == want);
     cpu_ops += want == Home::cpu;
   }
   CHECK(cpu_ops == model->hparams().n_layer);
-  CHECK(s.hybrid()->device_weight_bytes() > 0);
-  CHECK(s.hybrid()->device_kv_bytes() > 0);
+  CHECK(s.residency()->device_weight_bytes() > 0);
+  CHECK(s.kv_device_bytes() > 0);
 }
 
 TEST_CASE("hybrid: a device that runs out of memory names itself, the MiB needed and free") {
@@ -581,8 +581,8 @@ TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a fu
   std::vector<int32_t> prompt(64, 7);
   s.eval(prompt);
   const size_t est = device_scratch_bytes(*model, 64, 128, dev.get());
-  CHECK(s.hybrid()->device_scratch_bytes() <= est);
-  CHECK(s.hybrid()->device_scratch_bytes() * 2 > est - (size_t{1} << 20));
+  CHECK(s.scheduler().device_scratch_bytes() <= est);
+  CHECK(s.scheduler().device_scratch_bytes() * 2 > est - (size_t{1} << 20));
 }
 
 TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the same tokens") {
@@ -634,11 +634,11 @@ TEST_CASE("hybrid: the CPU-held experts reach the device registered in place or 
     Session s(*model, sp);
     if (reg) ::unsetenv("BERTH_REGISTER_HOST");
     const std::string want = reg && dev->can_register_host() ? "registered" : "copied";
-    CHECK(s.hybrid()->host_experts_pinning() == want);
+    CHECK(s.residency()->host_experts_pinning() == want);
     // The CPU segments read the pinned copy of each CPU-held expert tensor (the same bytes) on a
     // host of one NUMA node, and the model's own memory for everything else, when registered
     // in place and on several nodes.
-    const graph::WeightTable& cw = s.hybrid()->cpu_weights();
+    const graph::WeightTable& cw = s.residency()->cpu_weights();
     const graph::WeightTable& mw = model->weights();
     REQUIRE(cw.size() == mw.size());
     int64_t n_copied = 0;
@@ -660,20 +660,20 @@ TEST_CASE("hybrid: the CPU-held experts reach the device registered in place or 
     sp.hybrid.stream_experts_min_tokens = 8;
     sp.hybrid.copy_host_experts = false;
     Session s(*model, sp);
-    CHECK(s.hybrid()->host_experts_pinning().empty());
+    CHECK(s.residency()->host_experts_pinning().empty());
     std::vector<int32_t> prompt(20, 7);
     (void)s.eval(prompt);
-    CHECK(s.hybrid()->streamed_ops() == 0);
+    CHECK(s.scheduler().streamed_ops() == 0);
   }
   // Neither option: nothing pinned.
   Session none(*model, on_device(dev.get(), h, 64, 1));
-  CHECK(none.hybrid()->host_experts_pinning().empty());
+  CHECK(none.residency()->host_experts_pinning().empty());
   // All experts on the device: nothing to pin either.
   const Homes all = homes_by(*model, [](const std::string&, int) { return true; });
   SessionParams sp = on_device(dev.get(), all, 64, 1);
   sp.hybrid.stream_experts_min_tokens = 8;
   Session gpu_only(*model, sp);
-  CHECK(gpu_only.hybrid()->host_experts_pinning().empty());
+  CHECK(gpu_only.residency()->host_experts_pinning().empty());
 }
 
 TEST_CASE("hybrid: quantized dense files stay within the 8-bit band of the f64 oracle anywhere") {
@@ -760,10 +760,10 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   const graph::Graph g = model->build_step(1, 1);
   for (size_t i = 0; i < g.ops.size(); ++i) {
     // The model's moe_experts op became the sum: on the device.
-    CHECK(s.hybrid()->op_home(g, i) == Home::gpu);
+    CHECK(s.scheduler().op_home(g, i) == Home::gpu);
   }
-  CHECK(s.hybrid()->host_expert_ops() == model->hparams().n_layer);  // one share per layer
-  CHECK(s.hybrid()->last_cpu_seconds() > 0);                         // and the CPU's share ran
+  CHECK(s.scheduler().host_expert_ops() == model->hparams().n_layer);  // one share per layer
+  CHECK(s.scheduler().last_cpu_seconds() > 0);                         // and the CPU's share ran
   // The device's slots per layer: 0.25 of k = 2 is half a slot, so the first layer gives it
   // round(0.5) = 1 and the second round(1.0) - 1 = 0 (that layer stays whole on the CPU).
   REQUIRE(model->hparams().n_layer == 2);
@@ -771,7 +771,7 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
   sq.hybrid.host_expert_share = 0.25;
   Session s_quarter(*model, sq);
   s_quarter.eval(std::span<const int32_t>(&tok, 1));
-  CHECK(s_quarter.hybrid()->host_expert_ops() == 1);
+  CHECK(s_quarter.scheduler().host_expert_ops() == 1);
 
   // A share that leaves one side no slot: 0.01 of 2 slots gives the device none (no split), 1
   // gives it all (no CPU op). Both match the run without the share.
@@ -786,8 +786,8 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
     CHECK(nmse(got, ref) < 1e-4);
     CHECK(hard_mismatches(got, ref, kTieBand) == 0);
     // Ops enqueued: the decode step is captured once and replayed.
-    CHECK(s1.hybrid()->host_expert_ops() == (share == 1.0 ? model->hparams().n_layer : 0));
-    if (share == 1.0) CHECK(s1.hybrid()->last_cpu_seconds() == 0);  // no CPU op left
+    CHECK(s1.scheduler().host_expert_ops() == (share == 1.0 ? model->hparams().n_layer : 0));
+    if (share == 1.0) CHECK(s1.scheduler().last_cpu_seconds() == 0);  // no CPU op left
   }
 }
 
@@ -837,7 +837,7 @@ TEST_CASE("host_share_device_slots: the slots the share gives the device, per op
   Session s(*model, sp);
   const int32_t tok = 9;
   s.eval(std::span<const int32_t>(&tok, 1));
-  CHECK(s.hybrid()->host_expert_ops() == 1);
+  CHECK(s.scheduler().host_expert_ops() == 1);
 }
 
 TEST_CASE("hybrid: skipping CPU segments (bench timing) runs none, and a reset session is exact") {
@@ -852,14 +852,14 @@ TEST_CASE("hybrid: skipping CPU segments (bench timing) runs none, and a reset s
     std::span<const float> l = s.eval(prompt);
     return std::vector<float>(l.begin(), l.end());
   }();
-  CHECK(s.hybrid()->last_cpu_seconds() > 0);
+  CHECK(s.scheduler().last_cpu_seconds() > 0);
   s.reset();
-  s.hybrid()->set_skip_cpu_segments(true);
+  s.scheduler().set_skip_cpu_segments(true);
   for (int32_t t : prompt) {
     (void)s.eval(std::span<const int32_t>(&t, 1));
-    CHECK(s.hybrid()->last_cpu_seconds() == 0);  // no segment computed
+    CHECK(s.scheduler().last_cpu_seconds() == 0);  // no segment computed
   }
-  s.hybrid()->set_skip_cpu_segments(false);
+  s.scheduler().set_skip_cpu_segments(false);
   s.reset();
   std::span<const float> l = s.eval(prompt);
   CHECK(std::vector<float>(l.begin(), l.end()) == want);  // same bits as before the skipped steps

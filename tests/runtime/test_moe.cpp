@@ -17,7 +17,7 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
 #include "berth/backends/cpu_executor.h"
-#include "berth/backends/kv_cache.h"
+#include "berth/runtime/kv_cache.h"
 #include "berth/backends/thread_pool.h"
 
 using namespace berth;
@@ -172,7 +172,7 @@ struct MoeFixture {
 std::vector<float> run(ThreadPool& pool, const graph::WeightTable& wt, const graph::Graph& g,
                        const std::vector<int32_t>& tokens, int64_t* in_region = nullptr) {
   KvCache kv({}, 1024);
-  CpuExecutor ex(pool, wt, kv);
+  CpuExecutor ex(pool, wt, kv.view());
   std::vector<int32_t> pos(tokens.size());
   std::iota(pos.begin(), pos.end(), 0);
   std::span<const float> out = ex.run(g, tokens, pos);

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "berth/graph/graph.h"
-#include "berth/backends/kv_cache.h"
+#include "berth/backends/kv_view.h"
 #include "berth/backends/thread_pool.h"
+#include "berth/graph/graph.h"
 
 namespace berth {
 
@@ -20,16 +20,18 @@ namespace berth {
 /// grow. Weights are read in place (host memory, e.g. the GGUF mapping).
 class CpuExecutor {
  public:
-  CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, KvCache& kv);
+  /// `weights`, `kv` (its host rows: layer l's K and V, f32) and `pool` must outlive the
+  /// executor.
+  CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv);
 
   /// Runs `g` on the ubatch `tokens` at `positions` (both n_tokens long; positions must be the
-  /// consecutive positions n_past .. n_past + n_tokens - 1, all < kv.n_ctx()). Returns the output
+  /// consecutive positions n_past .. n_past + n_tokens - 1, all < kv.n_ctx). Returns the output
   /// value, [rows, n_vocab] row-major, valid until the next run. Throws Error(invalid_argument)
   /// for a token id outside the vocabulary or a position outside the context.
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
                              std::span<const int32_t> positions);
 
-  /// For an executor that runs part of a step elsewhere (HybridExecutor): starts a step of `g`
+  /// For an executor that runs part of a step elsewhere (the Scheduler): starts a step of `g`
   /// whose values live at `value_ptrs` (one per value of g, caller-owned, nullptr for values
   /// no CPU op touches). run_subset() then runs some of g's ops on those buffers.
   void begin_external(const graph::Graph& g, std::span<float* const> value_ptrs);
@@ -99,7 +101,7 @@ class CpuExecutor {
 
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
-  KvCache& kv_;
+  const KvView& kv_;
   std::vector<std::vector<float>> owned_;    // value buffers of run(), kept between runs
   std::vector<float*> ptrs_;                 // where each value of the current step lives
   std::vector<std::vector<float>> scratch_;  // one per worker

@@ -79,7 +79,7 @@ struct ModelBenchResult {
   std::string handoff;          ///< "flags" or "callback"
   int64_t warm_workers_us = 0;  ///< in effect in decode steps (flag hand-off only; 0: off)
   int32_t stream_experts_min_tokens = 0;  ///< in effect (--stream-experts resolved; 0: off)
-  /// HybridExecutor::host_experts_pinning(): "registered", "copied" or "" (none pinned).
+  /// Residency::host_experts_pinning(): "registered", "copied" or "" (none pinned).
   std::string host_experts_pinning;
   // With a device (hybrid runs):
   std::string device;             ///< e.g. "CUDA0 (NVIDIA H200)"; empty: CPU only
@@ -100,7 +100,7 @@ struct ModelBenchResult {
   /// device work, copies and hand-offs.
   double tg_cpu_busy = 0, pp_cpu_busy = 0;
   /// The device's share of a tg step: the same decode steps timed again with the CPU segments
-  /// skipped (HybridExecutor::set_skip_cpu_segments), over the real steps' time. It counts the
+  /// skipped (Scheduler::set_skip_cpu_segments), over the real steps' time. It counts the
   /// device's ops and the hand-off copies and waits; 0 when the step has no CPU segment
   /// (then the device is the whole step).
   double tg_device_busy = 0;

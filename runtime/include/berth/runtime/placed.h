@@ -6,10 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "berth/backends/device.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
-#include "berth/backends/device.h"
 #include "berth/runtime/session.h"
+#include "berth/scheduler/schedule.h"
 
 namespace berth {
 
@@ -47,8 +48,23 @@ std::unique_ptr<Device> default_device();
 /// params.hybrid.progress to a progress bar on stderr (a bar on a terminal, one summary line
 /// otherwise). Throws what placement::make_plan throws (Error(out_of_memory) naming every term
 /// when the plan cannot fit).
+///
+/// `plan_only` (`berth plan`): the device is opened whatever the flags (the plan shows it); with
+/// none found and --vram-budget SIZE, the plan is made for a GPU of that size ("GPU (none
+/// found)"); notes are not logged but left in plan.notes (with a note saying which device was
+/// planned for, and why --stream-experts auto is off), params.device stays null and no progress
+/// bar is set.
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
-                     bool progress_to_stderr);
+                     bool progress_to_stderr, bool plan_only = false);
+
+/// The schedules the Scheduler would run under `setup` and `params` (as place() left them): of a
+/// decode step (1 token) and of a full prefill ubatch (params.n_ubatch tokens, capped at the
+/// context), each with its title. Without a device holding part of the model, the CPU-only
+/// schedules. The CPU-held experts count as pinned when streaming or the decode share is on, as
+/// Residency pins them.
+std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
+                                                             const PlacementSetup& setup,
+                                                             const SessionParams& params);
 
 /// Why `--stream-experts auto` stays off for `plan`: "-" when no stacked expert tensor stays
 /// on the CPU (nothing to stream, nothing to say), a sentence when the CPU-held weights with

@@ -20,15 +20,16 @@ namespace berth {
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
 ///   (model.kv_layers(); a layer without an entry gets 0);
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
-///   stream_experts_min_tokens, host_expert_share) (runtime/hybrid.h: --stream-experts and
+///   stream_experts_min_tokens, host_expert_share) (scheduler/memory.h, residency/residency.h:
+///   --stream-experts and
 ///   --host-expert-share bring CPU-held experts to the device);
 /// - the device fields and flags as given (device_free_bytes in bytes).
 /// Throws Error(invalid_argument) for n_ctx < 1 or n_ubatch < 1 (naming -c / -ub and the value)
 /// and for a "blk.N." name whose N is not below the model's n_layer.
-/// scheduler/hybrid.h's device_scratch_bytes for `model`'s step graph of `n_ubatch` tokens.
+/// scheduler/memory.h's device_scratch_bytes for `model`'s step graph of `n_ubatch` tokens.
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
                             Device* dev = nullptr);
-/// scheduler/hybrid.h's expert_stage_bytes for `model` (its decode step graph).
+/// residency/residency.h's expert_stage_bytes for `model` (its decode step graph).
 size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
                           double host_expert_share);
 

@@ -9,13 +9,14 @@
 #include <string_view>
 #include <vector>
 
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/thread_pool.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
-#include "berth/backends/cpu_executor.h"
-#include "berth/scheduler/hybrid.h"
-#include "berth/backends/kv_cache.h"
+#include "berth/residency/residency.h"
+#include "berth/runtime/kv_cache.h"
 #include "berth/runtime/sampler.h"
-#include "berth/backends/thread_pool.h"
+#include "berth/scheduler/scheduler.h"
 
 namespace berth {
 
@@ -23,8 +24,9 @@ struct SessionParams {
   int32_t n_threads = 0;  ///< -t: workers; 0 = all physical cores
   int64_t n_ctx = 0;      ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
   int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
-  /// With a device: steps run on the HybridExecutor, weights and KV caches where `weight_home`
-  /// (one per WeightTable entry) and `kv_home` (one per layer) say. Null: CPU only.
+  /// With a device: weights and KV caches where `weight_home` (one per WeightTable entry) and
+  /// `kv_home` (one per layer) say (Residency puts them there), and the Scheduler runs each op
+  /// where they are. Null: CPU only.
   Device* device = nullptr;
   std::vector<placement::Home> weight_home, kv_home;
   HybridOptions hybrid;
@@ -35,9 +37,10 @@ int64_t default_n_ctx(const Hparams& hp);
 
 class Session {
  public:
-  /// Allocates the KV cache and the worker pool. `model` must outlive the session.
-  /// Throws Error(invalid_argument) for n_ubatch < 1 or n_ctx < 1, Error(out_of_memory) when the
-  /// KV cache cannot be allocated.
+  /// Allocates the KV cache and the worker pool and, with a device, puts the weights and KV caches
+  /// there. `model` (and params.device) must outlive the session. Throws Error(invalid_argument)
+  /// for n_ubatch < 1 or n_ctx < 1 or homes that do not match the model, Error(out_of_memory)
+  /// when the KV cache or the device's share cannot be allocated.
   Session(const Model& model, SessionParams params);
 
   /// Evaluates `tokens` at positions n_past() .. n_past() + size - 1, in ubatches of at most
@@ -66,10 +69,16 @@ class Session {
   int64_t n_decode_tokens() const { return n_decode_tokens_; }
   ThreadPool& pool() { return *pool_; }
   /// The executor of the CPU side (of every op without a device).
-  CpuExecutor& executor() { return hybrid_ ? hybrid_->cpu() : exec_; }
-  /// The heterogeneous executor, or nullptr for a CPU-only session.
-  HybridExecutor* hybrid() { return hybrid_.get(); }
+  CpuExecutor& executor() { return scheduler_->cpu(); }
+  /// What runs each step (with or without a device).
+  Scheduler& scheduler() { return *scheduler_; }
+  /// The device, or nullptr for a CPU-only session.
+  Device* device() const { return params_.device; }
+  /// Where the weights are (with a device), or nullptr.
+  Residency* residency() { return residency_.get(); }
   size_t kv_bytes() const { return kv_.bytes(); }
+  /// Device bytes of the KV cache's device rows.
+  size_t kv_device_bytes() const { return kv_.device_bytes(); }
 
  private:
   const graph::Graph& graph_for(int32_t n_tokens, int32_t n_outputs);
@@ -78,8 +87,8 @@ class Session {
   SessionParams params_;
   std::unique_ptr<ThreadPool> pool_;
   KvCache kv_;
-  CpuExecutor exec_;
-  std::unique_ptr<HybridExecutor> hybrid_;
+  std::unique_ptr<Residency> residency_;
+  std::unique_ptr<Scheduler> scheduler_;
   int64_t n_past_ = 0;
   int64_t n_prefill_tokens_ = 0, n_decode_tokens_ = 0;
   std::vector<float> logits_;

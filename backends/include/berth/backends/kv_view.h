@@ -1,0 +1,25 @@
+// The KV cache as the executors see it: per layer, where its K and V rows are. The runtime's
+// KvCache owns the memory (runtime/kv_cache.h); the CPU executor reads the host side, the
+// scheduler hands the device side to the device.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "berth/graph/cache.h"
+
+namespace berth {
+
+struct KvView {
+  int64_t n_ctx = 0;            ///< positions each layer holds
+  std::vector<KvLayer> layers;  ///< row widths per layer
+  /// Host f32 rows, layer l: K [n_ctx, k_dim], V [n_ctx, v_dim] (dims contiguous), or null.
+  std::vector<float*> k, v;
+  /// Device f16 rows of the layers whose attention runs on the device, same shapes, or null.
+  std::vector<uint16_t*> dev_k, dev_v;
+
+  int32_t n_layer() const { return static_cast<int32_t>(layers.size()); }
+  const KvLayer& layer(int32_t l) const { return layers.at(static_cast<size_t>(l)); }
+};
+
+}  // namespace berth

@@ -1,0 +1,55 @@
+// The KV cache: per layer, the keys and values of every position processed so far, held on the
+// host (f32, for layers whose attention runs on the CPU) and on the device (f16, for layers
+// whose attention runs there).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "berth/backends/device.h"
+#include "berth/backends/kv_view.h"
+#include "berth/graph/cache.h"
+#include "berth/placement/plan.h"
+
+namespace berth {
+
+/// Host rows in f32: layer l holds K as [n_ctx, k_dim] and V as [n_ctx, v_dim], row-major (one
+/// row per position, dims contiguous), reserved once for every layer, n_ctx * sum(k_dim + v_dim)
+/// * 4 bytes, without touching the memory: pages are filled as positions are written, so a
+/// large -c costs only what is used. Device rows in f16, the same shapes, for the layers
+/// allocate_device() is given. Throws Error(out_of_memory) naming the MiB when the host rows
+/// would not fit in the machine's physical memory or the allocation fails,
+/// Error(invalid_argument) for n_ctx < 1.
+class KvCache {
+ public:
+  KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  /// Allocates on `dev` the f16 rows of each layer l with kv_home[l] == GPU (one entry per
+  /// layer). `dev` must outlive the cache. Throws Error(invalid_argument) when kv_home does not
+  /// have n_layer() entries, and the device's Error(out_of_memory) (naming the layer).
+  void allocate_device(Device& dev, const std::vector<placement::Home>& kv_home);
+
+  /// The rows of every layer, for the executors; valid as long as the cache.
+  const KvView& view() const { return view_; }
+  int64_t n_ctx() const { return view_.n_ctx; }
+  int32_t n_layer() const { return view_.n_layer(); }
+  const KvLayer& layer(int32_t l) const { return view_.layer(l); }
+  float* k(int32_t l) { return view_.k.at(static_cast<size_t>(l)); }
+  float* v(int32_t l) { return view_.v.at(static_cast<size_t>(l)); }
+  /// Host bytes held (reserved).
+  size_t bytes() const;
+  /// Device bytes held.
+  size_t device_bytes() const { return device_bytes_; }
+
+ private:
+  void release_device();
+  KvView view_;
+  std::vector<std::unique_ptr<float[]>> k_, v_;
+  Device* dev_ = nullptr;
+  size_t device_bytes_ = 0;
+};
+
+}  // namespace berth

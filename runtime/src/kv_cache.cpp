@@ -1,0 +1,89 @@
+#include "berth/runtime/kv_cache.h"
+
+#include <fmt/format.h>
+
+#include <new>
+
+#include "berth/backends/thread_pool.h"
+#include "berth/core/error.h"
+
+namespace berth {
+
+KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx) {
+  view_.layers = layers;
+  view_.n_ctx = n_ctx;
+  if (n_ctx < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("the context size must be at least 1, got {}", n_ctx));
+  constexpr double kMiB = 1024.0 * 1024.0;
+  const size_t total = bytes();
+  const size_t phys = physical_memory_bytes();
+  if (phys > 0 && total > phys)
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("the KV cache for a context of {} tokens needs {:.1f} MiB, more than "
+                    "this machine's {:.1f} MiB of memory (lower -c)",
+                    n_ctx, static_cast<double>(total) / kMiB, static_cast<double>(phys) / kMiB));
+  try {
+    for (const KvLayer& l : layers) {
+      // make_unique_for_overwrite leaves the pages untouched until positions are written.
+      k_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_ctx * l.k_dim)));
+      v_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_ctx * l.v_dim)));
+      view_.k.push_back(k_.back().get());
+      view_.v.push_back(v_.back().get());
+    }
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("cannot allocate the KV cache: {:.1f} MiB for {} positions (lower -c)",
+                            static_cast<double>(total) / kMiB, n_ctx));
+  }
+  view_.dev_k.assign(layers.size(), nullptr);
+  view_.dev_v.assign(layers.size(), nullptr);
+}
+
+KvCache::~KvCache() { release_device(); }
+
+void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& kv_home) {
+  if (kv_home.size() != view_.layers.size())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("placement names the KV cache of {} layers but the model has {}",
+                            kv_home.size(), view_.layers.size()));
+  release_device();
+  dev_ = &dev;
+  try {
+    for (size_t l = 0; l < kv_home.size(); ++l) {
+      if (kv_home[l] != placement::Home::gpu) continue;
+      const KvLayer& kl = view_.layers[l];
+      const size_t kb = static_cast<size_t>(view_.n_ctx * kl.k_dim) * 2;
+      const size_t vb = static_cast<size_t>(view_.n_ctx * kl.v_dim) * 2;
+      view_.dev_k[l] =
+          static_cast<uint16_t*>(dev.alloc(kb, fmt::format("the K cache of layer {}", l)));
+      view_.dev_v[l] =
+          static_cast<uint16_t*>(dev.alloc(vb, fmt::format("the V cache of layer {}", l)));
+      device_bytes_ += kb + vb;
+    }
+  } catch (...) {
+    release_device();
+    throw;
+  }
+}
+
+void KvCache::release_device() {
+  if (!dev_) return;
+  for (uint16_t*& p : view_.dev_k)
+    if (p) dev_->dealloc(p), p = nullptr;
+  for (uint16_t*& p : view_.dev_v)
+    if (p) dev_->dealloc(p), p = nullptr;
+  device_bytes_ = 0;
+  dev_ = nullptr;
+}
+
+size_t KvCache::bytes() const {
+  size_t total = 0;
+  for (const KvLayer& l : view_.layers)
+    total +=
+        static_cast<size_t>(view_.n_ctx) * static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
+  return total;
+}
+
+}  // namespace berth

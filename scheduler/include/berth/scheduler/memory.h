@@ -1,0 +1,46 @@
+// The memory of a step: which values get a device buffer (one arena, offsets by liveness in the
+// order the device's calls are enqueued), which a page-locked host buffer (values that cross
+// between the sides), which plain host memory (values only CPU ops touch), and the largest
+// workspace and stage a call needs. Computed from the Schedule alone.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "berth/backends/device.h"
+#include "berth/graph/graph.h"
+#include "berth/scheduler/schedule.h"
+
+namespace berth {
+
+struct MemoryPlan {
+  std::vector<uint8_t> on_device;  ///< per value: a buffer in the device arena
+  std::vector<size_t> offset;      ///< per value: its offset in the arena (256-byte aligned)
+  std::vector<uint8_t> pinned;     ///< per value: a page-locked host buffer (it crosses)
+  std::vector<uint8_t> host;       ///< per value: host memory of its own (CPU ops only)
+  size_t arena_bytes = 0;
+  size_t ws_bytes = 0;     ///< the largest call's workspace (Call::ws_bytes)
+  size_t stage_bytes = 0;  ///< the largest streamed layer's gate + up + down bytes
+};
+
+/// Offsets for buffers of `sizes` bytes with lifetimes [birth, death] (inclusive) in one arena:
+/// buffers whose lifetimes overlap get disjoint ranges (each rounded up to 256 bytes); first fit
+/// in birth order. Returns the arena size; offsets[i] for sizes[i] > 0.
+size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_t>& birth,
+                      const std::vector<int64_t>& death, std::vector<size_t>& offsets);
+
+/// The memory plan of schedule `s` (with a device; its calls' ws_bytes already set). A value
+/// lives on the device from the call that writes it (its producing call, or the fork or upload
+/// that copies it there) to the last call that reads it; the graph's output to the end.
+MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& weights);
+
+/// Device bytes the scheduler needs besides weights and KV cache for steps of the shape of `g`
+/// (the step graph of a full ubatch, as a model builds it) with a context of `n_ctx`: the peak
+/// of live activations of the all-GPU step plus the largest kernel workspace (asked from `dev`
+/// when given, else estimated: 64 MiB + 8 bytes per input element), rounded up to MiB. An
+/// estimate from shapes alone, used by placement before loading.
+size_t device_scratch_bytes(const graph::Graph& g, const graph::WeightTable& weights, int64_t n_ctx,
+                            Device* dev = nullptr);
+
+}  // namespace berth

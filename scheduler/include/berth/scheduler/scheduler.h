@@ -1,0 +1,187 @@
+// The run step: a step graph in, its output out, each op where the Schedule (schedule.h) puts
+// it, the device's calls on its streams and the CPU's segments on the pinned worker pool at the
+// same time.
+//
+// How a step runs. The first step of each shape (n_tokens, output rows, ops, selection) makes
+// its Schedule with partition() and the device's fusions (Device::prepare), its MemoryPlan, and
+// allocates: one device arena for activations, page-locked host buffers for values that cross,
+// the workspace and the hand-off flags; later steps of that shape reuse them. The host thread
+// enqueues the whole step (the device's calls in order; a fork lets a CPU segment start after the
+// device op it waits for, a join makes the main stream wait for what segments wrote) and waits
+// once at the end. With the flag hand-off the calling thread runs the CPU segments itself as
+// their ready flags come; with callbacks the device's aux stream runs them as host functions.
+// Decode steps (one token) are captured as a device graph the first time and replayed after
+// that; token ids and positions travel through fixed page-locked and device buffers, so a replay
+// sees the new ones. Without a device every step is one CPU segment run by the CpuExecutor.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/device.h"
+#include "berth/backends/kv_view.h"
+#include "berth/backends/thread_pool.h"
+#include "berth/graph/graph.h"
+#include "berth/placement/plan.h"
+#include "berth/residency/residency.h"
+#include "berth/scheduler/memory.h"
+#include "berth/scheduler/schedule.h"
+
+namespace berth {
+
+/// HybridOptions::warm_workers_us: chosen by the scheduler (see there).
+inline constexpr int64_t kAutoWarmWorkersUs = -1;
+/// What kAutoWarmWorkersUs gives replayed decode steps on a device with its own cores, in us.
+inline constexpr int64_t kDecodeWarmWorkersUs = 1000;
+
+/// How steps run on a device.
+struct HybridOptions {
+  Handoff handoff = Handoff::automatic;
+  /// Capture decode steps (1 token) as a device graph and replay them.
+  bool graphs = true;
+  /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes
+  /// the routed experts that live on the CPU on the device instead, streaming each layer's expert
+  /// tensors from page-locked host memory through two stage buffers (layer l + 1 copies while
+  /// layer l computes). Costs a pinned copy of those tensors in host memory (which the CPU then
+  /// reads instead of the file's pages: Residency::cpu_weights) and two layers' expert tensors
+  /// on the device. 0: never (the CPU computes them at every batch size).
+  int32_t stream_experts_min_tokens = 0;
+  /// Decode steps: the device computes this fraction (0..1) of each token's routed experts in
+  /// every CPU-held layer, at the same time as the CPU computes the others (schedule.h, step 1);
+  /// their matrices are staged from the pinned host copy into the workspace. 0: off. Only
+  /// single-token steps are split (a multi-token step with the device reading host memory did
+  /// not finish in a diagnostic run; see docs/performance.md).
+  double host_expert_share = 0;
+  /// Flag hand-off: while the calling thread waits for a CPU segment's ready flag, the pool's
+  /// workers spin with it for up to this many microseconds (ThreadPool::spin_until), so the
+  /// segment does not pay their wake-up. 0: off. -1 (kAutoWarmWorkersUs, the default): 1000 us in
+  /// graph-replayed (single-token decode) steps on a device whose work does not run on the host's
+  /// cores (Device::computes_on_host), off in eager steps and with the simulated device.
+  int64_t warm_workers_us = kAutoWarmWorkersUs;
+  /// ResidencyOptions::copy_host_experts.
+  bool copy_host_experts = true;
+  /// Called while uploading weights: bytes done and total.
+  std::function<void(size_t done, size_t total)> progress;
+};
+
+class Scheduler {
+ public:
+  /// Runs steps over `weights` with the KV cache `kv`: on the CPU only when `residency` is null,
+  /// else with residency->device() for the ops and KV caches placed there (`kv_home`, one per
+  /// layer; kv must hold the device rows of those layers). All references must outlive the
+  /// scheduler. Throws Error(invalid_argument) when kv_home does not match the cache, and the
+  /// device's Error(out_of_memory).
+  Scheduler(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv,
+            Residency* residency, std::vector<placement::Home> kv_home, HybridOptions options = {});
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  /// Runs `g` on the ubatch `tokens` at `positions` (both n_tokens long; consecutive positions
+  /// below the KV cache's n_ctx) and returns its output value ([rows, n_vocab] row-major, on the
+  /// host), valid until the next run. Throws Error(invalid_argument) for a token id outside the
+  /// vocabulary or a position outside the context.
+  std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
+                             std::span<const int32_t> positions);
+
+  /// Runs `g` as run() does and returns the argmax of the last output row (ties: lowest id; NaN
+  /// counts as -inf), as a greedy sampler would pick it. When the logits are made on the device,
+  /// the selection runs there and only the token id is copied back.
+  int32_t run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
+                     std::span<const int32_t> positions);
+
+  /// The schedule steps of the shape of `g` run (made now if no step of that shape ran yet).
+  const Schedule& schedule(const graph::Graph& g, bool select = false);
+  /// Where op `i` of `g` runs.
+  placement::Home op_home(const graph::Graph& g, size_t i);
+
+  bool has_device() const { return dev_ != nullptr; }
+  /// Wall time of the last run() and the time its CPU segments took (summed; with a device).
+  double last_step_seconds() const { return last_step_s_; }
+  double last_cpu_seconds() const { return last_cpu_s_; }
+  /// Timing only (`berth bench model`): while on, CPU segments return without computing, so a
+  /// step measures the device's part alone (its ops plus the hand-offs). Outputs, and the KV rows
+  /// a step writes, are wrong while on: reset the session afterwards.
+  void set_skip_cpu_segments(bool on) { skip_cpu_ = on; }
+  /// Device bytes of the steps' arenas and workspaces.
+  size_t device_scratch_bytes() const;
+  /// Device time per op kind: when on, steps run eagerly and unfused (no graph replay) with a
+  /// timed mark around each device op; gpu_profile() sums them since the last reset.
+  void set_profiling(bool on) { profiling_ = on; }
+  std::vector<CpuExecutor::OpTime> gpu_profile() const;
+  void reset_gpu_profile() { gpu_prof_.clear(); }
+  /// The hand-off in use (automatic resolved; callback without a device).
+  Handoff handoff() const { return handoff_; }
+  /// HybridOptions::warm_workers_us in effect in single-token (decode) steps, in us (0: off):
+  /// the value given, or for kAutoWarmWorkersUs 1000 where those steps are replayed (graphs on,
+  /// profiling off) on a device with its own cores, else 0.
+  int64_t warm_workers_us() const;
+  /// Waits for a ready flag the workers spun through (warm_workers_us) since construction.
+  int64_t warm_spins() const { return n_warm_spins_; }
+  /// moe_experts ops run on the device with streamed weights since construction.
+  int64_t streamed_ops() const { return n_streamed_; }
+  /// Device ops enqueued that read expert weights from page-locked host memory (the share).
+  int64_t host_expert_ops() const { return n_host_w_; }
+  CpuExecutor& cpu() { return cpu_; }
+  Device* device() const { return dev_; }
+  const HybridOptions& options() const { return opt_; }
+
+  struct Step;  // a compiled shape (scheduler.cpp)
+
+ private:
+  Step& step_for(const graph::Graph& g, bool select);
+  Step& step(const graph::Graph& g, std::span<const int32_t> tokens,
+             std::span<const int32_t> positions, bool select);
+  void enqueue_step(Step& st);
+  static void run_segment(void* arg);
+  void serve_segments(Step& st, int64_t warm_us);  // flag hand-off: runs ready segments in order
+  void release_flags(Step& st, size_t from);       // sets the done flags of segments >= from
+  void free_step(Step& st);
+  void release();  // frees everything on the device (destructor, failed constructor)
+
+  ThreadPool& pool_;
+  const graph::WeightTable& weights_;
+  const KvView& kv_;
+  Residency* res_;
+  Device* dev_;
+  std::vector<placement::Home> kv_home_;
+  HybridOptions opt_;
+  CpuExecutor cpu_;
+  Capabilities caps_;
+  int32_t* tokens_host_ = nullptr;  // page-locked, n_ctx long
+  int32_t* positions_host_ = nullptr;
+  int32_t* tokens_dev_ = nullptr;
+  int32_t* positions_dev_ = nullptr;
+  std::vector<std::unique_ptr<Step>> steps_;
+  double last_step_s_ = 0, last_cpu_s_ = 0;
+  bool skip_cpu_ = false;
+  std::atomic<bool> serve_abort_{false};  // an eager step's enqueue failed: stop serving
+  Handoff handoff_ = Handoff::callback;
+  bool profiling_ = false;
+  std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
+  std::vector<CpuExecutor::OpTime> gpu_prof_;                         // indexed by OpKind
+  int64_t n_streamed_ = 0, n_host_w_ = 0;
+  int64_t n_warm_spins_ = 0;  // written by serve_segments (a step's server thread), read after
+};
+
+/// The Capabilities a Schedule needs of `dev` (null: no device) and `res` (its pinned experts).
+Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights);
+
+/// The schedule the Scheduler runs for steps of `g`: partition(), then the device's fusions and
+/// workspaces (when `dev` is given; `n_ctx` sizes attention's workspace). What `berth plan
+/// --ops` prints.
+Schedule make_schedule(const graph::Graph& g, const graph::WeightTable& weights,
+                       const std::vector<placement::Home>& weight_home,
+                       const std::vector<placement::Home>& kv_home, const Capabilities& caps,
+                       const ScheduleOptions& options, Device* dev, int64_t n_ctx);
+
+}  // namespace berth

@@ -1,0 +1,17 @@
+// Private: the fusion pass over a step's device calls (moves to the CUDA backend with the
+// backend interface).
+#pragma once
+
+#include <vector>
+
+#include "berth/backends/call.h"
+
+namespace berth {
+
+/// `calls` with neighbouring calls replaced by the fused kinds of CallKind where the rules allow
+/// (each fused call gives the bits of the calls it replaces): matmul_group, add_norm,
+/// wait_add_norm, norm_rope, route_fork and router_route_fork (flag hand-off only),
+/// attention_q8.
+std::vector<Call> fuse_calls(const StepView& view, std::vector<Call> calls);
+
+}  // namespace berth

@@ -1,0 +1,514 @@
+#include "berth/scheduler/scheduler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <thread>
+
+#include "berth/core/error.h"
+#include "device_calls.h"
+
+namespace berth {
+
+using graph::Op;
+using graph::OpKind;
+using graph::ValueId;
+using placement::Home;
+
+namespace {
+
+size_t value_bytes(const graph::ValueInfo& v) { return static_cast<size_t>(v.rows * v.cols) * 4; }
+
+}  // namespace
+
+struct SegmentRun {
+  Scheduler* sch = nullptr;
+  Scheduler::Step* st = nullptr;
+  size_t index = 0;
+};
+
+struct Scheduler::Step {
+  int32_t n_tokens = 0;
+  int64_t out_rows = 0;
+  size_t n_ops = 0;
+  bool select = false, profile = false;
+  Schedule s;
+  MemoryPlan m;
+  StepBindings b;
+  std::vector<SegmentRun> seg_runs;
+  std::vector<float*> host_val;                // per value: where CPU ops read and write it
+  std::vector<std::vector<float>> host_owned;  // values only CPU ops touch
+  std::vector<void*> pinned;                   // page-locked host buffers (to free)
+  std::vector<uint8_t*> masks;                 // device expert masks (to free)
+  void* arena = nullptr;
+  void* ws = nullptr;
+  float* out_host = nullptr;
+  int graph = -1;  // captured device graph (decode)
+  double cpu_seconds = 0;
+  std::exception_ptr error;
+};
+
+Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights) {
+  Capabilities c;
+  if (!dev) return c;
+  c.has_device = true;
+  c.device_name = dev->name();
+  c.flags = dev->supports_flags();
+  if (res && res->host_experts_pinned()) {
+    c.pinned.assign(n_weights, false);
+    for (size_t i = 0; i < n_weights; ++i)
+      c.pinned[i] = res->pinned(static_cast<graph::WeightId>(i)) != nullptr;
+  }
+  return c;
+}
+
+Schedule make_schedule(const graph::Graph& g, const graph::WeightTable& weights,
+                       const std::vector<Home>& weight_home, const std::vector<Home>& kv_home,
+                       const Capabilities& caps, const ScheduleOptions& opt, Device* dev,
+                       int64_t n_ctx) {
+  Schedule s = partition(g, weights, weight_home, kv_home, caps, opt);
+  if (s.has_device && dev)
+    s.calls = prepare_calls(*dev, StepView{&s.g, &weights, n_ctx, s.handoff == Handoff::flags},
+                            std::move(s.calls), !opt.profile);
+  return s;
+}
+
+Scheduler::Scheduler(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv,
+                     Residency* residency, std::vector<Home> kv_home, HybridOptions options)
+    : pool_(pool),
+      weights_(weights),
+      kv_(kv),
+      res_(residency),
+      dev_(residency ? &residency->device() : nullptr),
+      kv_home_(std::move(kv_home)),
+      opt_(std::move(options)),
+      cpu_(pool, residency ? residency->cpu_weights() : weights, kv) {
+  if (!dev_) return;
+  if (kv_home_.size() != static_cast<size_t>(kv_.n_layer()))
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("placement names the KV cache of {} layers but the model has {}",
+                            kv_home_.size(), kv_.n_layer()));
+  caps_ = capabilities(dev_, res_, weights_.size());
+  handoff_ = opt_.handoff == Handoff::automatic
+                 ? (dev_->supports_flags() ? Handoff::flags : Handoff::callback)
+                 : opt_.handoff;
+  if (handoff_ == Handoff::flags && !dev_->supports_flags())
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("{} cannot wait on flags in host memory; use the callback hand-off",
+                            dev_->name()));
+  try {
+    const size_t tb = static_cast<size_t>(kv_.n_ctx) * 4;
+    tokens_host_ = static_cast<int32_t*>(dev_->alloc_host(tb, "token ids"));
+    positions_host_ = static_cast<int32_t*>(dev_->alloc_host(tb, "positions"));
+    tokens_dev_ = static_cast<int32_t*>(dev_->alloc(tb, "token ids"));
+    positions_dev_ = static_cast<int32_t*>(dev_->alloc(tb, "positions"));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+Scheduler::~Scheduler() { release(); }
+
+void Scheduler::release() {
+  if (!dev_) return;
+  try {
+    dev_->synchronize();
+  } catch (...) {
+  }
+  for (auto& st : steps_) free_step(*st);
+  steps_.clear();
+  if (tokens_host_) dev_->dealloc_host(tokens_host_), tokens_host_ = nullptr;
+  if (positions_host_) dev_->dealloc_host(positions_host_), positions_host_ = nullptr;
+  if (tokens_dev_) dev_->dealloc(tokens_dev_), tokens_dev_ = nullptr;
+  if (positions_dev_) dev_->dealloc(positions_dev_), positions_dev_ = nullptr;
+}
+
+void Scheduler::free_step(Step& st) {
+  if (st.arena) dev_->dealloc(st.arena), st.arena = nullptr;
+  if (st.ws) dev_->dealloc(st.ws), st.ws = nullptr;
+  if (st.b.selected_dev) dev_->dealloc(st.b.selected_dev), st.b.selected_dev = nullptr;
+  for (uint8_t*& m : st.masks)
+    if (m) dev_->dealloc(m), m = nullptr;
+  for (void* p : st.pinned) dev_->dealloc_host(p);
+  st.pinned.clear();
+}
+
+int64_t Scheduler::warm_workers_us() const {
+  if (opt_.warm_workers_us != kAutoWarmWorkersUs) return opt_.warm_workers_us;
+  return !dev_ || dev_->computes_on_host() || !opt_.graphs || profiling_ ? 0 : kDecodeWarmWorkersUs;
+}
+
+size_t Scheduler::device_scratch_bytes() const {
+  size_t n = 0;
+  for (const auto& st : steps_) n += st->m.arena_bytes + st->m.ws_bytes;
+  return n;
+}
+
+Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
+  const int64_t out_rows = g.values.at(static_cast<size_t>(g.output)).rows;
+  for (auto& st : steps_)
+    if (st->n_tokens == g.n_tokens && st->out_rows == out_rows && st->n_ops == g.ops.size() &&
+        st->select == select && st->profile == profiling_)
+      return *st;
+  auto owned = std::make_unique<Step>();
+  Step& st = *owned;
+  st.n_tokens = g.n_tokens;
+  st.out_rows = out_rows;
+  st.n_ops = g.ops.size();
+  st.select = select;
+  st.profile = profiling_;
+  const ScheduleOptions so{.handoff = handoff_,
+                           .stream_experts_min_tokens = opt_.stream_experts_min_tokens,
+                           .host_expert_share = opt_.host_expert_share,
+                           .select = select,
+                           .profile = profiling_};
+  st.s = make_schedule(g, weights_, res_ ? res_->weight_home() : std::vector<Home>{}, kv_home_,
+                       caps_, so, dev_, kv_.n_ctx);
+  if (!dev_) {
+    steps_.push_back(std::move(owned));
+    return *steps_.back();
+  }
+  const Schedule& s = st.s;
+  const graph::Graph& sg = s.g;
+  const size_t n_val = sg.values.size(), n_ops = sg.ops.size();
+  st.m = plan_memory(s, weights_);
+  const MemoryPlan& m = st.m;
+  StepBindings& b = st.b;
+  try {
+    if (m.stage_bytes > 0) res_->reserve_stage(m.stage_bytes);
+    if (m.arena_bytes > 0) st.arena = dev_->alloc(m.arena_bytes, "activations");
+    if (m.ws_bytes > 0) st.ws = dev_->alloc(m.ws_bytes, "kernel workspace");
+    b.view = StepView{&st.s.g, &weights_, kv_.n_ctx, s.handoff == Handoff::flags};
+    b.weight = res_->device_weights();
+    b.value.assign(n_val, nullptr);
+    b.host.assign(n_val, nullptr);
+    st.host_val.assign(n_val, nullptr);
+    st.host_owned.resize(n_val);
+    for (size_t v = 0; v < n_val; ++v) {
+      if (m.on_device[v])
+        b.value[v] = reinterpret_cast<float*>(static_cast<uint8_t*>(st.arena) + m.offset[v]);
+      if (m.pinned[v]) {
+        void* p = dev_->alloc_host(value_bytes(sg.values[v]), sg.values[v].name);
+        st.pinned.push_back(p);
+        b.host[v] = static_cast<float*>(p);
+        st.host_val[v] = b.host[v];
+      } else if (m.host[v]) {
+        st.host_owned[v].resize(static_cast<size_t>(sg.values[v].rows * sg.values[v].cols));
+        st.host_val[v] = st.host_owned[v].data();
+      }
+    }
+    // Values read in place (flag hand-off): device ops read their page-locked buffer.
+    for (const CpuSegment& seg : s.segments)
+      if (seg.in_place) {
+        const auto v = static_cast<size_t>(seg.outputs[0]);
+        b.value[v] = b.host[v];
+      }
+    st.out_host = st.host_val[static_cast<size_t>(sg.output)];
+    b.k_cache = kv_.dev_k;
+    b.v_cache = kv_.dev_v;
+    b.tokens = tokens_dev_;
+    b.positions = positions_dev_;
+    b.ws = st.ws;
+    b.ws_bytes = m.ws_bytes;
+    if (s.select) {
+      b.selected_dev = static_cast<int32_t*>(dev_->alloc(sizeof(int32_t), "the selected token"));
+      b.selected_host =
+          static_cast<int32_t*>(dev_->alloc_host(sizeof(int32_t), "the selected token"));
+      st.pinned.push_back(b.selected_host);
+    }
+    if (s.handoff == Handoff::flags && !s.segments.empty()) {
+      b.flags = static_cast<uint32_t*>(dev_->alloc_host(s.segments.size() * 8, "hand-off flags"));
+      st.pinned.push_back(b.flags);
+    }
+    st.seg_runs.resize(s.segments.size());
+    b.segment_arg.resize(s.segments.size());
+    for (size_t k = 0; k < s.segments.size(); ++k) {
+      st.seg_runs[k] = SegmentRun{this, &st, k};
+      b.segment_arg[k] = &st.seg_runs[k];
+    }
+    b.run_segment = &Scheduler::run_segment;
+    // Expert masks of the device's moe_experts ops, and the weights streamed or shared ops
+    // read instead of a device copy.
+    b.mask.assign(n_ops, nullptr);
+    st.masks.assign(n_ops, nullptr);
+    b.moe_w.assign(n_ops, {nullptr, nullptr, nullptr});
+    int streamed = 0;
+    for (const Call& c : s.calls) {
+      if (!c.streamed && !c.host_w) continue;
+      const graph::MoeParams& p = sg.ops[static_cast<size_t>(c.ops[0])].moe;
+      auto& w = b.moe_w[static_cast<size_t>(c.ops[0])];
+      if (c.streamed) {
+        uint8_t* base = static_cast<uint8_t*>(res_->stage(streamed++ % 2));
+        w = {base, base + weights_[p.gate].n_bytes,
+             base + weights_[p.gate].n_bytes + weights_[p.up].n_bytes};
+      } else {
+        w = {res_->pinned(p.gate), res_->pinned(p.up), res_->pinned(p.down)};
+      }
+    }
+    for (size_t i = 0; i < n_ops; ++i) {
+      const Op& op = sg.ops[i];
+      if (op.kind != OpKind::moe_experts || s.op_side[i] != Side::device) continue;
+      std::vector<uint8_t> mk(static_cast<size_t>(op.moe.n_expert));
+      for (int32_t e = 0; e < op.moe.n_expert; ++e)
+        mk[static_cast<size_t>(e)] = op.moe.has_expert(e);
+      st.masks[i] = static_cast<uint8_t*>(dev_->alloc(mk.size(), "expert mask"));
+      dev_->upload(st.masks[i], mk.data(), mk.size());
+      b.mask[i] = st.masks[i];
+    }
+  } catch (...) {
+    free_step(st);
+    throw;
+  }
+  steps_.push_back(std::move(owned));
+  return *steps_.back();
+}
+
+const Schedule& Scheduler::schedule(const graph::Graph& g, bool select) {
+  return step_for(g, select).s;
+}
+
+Home Scheduler::op_home(const graph::Graph& g, size_t i) {
+  return schedule(g).model_op_side(i) == Side::device ? Home::gpu : Home::cpu;
+}
+
+void Scheduler::run_segment(void* arg) {
+  auto* r = static_cast<SegmentRun*>(arg);
+  Step& st = *r->st;
+  Scheduler& sch = *r->sch;
+  if (st.error || sch.skip_cpu_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    const auto n = static_cast<size_t>(st.n_tokens);
+    sch.cpu_.run_subset(st.s.g, st.s.segments[r->index].ops,
+                        std::span<const int32_t>(sch.tokens_host_, n),
+                        std::span<const int32_t>(sch.positions_host_, n));
+  } catch (...) {
+    st.error = std::current_exception();
+  }
+  st.cpu_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Scheduler::enqueue_step(Step& st) {
+  const Schedule& s = st.s;
+  const size_t tb = static_cast<size_t>(st.n_tokens) * 4;
+  dev_->copy_h2d(kMain, tokens_dev_, tokens_host_, tb);
+  dev_->copy_h2d(kMain, positions_dev_, positions_host_, tb);
+  // Streamed experts: op j of the list copies into stage j % 2 on the copy stream once op j - 2
+  // has finished with it; the main stream waits for op j's copy only.
+  std::vector<size_t> streamed;
+  for (size_t k = 0; k < s.calls.size(); ++k)
+    if (s.calls[k].streamed) streamed.push_back(k);
+  std::vector<int> copied(streamed.size(), -1);
+  const auto start_copy = [&](size_t j, int after_main) {
+    if (after_main >= 0) dev_->wait_event(kCopy, after_main);
+    const graph::MoeParams& p = s.g.ops[static_cast<size_t>(s.calls[streamed[j]].ops[0])].moe;
+    res_->stream_in(kCopy, p.gate, p.up, p.down, static_cast<int>(j % 2));
+    copied[j] = dev_->record(kCopy);
+  };
+  n_streamed_ += static_cast<int64_t>(streamed.size());
+  bool stream_started = streamed.empty();
+  size_t next_stream = 0;
+  for (const Call& c : s.calls) {
+    if (!stream_started && c.kind != CallKind::upload) {
+      dev_->wait(kCopy, kMain);
+      for (size_t j = 0; j < std::min<size_t>(2, streamed.size()); ++j) start_copy(j, -1);
+      stream_started = true;
+    }
+    if (c.streamed) {
+      const size_t j = next_stream++;
+      dev_->wait_event(kMain, copied[j]);
+      enqueue_call(*dev_, c, st.b);
+      const int done = dev_->record(kMain);
+      if (j + 2 < streamed.size()) start_copy(j + 2, done);
+      if (j + 1 == streamed.size()) dev_->wait(kMain, kCopy);
+      continue;
+    }
+    if (c.host_w) ++n_host_w_;
+    if (profiling_ && c.kind == CallKind::op) {
+      const int a = dev_->record(kMain);
+      enqueue_call(*dev_, c, st.b);
+      marks_.push_back({s.g.ops[static_cast<size_t>(c.ops[0])].kind, {a, dev_->record(kMain)}});
+    } else {
+      enqueue_call(*dev_, c, st.b);
+    }
+  }
+}
+
+std::span<const float> Scheduler::run(const graph::Graph& g, std::span<const int32_t> tokens,
+                                      std::span<const int32_t> positions) {
+  if (!dev_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::span<const float> out = cpu_.run(g, tokens, positions);
+    last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
+  Step& st = step(g, tokens, positions, false);
+  const graph::ValueInfo& oi = st.s.g.values[static_cast<size_t>(st.s.g.output)];
+  return {st.out_host, static_cast<size_t>(oi.rows * oi.cols)};
+}
+
+int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
+                              std::span<const int32_t> positions) {
+  const float* last = nullptr;
+  int64_t n_vocab = 0;
+  if (!dev_) {
+    std::span<const float> out = run(g, tokens, positions);
+    n_vocab = g.values[static_cast<size_t>(g.output)].cols;
+    last = out.data() + out.size() - static_cast<size_t>(n_vocab);
+  } else {
+    Step& st = step(g, tokens, positions, true);
+    if (st.b.selected_host) return *st.b.selected_host;
+    // The logits were made on the CPU: select there.
+    const graph::ValueInfo& oi = st.s.g.values[static_cast<size_t>(st.s.g.output)];
+    last = st.out_host + (oi.rows - 1) * oi.cols;
+    n_vocab = oi.cols;
+  }
+  int64_t best = 0;
+  for (int64_t i = 1; i < n_vocab; ++i)
+    if (last[i] > last[best] || (std::isnan(last[best]) && !std::isnan(last[i]))) best = i;
+  return static_cast<int32_t>(best);
+}
+
+Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t> tokens,
+                                 std::span<const int32_t> positions, bool select) {
+  cpu_.check_ubatch(g, tokens, positions);
+  for (const Op& op : g.ops)
+    if (op.kind == OpKind::embed)
+      for (int32_t id : tokens)
+        if (id < 0 || id >= weights_[op.weight].ne[1])
+          throw Error(ErrorCategory::invalid_argument,
+                      fmt::format("token id {} is outside the vocabulary of {} tokens", id,
+                                  weights_[op.weight].ne[1]));
+  const auto t0 = std::chrono::steady_clock::now();
+  Step& st = step_for(g, select);
+  std::copy(tokens.begin(), tokens.end(), tokens_host_);
+  std::copy(positions.begin(), positions.end(), positions_host_);
+  st.error = nullptr;
+  st.cpu_seconds = 0;
+  cpu_.begin_external(st.s.g, st.host_val);  // every segment of this step works on these buffers
+  for (SegmentRun& r : st.seg_runs)
+    if (st.s.segments[r.index].fork_after < 0) run_segment(&r);
+  if (st.error) std::rethrow_exception(st.error);
+  uint32_t* flags = st.b.flags;
+  if (flags)
+    for (size_t i = 0; i < 2 * st.s.segments.size(); ++i)
+      std::atomic_ref<uint32_t>(flags[i]).store(0, std::memory_order_relaxed);
+  marks_.clear();
+  const bool replay = st.n_tokens == 1 && opt_.graphs && !profiling_;
+  if (flags && !replay) {
+    // Eager steps enqueue call by call. The device stops at the first segment's wait, and once
+    // its launch queue is full (about a thousand operations: a few dozen layers) the next enqueue
+    // blocks the host, which then never reaches the flags it must serve. So a second thread
+    // serves them while this one enqueues.
+    serve_abort_.store(false, std::memory_order_relaxed);
+    std::exception_ptr serve_error;
+    std::thread server([&] {
+      try {
+        serve_segments(st, std::max<int64_t>(opt_.warm_workers_us, 0));
+      } catch (...) {
+        serve_error = std::current_exception();
+      }
+    });
+    try {
+      enqueue_step(st);
+    } catch (...) {
+      // Release the device from every wait and stop the server before unwinding.
+      serve_abort_.store(true, std::memory_order_release);
+      release_flags(st, 0);
+      server.join();
+      try {
+        dev_->synchronize();
+      } catch (...) {
+      }
+      throw;
+    }
+    server.join();
+    if (serve_error) std::rethrow_exception(serve_error);
+  } else if (replay) {
+    if (st.graph < 0) {
+      dev_->begin_capture();
+      try {
+        enqueue_step(st);
+      } catch (...) {
+        try {
+          dev_->end_capture();
+        } catch (...) {
+        }
+        throw;
+      }
+      st.graph = dev_->end_capture();
+    }
+    dev_->replay(st.graph);
+    if (flags) serve_segments(st, warm_workers_us());
+  } else {
+    enqueue_step(st);
+  }
+  dev_->synchronize();
+  for (const auto& [kind, ab] : marks_) {
+    if (gpu_prof_.empty()) gpu_prof_.resize(static_cast<size_t>(OpKind::moe_experts) + 1);
+    auto& t = gpu_prof_[static_cast<size_t>(kind)];
+    t.seconds += dev_->elapsed_ms(ab.first, ab.second) / 1e3;
+    ++t.calls;
+  }
+  last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  last_cpu_s_ = st.cpu_seconds;
+  if (st.error) std::rethrow_exception(st.error);
+  return st;
+}
+
+void Scheduler::serve_segments(Step& st, int64_t warm_us) {
+  // The device writes segment i's ready flag once its inputs are on the host, then waits for
+  // its done flag; segments become ready in order.
+  uint32_t* flags = st.b.flags;
+  for (size_t i = 0; i < st.s.segments.size(); ++i) {
+    if (st.s.segments[i].fork_after < 0) continue;
+    std::atomic_ref<uint32_t> ready(flags[2 * i]);
+    if (warm_us > 0 && ready.load(std::memory_order_acquire) == 0) {
+      ++n_warm_spins_;
+      pool_.spin_until([&] { return ready.load(std::memory_order_acquire) != 0; }, warm_us);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    // Spins a few microseconds, then yields each turn: a device whose work runs on host cores
+    // (the simulated device) or another process may need this core to produce the flag.
+    for (uint64_t spin = 0; ready.load(std::memory_order_acquire) == 0; ++spin) {
+      if (spin >= 4096) std::this_thread::yield();
+      if ((spin & 0xff) == 0xff) {
+        if (serve_abort_.load(std::memory_order_acquire)) return;  // the enqueue failed
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
+          // Never signalled: release every waiting stream so the device can finish, then fail.
+          release_flags(st, i);
+          dev_->synchronize();
+          throw Error(ErrorCategory::internal,
+                      fmt::format("{}: CPU segment {} of the step was not signalled in 60 s",
+                                  dev_->name(), i));
+        }
+        std::this_thread::yield();
+      }
+    }
+    run_segment(&st.seg_runs[i]);
+    std::atomic_ref<uint32_t>(flags[2 * i + 1]).store(1, std::memory_order_release);
+  }
+}
+
+void Scheduler::release_flags(Step& st, size_t from) {
+  for (size_t j = from; j < st.s.segments.size(); ++j)
+    std::atomic_ref<uint32_t>(st.b.flags[2 * j + 1]).store(1, std::memory_order_release);
+}
+
+std::vector<CpuExecutor::OpTime> Scheduler::gpu_profile() const {
+  std::vector<CpuExecutor::OpTime> out;
+  for (size_t k = 0; k < gpu_prof_.size(); ++k)
+    if (gpu_prof_[k].calls > 0) {
+      out.push_back(gpu_prof_[k]);
+      out.back().kind = graph::op_name(static_cast<OpKind>(k));
+    }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  return out;
+}
+
+}  // namespace berth
