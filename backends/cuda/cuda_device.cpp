@@ -14,9 +14,10 @@
 #include <utility>
 #include <vector>
 
+#include "berth/backends/device.h"
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
-#include "berth/backends/device.h"
+#include "stream_device.h"
 
 namespace berth {
 namespace {
@@ -48,7 +49,7 @@ StreamValueFn driver_fn(const char* name) {
   return reinterpret_cast<StreamValueFn>(fn);
 }
 
-class CudaDevice final : public Device {
+class CudaDevice final : public backend_detail::StreamDevice {
  public:
   explicit CudaDevice(int index) : index_(index) {
     int n = 0;
@@ -94,33 +95,31 @@ class CudaDevice final : public Device {
     for (auto& s : streams_) cudaStreamDestroy(s);
   }
 
-  std::string name() const override { return name_; }
-  size_t total_bytes() const override {
+  DeviceInfo info() const override {
     size_t f = 0, t = 0;
     cudaMemGetInfo(&f, &t);
-    return t;
-  }
-  size_t free_bytes() const override {
-    size_t f = 0, t = 0;
-    cudaMemGetInfo(&f, &t);
-    return f;
+    return DeviceInfo{.name = name_,
+                      .total_bytes = t,
+                      .free_bytes = f,
+                      .flags = flags_,
+                      .computes_on_host = false,
+                      .can_register_host = register_ok_};
   }
 
-  void* alloc(size_t bytes, std::string_view what) override {
+  void* alloc(size_t bytes, Mem kind, std::string_view what) override {
     void* p = nullptr;
-    const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-    if (e != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error state of a failed allocation
-      throw Error(
-          ErrorCategory::out_of_memory,
-          fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free): {}", name_,
-                      (bytes + kMiB - 1) / kMiB, what, free_bytes() / kMiB, cudaGetErrorString(e)));
+    if (kind == Mem::device) {
+      const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+      if (e != cudaSuccess) {
+        cudaGetLastError();  // clear the sticky-free error state of a failed allocation
+        size_t f = 0, t = 0;
+        cudaMemGetInfo(&f, &t);
+        throw Error(ErrorCategory::out_of_memory,
+                    fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free): {}", name_,
+                                (bytes + kMiB - 1) / kMiB, what, f / kMiB, cudaGetErrorString(e)));
+      }
+      return p;
     }
-    return p;
-  }
-  void dealloc(void* p) override { cudaFree(p); }
-  void* alloc_host(size_t bytes, std::string_view what) override {
-    void* p = nullptr;
     const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault);
     if (e != cudaSuccess) {
       cudaGetLastError();
@@ -130,10 +129,14 @@ class CudaDevice final : public Device {
     }
     return p;
   }
-  void dealloc_host(void* p) override { cudaFreeHost(p); }
-  bool can_register_host() const override { return register_ok_; }
+  void free(void* p, Mem kind) override {
+    if (kind == Mem::device)
+      cudaFree(p);
+    else
+      cudaFreeHost(p);
+  }
   bool register_host(const void* p, size_t bytes) override {
-    if (!can_register_host() || bytes == 0) return false;
+    if (!register_ok_ || bytes == 0) return false;
     const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const auto a = reinterpret_cast<uintptr_t>(p);
     const uintptr_t base = a / page * page, end = (a + bytes + page - 1) / page * page;
@@ -156,24 +159,13 @@ class CudaDevice final : public Device {
         return;
       }
   }
-  void upload(void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload (cudaMemcpy)");
-  }
-  void download(void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download (cudaMemcpy)");
-  }
 
-  void copy_h2d(int s, void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st(s)), "copy_h2d");
-  }
-  void copy_d2h(int s, void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st(s)), "copy_d2h");
-  }
-  void copy_d2d(int s, void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st(s)), "copy_d2d");
-  }
-  void host_fn(int s, void (*fn)(void*), void* arg) override {
-    check(cudaLaunchHostFunc(st(s), fn, arg), "cudaLaunchHostFunc");
+  void copy(int s, void* dst, const void* src, size_t bytes) override {
+    if (s == kSync) {
+      check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+      return;
+    }
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st(s)), "cudaMemcpyAsync");
   }
   void wait(int s, int on) override {
     // A fresh event per wait while capturing (each becomes an edge of the graph); outside
@@ -202,8 +194,46 @@ class CudaDevice final : public Device {
           "cudaEventElapsedTime");
     return ms;
   }
-  bool supports_flags() const override { return flags_; }
-  bool computes_on_host() const override { return false; }
+  void synchronize() override {
+    for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  int capture(const std::function<void()>& enqueue_work) override {
+    check(cudaStreamBeginCapture(streams_[kMain], cudaStreamCaptureModeThreadLocal),
+          "cudaStreamBeginCapture");
+    capturing_ = true;
+    try {
+      enqueue_work();
+    } catch (...) {
+      capturing_ = false;
+      cudaGraph_t g = nullptr;
+      if (cudaStreamEndCapture(streams_[kMain], &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      throw;
+    }
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    check(cudaStreamEndCapture(streams_[kMain], &g), "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    check(e, "cudaGraphInstantiate");
+    graphs_.push_back(exec);
+    return static_cast<int>(graphs_.size() - 1);
+  }
+  void replay(int graph) override {
+    check(cudaGraphLaunch(graphs_.at(static_cast<size_t>(graph)), streams_[kMain]),
+          "cudaGraphLaunch");
+  }
+
+  bool supports(const graph::Op&) const override { return true; }
+  size_t op_workspace(const StepView& view, const graph::Op& op, bool host_w) const override;
+  void enqueue(const Call& c, const StepBindings& b) override;
+
+ protected:
+  void host_fn(int s, void (*fn)(void*), void* arg) override {
+    check(cudaLaunchHostFunc(st(s), fn, arg), "cudaLaunchHostFunc");
+  }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
     drv(write_value_(reinterpret_cast<CUstream>(st(s)), reinterpret_cast<CUdeviceptr>(flag), value,
                      CU_STREAM_WRITE_VALUE_DEFAULT),
@@ -227,150 +257,19 @@ class CudaDevice final : public Device {
   }
   void copy_out_signal(int s, const HostCopy* copies, int n, uint32_t* flag,
                        uint32_t value) override {
-    if (!small(copies, n)) return Device::copy_out_signal(s, copies, n, flag, value);
+    if (!small(copies, n)) return StreamDevice::copy_out_signal(s, copies, n, flag, value);
     gpu::copy_out_signal(copies, n, flag, value, st(s));
   }
   void wait_copy_in(int s, const uint32_t* flag, uint32_t value, const HostCopy* copies,
                     int n) override {
-    if (!small(copies, n)) return Device::wait_copy_in(s, flag, value, copies, n);
+    if (!small(copies, n)) return StreamDevice::wait_copy_in(s, flag, value, copies, n);
     gpu::wait_copy_in(flag, value, copies, n, st(s));
-  }
-  void synchronize() override {
-    for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-  }
-
-  void begin_capture() override {
-    check(cudaStreamBeginCapture(streams_[kMain], cudaStreamCaptureModeThreadLocal),
-          "cudaStreamBeginCapture");
-    capturing_ = true;
-  }
-  int end_capture() override {
-    capturing_ = false;
-    cudaGraph_t g = nullptr;
-    check(cudaStreamEndCapture(streams_[kMain], &g), "cudaStreamEndCapture");
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
-    cudaGraphDestroy(g);
-    check(e, "cudaGraphInstantiate");
-    graphs_.push_back(exec);
-    return static_cast<int>(graphs_.size() - 1);
-  }
-  void replay(int graph) override {
-    check(cudaGraphLaunch(graphs_.at(static_cast<size_t>(graph)), streams_[kMain]),
-          "cudaGraphLaunch");
-  }
-
-  size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out,
-                                int64_t n_tok) override {
-    return gpu::matmul_workspace_bytes(type, n_in, n_out, n_tok);
-  }
-  void matmul(int s, GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
-              int64_t n_tok, float* out, void* ws, size_t ws_bytes) override {
-    gpu::matmul(type, w, n_in, n_out, x, n_tok, out, ws, ws_bytes, st(s));
-  }
-  void matmul_group(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x,
-                    int64_t n_tok, void* ws, size_t ws_bytes) override {
-    gpu::matmul_group(jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes, st(s));
-  }
-  void matmul_group_q8(int s, const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x,
-                       int64_t n_tok, void* ws, size_t ws_bytes) override {
-    gpu::matmul_group(jobs, n_jobs, n_in, x, n_tok, ws, ws_bytes, st(s), true);
-  }
-  void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
-             const int32_t* tokens, int64_t n_tok, float* out) override {
-    gpu::embed(type, w, n_embd, n_vocab, tokens, n_tok, out, st(s));
-  }
-  void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows, int64_t cols,
-                int64_t group, float eps) override {
-    gpu::rms_norm(x, w, out, rows, cols, group, eps, st(s));
-  }
-  void add_rms_norm(int s, const float* a, const float* b, float* sum, const float* w, float* out,
-                    int64_t rows, int64_t cols, float eps) override {
-    gpu::add_rms_norm(a, b, sum, w, out, rows, cols, eps, st(s));
-  }
-  void wait_add_rms_norm(int s, const uint32_t* flag, uint32_t value, const float* a,
-                         const float* b_host, float* sum, const float* w, float* out, int64_t rows,
-                         int64_t cols, float eps) override {
-    gpu::wait_add_rms_norm(flag, value, a, b_host, sum, w, out, rows, cols, eps, st(s));
-  }
-  void add(int s, const float* a, const float* b, float* out, int64_t n) override {
-    gpu::add(a, b, out, n, st(s));
-  }
-  void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
-                int64_t cols) override {
-    gpu::add_bias(x, bias, out, rows, cols, st(s));
-  }
-  void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) override {
-    gpu::swiglu(gate, up, out, n, st(s));
-  }
-  void rope(int s, const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
-            int32_t n_rot, float freq_base, bool neox, const int32_t* positions) override {
-    gpu::rope(x, out, rows, n_head, head_dim, n_rot, freq_base, neox, positions, st(s));
-  }
-  void norm_rope(int s, const NormRopeJob* jobs, int n_jobs, int64_t rows, int32_t head_dim,
-                 float eps, int32_t n_rot, float freq_base, bool neox,
-                 const int32_t* positions) override {
-    gpu::norm_rope(jobs, n_jobs, rows, head_dim, eps, n_rot, freq_base, neox, positions, st(s));
-  }
-  size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head,
-                                   int32_t head_dim) override {
-    return gpu::attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);
-  }
-  void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,
-                 const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
-                 int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-                 void* ws, size_t ws_bytes) override {
-    gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv, head_dim,
-                   scale, out, ws, ws_bytes, st(s));
-  }
-  void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
-                 float* out) override {
-    gpu::moe_route(logits, n_tok, n_expert, k, norm, out, st(s));
-  }
-  bool attention_q8(int s, const float* q, const float* k, const float* v, int64_t n_tok,
-                    const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
-                    int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-                    void* ws, size_t ws_bytes, void* q8_ws) override {
-    // The 8-bit blocks need the room the output projection's workspace has (ws is that one).
-    const int64_t n = static_cast<int64_t>(n_head) * head_dim;
-    if (q8_ws != ws || n % 32 != 0 ||
-        ws_bytes < gpu::matmul_workspace_bytes(GgmlType::Q8_0, n, 1, 1))
-      q8_ws = nullptr;
-    return gpu::attention(q, k, v, n_tok, positions, k_cache, v_cache, n_ctx, n_head, n_head_kv,
-                          head_dim, scale, out, ws, ws_bytes, st(s), q8_ws);
-  }
-  void moe_route_signal(int s, const float* logits, int32_t n_expert, int32_t k, bool norm,
-                        float* out, const HostCopy* copies, int n, uint32_t* flag,
-                        uint32_t value) override {
-    if (!small(copies, n))
-      return Device::moe_route_signal(s, logits, n_expert, k, norm, out, copies, n, flag, value);
-    gpu::moe_route_signal(logits, n_expert, k, norm, out, copies, n, flag, value, st(s));
-  }
-  void router_route_signal(int s, GgmlType type, const void* w, int64_t n_in, const float* x,
-                           int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
-                           const HostCopy* copies, int n, uint32_t* flag, uint32_t value, void* ws,
-                           size_t ws_bytes) override {
-    const bool float_w = type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16;
-    if (!small(copies, n) || !float_w)
-      return Device::router_route_signal(s, type, w, n_in, x, n_expert, k, norm, logits, route,
-                                         copies, n, flag, value, ws, ws_bytes);
-    gpu::router_route_signal(type, w, n_in, x, n_expert, k, norm, logits, route, copies, n, flag,
-                             value, st(s));
-  }
-
-  size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) override {
-    return gpu::moe_workspace_bytes(w, n_tok, slots);
-  }
-  void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
-                   const uint8_t* mask, const MoeSlots& slots, float* out, void* ws,
-                   size_t ws_bytes) override {
-    gpu::moe_experts(w, h, route, n_tok, mask, out, ws, ws_bytes, st(s), slots);
-  }
-  void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) override {
-    gpu::argmax(logits, rows, n_vocab, ids, st(s));
   }
 
  private:
+  bool enqueue_op(const StepBindings& b, int32_t index, bool host_w, void* q8_out = nullptr,
+                  bool x_q8 = false);
+
   cudaStream_t st(int s) const {
     if (s < 0 || s >= kNumStreams)
       throw Error(ErrorCategory::internal, fmt::format("{}: no stream {}", name_, s));
@@ -402,6 +301,230 @@ class CudaDevice final : public Device {
   std::vector<cudaEvent_t> marks_;
   size_t next_mark_ = 0;
 };
+
+using backend_detail::moe_slots;
+using backend_detail::moe_weights;
+using backend_detail::value_bytes;
+using graph::Op;
+using graph::OpKind;
+using graph::ValueId;
+
+bool is_float(GgmlType t) {
+  return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
+}
+
+const float* weight_f32(const StepBindings& b, graph::WeightId id) {
+  return id == graph::kNoWeight ? nullptr
+                                : static_cast<const float*>(b.weight.at(static_cast<size_t>(id)));
+}
+
+size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w) const {
+  const graph::Graph& g = *view.g;
+  const graph::WeightTable& w = *view.weights;
+  const int64_t rows = g.values[static_cast<size_t>(op.output)].rows;
+  switch (op.kind) {
+    case OpKind::matmul: {
+      const TensorView& t = w[op.weight];
+      return gpu::matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows);
+    }
+    case OpKind::attention:
+      return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim);
+    case OpKind::moe_experts:
+      return gpu::moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows, moe_slots(op, host_w));
+    default:
+      return 0;
+  }
+}
+
+// One op on the main stream. q8_out (attention): where the next matmul's 8-bit input blocks may
+// go (returns whether they were written); x_q8 (matmul): its input's blocks are there already.
+bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, void* q8_out,
+                            bool x_q8) {
+  const graph::Graph& g = *b.view.g;
+  const graph::WeightTable& weights = *b.view.weights;
+  const auto i = static_cast<size_t>(index);
+  const Op& op = g.ops[i];
+  const graph::ValueInfo& oi = g.values[static_cast<size_t>(op.output)];
+  float* out = b.value[static_cast<size_t>(op.output)];
+  const auto in = [&](size_t j) { return b.value[static_cast<size_t>(op.inputs.at(j))]; };
+  const auto wdev = [&](graph::WeightId id) { return b.weight.at(static_cast<size_t>(id)); };
+  const int64_t rows = oi.rows, cols = oi.cols;
+  cudaStream_t s = st(kMain);
+  switch (op.kind) {
+    case OpKind::embed: {
+      const TensorView& w = weights[op.weight];
+      gpu::embed(w.type, wdev(op.weight), w.ne[0], w.ne[1], b.tokens, rows, out, s);
+      return false;
+    }
+    case OpKind::rms_norm:
+      gpu::rms_norm(in(0), weight_f32(b, op.weight), out, rows, cols,
+                    op.norm_group > 0 ? op.norm_group : cols, op.eps, s);
+      return false;
+    case OpKind::matmul: {
+      const TensorView& w = weights[op.weight];
+      if (x_q8) {
+        const MatmulJob job{w.type, wdev(op.weight), w.n_rows(), out};
+        gpu::matmul_group(&job, 1, w.ne[0], in(0), rows, b.ws, b.ws_bytes, s, true);
+      } else {
+        gpu::matmul(w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, b.ws,
+                    b.ws_bytes, s);
+      }
+      return false;
+    }
+    case OpKind::add:
+      gpu::add(in(0), in(1), out, rows * cols, s);
+      return false;
+    case OpKind::swiglu:
+      gpu::swiglu(in(0), in(1), out, rows * cols, s);
+      return false;
+    case OpKind::rope: {
+      const graph::RopeParams& p = op.rope;
+      gpu::rope(in(0), out, rows, p.n_head, p.head_dim, p.n_rot, p.freq_base,
+                p.mode == graph::RopeMode::neox, b.positions, s);
+      return false;
+    }
+    case OpKind::attention: {
+      const graph::AttentionParams& p = op.attn;
+      const auto l = static_cast<size_t>(p.layer);
+      // The 8-bit blocks need the room the output projection's workspace has (ws is that one).
+      const int64_t n = static_cast<int64_t>(p.n_head) * p.head_dim;
+      if (q8_out != b.ws || n % 32 != 0 ||
+          b.ws_bytes < gpu::matmul_workspace_bytes(GgmlType::Q8_0, n, 1, 1))
+        q8_out = nullptr;
+      return gpu::attention(in(0), in(1), in(2), rows, b.positions, b.k_cache.at(l),
+                            b.v_cache.at(l), b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim,
+                            p.scale, out, b.ws, b.ws_bytes, s, q8_out);
+    }
+    case OpKind::take_last_rows: {
+      const graph::ValueInfo& ii = g.values[static_cast<size_t>(op.inputs[0])];
+      copy(kMain, out, in(0) + (ii.rows - rows) * cols, static_cast<size_t>(rows * cols) * 4);
+      return false;
+    }
+    case OpKind::add_bias:
+      gpu::add_bias(in(0), weight_f32(b, op.weight), out, rows, cols, s);
+      return false;
+    case OpKind::moe_route:
+      gpu::moe_route(in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights, out,
+                     s);
+      return false;
+    case OpKind::moe_experts: {
+      const std::array<const void*, 3>& o = b.moe_w.at(i);
+      const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
+      gpu::moe_experts(moe_weights(weights, op.moe, o[0] ? o.data() : dw), in(0), in(1), rows,
+                       b.mask.at(i), out, b.ws, b.ws_bytes, s, moe_slots(op, host_w));
+      return false;
+    }
+  }
+  throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
+  if (enqueue_handoff(c, b)) return;
+  const graph::Graph& g = *b.view.g;
+  const graph::WeightTable& weights = *b.view.weights;
+  const auto op_at = [&](size_t k) -> const Op& { return g.ops[static_cast<size_t>(c.ops.at(k))]; };
+  const auto dv = [&](ValueId v) { return b.value[static_cast<size_t>(v)]; };
+  cudaStream_t s = st(kMain);
+  switch (c.kind) {
+    case CallKind::op:
+      enqueue_op(b, c.ops[0], c.host_w);
+      return;
+    case CallKind::select: {
+      // Greedy selection on the device: 4 bytes travel instead of the vocabulary's logits.
+      const graph::ValueInfo& oi = g.values[static_cast<size_t>(g.output)];
+      gpu::argmax(dv(g.output) + (oi.rows - 1) * oi.cols, 1, oi.cols, b.selected_dev, s);
+      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t));
+      return;
+    }
+    case CallKind::matmul_group: {
+      std::vector<MatmulJob> jobs;
+      for (size_t k = 0; k < c.ops.size(); ++k) {
+        const TensorView& w = weights[op_at(k).weight];
+        jobs.push_back({w.type, b.weight.at(static_cast<size_t>(op_at(k).weight)), w.n_rows(),
+                        dv(op_at(k).output)});
+      }
+      const ValueId x = op_at(0).inputs[0];
+      gpu::matmul_group(jobs.data(), static_cast<int>(jobs.size()), weights[op_at(0).weight].ne[0],
+                        dv(x), g.values[static_cast<size_t>(x)].rows, b.ws, b.ws_bytes, s);
+      return;
+    }
+    case CallKind::add_norm:
+    case CallKind::wait_add_norm: {
+      const Op& add = op_at(0);
+      const Op& nm = op_at(1);
+      const graph::ValueInfo& vi = g.values[static_cast<size_t>(add.output)];
+      if (c.kind == CallKind::wait_add_norm) {
+        // The segment's output in its page-locked buffer, once its done flag is set (a + b is
+        // the same float either way round).
+        const ValueId hv = c.recv.at(0);
+        const ValueId other = add.inputs[0] == hv ? add.inputs[1] : add.inputs[0];
+        gpu::wait_add_rms_norm(
+            &b.flags[2 * c.seg + 1], 1, dv(other), b.host[static_cast<size_t>(hv)], dv(add.output),
+            weight_f32(b, nm.weight), dv(nm.output), vi.rows, vi.cols, nm.eps, s);
+      } else {
+        gpu::add_rms_norm(dv(add.inputs[0]), dv(add.inputs[1]), dv(add.output),
+                          weight_f32(b, nm.weight), dv(nm.output), vi.rows, vi.cols, nm.eps, s);
+      }
+      return;
+    }
+    case CallKind::norm_rope: {
+      NormRopeJob jobs[2];
+      const Op& first = op_at(0);
+      const graph::RopeParams& rp = g.ops[static_cast<size_t>(c.ropes.at(0))].rope;
+      for (size_t k = 0; k < c.ops.size() && k < 2; ++k) {
+        const Op& nm = op_at(k);
+        const Op& rope = g.ops[static_cast<size_t>(c.ropes.at(k))];
+        jobs[k] = {dv(nm.inputs[0]), weight_f32(b, nm.weight), dv(rope.output), rope.rope.n_head};
+      }
+      gpu::norm_rope(jobs, static_cast<int>(c.ops.size()),
+                     g.values[static_cast<size_t>(first.output)].rows, rp.head_dim, first.eps,
+                     rp.n_rot, rp.freq_base, rp.mode == graph::RopeMode::neox, b.positions, s);
+      return;
+    }
+    case CallKind::route_fork: {
+      const Op& op = op_at(0);
+      const std::vector<HostCopy> out = copies_down(b, c.send);
+      uint32_t* ready = &b.flags[2 * c.seg];
+      if (small(out.data(), static_cast<int>(out.size()))) {
+        gpu::moe_route_signal(dv(op.inputs[0]), op.moe.n_expert, op.moe.n_expert_used,
+                              op.moe.norm_weights, dv(op.output), out.data(),
+                              static_cast<int>(out.size()), ready, 1, s);
+      } else {
+        enqueue_op(b, c.ops[0], false);
+        copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), ready, 1);
+      }
+      fork_rest(c, b, true);
+      return;
+    }
+    case CallKind::router_route_fork: {
+      const Op& mm = op_at(0);
+      const Op& op = op_at(1);
+      const TensorView& w = weights[mm.weight];
+      const std::vector<HostCopy> out = copies_down(b, c.send);
+      uint32_t* ready = &b.flags[2 * c.seg];
+      if (small(out.data(), static_cast<int>(out.size())) && is_float(w.type)) {
+        gpu::router_route_signal(w.type, b.weight.at(static_cast<size_t>(mm.weight)), w.ne[0],
+                                 dv(mm.inputs[0]), op.moe.n_expert, op.moe.n_expert_used,
+                                 op.moe.norm_weights, dv(mm.output), dv(op.output), out.data(),
+                                 static_cast<int>(out.size()), ready, 1, s);
+      } else {
+        enqueue_op(b, c.ops[0], false);
+        enqueue_op(b, c.ops[1], false);
+        copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), ready, 1);
+      }
+      fork_rest(c, b, true);
+      return;
+    }
+    case CallKind::attention_q8: {
+      const bool q8 = enqueue_op(b, c.ops[0], false, b.ws);
+      enqueue_op(b, c.ops[1], false, nullptr, q8);
+      return;
+    }
+    default:
+      throw Error(ErrorCategory::internal,
+                  fmt::format("{}: cannot enqueue a {} call", name_, call_kind_name(c.kind)));
+  }
+}
 
 }  // namespace
 

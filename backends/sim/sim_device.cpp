@@ -27,18 +27,24 @@
 #include <unordered_map>
 #include <vector>
 
+#include "berth/backends/device.h"
 #include "berth/core/error.h"
 #include "berth/core/fp16.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
-#include "berth/backends/device.h"
+#include "stream_device.h"
 
 namespace berth {
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
 
-class SimDevice final : public Device {
+using backend_detail::moe_slots;
+using backend_detail::moe_weights;
+using graph::Op;
+using graph::OpKind;
+
+class SimDevice final : public backend_detail::StreamDevice {
  public:
   explicit SimDevice(size_t capacity) : capacity_(capacity), worker_([this] { work(); }) {}
   ~SimDevice() override {
@@ -53,11 +59,25 @@ class SimDevice final : public Device {
     for (void* p : host_) std::free(p);
   }
 
-  std::string name() const override { return "SIM0"; }
-  size_t total_bytes() const override { return capacity_; }
-  size_t free_bytes() const override { return capacity_ - used_; }
+  DeviceInfo info() const override {
+    return DeviceInfo{.name = "SIM0",
+                      .total_bytes = capacity_,
+                      .free_bytes = capacity_ - used_,
+                      .flags = true,
+                      .computes_on_host = true,
+                      .can_register_host = true};
+  }
+  void* alloc(size_t bytes, Mem kind, std::string_view what) override {
+    return kind == Mem::device ? alloc_device(bytes, what) : alloc_pinned(bytes, what);
+  }
+  void free(void* p, Mem kind) override {
+    if (kind == Mem::device)
+      free_device(p);
+    else
+      free_pinned(p);
+  }
 
-  void* alloc(size_t bytes, std::string_view what) override {
+  void* alloc_device(size_t bytes, std::string_view what) {
     bytes = std::max<size_t>(bytes, 1);
     if (bytes > capacity_ - used_)
       throw Error(ErrorCategory::out_of_memory,
@@ -74,7 +94,7 @@ class SimDevice final : public Device {
     used_ += bytes;
     return p;
   }
-  void dealloc(void* p) override {
+  void free_device(void* p) {
     drain();
     auto it = sizes_.find(p);
     if (it == sizes_.end()) return;
@@ -82,7 +102,7 @@ class SimDevice final : public Device {
     std::free(p);
     sizes_.erase(it);
   }
-  void* alloc_host(size_t bytes, std::string_view what) override {
+  void* alloc_pinned(size_t bytes, std::string_view what) {
     void* p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
     if (!p)
       throw Error(ErrorCategory::out_of_memory,
@@ -91,7 +111,7 @@ class SimDevice final : public Device {
     host_.push_back(p);
     return p;
   }
-  void dealloc_host(void* p) override {
+  void free_pinned(void* p) {
     drain();
     auto it = std::find(host_.begin(), host_.end(), p);
     if (it == host_.end()) return;
@@ -101,24 +121,14 @@ class SimDevice final : public Device {
   // Host memory is what the worker reads anyway: nothing to lock.
   bool register_host(const void*, size_t) override { return true; }
   void unregister_host(const void*) override { drain(); }
-  bool can_register_host() const override { return true; }
-  void upload(void* dst, const void* src, size_t bytes) override {
-    synchronize();
-    std::memcpy(dst, src, bytes);
-  }
-  void download(void* dst, const void* src, size_t bytes) override {
-    synchronize();
-    std::memcpy(dst, src, bytes);
-  }
-
-  void copy_h2d(int s, void* dst, const void* src, size_t bytes) override {
-    copy(s, dst, src, bytes);
-  }
-  void copy_d2h(int s, void* dst, const void* src, size_t bytes) override {
-    copy(s, dst, src, bytes);
-  }
-  void copy_d2d(int s, void* dst, const void* src, size_t bytes) override {
-    copy(s, dst, src, bytes);
+  // kSync waits for the worker first (cudaMemcpy orders itself after earlier work too).
+  void copy(int s, void* dst, const void* src, size_t bytes) override {
+    if (s == kSync) {
+      synchronize();
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+    enqueue(s, [=] { std::memcpy(dst, src, bytes); });
   }
   void host_fn(int s, void (*fn)(void*), void* arg) override {
     enqueue(s, [fn, arg] { fn(arg); });
@@ -141,8 +151,6 @@ class SimDevice final : public Device {
     synchronize();  // CUDA refuses marks not yet reached; here they are waited for
     return marks_.at(static_cast<size_t>(to)) - marks_.at(static_cast<size_t>(from));
   }
-  bool supports_flags() const override { return true; }
-  bool computes_on_host() const override { return true; }
   void write_flag(int s, uint32_t* flag, uint32_t value) override {
     enqueue(s, [flag, value] {
       std::atomic_ref<uint32_t>(*flag).store(value, std::memory_order_release);
@@ -182,13 +190,17 @@ class SimDevice final : public Device {
     if (e) std::rethrow_exception(e);
   }
 
-  void begin_capture() override {
+  int capture(const std::function<void()>& enqueue_work) override {
     if (capturing_) throw Error(ErrorCategory::internal, "SIM0: capture already begun");
     capturing_ = true;
     captured_.clear();
-  }
-  int end_capture() override {
-    if (!capturing_) throw Error(ErrorCategory::internal, "SIM0: end_capture without begin");
+    try {
+      enqueue_work();
+    } catch (...) {
+      capturing_ = false;
+      captured_.clear();
+      throw;
+    }
     capturing_ = false;
     graphs_.push_back(std::move(captured_));
     captured_.clear();
@@ -198,11 +210,9 @@ class SimDevice final : public Device {
     for (auto& f : graphs_.at(static_cast<size_t>(graph))) push(f);
   }
 
-  size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t, int64_t) override {
-    return cpu::activation_row_bytes(type, n_in);
-  }
+  // The kernels, each enqueued on stream `s` (contracts in gpu_kernels/kernels.h).
   void matmul(int s, GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
-              int64_t n_tok, float* out, void* ws, size_t) override {
+              int64_t n_tok, float* out, void* ws) {
     enqueue(s, [=] {
       const size_t ab = cpu::activation_row_bytes(type, n_in);
       for (int64_t t = 0; t < n_tok; ++t) {
@@ -212,7 +222,7 @@ class SimDevice final : public Device {
     });
   }
   void embed(int s, GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab,
-             const int32_t* tokens, int64_t n_tok, float* out) override {
+             const int32_t* tokens, int64_t n_tok, float* out) {
     enqueue(s, [=] {
       TensorView v;
       v.type = type;
@@ -228,27 +238,26 @@ class SimDevice final : public Device {
     });
   }
   void rms_norm(int s, const float* x, const float* w, float* out, int64_t rows, int64_t cols,
-                int64_t group, float eps) override {
+                int64_t group, float eps) {
     enqueue(s, [=] {
       const int64_t n = rows * (cols / group);
       for (int64_t r = 0; r < n; ++r) cpu::rms_norm(x + r * group, w, out + r * group, group, eps);
     });
   }
-  void add(int s, const float* a, const float* b, float* out, int64_t n) override {
+  void add(int s, const float* a, const float* b, float* out, int64_t n) {
     enqueue(s, [=] { cpu::add(a, b, out, n); });
   }
-  void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows,
-                int64_t cols) override {
+  void add_bias(int s, const float* x, const float* bias, float* out, int64_t rows, int64_t cols) {
     enqueue(s, [=] {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = x[r * cols + c] + bias[c];
     });
   }
-  void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) override {
+  void swiglu(int s, const float* gate, const float* up, float* out, int64_t n) {
     enqueue(s, [=] { cpu::swiglu(gate, up, out, n); });
   }
   void rope(int s, const float* x, float* out, int64_t rows, int32_t n_head, int32_t head_dim,
-            int32_t n_rot, float freq_base, bool neox, const int32_t* positions) override {
+            int32_t n_rot, float freq_base, bool neox, const int32_t* positions) {
     enqueue(s, [=] {
       const int32_t half = n_rot / 2;
       std::vector<float> cs(static_cast<size_t>(2 * half));
@@ -266,13 +275,10 @@ class SimDevice final : public Device {
       }
     });
   }
-  size_t attention_workspace_bytes(int64_t, int64_t n_ctx, int32_t, int32_t head_dim) override {
-    return static_cast<size_t>(n_ctx) * 4 * (2 * static_cast<size_t>(head_dim) + 1);
-  }
   void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,
                  const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                  int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-                 void* ws, size_t) override {
+                 void* ws) {
     enqueue(s, [=] {
       const int64_t kv_dim = int64_t{n_head_kv} * head_dim;
       for (int64_t t = 0; t < n_tok; ++t)
@@ -302,7 +308,7 @@ class SimDevice final : public Device {
     });
   }
   void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
-                 float* out) override {
+                 float* out) {
     enqueue(s, [=] {
       std::vector<int32_t> ids(static_cast<size_t>(k));
       for (int64_t t = 0; t < n_tok; ++t) {
@@ -313,15 +319,14 @@ class SimDevice final : public Device {
     });
   }
   // Host and device memory are one here, so MoeSlots::stage needs no copy (and no room).
-  size_t moe_workspace_bytes(const MoeWeights& w, int64_t, const MoeSlots&) override {
+  static size_t moe_workspace_bytes(const MoeWeights& w) {
     const size_t a = std::max(cpu::activation_row_bytes(w.gate_type, w.n_embd),
                               cpu::activation_row_bytes(w.up_type, w.n_embd));
     const size_t b = cpu::activation_row_bytes(w.down_type, w.n_ff);
     return a + b + static_cast<size_t>(3 * w.n_ff + w.n_embd) * 4 + 256;
   }
   void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
-                   const uint8_t* mask, const MoeSlots& slots, float* out, void* ws,
-                   size_t) override {
+                   const uint8_t* mask, const MoeSlots& slots, float* out, void* ws) {
     enqueue(s, [=] {
       const int32_t k = w.n_expert_used;
       const int32_t sb = slots.begin, se = slots.end < 0 ? k : slots.end;
@@ -359,7 +364,7 @@ class SimDevice final : public Device {
       }
     });
   }
-  void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) override {
+  void argmax(int s, const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids) {
     enqueue(s, [=] {
       for (int64_t r = 0; r < rows; ++r) {
         const float* l = logits + r * n_vocab;
@@ -369,6 +374,113 @@ class SimDevice final : public Device {
         ids[r] = static_cast<int32_t>(best);
       }
     });
+  }
+
+  // --- Compute: every op kind; fused calls run as their parts, one after the other. ---------
+  bool supports(const Op&) const override { return true; }
+
+  size_t op_workspace(const StepView& view, const Op& op, bool host_w) const override {
+    const graph::Graph& g = *view.g;
+    const graph::WeightTable& w = *view.weights;
+    (void)host_w;  // host and device memory are one: staging needs no room
+    switch (op.kind) {
+      case OpKind::matmul:
+        return cpu::activation_row_bytes(w[op.weight].type, w[op.weight].ne[0]);
+      case OpKind::attention:
+        return static_cast<size_t>(view.n_ctx) * 4 *
+               (2 * static_cast<size_t>(op.attn.head_dim) + 1);
+      case OpKind::moe_experts:
+        return moe_workspace_bytes(moe_weights(w, op.moe, nullptr));
+      default:
+        return 0;
+    }
+  }
+
+  void enqueue(const Call& c, const StepBindings& b) override {
+    if (enqueue_handoff(c, b)) return;
+    const graph::Graph& g = *b.view.g;
+    if (c.kind == CallKind::select) {
+      const graph::ValueInfo& oi = g.values[static_cast<size_t>(g.output)];
+      argmax(kMain, b.value[static_cast<size_t>(g.output)] + (oi.rows - 1) * oi.cols, 1, oi.cols,
+             b.selected_dev);
+      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t));
+      return;
+    }
+    if (c.kind == CallKind::wait_add_norm) wait_flag(kMain, &b.flags[2 * c.seg + 1], 1);
+    for (int32_t i : c.ops) enqueue_op(i, c.host_w, b);
+    for (int32_t i : c.ropes) enqueue_op(i, false, b);
+    if (c.kind == CallKind::route_fork || c.kind == CallKind::router_route_fork)
+      fork_rest(c, b, false);
+  }
+
+  void enqueue_op(int32_t index, bool host_w, const StepBindings& b) {
+    const graph::Graph& g = *b.view.g;
+    const graph::WeightTable& weights = *b.view.weights;
+    const auto i = static_cast<size_t>(index);
+    const Op& op = g.ops[i];
+    const graph::ValueInfo& oi = g.values[static_cast<size_t>(op.output)];
+    float* out = b.value[static_cast<size_t>(op.output)];
+    const auto in = [&](size_t j) { return b.value[static_cast<size_t>(op.inputs.at(j))]; };
+    const auto wdev = [&](graph::WeightId id) { return b.weight.at(static_cast<size_t>(id)); };
+    const auto wf = [&](graph::WeightId id) {
+      return id == graph::kNoWeight ? nullptr : static_cast<const float*>(wdev(id));
+    };
+    const int64_t rows = oi.rows, cols = oi.cols;
+    switch (op.kind) {
+      case OpKind::embed: {
+        const TensorView& w = weights[op.weight];
+        embed(kMain, w.type, wdev(op.weight), w.ne[0], w.ne[1], b.tokens, rows, out);
+        return;
+      }
+      case OpKind::rms_norm:
+        rms_norm(kMain, in(0), wf(op.weight), out, rows, cols,
+                 op.norm_group > 0 ? op.norm_group : cols, op.eps);
+        return;
+      case OpKind::matmul: {
+        const TensorView& w = weights[op.weight];
+        matmul(kMain, w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, b.ws);
+        return;
+      }
+      case OpKind::add:
+        add(kMain, in(0), in(1), out, rows * cols);
+        return;
+      case OpKind::swiglu:
+        swiglu(kMain, in(0), in(1), out, rows * cols);
+        return;
+      case OpKind::rope: {
+        const graph::RopeParams& p = op.rope;
+        rope(kMain, in(0), out, rows, p.n_head, p.head_dim, p.n_rot, p.freq_base,
+             p.mode == graph::RopeMode::neox, b.positions);
+        return;
+      }
+      case OpKind::attention: {
+        const graph::AttentionParams& p = op.attn;
+        const auto l = static_cast<size_t>(p.layer);
+        attention(kMain, in(0), in(1), in(2), rows, b.positions, b.k_cache.at(l), b.v_cache.at(l),
+                  b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim, p.scale, out, b.ws);
+        return;
+      }
+      case OpKind::take_last_rows: {
+        const graph::ValueInfo& ii = g.values[static_cast<size_t>(op.inputs[0])];
+        copy(kMain, out, in(0) + (ii.rows - rows) * cols, static_cast<size_t>(rows * cols) * 4);
+        return;
+      }
+      case OpKind::add_bias:
+        add_bias(kMain, in(0), wf(op.weight), out, rows, cols);
+        return;
+      case OpKind::moe_route:
+        moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights,
+                  out);
+        return;
+      case OpKind::moe_experts: {
+        const std::array<const void*, 3>& o = b.moe_w.at(i);
+        const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
+        moe_experts(kMain, moe_weights(weights, op.moe, o[0] ? o.data() : dw), in(0), in(1), rows,
+                    b.mask.at(i), moe_slots(op, host_w), out, b.ws);
+        return;
+      }
+    }
+    throw Error(ErrorCategory::internal, fmt::format("SIM0: op '{}' has an unknown kind", op.name));
   }
 
  private:
@@ -420,9 +532,6 @@ class SimDevice final : public Device {
       if (e && !error_) error_ = e;
       cv_.notify_all();
     }
-  }
-  void copy(int s, void* dst, const void* src, size_t bytes) {
-    enqueue(s, [=] { std::memcpy(dst, src, bytes); });
   }
 
   static constexpr size_t kMarks = 4096;

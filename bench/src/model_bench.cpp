@@ -314,9 +314,9 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     void* h = dev.alloc_host(n / 4, "bandwidth test");
     std::memset(h, 1, n / 4);
     r.hbm_gbps = copy_gbps(
-        dev, [&] { dev.copy_d2d(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
+        dev, [&] { dev.copy(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
     r.h2d_gbps = copy_gbps(
-        dev, [&] { dev.copy_h2d(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
+        dev, [&] { dev.copy(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
     dev.dealloc(a), dev.dealloc(b), dev.dealloc_host(h);
     const double t = std::max(static_cast<double>(r.decode_cpu_bytes) / (r.dram.gbps.median * 1e9),
                               static_cast<double>(r.decode_share_bytes) / (r.h2d_gbps * 1e9)) +

@@ -194,7 +194,7 @@ void Residency::stream_in(int s, graph::WeightId gate, graph::WeightId up, graph
   uint8_t* dst = static_cast<uint8_t*>(stage_[buf]);
   for (graph::WeightId id : {gate, up, down}) {
     const size_t n = weights_[id].n_bytes;
-    dev_.copy_h2d(s, dst, pinned_.at(static_cast<size_t>(id)), n);
+    dev_.copy(s, dst, pinned_.at(static_cast<size_t>(id)), n);
     dst += n;
   }
 }

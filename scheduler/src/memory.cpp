@@ -2,8 +2,6 @@
 
 #include <algorithm>
 
-#include "device_calls.h"
-
 namespace berth {
 
 using graph::Op;
@@ -125,9 +123,16 @@ size_t device_scratch_bytes(const graph::Graph& g, const graph::WeightTable& w, 
   death[static_cast<size_t>(g.output)] = static_cast<int64_t>(n_ops);
   size_t total = assign_offsets(sizes, birth, death, offsets);
   size_t ws = 0;
+  if (dev) {
+    // Every op on the device, one call each: the device sizes each call's workspace.
+    std::vector<Call> calls(n_ops);
+    for (size_t i = 0; i < n_ops; ++i) calls[i].ops = {static_cast<int32_t>(i)};
+    for (const Call& c : dev->prepare(StepView{&g, &w, n_ctx, false}, std::move(calls), false))
+      ws = std::max(ws, c.ws_bytes);
+  }
   for (const Op& op : g.ops) {
     if (dev) {
-      ws = std::max(ws, op_workspace_bytes(*dev, g, w, op, n_ctx, false));
+      break;
     } else if (op.kind == OpKind::matmul || op.kind == OpKind::moe_experts) {
       const TensorView& t = w[op.kind == OpKind::matmul ? op.weight : op.moe.gate];
       ws = std::max(ws, (size_t{64} << 20) + static_cast<size_t>(n_ubatch * t.ne[0]) * 8);

@@ -13,40 +13,6 @@ using graph::Op;
 using graph::OpKind;
 using graph::ValueId;
 
-std::string_view call_kind_name(CallKind k) {
-  switch (k) {
-    case CallKind::op:
-      return "op";
-    case CallKind::fork:
-      return "fork";
-    case CallKind::join:
-      return "join";
-    case CallKind::wait_segment:
-      return "wait_segment";
-    case CallKind::upload:
-      return "upload";
-    case CallKind::output:
-      return "output";
-    case CallKind::select:
-      return "select";
-    case CallKind::matmul_group:
-      return "matmul_group";
-    case CallKind::add_norm:
-      return "add_norm";
-    case CallKind::norm_rope:
-      return "norm_rope";
-    case CallKind::route_fork:
-      return "route_fork";
-    case CallKind::router_route_fork:
-      return "router_route_fork";
-    case CallKind::wait_add_norm:
-      return "wait_add_norm";
-    case CallKind::attention_q8:
-      return "attention_q8";
-  }
-  return "?";
-}
-
 namespace {
 
 size_t value_bytes(const graph::ValueInfo& v) { return static_cast<size_t>(v.rows * v.cols) * 4; }

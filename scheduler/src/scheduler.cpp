@@ -9,7 +9,6 @@
 #include <thread>
 
 #include "berth/core/error.h"
-#include "device_calls.h"
 
 namespace berth {
 
@@ -57,6 +56,7 @@ Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights) {
   c.has_device = true;
   c.device_name = dev->name();
   c.flags = dev->supports_flags();
+  c.supports = [dev](const graph::Op& op) { return dev->supports(op); };
   if (res && res->host_experts_pinned()) {
     c.pinned.assign(n_weights, false);
     for (size_t i = 0; i < n_weights; ++i)
@@ -71,8 +71,8 @@ Schedule make_schedule(const graph::Graph& g, const graph::WeightTable& weights,
                        int64_t n_ctx) {
   Schedule s = partition(g, weights, weight_home, kv_home, caps, opt);
   if (s.has_device && dev)
-    s.calls = prepare_calls(*dev, StepView{&s.g, &weights, n_ctx, s.handoff == Handoff::flags},
-                            std::move(s.calls), !opt.profile);
+    s.calls = dev->prepare(StepView{&s.g, &weights, n_ctx, s.handoff == Handoff::flags},
+                           std::move(s.calls), !opt.profile);
   return s;
 }
 
@@ -295,8 +295,8 @@ void Scheduler::run_segment(void* arg) {
 void Scheduler::enqueue_step(Step& st) {
   const Schedule& s = st.s;
   const size_t tb = static_cast<size_t>(st.n_tokens) * 4;
-  dev_->copy_h2d(kMain, tokens_dev_, tokens_host_, tb);
-  dev_->copy_h2d(kMain, positions_dev_, positions_host_, tb);
+  dev_->copy(kMain, tokens_dev_, tokens_host_, tb);
+  dev_->copy(kMain, positions_dev_, positions_host_, tb);
   // Streamed experts: op j of the list copies into stage j % 2 on the copy stream once op j - 2
   // has finished with it; the main stream waits for op j's copy only.
   std::vector<size_t> streamed;
@@ -321,7 +321,7 @@ void Scheduler::enqueue_step(Step& st) {
     if (c.streamed) {
       const size_t j = next_stream++;
       dev_->wait_event(kMain, copied[j]);
-      enqueue_call(*dev_, c, st.b);
+      dev_->enqueue(c, st.b);
       const int done = dev_->record(kMain);
       if (j + 2 < streamed.size()) start_copy(j + 2, done);
       if (j + 1 == streamed.size()) dev_->wait(kMain, kCopy);
@@ -330,10 +330,10 @@ void Scheduler::enqueue_step(Step& st) {
     if (c.host_w) ++n_host_w_;
     if (profiling_ && c.kind == CallKind::op) {
       const int a = dev_->record(kMain);
-      enqueue_call(*dev_, c, st.b);
+      dev_->enqueue(c, st.b);
       marks_.push_back({s.g.ops[static_cast<size_t>(c.ops[0])].kind, {a, dev_->record(kMain)}});
     } else {
-      enqueue_call(*dev_, c, st.b);
+      dev_->enqueue(c, st.b);
     }
   }
 }
@@ -429,19 +429,7 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
     server.join();
     if (serve_error) std::rethrow_exception(serve_error);
   } else if (replay) {
-    if (st.graph < 0) {
-      dev_->begin_capture();
-      try {
-        enqueue_step(st);
-      } catch (...) {
-        try {
-          dev_->end_capture();
-        } catch (...) {
-        }
-        throw;
-      }
-      st.graph = dev_->end_capture();
-    }
+    if (st.graph < 0) st.graph = dev_->capture([&] { enqueue_step(st); });
     dev_->replay(st.graph);
     if (flags) serve_segments(st, warm_workers_us());
   } else {

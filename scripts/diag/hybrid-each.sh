@@ -7,7 +7,7 @@ set -uo pipefail
 out=$1; lim=${2:-90}; stop=${3:-330}; first=${4:-1}
 source .device/env.sh
 [[ -e /work/shared ]] || { mkdir -p /work && ln -sfn "$PWD/.device/data" /work/shared; }
-mapfile -t cases < <(test_runtime -ltc 2>/dev/null | grep -E '^(hybrid|SimDevice)' | cut -c1-40)
+mapfile -t cases < <(test_runtime -ltc 2>/dev/null | grep -E '^(hybrid|the simulated device)' | cut -c1-40)
 i=0
 for c in "${cases[@]}"; do
   i=$((i+1)); (( i < first )) && continue

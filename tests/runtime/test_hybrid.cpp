@@ -2,7 +2,7 @@
 // and logits within a stated NMSE (the device's KV cache is f16, the CPU's f32); decode graphs
 // replay bit for bit like eager steps; a device that runs out of memory says so with numbers.
 //
-// The device is SimDevice (CPU, for CI) unless BERTH_TEST_DEVICE=cuda, which runs the same
+// The device is the simulated one (CPU, for CI) unless BERTH_TEST_DEVICE=cuda, which runs the same
 // cases against the CUDA backend on a GPU machine.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -40,9 +40,9 @@ bool use_cuda() {
   return e && std::string(e) == "cuda";
 }
 
-// Whether the in-place registration cases run (BERTH_REGISTER_HOST=1): always on SimDevice
-// (registration is a no-op there); on CUDA only with BERTH_TEST_REGISTER_HOST=1: the streaming
-// case hung there with it (H200, 2026-12-01; see registers_host_experts).
+// Whether the in-place registration cases run (BERTH_REGISTER_HOST=1): always on the simulated
+// device (registration is a no-op there); on CUDA only with BERTH_TEST_REGISTER_HOST=1: the
+// streaming case hung there with it (H200, 2026-12-01; see registers_host_experts).
 bool test_registers() { return !use_cuda() || std::getenv("BERTH_TEST_REGISTER_HOST") != nullptr; }
 
 std::unique_ptr<Device> test_device(size_t capacity = size_t{2} << 30) {
@@ -165,13 +165,13 @@ int hard_mismatches(const Run& got, const Run& ref, double band) {
 
 // NMSE between a placement's logits and the CPU-only run's. f32: the device keeps K and V in f16
 // (relative rounding 2^-11), which moves f32 logits by about that much relative (measured:
-// <= 7e-8 on SimDevice, <= 5.6e-7 on the H200). Quantized weights: on SimDevice (the CPU's own
-// kernels) an f16-moved value now and then rounds to the next 8-bit activation step, which the
-// next layers amplify (measured 4.8e-5): 1e-4. On CUDA the activations are quantized by other
-// kernels (int8 per 32 for every type in the GEMV, f16 in the tensor-core GEMM), so the two runs
-// are two equally valid roundings, each about as far from the exact result as 8-bit
-// activations allow: the bound is the band test_arch_oracle grants the CPU path against the
-// f64 oracle, 5e-3 (measured on the H200: 1.9e-4 at ubatch 512, 4.0e-3 at ubatch 1-2). That
+// <= 7e-8 on the simulated device, <= 5.6e-7 on the H200). Quantized weights: on the simulated
+// device (the CPU's own kernels) an f16-moved value now and then rounds to the next 8-bit
+// activation step, which the next layers amplify (measured 4.8e-5): 1e-4. On CUDA the activations
+// are quantized by other kernels (int8 per 32 for every type in the GEMV, f16 in the tensor-core
+// GEMM), so the two runs are two equally valid roundings, each about as far from the exact result
+// as 8-bit activations allow: the bound is the band test_arch_oracle grants the CPU path against
+// the f64 oracle, 5e-3 (measured on the H200: 1.9e-4 at ubatch 512, 4.0e-3 at ubatch 1-2). That
 // each side stays within that band of the exact result is checked against the oracle below.
 constexpr double kQuantOracleBand = 5e-3;
 double placement_nmse(const std::string& type) {
@@ -405,7 +405,7 @@ TEST_CASE("hybrid: ops run where their weights live and CPU segments fork and jo
 }
 
 TEST_CASE("hybrid: a device that runs out of memory names itself, the MiB needed and free") {
-  if (use_cuda()) return;  // the real device has room; SimDevice's capacity is the knob
+  if (use_cuda()) return;  // the real device has room; the simulated device's capacity is the knob
   gguf::File file = gguf::File::open(tiny_moe_file("f32"));
   auto model = load_model(file);
   auto dev = make_sim_device(size_t{1} << 20);  // 1 MiB
@@ -423,44 +423,56 @@ TEST_CASE("hybrid: a device that runs out of memory names itself, the MiB needed
   CHECK(dev->free_bytes() == dev->total_bytes());  // nothing leaked on the way out
 }
 
-TEST_CASE("SimDevice: stream work is asynchronous, waits for a host-written flag, never hangs") {
-  // The worker runs a stream's work in order, blocked at wait_flag until a host thread writes
-  // the flag (as a GPU's stream is); download() waits for the work before it.
+TEST_CASE(
+    "the simulated device: stream work is asynchronous, waits for a host-written flag, never "
+    "hangs") {
+  // The worker runs a stream's work in order, blocked at a segment's done flag until a host
+  // thread writes it (as a GPU's stream is); a synchronous copy waits for the work before it.
   auto dev = make_sim_device(size_t{1} << 20);
   REQUIRE(dev->supports_flags());
-  auto* flag = static_cast<uint32_t*>(dev->alloc_host(8, "flags"));
-  flag[0] = flag[1] = 0;
+  auto* flags = static_cast<uint32_t*>(dev->alloc_host(16, "flags"));  // segments 0 and 1
+  std::fill(flags, flags + 4, 0u);
   auto* h = static_cast<float*>(dev->alloc_host(4, "host value"));
   auto* d = static_cast<float*>(dev->alloc(4, "device value"));
   *h = 1.0f;
-  dev->wait_flag(kMain, flag, 1);
-  dev->copy_h2d(kMain, d, h, 4);
-  dev->write_flag(kMain, flag + 1, 7);
+  graph::Graph g;
+  g.values.push_back({1, 1, "v"});
+  graph::WeightTable none;
+  StepBindings b;
+  b.view = StepView{&g, &none, 1, true};
+  b.value = {d};
+  b.host = {h};
+  b.flags = flags;
+  // Wait for segment 0's done flag, copy v up, then (a fork of segment 1 with nothing to send)
+  // write segment 1's ready flag.
+  dev->enqueue(Call{.kind = CallKind::wait_segment, .seg = 0}, b);
+  dev->enqueue(Call{.kind = CallKind::upload, .recv = {0}}, b);
+  dev->enqueue(Call{.kind = CallKind::fork, .seg = 1, .in_place = true}, b);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  CHECK(std::atomic_ref<uint32_t>(flag[1]).load(std::memory_order_acquire) == 0);  // still waiting
+  CHECK(std::atomic_ref<uint32_t>(flags[2]).load(std::memory_order_acquire) == 0);  // waiting
   *h = 2.0f;  // before the flag: the copy after the wait reads it
-  std::atomic_ref<uint32_t>(flag[0]).store(1, std::memory_order_release);
+  std::atomic_ref<uint32_t>(flags[1]).store(1, std::memory_order_release);
   float got = 0;
   dev->download(&got, d, 4);
   CHECK(got == 2.0f);
-  CHECK(std::atomic_ref<uint32_t>(flag[1]).load(std::memory_order_acquire) == 7);
-  CHECK_THROWS_AS(dev->copy_h2d(5, d, h, 4), Error);  // no stream 5: refused at enqueue
+  CHECK(std::atomic_ref<uint32_t>(flags[2]).load(std::memory_order_acquire) == 1);
+  CHECK_THROWS_AS(dev->copy(5, d, h, 4), Error);  // no stream 5: refused at enqueue
   dev->synchronize();
   dev->dealloc(d);
   dev->dealloc_host(h);
   CHECK(dev->free_bytes() == dev->total_bytes());
   // Destroyed while its stream waits for a flag that never comes: the wait gives up, no hang.
-  flag[0] = 0;
-  dev->wait_flag(kMain, flag, 1);
-  dev->write_flag(kMain, flag + 1, 9);
-  uint32_t* pinned = flag;
-  std::vector<uint32_t> after(2);
+  std::fill(flags, flags + 4, 0u);
+  dev->enqueue(Call{.kind = CallKind::wait_segment, .seg = 0}, b);
+  dev->enqueue(Call{.kind = CallKind::fork, .seg = 1, .in_place = true}, b);
+  uint32_t* pinned = flags;
+  uint32_t after = 1;
   {
     auto gone = std::move(dev);  // the flags' memory goes with it: read them before
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    after = {pinned[0], std::atomic_ref<uint32_t>(pinned[1]).load(std::memory_order_acquire)};
+    after = std::atomic_ref<uint32_t>(pinned[2]).load(std::memory_order_acquire);
   }
-  CHECK(after[1] == 7);  // the write after the abandoned wait did not run
+  CHECK(after == 0);  // the write after the abandoned wait did not run
 }
 
 TEST_CASE("expert_stage_bytes: the streamed experts' buffers and the share's staging count") {
@@ -736,8 +748,8 @@ TEST_CASE("hybrid: the device computes a share of CPU-held experts from pinned h
       *model, [](const std::string& n, int) { return n.find("_exps") == std::string::npos; });
   // Against the same placement without the share, on the same device: only the experts the
   // device takes move (their activations rounded to 8 bits by the device's kernels instead of
-  // the CPU's, and two partial sums added), so the bound is the 8-bit-step one of SimDevice,
-  // 1e-4 (measured on the H200: <= 1.8e-5 over ubatches 512, 3 and 1). Comparing with the
+  // the CPU's, and two partial sums added), so the bound is the 8-bit-step one of the simulated
+  // device, 1e-4 (measured on the H200: <= 1.8e-5 over ubatches 512, 3 and 1). Comparing with the
   // CPU-only run instead would test the device's prefill rounding, which the placement cases
   // above cover: with this prompt at ubatch 512 a top-2 gap of 0.058 at step 12 swaps on CUDA
   // with the share on or off.

@@ -33,7 +33,7 @@ struct PlacementSetup {
 };
 
 /// The device to plan for: the first CUDA device when this build and machine have one; else, when
-/// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a SimDevice of that size
+/// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a simulated device of that size
 /// (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU); else
 /// none. Throws Error(invalid_argument) for a bad BERTH_SIM_DEVICE.
 std::unique_ptr<Device> default_device();

@@ -1,5 +1,6 @@
-// Private: the fusion pass over a step's device calls (moves to the CUDA backend with the
-// backend interface).
+// Private to the backends: the fusion pass over a step's device calls (Device::prepare). The CUDA
+// device does each fused call in one launch; the simulated device does its parts one after the
+// other (the same bits), so CI runs the fused calls' hand-off paths.
 #pragma once
 
 #include <vector>

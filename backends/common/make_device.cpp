@@ -1,0 +1,60 @@
+#include <fmt/format.h>
+
+#include <charconv>
+#include <string>
+
+#include "berth/backends/device.h"
+#include "berth/core/error.h"
+
+namespace berth {
+namespace {
+
+// "512M", "1G", "1.5GiB", bytes: the --vram-budget syntax (placement::parse_size), kept here
+// without placement's dependency: whole numbers with an optional K/M/G/T (powers of 1024) unit.
+size_t parse_capacity(std::string_view text, std::string_view spec) {
+  const auto fail = [&]() -> size_t {
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("device '{}': '{}' is not a size such as 512M, 1G or a number of bytes",
+                            spec, text));
+  };
+  uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (ec != std::errc() || end == text.data()) return fail();
+  std::string unit(end, text.data() + text.size());
+  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  int power = -1;
+  for (const auto& [name, p] : {std::pair<const char*, int>{"", 0},
+                                {"b", 0},
+                                {"k", 1},
+                                {"kib", 1},
+                                {"m", 2},
+                                {"mib", 2},
+                                {"g", 3},
+                                {"gib", 3},
+                                {"t", 4},
+                                {"tib", 4}})
+    if (unit == name) power = p;
+  if (power < 0) return fail();
+  const uint64_t mult = uint64_t{1} << (10 * power);
+  if (n > UINT64_MAX / mult) return fail();
+  return static_cast<size_t>(n * mult);
+}
+
+}  // namespace
+
+std::unique_ptr<Device> make_device(std::string_view spec) {
+  if (spec.substr(0, 4) == "sim:") return make_sim_device(parse_capacity(spec.substr(4), spec));
+  if (spec.substr(0, 5) == "cuda:") {
+    int index = -1;
+    const std::string_view n = spec.substr(5);
+    const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), index);
+    if (ec != std::errc() || end != n.data() + n.size() || index < 0)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("device '{}': expected cuda:N with N a device index", spec));
+    return make_cuda_device(index);
+  }
+  throw Error(ErrorCategory::invalid_argument,
+              fmt::format("device '{}': expected sim:SIZE or cuda:N", spec));
+}
+
+}  // namespace berth
