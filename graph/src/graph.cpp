@@ -36,6 +36,30 @@ std::string_view op_name(OpKind k) {
   return "?";
 }
 
+std::string_view role_name(WeightRole r) {
+  switch (r) {
+    case WeightRole::other:
+      return "other";
+    case WeightRole::embedding:
+      return "embedding";
+    case WeightRole::norm:
+      return "norm";
+    case WeightRole::attention:
+      return "attention";
+    case WeightRole::dense_ffn:
+      return "dense FFN";
+    case WeightRole::router:
+      return "router";
+    case WeightRole::routed_expert:
+      return "routed expert";
+    case WeightRole::shared_expert:
+      return "shared expert";
+    case WeightRole::head:
+      return "head";
+  }
+  return "?";
+}
+
 bool MoeParams::has_expert(int32_t e) const {
   return experts.empty() || std::binary_search(experts.begin(), experts.end(), e);
 }

@@ -1,16 +1,19 @@
 // The `llama` architecture (LLaMA, arXiv:2302.13971; grouped-query attention, arXiv:2305.13245):
-// pre-norm decoder blocks with RMSNorm, rotary embeddings on adjacent pairs (GGUF llama files
-// store Q and K permuted for that layout), causal attention over the KV cache and a SwiGLU
-// feed-forward. With llama.expert_count > 0 the feed-forward is Mixtral's (arXiv:2401.04088):
-// a router ffn_gate_inp picks llama.expert_used_count of the stacked experts ffn_*_exps per
-// token and their softmax weights are renormalised. Tensors: see decoder.h.
-#include "decoder.h"
+// pre-norm layers of attention with rotary embeddings on adjacent pairs (GGUF llama files store Q
+// and K permuted for that layout) and a SwiGLU feed-forward. With llama.expert_count > 0 every
+// layer's feed-forward is Mixtral's (arXiv:2401.04088): a router picks llama.expert_used_count of
+// the stacked experts per token and their softmax weights are renormalised. Blocks: blocks.h.
+#include "berth/io/gguf.h"
+#include "blocks.h"
 
 namespace berth {
 
 std::unique_ptr<Model> make_llama(const gguf::File& file) {
-  return models_detail::make_decoder(file,
-                                     {.rope = graph::RopeMode::adjacent, .moe_allowed = true});
+  using namespace models_detail;
+  Hparams hp = read_hparams(file);
+  const LayerSpec layer{.attn = {.rope = graph::RopeMode::adjacent},
+                        .ffn = hp.n_expert > 0 ? FfnKind::moe : FfnKind::dense};
+  return make_transformer(file, hp, std::vector<LayerSpec>(static_cast<size_t>(hp.n_layer), layer));
 }
 
 }  // namespace berth

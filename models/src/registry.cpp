@@ -7,7 +7,6 @@
 #include "berth/core/strings.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "weights.h"
 
 namespace berth {
 
@@ -15,38 +14,6 @@ std::unique_ptr<Model> make_llama(const gguf::File& file);
 std::unique_ptr<Model> make_qwen2(const gguf::File& file);
 std::unique_ptr<Model> make_qwen3(const gguf::File& file);
 std::unique_ptr<Model> make_qwen3moe(const gguf::File& file);
-
-namespace models_detail {
-
-std::optional<graph::WeightId> maybe(const gguf::File& file, graph::WeightTable& table,
-                                     const std::string& name, std::vector<int64_t> ne) {
-  const gguf::TensorInfo* t = file.find_tensor(name);
-  if (!t) return std::nullopt;
-  std::array<int64_t, 4> want{1, 1, 1, 1};
-  for (size_t i = 0; i < ne.size() && i < 4; ++i) want[i] = ne[i];
-  if (t->ne != want) {
-    auto shape = [](const std::array<int64_t, 4>& a, size_t n) {
-      return fmt::format("[{}]", fmt::join(a.begin(), a.begin() + static_cast<long>(n), ", "));
-    };
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: tensor '{}' has shape {}, expected {}", file.path(), name,
-                            shape(t->ne, std::max<size_t>(t->n_dims, 1)), shape(want, ne.size())));
-  }
-  if (!traits(t->type).computable)
-    throw Error(ErrorCategory::unsupported,
-                fmt::format("{}: tensor '{}' has type {}, which berth cannot compute with yet",
-                            file.path(), name, type_name(t->type)));
-  return table.add(t->view());
-}
-
-graph::WeightId need(const gguf::File& file, graph::WeightTable& table, const std::string& name,
-                     std::vector<int64_t> ne) {
-  if (auto id = maybe(file, table, name, std::move(ne))) return *id;
-  file.tensor(name);  // throws GgufError(missing_tensor) naming the tensor and file
-  throw Error(ErrorCategory::internal, "unreachable");
-}
-
-}  // namespace models_detail
 
 std::vector<std::string> supported_architectures() {
   return {"llama", "qwen2", "qwen3", "qwen3moe"};

@@ -164,15 +164,6 @@ std::string describe_flags(const Flags& f) {
 
 bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
-// The component after "blk.N." up to the next '.', e.g. "attn_q" of "blk.3.attn_q.weight".
-std::string_view layer_component(std::string_view name) {
-  if (!starts_with(name, "blk.")) return {};
-  const size_t a = name.find('.', 4);
-  if (a == std::string_view::npos) return {};
-  std::string_view rest = name.substr(a + 1);
-  return rest.substr(0, rest.find('.'));
-}
-
 enum class Group { embd, out_norm, out, attn, exps };
 
 struct Unit {
@@ -268,17 +259,19 @@ Plan make_plan(const Request& req) {
   plan.how = describe_flags(f);
   const auto note = [&](std::string s) { plan.notes.push_back(std::move(s)); };
 
-  // Groups. Without output.weight the head reuses token_embd, which then belongs to the output.
+  // Groups by role. Without a head of its own the model reads the embedding as its head, which
+  // then belongs to the output.
+  using graph::WeightRole;
   const bool tied = std::none_of(req.tensors.begin(), req.tensors.end(),
-                                 [](const TensorEntry& t) { return t.name == "output.weight"; });
+                                 [](const TensorEntry& t) { return t.role == WeightRole::head; });
   std::vector<Group> group(n);
   for (size_t i = 0; i < n; ++i) {
     const TensorEntry& t = req.tensors[i];
     if (t.layer >= 0)
-      group[i] = t.routed_expert ? Group::exps : Group::attn;
-    else if (starts_with(t.name, "token_embd"))
-      group[i] = tied && t.name == "token_embd.weight" ? Group::out : Group::embd;
-    else if (starts_with(t.name, "output_norm"))
+      group[i] = t.routed_expert() ? Group::exps : Group::attn;
+    else if (t.role == WeightRole::embedding)
+      group[i] = tied ? Group::out : Group::embd;
+    else if (t.role == WeightRole::norm)
       group[i] = Group::out_norm;
     else
       group[i] = Group::out;
@@ -287,11 +280,10 @@ Plan make_plan(const Request& req) {
   // The tensor whose home is the layer's KV cache's home (-1: the layer has no non-expert one).
   std::vector<int64_t> anchor(static_cast<size_t>(n_layer), -1);
   {
-    std::vector<int> rank(static_cast<size_t>(n_layer), 3);  // 0 attn_q/qkv, 1 attn_*, 2 other
+    std::vector<int> rank(static_cast<size_t>(n_layer), 3);  // 0 attention, 1 other
     for (size_t i = 0; i < n; ++i) {
       if (group[i] != Group::attn) continue;
-      const std::string_view c = layer_component(req.tensors[i].name);
-      const int r = (c == "attn_q" || c == "attn_qkv") ? 0 : starts_with(c, "attn_") ? 1 : 2;
+      const int r = req.tensors[i].role == WeightRole::attention ? 0 : 1;
       const auto l = static_cast<size_t>(req.tensors[i].layer);
       if (r < rank[l]) rank[l] = r, anchor[l] = static_cast<int64_t>(i);
     }
@@ -319,7 +311,7 @@ Plan make_plan(const Request& req) {
           pin[i] = r.home;
           break;
         }
-      if (!pin[i] && t.routed_expert && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
+      if (!pin[i] && t.routed_expert() && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
         pin[i] = Home::cpu;
     }
 
@@ -451,7 +443,7 @@ Plan make_plan(const Request& req) {
     std::vector<std::pair<int64_t, Home>> first(static_cast<size_t>(n_layer), {-1, Home::cpu});
     for (size_t i = 0; i < n; ++i) {
       const TensorEntry& t = req.tensors[i];
-      if (!t.routed_expert || t.layer < 0) continue;
+      if (!t.routed_expert() || t.layer < 0) continue;
       auto& [j, h] = first[static_cast<size_t>(t.layer)];
       if (j < 0) {
         j = static_cast<int64_t>(i), h = plan.home[i];
@@ -466,7 +458,7 @@ Plan make_plan(const Request& req) {
   }
   // Flags that change nothing.
   const bool has_exps = std::any_of(req.tensors.begin(), req.tensors.end(),
-                                    [](const TensorEntry& t) { return t.routed_expert; });
+                                    [](const TensorEntry& t) { return t.routed_expert(); });
   if (!has_exps && (f.cpu_moe || f.n_cpu_moe > 0))
     note(fmt::format("{} ignored: the model has no routed experts",
                      f.cpu_moe ? "--cpu-moe" : "--n-cpu-moe"));

@@ -96,6 +96,7 @@ std::string plan_json(const Request& req, const Plan& plan) {
   for (size_t i = 0; i < req.tensors.size(); ++i) {
     const TensorEntry& t = req.tensors[i];
     tensors.push_back({{"name", t.name},
+                       {"role", graph::role_name(t.role)},
                        {"type", t.type},
                        {"bytes", t.bytes},
                        {"layer", t.layer},

@@ -10,20 +10,6 @@
 #include "berth/scheduler/scheduler.h"
 
 namespace berth {
-namespace {
-
-// N of "blk.N.", or -1 when the name has no such prefix.
-int32_t layer_of(std::string_view name) {
-  if (name.substr(0, 4) != "blk.") return -1;
-  const std::string_view rest = name.substr(4);
-  int32_t n = -1;
-  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), n);
-  if (ec != std::errc() || end == rest.data() || end == rest.data() + rest.size() || *end != '.')
-    return -1;
-  return n;
-}
-
-}  // namespace
 
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx, Device* dev) {
   return device_scratch_bytes(model.build_step(n_ubatch, 1), model.weights(), n_ctx, dev);
@@ -46,17 +32,19 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
   placement::Request req;
   req.n_layer = static_cast<int32_t>(model.hparams().n_layer);
   std::unordered_set<std::string_view> seen;
-  for (const TensorView& t : model.weights().tensors) {
+  const graph::WeightTable& w = model.weights();
+  for (size_t i = 0; i < w.size(); ++i) {
+    const TensorView& t = w.tensors[i];
     if (!seen.insert(t.name).second) continue;
     placement::TensorEntry e;
     e.name = t.name;
     e.bytes = t.n_bytes;
-    e.layer = layer_of(t.name);
+    e.layer = w.layers[i];
+    e.role = w.roles[i];
     if (e.layer >= req.n_layer)
       throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("tensor '{}' names layer {} but the model has {} layers", t.name,
+                  fmt::format("tensor '{}' is read in layer {} but the model has {} layers", t.name,
                               e.layer, req.n_layer));
-    e.routed_expert = t.name.find("_exps") != std::string::npos;
     e.type = std::string(type_name(t.type));
     req.tensors.push_back(std::move(e));
   }

@@ -28,7 +28,14 @@ void add(Request& r, const std::string& name, size_t mib, int32_t layer) {
   t.name = name;
   t.bytes = mib * MiB;
   t.layer = layer;
-  t.routed_expert = name.find("_exps") != std::string::npos;
+  // The role a model would declare (these synthetic requests have no model behind them).
+  using berth::graph::WeightRole;
+  t.role = name.find("_exps") != std::string::npos   ? WeightRole::routed_expert
+           : name.rfind("token_embd", 0) == 0        ? WeightRole::embedding
+           : name == "output.weight"                 ? WeightRole::head
+           : name.find("norm") != std::string::npos  ? WeightRole::norm
+           : name.find("attn_") != std::string::npos ? WeightRole::attention
+                                                     : WeightRole::dense_ffn;
   t.type = "q4_K";
   r.tensors.push_back(t);
 }
@@ -204,7 +211,7 @@ TEST_CASE("--cpu-moe and --n-cpu-moe") {
     r.flags.cpu_moe = true;
     const Plan p = make_plan(r);
     check_homes(r, p, [](const TensorEntry& t) {
-      return gpu_if(t.name != "token_embd.weight" && !t.routed_expert);
+      return gpu_if(t.name != "token_embd.weight" && !t.routed_expert());
     });
     CHECK(p.kv_home == homes({1, 1, 1, 1}));
     CHECK(p.gpu_weight_bytes == (471 - 360) * MiB);
@@ -214,7 +221,7 @@ TEST_CASE("--cpu-moe and --n-cpu-moe") {
     r.flags.n_cpu_moe = 2;
     const Plan p = make_plan(r);
     check_homes(r, p, [](const TensorEntry& t) {
-      return gpu_if(t.name != "token_embd.weight" && !(t.routed_expert && t.layer < 2));
+      return gpu_if(t.name != "token_embd.weight" && !(t.routed_expert() && t.layer < 2));
     });
     CHECK(p.kv_home == homes({1, 1, 1, 1}));
   }
@@ -223,12 +230,12 @@ TEST_CASE("--cpu-moe and --n-cpu-moe") {
     r.flags.n_cpu_moe = 3;
     const Plan p = make_plan(r);
     check_homes(r, p, [](const TensorEntry& t) {
-      return gpu_if(t.layer >= 2 && !(t.routed_expert && t.layer < 3));
+      return gpu_if(t.layer >= 2 && !(t.routed_expert() && t.layer < 3));
     });
     r.flags.n_cpu_moe = 100;
     const Plan q = make_plan(r);
     check_homes(r, q,
-                [](const TensorEntry& t) { return gpu_if(t.layer >= 2 && !t.routed_expert); });
+                [](const TensorEntry& t) { return gpu_if(t.layer >= 2 && !t.routed_expert()); });
   }
   SUBCASE("--cpu-moe on a dense model changes nothing") {
     Request d = dense_request();
@@ -297,22 +304,32 @@ TEST_CASE("-ot: first match wins and overrides -ngl, --cpu-moe and --n-cpu-moe")
     CHECK(p.gpu_kv_bytes == 15 * MiB);
     CHECK(p.cpu_kv_bytes == 10 * MiB);  // one layer of 5 MiB f16, kept as f32
   }
-  SUBCASE("attn_qkv, else the first attn_ tensor, anchors the KV cache") {
+  SUBCASE("the first attention tensor, else the first other one, anchors the KV cache") {
+    // By role, not name: layer 1's norms come first in the table but attn_kv_a (attention)
+    // anchors; layer 2 has no attention tensor, so its first tensor does.
     Request q;
-    q.n_layer = 2;
+    q.n_layer = 3;
     add(q, "blk.0.attn_norm.weight", 1, 0);
     add(q, "blk.0.attn_qkv.weight", 4, 0);
     add(q, "blk.1.ffn_norm.weight", 1, 1);
     add(q, "blk.1.attn_norm.weight", 1, 1);
     add(q, "blk.1.attn_kv_a.weight", 1, 1);
-    q.kv_bytes = {MiB, MiB};
+    add(q, "blk.2.ffn_norm.weight", 1, 2);
+    add(q, "blk.2.ffn_up.weight", 1, 2);
+    q.kv_bytes = {MiB, MiB, MiB};
     q.has_device = true;
     q.device_free_bytes = 10000 * MiB;
     q.flags.n_gpu_layers = 0;
-    add_override(q.flags, "attn_qkv=GPU,blk\\.1\\.attn_norm=GPU");
+    add_override(q.flags, "attn_qkv=GPU,blk\\.1\\.attn_kv_a=GPU,blk\\.2\\.ffn_norm=GPU");
     const Plan p = make_plan(q);
-    CHECK(p.kv_home == homes({1, 1}));
-    CHECK(on_gpu(q, p) == std::set<std::string>{"blk.0.attn_qkv.weight", "blk.1.attn_norm.weight"});
+    CHECK(p.kv_home == homes({1, 1, 1}));
+    CHECK(on_gpu(q, p) == std::set<std::string>{"blk.0.attn_qkv.weight", "blk.1.attn_kv_a.weight",
+                                                "blk.2.ffn_norm.weight"});
+    // The layer's norm alone on the GPU moves no KV cache there.
+    Request q2 = q;
+    q2.flags.overrides.clear();
+    add_override(q2.flags, "blk\\.1\\.attn_norm=GPU");
+    CHECK(make_plan(q2).kv_home == homes({0, 0, 0}));
   }
 }
 
@@ -449,7 +466,7 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
   SUBCASE("exactly the non-expert parts and their KV caches") {
     const Plan p = plan_for(96 + 81);
     check_homes(r, p, [](const TensorEntry& t) {
-      return gpu_if((t.layer >= 0 && !t.routed_expert) || t.name == "output_norm.weight");
+      return gpu_if((t.layer >= 0 && !t.routed_expert()) || t.name == "output_norm.weight");
     });
     CHECK(p.kv_home == homes({1, 1, 1, 1}));
     CHECK(p.gpu_total() == 177 * MiB);
@@ -458,7 +475,7 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
   SUBCASE("the output matrix and the last layer's experts") {
     const Plan p = plan_for(96 + 81 + 50 + 90 + 89);
     check_homes(r, p, [](const TensorEntry& t) {
-      return gpu_if(t.name != "token_embd.weight" && !(t.routed_expert && t.layer < 3));
+      return gpu_if(t.name != "token_embd.weight" && !(t.routed_expert() && t.layer < 3));
     });
     CHECK(p.how.find("about -ngl 5 --n-cpu-moe 3") != std::string::npos);
   }
@@ -473,12 +490,12 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
   }
   SUBCASE("experts stop at the first layer that does not fit (a suffix, as --n-cpu-moe)") {
     for (TensorEntry& t : r.tensors)
-      if (t.layer == 2 && t.routed_expert) t.bytes = 60 * MiB;  // layer 2's experts: 180 MiB
+      if (t.layer == 2 && t.routed_expert()) t.bytes = 60 * MiB;  // layer 2's experts: 180 MiB
     // After attention and the output 190 MiB are left: layer 3's experts (90) fit, layer 2's do
     // not, so layers 1 and 0 stay on the CPU although one of them would fit; token_embd fits.
     const Plan p = plan_for(96 + 81 + 50 + 190);
     check_homes(r, p,
-                [](const TensorEntry& t) { return gpu_if(!(t.routed_expert && t.layer < 3)); });
+                [](const TensorEntry& t) { return gpu_if(!(t.routed_expert() && t.layer < 3)); });
   }
   SUBCASE("two expert layers: the same as --n-cpu-moe 2") {
     const Plan p = plan_for(96 + 81 + 50 + 180 + 89);
@@ -506,7 +523,7 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
     r.flags.cpu_moe = true;
     const Plan q = plan_for(96 + 60);
     check_homes(r, q,
-                [](const TensorEntry& t) { return gpu_if(t.layer >= 1 && !t.routed_expert); });
+                [](const TensorEntry& t) { return gpu_if(t.layer >= 1 && !t.routed_expert()); });
     CHECK(q.kv_home == homes({0, 1, 1, 1}));
     CHECK(q.how.find("like -ngl 3") != std::string::npos);
   }
@@ -514,7 +531,7 @@ TEST_CASE("automatic plan on a MoE model at several budgets") {
     r.flags.n_cpu_moe = 3;
     const Plan p = plan_for(100000);
     check_homes(r, p,
-                [](const TensorEntry& t) { return gpu_if(!(t.routed_expert && t.layer < 3)); });
+                [](const TensorEntry& t) { return gpu_if(!(t.routed_expert() && t.layer < 3)); });
   }
   SUBCASE("the device's free memory bounds the budget") {
     r.device_free_bytes = (96 + 81) * MiB;
@@ -667,7 +684,7 @@ TEST_CASE("plan_request on stories260K") {
     CAPTURE(t.name);
     CHECK(t.bytes == model->weights().tensors[i].n_bytes);
     CHECK_FALSE(t.type.empty());
-    CHECK_FALSE(t.routed_expert);
+    CHECK_FALSE(t.routed_expert());
     if (t.name.rfind("blk.", 0) == 0)
       CHECK(t.name.rfind("blk." + std::to_string(t.layer) + ".", 0) == 0);
     else

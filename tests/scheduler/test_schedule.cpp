@@ -309,3 +309,43 @@ TEST_CASE("the memory plan gives overlapping device values disjoint arena ranges
 
 }  // namespace
 }  // namespace berth
+
+namespace berth {
+namespace {
+
+TEST_CASE("models declare each weight's role and layer (placement reads them, not names)") {
+  using graph::WeightRole;
+  // The role each tensor name of these files is read for, written out by hand.
+  const auto expected = [](const std::string& n) {
+    if (n == "token_embd.weight") return WeightRole::embedding;
+    if (n == "output.weight") return WeightRole::head;
+    if (n.find("_norm.") != std::string::npos && n.find("attn_q_norm") == std::string::npos &&
+        n.find("attn_k_norm") == std::string::npos)
+      return WeightRole::norm;
+    if (n.find(".attn_") != std::string::npos) return WeightRole::attention;
+    if (n.find("_exps.") != std::string::npos) return WeightRole::routed_expert;
+    if (n.find("ffn_gate_inp") != std::string::npos) return WeightRole::router;
+    return WeightRole::dense_ffn;
+  };
+  gguf::File stories = gguf::File::open(test::stories260k().string());
+  gguf::File moe = gguf::File::open(tiny_moe_path());
+  for (const gguf::File* f : {&stories, &moe}) {
+    std::unique_ptr<Model> m = load_model(*f);
+    const graph::WeightTable& w = m->weights();
+    REQUIRE(w.roles.size() == w.size());
+    REQUIRE(w.layers.size() == w.size());
+    int n_experts = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      const std::string& n = w.tensors[i].name;
+      CAPTURE(n);
+      CHECK(w.roles[i] == expected(n));
+      const int32_t layer = n.rfind("blk.", 0) == 0 ? std::stoi(n.substr(4)) : -1;
+      CHECK(w.layers[i] == layer);
+      n_experts += w.roles[i] == WeightRole::routed_expert;
+    }
+    CHECK(n_experts == (m->hparams().n_expert > 0 ? 3 * m->hparams().n_layer : 0));
+  }
+}
+
+}  // namespace
+}  // namespace berth

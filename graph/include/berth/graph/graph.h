@@ -23,15 +23,37 @@ using WeightId = int32_t;
 inline constexpr ValueId kNoValue = -1;
 inline constexpr WeightId kNoWeight = -1;
 
-/// The weights a model reads, in a fixed order; ops refer to them by index.
-/// Each entry is a view of the weight as stored (type, shape, bytes in host memory).
+/// What a weight is for, as the architecture that reads it declares: placement decides homes by
+/// role (and by layer), never by the tensor's name (only `-ot REGEX=DEVICE` matches names).
+enum class WeightRole : uint8_t {
+  other,          ///< none of the below (placement keeps it with its layer)
+  embedding,      ///< token embeddings (token_embd)
+  norm,           ///< a norm's scale (per layer, or the output norm with layer -1)
+  attention,      ///< attention projections, their biases and per-head norms
+  dense_ffn,      ///< a dense feed-forward's matrices
+  router,         ///< a MoE layer's router (ffn_gate_inp)
+  routed_expert,  ///< stacked routed experts (ffn_{gate,up,down}_exps)
+  shared_expert,  ///< a MoE layer's shared expert
+  head,           ///< the output projection to the vocabulary
+};
+std::string_view role_name(WeightRole r);
+
+/// The weights a model reads, in a fixed order; ops refer to them by index. Each entry is a view
+/// of the weight as stored (type, shape, bytes in host memory) with its role and its layer (-1:
+/// none, e.g. token_embd, output_norm, output).
 struct WeightTable {
   std::vector<TensorView> tensors;
-  WeightId add(TensorView t) {
+  std::vector<WeightRole> roles;
+  std::vector<int32_t> layers;
+  WeightId add(TensorView t, WeightRole role = WeightRole::other, int32_t layer = -1) {
     tensors.push_back(std::move(t));
+    roles.push_back(role);
+    layers.push_back(layer);
     return static_cast<WeightId>(tensors.size() - 1);
   }
   const TensorView& operator[](WeightId id) const { return tensors.at(static_cast<size_t>(id)); }
+  WeightRole role(WeightId id) const { return roles.at(static_cast<size_t>(id)); }
+  int32_t layer(WeightId id) const { return layers.at(static_cast<size_t>(id)); }
   size_t size() const { return tensors.size(); }
 };
 

@@ -10,12 +10,14 @@
 //   whose name matches REGEX (PCRE2, Perl-compatible; searched anywhere in the name) go to DEVICE
 //   ("CPU", "CUDA0"/"GPU"); the first matching rule wins and overrides -ngl, --cpu-moe and
 //   --n-cpu-moe.
-// - `--cpu-moe`: every routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`) on the CPU.
+// - `--cpu-moe`: every routed-expert tensor (role routed_expert: `blk.N.ffn_{gate,up,down}_exps`)
+//   on the CPU.
 // - `--n-cpu-moe N`: the routed-expert tensors of the first N layers on the CPU.
 // - `--vram-budget SIZE` (berth's own): plan as if the device had only SIZE free.
-// Attention and KV cache: everything of blk.N that is not a routed expert moves with the layer,
-// and the layer's KV cache lives where its attention runs (kv_home[N] = home of blk.N.attn_q or
-// blk.N.attn_qkv, else of its first attn_ tensor, when -ot splits a layer).
+// Attention and KV cache: everything of layer N that is not a routed expert moves with the layer,
+// and the layer's KV cache lives where its attention runs (kv_home[N] = home of the layer's first
+// attention-role tensor, blk.N.attn_q or attn_qkv, when -ot splits a layer; else of its first
+// other non-expert tensor).
 //
 // Without -ngl and with a device, the automatic plan fills the budget (what is left after
 // scratch, margin and tensors that -ot sends to the GPU) in order of time saved per byte: output
@@ -37,6 +39,8 @@
 #include <utility>
 #include <vector>
 
+#include "berth/graph/graph.h"
+
 namespace berth::placement {
 
 enum class Home : uint8_t { cpu, gpu };
@@ -44,11 +48,15 @@ std::string_view home_name(Home h);  ///< "CPU" / "GPU"
 
 /// One weight tensor, in the model's WeightTable order.
 struct TensorEntry {
-  std::string name;            ///< GGUF name, e.g. "blk.3.ffn_gate_exps.weight"
-  size_t bytes = 0;            ///< as stored
-  int32_t layer = -1;          ///< N of "blk.N.", -1 for token_embd/output_norm/output
-  bool routed_expert = false;  ///< a stacked routed-expert tensor (name contains "_exps")
-  std::string type;            ///< ggml type name for the table ("q4_K"); may be empty
+  std::string name;    ///< GGUF name, e.g. "blk.3.ffn_gate_exps.weight" (for -ot and the table)
+  size_t bytes = 0;    ///< as stored
+  int32_t layer = -1;  ///< the layer the model reads it in; -1: none (embedding, head, output norm)
+  /// What the model reads it for (graph/graph.h). Placement groups tensors by role and layer:
+  /// routed_expert tensors are the experts --cpu-moe and --n-cpu-moe move; the rest of a layer
+  /// moves with it; embedding, the layer -1 norm (the output norm) and head are the global ones.
+  graph::WeightRole role = graph::WeightRole::other;
+  std::string type;  ///< ggml type name for the table ("q4_K"); may be empty
+  bool routed_expert() const { return role == graph::WeightRole::routed_expert; }
 };
 
 /// Placement flags as the CLI parses them.
@@ -127,7 +135,7 @@ std::string plan_table(const Request& req, const Plan& plan);
 /// The same as JSON (sizes in bytes): {"how", "budget_bytes", "notes": [...],
 /// "devices": {"GPU": {"name", "weights_bytes", "kv_bytes", "scratch_bytes", "margin_bytes",
 /// "total_bytes", "budget_bytes"}, "CPU": {"weights_bytes", "kv_bytes", "total_bytes"}},
-/// "tensors": [{"name", "type", "bytes", "layer", "home"}...],
+/// "tensors": [{"name", "role", "type", "bytes", "layer", "home"}...],
 /// "kv": [{"layer", "bytes", "home"}...]}; "GPU" is absent when the request has no device.
 std::string plan_json(const Request& req, const Plan& plan);
 

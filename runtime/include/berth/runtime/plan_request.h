@@ -15,8 +15,7 @@ namespace berth {
 /// The placement request for `model` with a context of `n_ctx` tokens and steps of up to
 /// `n_ubatch` tokens:
 /// - tensors: model.weights() in order (a name appearing twice is listed once), with their
-///   stored bytes and type; layer N for a "blk.N." name, -1 otherwise; routed_expert when the
-///   name contains "_exps";
+///   stored bytes, type, and the layer and role the model declares for it (WeightTable);
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
 ///   (model.kv_layers(); a layer without an entry gets 0);
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
@@ -25,7 +24,7 @@ namespace berth {
 ///   --host-expert-share bring CPU-held experts to the device);
 /// - the device fields and flags as given (device_free_bytes in bytes).
 /// Throws Error(invalid_argument) for n_ctx < 1 or n_ubatch < 1 (naming -c / -ub and the value)
-/// and for a "blk.N." name whose N is not below the model's n_layer.
+/// and for a tensor whose layer is not below the model's n_layer.
 /// scheduler/memory.h's device_scratch_bytes for `model`'s step graph of `n_ubatch` tokens.
 size_t device_scratch_bytes(const Model& model, int32_t n_ubatch, int64_t n_ctx,
                             Device* dev = nullptr);
