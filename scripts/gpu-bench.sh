@@ -9,6 +9,7 @@
 # other rows keep the default, warm in replayed decode on CUDA), --cpu-moe prefill with the
 # experts on the CPU (no streaming), and CPU-only.
 # usage: bash scripts/gpu-bench.sh OUTDIR [TYPE] [REPS]   (TYPE default q4_k_m, REPS 2)
+#   env BERTH=berth-before   the binary to benchmark (default berth; the file is made with berth)
 set -uo pipefail
 out=${1:-.}
 type=${2:-q4_k_m}
@@ -25,7 +26,7 @@ mkdir -p "$logs"
 bench() {
   local name=$1; shift
   echo "== $name: $*"
-  timeout 150 berth bench model -m "$model" -t "$t" -r "$reps" --json "$out/$name.json" "$@" 2>"$logs/$name.err" |
+  timeout 150 "${BERTH:-berth}" bench model -m "$model" -t "$t" -r "$reps" --json "$out/$name.json" "$@" 2>"$logs/$name.err" |
     tee "$logs/$name.txt" | grep -E "^pp|^tg|bound|busy|reaches|hand-off|moe_experts"
 }
 bench all-gpu -p 512 -n 128 -ngl 99

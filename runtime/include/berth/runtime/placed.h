@@ -18,9 +18,8 @@ namespace berth {
 /// place() turns it into kStreamExpertsAutoTokens when a device holds part of the model, some
 /// stacked expert tensors stay on the CPU and host memory holds their pinned copy, else 0.
 constexpr int32_t kStreamExpertsAuto = -1;
-/// The ubatch size from which streaming CPU-held experts to the device pays: measured on the
-/// H200 (Q4_K synthetic qwen3-30b-a3b, docs/performance.md): pp64 177 (streamed) vs 185 (CPU)
-/// tok/s, pp128 348 vs 226.
+/// The ubatch size from which streaming CPU-held experts to the device pays (the crossover
+/// measured on the H200: docs/performance.md, "--stream-experts").
 constexpr int32_t kStreamExpertsAutoTokens = 64;
 
 struct PlacementSetup {
