@@ -40,20 +40,6 @@ std::string where(std::string_view name, int64_t offset, int64_t token, int32_t 
                      blocks[static_cast<size_t>(layer)]);
 }
 
-// Shape limits as a list of (ok, message) checks; `bad` raises with the caller's context.
-template <class Bad>
-void check_shape(const TraceShape& s, Bad&& bad) {
-  if (s.n_layer < 1 || static_cast<uint32_t>(s.n_layer) > kMaxTraceLayers)
-    bad(8, fmt::format("n_layer {} is outside 1..{}", s.n_layer, kMaxTraceLayers));
-  if (s.n_expert < 1 || static_cast<uint32_t>(s.n_expert) > kMaxTraceExperts)
-    bad(12, fmt::format("n_expert {} is outside 1..{}", s.n_expert, kMaxTraceExperts));
-  const int32_t max_used =
-      std::min<int32_t>(s.n_expert, static_cast<int32_t>(kMaxTraceExpertsUsed));
-  if (s.n_expert_used < 1 || s.n_expert_used > max_used)
-    bad(16, fmt::format("n_expert_used {} is outside 1..{} (n_expert {})", s.n_expert_used,
-                        max_used, s.n_expert));
-}
-
 bool valid_weight(float w) { return std::isfinite(w) && w >= 0.0f; }
 
 }  // namespace
@@ -70,9 +56,18 @@ int64_t TraceShape::record_bytes() const {
 }
 
 void validate_trace_shape(const TraceShape& s) {
-  check_shape(s, [](int, const std::string& m) {
+  auto bad = [](const std::string& m) {
     fail(ErrorCategory::invalid_argument, "routing trace: " + m);
-  });
+  };
+  if (s.n_layer < 1 || static_cast<uint32_t>(s.n_layer) > kMaxTraceLayers)
+    bad(fmt::format("n_layer {} is outside 1..{}", s.n_layer, kMaxTraceLayers));
+  if (s.n_expert < 1 || static_cast<uint32_t>(s.n_expert) > kMaxTraceExperts)
+    bad(fmt::format("n_expert {} is outside 1..{}", s.n_expert, kMaxTraceExperts));
+  const int32_t max_used =
+      std::min<int32_t>(s.n_expert, static_cast<int32_t>(kMaxTraceExpertsUsed));
+  if (s.n_expert_used < 1 || s.n_expert_used > max_used)
+    bad(fmt::format("n_expert_used {} is outside 1..{} (n_expert {})", s.n_expert_used, max_used,
+                    s.n_expert));
   if (!s.blocks.empty()) {
     if (s.blocks.size() != static_cast<size_t>(s.n_layer))
       fail(ErrorCategory::invalid_argument,
@@ -188,8 +183,8 @@ void check_size(const TraceShape& s, uint64_t n_tokens, uint64_t size, std::stri
     }
     fail(ErrorCategory::format,
          fmt::format("{}: byte {}: truncated in token {} at {}: the header's n_tokens {} needs "
-                     "{} bytes of {} per record from byte {}",
-                     name, size, t, part, n_tokens, n_tokens * rec, rec, start));
+                     "that many records of {} bytes from byte {}",
+                     name, size, t, part, n_tokens, rec, start));
   }
   const uint64_t end = start + n_tokens * rec;
   if (size > end)
@@ -371,6 +366,10 @@ void RoutingTraceWriter::append_token(TokenKind kind, std::span<const uint16_t> 
                                       std::span<const float> weights) {
   if (f_ == nullptr)
     fail(ErrorCategory::invalid_argument, fmt::format("{}: append after finish", path_));
+  if (kind != TokenKind::prefill && kind != TokenKind::decode)
+    fail(ErrorCategory::invalid_argument,
+         fmt::format("{}: token {}: kind {} is neither prefill (0) nor decode (1)", path_,
+                     n_tokens_, static_cast<int>(kind)));
   check_token(ids, weights, n_tokens_);
   uint8_t* r = record_.data();
   *r++ = static_cast<uint8_t>(kind);
@@ -486,6 +485,46 @@ void write_routing_trace(const std::string& path, const RoutingTrace& trace) {
                    s.has_weights ? std::span<const float>(trace.weights.data() + t * per, per)
                                  : std::span<const float>());
   w.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replay
+
+RoutingReplay::RoutingReplay(RoutingTrace trace, std::string name,
+                             std::span<const int32_t> moe_blocks, int32_t n_expert,
+                             int32_t n_expert_used)
+    : trace_(std::move(trace)) {
+  const TraceShape& s = trace_.shape;
+  auto list = [](std::span<const int32_t> v) {
+    std::string out;
+    for (size_t i = 0; i < v.size() && i < 8; ++i) out += fmt::format("{}{}", i ? "," : "", v[i]);
+    return v.size() > 8 ? out + fmt::format(",... ({} layers)", v.size()) : out;
+  };
+  std::string bad;
+  if (trace_.n_tokens() == 0)
+    bad = "the trace has no tokens";
+  else if (s.n_expert != n_expert)
+    bad = fmt::format("the trace has n_expert {}, the model {}", s.n_expert, n_expert);
+  else if (s.n_expert_used != n_expert_used)
+    bad =
+        fmt::format("the trace has n_expert_used {}, the model {}", s.n_expert_used, n_expert_used);
+  else if (!std::equal(s.blocks.begin(), s.blocks.end(), moe_blocks.begin(), moe_blocks.end()))
+    bad = fmt::format("the trace's MoE layers are blocks {}, the model's {}", list(s.blocks),
+                      list(moe_blocks));
+  if (!bad.empty())
+    fail(ErrorCategory::invalid_argument,
+         fmt::format("{}: routing trace does not fit the model: {}", name, bad));
+  layer_of_block_.assign(static_cast<size_t>(s.blocks.back()) + 1, -1);
+  for (int32_t l = 0; l < s.n_layer; ++l)
+    layer_of_block_[static_cast<size_t>(s.blocks[static_cast<size_t>(l)])] = l;
+}
+
+std::span<const uint16_t> RoutingReplay::ids(int64_t token, int32_t block) const {
+  BERTH_CHECK(
+      token >= 0 && block >= 0 && static_cast<size_t>(block) < layer_of_block_.size() &&
+          layer_of_block_[static_cast<size_t>(block)] >= 0,
+      fmt::format("routing replay: token {}, block {} is not a traced MoE layer", token, block));
+  return trace_.token_ids(token % trace_.n_tokens(), layer_of_block_[static_cast<size_t>(block)]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -341,6 +341,8 @@ TEST_CASE("routing trace: the writer refuses what the reader would") {
   expect_error(ErrorCategory::invalid_argument,
                [&] { w.append_token(TokenKind::decode, std::span(ok).first(5)); },
                {"5 ids, expected n_layer * n_expert_used = 6"});
+  expect_error(ErrorCategory::invalid_argument,
+               [&] { w.append_token(static_cast<TokenKind>(2), ok); }, {"token 1: kind 2"});
   const std::vector<float> weights(6, 0.5f);
   expect_error(ErrorCategory::invalid_argument,
                [&] { w.append_token(TokenKind::decode, ok, weights); }, {"6 weights, expected 0"});
@@ -380,4 +382,67 @@ TEST_CASE("routing trace: the writer refuses what the reader would") {
   inconsistent.weights.pop_back();
   expect_error(ErrorCategory::invalid_argument, [&] { write_routing_trace(path, inconsistent); },
                {"23 weights"});
+}
+
+TEST_CASE("routing trace: corrupted files give an Error, never a crash") {
+  // Random byte changes and cuts of a valid weighted trace (run under ASan in CI's sanitizer
+  // build): the parser either accepts the bytes or throws berth::Error(format | unsupported).
+  const auto dir = berth::test::temp_dir("trace-corrupt");
+  const auto path = (dir / "w.trace").string();
+  write_routing_trace(path, small_trace(true));
+  const std::vector<uint8_t> good = file_bytes(path);
+  uint64_t x = 12345;
+  auto rnd = [&] {  // xorshift64
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  int accepted = 0, rejected = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<uint8_t> b = good;
+    for (int n = 1 + static_cast<int>(rnd() % 3); n > 0; --n)
+      b[rnd() % b.size()] = static_cast<uint8_t>(rnd());
+    if (i % 4 == 0) b.resize(rnd() % (b.size() + 1));
+    try {
+      const RoutingTrace tr = parse_routing_trace(b, "fuzz");
+      CHECK(tr.ids.size() == static_cast<size_t>(tr.n_tokens() * tr.shape.ids_per_token()));
+      ++accepted;
+    } catch (const Error& e) {
+      const bool expected =
+          e.category() == ErrorCategory::format || e.category() == ErrorCategory::unsupported;
+      CHECK(expected);
+      ++rejected;
+    }
+  }
+  CHECK(accepted > 0);  // changes to ids and weights that stay valid
+  CHECK(rejected > 0);
+}
+
+TEST_CASE("routing replay: wraps around and refuses a trace of another model") {
+  const RoutingTrace tr = small_trace(false);  // MoE blocks 1, 3, 4; 10 experts, top-2
+  const std::vector<int32_t> blocks = {1, 3, 4};
+  const RoutingReplay r(tr, "t.trace", blocks, 10, 2);
+  CHECK(r.ids(0, 1)[0] == 0);
+  CHECK(r.ids(0, 1)[1] == 9);
+  CHECK(r.ids(3, 4)[0] == 6);
+  CHECK(r.ids(7, 4)[0] == 6);                 // token 7 of the run is the trace's token 3
+  CHECK(r.ids(5, 3)[1] == 8);                 // token 5 -> trace token 1, layer 1
+  CHECK_THROWS_AS((void)r.ids(0, 2), Error);  // a dense layer: a bug in the caller
+  CHECK_THROWS_AS((void)r.ids(0, 9), Error);
+
+  expect_error(ErrorCategory::invalid_argument,
+               [&] { RoutingReplay(tr, "t.trace", blocks, 12, 2); },
+               {"t.trace: routing trace does not fit the model", "n_expert 10, the model 12"});
+  expect_error(ErrorCategory::invalid_argument,
+               [&] { RoutingReplay(tr, "t.trace", blocks, 10, 3); },
+               {"n_expert_used 2, the model 3"});
+  const std::vector<int32_t> other = {0, 1, 2, 3};
+  expect_error(ErrorCategory::invalid_argument, [&] { RoutingReplay(tr, "t.trace", other, 10, 2); },
+               {"blocks 1,3,4, the model's 0,1,2,3"});
+  RoutingTrace empty = tr;
+  empty.kinds.clear();
+  empty.ids.clear();
+  expect_error(ErrorCategory::invalid_argument,
+               [&] { RoutingReplay(empty, "t.trace", blocks, 10, 2); }, {"no tokens"});
 }

@@ -134,8 +134,8 @@ class RoutingTraceWriter {
 
   /// Appends one token: `ids` [n_layer][n_expert_used] (top-k order), `weights` in the same
   /// layout when the shape has weights (else empty). Throws Error(invalid_argument) naming the
-  /// token and layer for a wrong size, an id >= n_expert, a repeated id or a bad weight (nothing
-  /// is written then); Error(io) when a write fails.
+  /// token and layer for a kind other than prefill/decode, a wrong size, an id >= n_expert, a
+  /// repeated id or a bad weight (nothing is written then); Error(io) when a write fails.
   void append_token(TokenKind kind, std::span<const uint16_t> ids,
                     std::span<const float> weights = {});
 
@@ -144,7 +144,8 @@ class RoutingTraceWriter {
   /// appends the step's tokens in order. `route` is [n_tokens][2 * n_expert_used], row-major:
   /// columns [0, k) the ids as exact float integers, [k, 2k) the weights (graph.h, moe_route).
   /// Throws Error(invalid_argument) for a layer out of range or given twice, a bad id or weight,
-  /// end_step with a layer missing, or begin_step inside a step.
+  /// end_step with a layer missing (the step stays open), or begin_step inside a step. An
+  /// end_step that finds a bad token drops the whole step: nothing of it is written.
   void begin_step(TokenKind kind, int64_t n_tokens);
   void add_layer_route(int32_t layer, const float* route);
   void end_step();
@@ -173,6 +174,28 @@ class RoutingTraceWriter {
   std::vector<uint16_t> step_ids_;   // [step_tokens][n_layer][k]
   std::vector<float> step_weights_;  // same layout
   std::vector<uint8_t> step_have_;   // [n_layer]
+};
+
+/// Forces a run's routing from a trace (`bench model --routing-trace`): the run's token i
+/// (prompt and generated tokens counted together from 0, in processing order) takes the
+/// trace's token i mod n_tokens, so a trace shorter than the run repeats. The weights the
+/// executor applies are its own (the router's probabilities of the forced experts), unless it
+/// chooses to use the trace's.
+class RoutingReplay {
+ public:
+  /// `moe_blocks`: the model's MoE layer indices in order; `n_expert`, `n_expert_used`: the
+  /// model's. Throws Error(invalid_argument) naming `name` (the trace file) and the model's and
+  /// the trace's values when the trace has no tokens or any of them differ.
+  RoutingReplay(RoutingTrace trace, std::string name, std::span<const int32_t> moe_blocks,
+                int32_t n_expert, int32_t n_expert_used);
+  /// The n_expert_used ids (top-k order) of run token `token` >= 0 at model layer `block`, a MoE
+  /// layer (else Error(internal)).
+  std::span<const uint16_t> ids(int64_t token, int32_t block) const;
+  const RoutingTrace& trace() const { return trace_; }
+
+ private:
+  RoutingTrace trace_;
+  std::vector<int32_t> layer_of_block_;  // [max block + 1], -1 for dense layers
 };
 
 /// A text dump of tokens [first, first + count) (clamped to the trace): with `header`, two '#'
