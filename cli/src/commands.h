@@ -19,6 +19,7 @@ Runner add_quantize(CLI::App& app);
 Runner add_bench(CLI::App& app);
 Runner add_synth(CLI::App& app);
 Runner add_plan(CLI::App& app);
+Runner add_trace(CLI::App& app);
 
 /// Writes all of `s` to stdout and flushes. Returns false when the reader of a pipe has gone
 /// (EPIPE, e.g. `| head`): commands then stop and exit 0. Throws Error(io) for any other write

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   berth::cli::Runner bench = berth::cli::add_bench(app);
   berth::cli::Runner synth = berth::cli::add_synth(app);
   berth::cli::Runner plan = berth::cli::add_plan(app);
+  berth::cli::Runner trace = berth::cli::add_trace(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
       if (name == "bench") return bench();
       if (name == "synth") return synth();
       if (name == "plan") return plan();
+      if (name == "trace") return trace();
     }
     return 2;
   } catch (const berth::Error& e) {
