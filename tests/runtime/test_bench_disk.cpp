@@ -1,0 +1,99 @@
+// berth bench disk (bench/disk_bench.h) on a small file: every block is read once per run (the
+// run ends when the permutation is used up, long before its time), the JSON holds every run,
+// and bad options are refused with the right category. No timing assertions.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "berth/bench/disk_bench.h"
+#include "berth/core/error.h"
+#include "test_util.h"
+
+using namespace berth;
+
+namespace {
+
+std::string make_file(const std::string& name, size_t bytes) {
+  const auto path = test::temp_dir("bench-disk") / name;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  std::vector<char> chunk(bytes, 'x');
+  out.write(chunk.data(), static_cast<std::streamsize>(bytes));
+  return path.string();
+}
+
+ErrorCategory category_of(const bench::DiskBenchOptions& o) {
+  try {
+    bench::run_disk_bench(o);
+  } catch (const Error& e) {
+    return e.category();
+  }
+  FAIL("no berth::Error thrown");
+  return ErrorCategory::internal;
+}
+
+}  // namespace
+
+TEST_CASE("bench disk reads every block of a small file once per run") {
+  bench::DiskBenchOptions o;
+  o.path = make_file("six.bin", (size_t{6} << 20) + 100);
+  o.queue_depth = 4;
+  o.block_bytes = {size_t{1} << 20, size_t{512} << 10};
+  o.seconds = 60;  // not reached: 6 and 12 blocks
+  int lines = 0;
+  o.progress = [&](std::string_view) { ++lines; };
+  const bench::DiskBenchResult r = bench::run_disk_bench(o);
+  const bool uring = r.io_uring.rfind("io_uring with O_DIRECT, queue depth 4", 0) == 0;
+  if (!uring) MESSAGE("io_uring runs skipped: " << r.io_uring);
+
+  std::vector<std::string> methods;
+  if (uring) methods = {"io_uring O_DIRECT", "io_uring O_DIRECT"};
+  methods.insert(methods.end(), {"pread pool", "mmap"});
+  REQUIRE(r.runs.size() == 2 * methods.size());
+  for (size_t i = 0; i < r.runs.size(); ++i) {
+    const bench::DiskBenchRun& x = r.runs[i];
+    CAPTURE(i);
+    const size_t block = i < methods.size() ? size_t{1} << 20 : size_t{512} << 10;
+    CHECK(x.method == methods[i % methods.size()]);
+    CHECK(x.block_bytes == block);
+    CHECK(x.reads == (size_t{6} << 20) / block);
+    CHECK(x.bytes == size_t{6} << 20);
+    CHECK(x.gbps > 0);
+    CHECK(std::isfinite(x.gbps));
+    CHECK(x.cached_fraction >= 0);
+    CHECK(x.cached_fraction <= 1);
+  }
+  if (uring) CHECK(r.runs[1].depth == 1);
+  CHECK(r.runs[0].depth == 4);
+  CHECK(lines == static_cast<int>(r.runs.size()));
+
+  const nlohmann::json j = bench::to_json(r);
+  CHECK(j["benchmark"] == "berth bench disk");
+  CHECK(j["file"]["bytes"] == (size_t{6} << 20) + 100);
+  CHECK(j["config"]["block_bytes"] == nlohmann::json::array({1048576, 524288}));
+  CHECK(j["config"]["queue_depth"] == 4);
+  REQUIRE(j["runs"].size() == r.runs.size());
+  CHECK(j["runs"][0]["reads"] == 6);
+  CHECK(bench::format_text(r).find("method") != std::string::npos);
+}
+
+TEST_CASE("bench disk refuses bad options with the right category") {
+  bench::DiskBenchOptions o;
+  o.path = make_file("small.bin", 8192);
+  o.block_bytes = {1000};
+  CHECK(category_of(o) == ErrorCategory::invalid_argument);
+  o.block_bytes = {16384};  // larger than the file
+  CHECK(category_of(o) == ErrorCategory::invalid_argument);
+  o.block_bytes = {4096};
+  o.queue_depth = 0;
+  CHECK(category_of(o) == ErrorCategory::invalid_argument);
+  o.queue_depth = 2;
+  o.seconds = 0;
+  CHECK(category_of(o) == ErrorCategory::invalid_argument);
+  o.seconds = 1;
+  o.path += ".missing";
+  CHECK(category_of(o) == ErrorCategory::io);
+}
