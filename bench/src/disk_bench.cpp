@@ -5,9 +5,11 @@
 //     "machine": {hostname, cpu_model, ...: kernel_bench.h MachineInfo},
 //     "disk": {device, read_ahead_kb, rotational, logical_block_size} (-1: unknown),
 //     "file": {path, bytes},
-//     "config": {queue_depth, block_bytes[], seconds, seed},
+//     "config": {queue_depth, block_bytes[], seconds, repetitions, seed},
 //     "io_uring": the reader's settings line or why it is unavailable,
-//     "runs": [{method, depth, block_bytes, reads, bytes, seconds, gbps, cached_fraction}] }
+//     "runs": [{method, depth, block_bytes, reads, bytes, seconds, gbps, cached_fraction,
+//               repetition}],
+//     "summary": [{method, depth, block_bytes, gbps_median, gbps_min, gbps_max}] }
 #include "berth/bench/disk_bench.h"
 
 #include <fcntl.h>
@@ -212,6 +214,9 @@ DiskBenchResult run_disk_bench(const DiskBenchOptions& options) {
   if (o.queue_depth < 1 || o.queue_depth > 1024)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("queue depth {} is outside 1..1024", o.queue_depth));
+  if (o.repetitions < 1 || o.repetitions > 1000)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("repetitions {} is outside 1..1000", o.repetitions));
   if (!(o.seconds > 0))
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("seconds {} is not positive", o.seconds));
@@ -233,32 +238,55 @@ DiskBenchResult run_disk_bench(const DiskBenchOptions& options) {
   using Backend = io::DiskReaderOptions::Backend;
   bool uring = true;
   for (size_t block : o.block_bytes) {
-    std::vector<uint64_t> order(r.file_bytes / block);
-    std::iota(order.begin(), order.end(), uint64_t{0});
-    std::shuffle(order.begin(), order.end(), std::mt19937_64(o.seed));
-    auto add = [&](const DiskBenchRun& run) {
-      r.runs.push_back(run);
-      if (options.progress)
-        options.progress(fmt::format(
-            "{:<18} depth {:>4}  {:>8}: {:7.3f} GB/s ({} reads in {:.1f} s; {:.1f}% cached before)",
-            run.method, run.depth, size_text(run.block_bytes), run.gbps, run.reads, run.seconds,
-            100 * run.cached_fraction));
-    };
-    if (uring) {
-      try {
-        add(reader_run(o, order, block, Backend::io_uring, o.queue_depth, file.fd, r.file_bytes,
-                       &r.io_uring));
-        if (o.queue_depth != 1)
-          add(reader_run(o, order, block, Backend::io_uring, 1, file.fd, r.file_bytes, nullptr));
-      } catch (const Error& e) {
-        if (e.category() != ErrorCategory::unsupported) throw;
-        uring = false;
-        r.io_uring = e.what();
-        if (options.progress) options.progress(fmt::format("io_uring runs skipped: {}", e.what()));
+    for (int rep = 0; rep < o.repetitions; ++rep) {
+      // A permutation per repetition: a host that caches the virtual disk sees other blocks.
+      std::vector<uint64_t> order(r.file_bytes / block);
+      std::iota(order.begin(), order.end(), uint64_t{0});
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(o.seed + rep));
+      auto add = [&](DiskBenchRun run) {
+        run.repetition = rep;
+        r.runs.push_back(run);
+        if (options.progress)
+          options.progress(fmt::format(
+              "{:<18} depth {:>4}  {:>8}: {:7.3f} GB/s ({} reads in {:.1f} s; {:.1f}% cached "
+              "before)",
+              run.method, run.depth, size_text(run.block_bytes), run.gbps, run.reads, run.seconds,
+              100 * run.cached_fraction));
+      };
+      if (uring) {
+        try {
+          add(reader_run(o, order, block, Backend::io_uring, o.queue_depth, file.fd, r.file_bytes,
+                         &r.io_uring));
+          if (o.queue_depth != 1)
+            add(reader_run(o, order, block, Backend::io_uring, 1, file.fd, r.file_bytes, nullptr));
+        } catch (const Error& e) {
+          if (e.category() != ErrorCategory::unsupported) throw;
+          uring = false;
+          r.io_uring = e.what();
+          if (options.progress)
+            options.progress(fmt::format("io_uring runs skipped: {}", e.what()));
+        }
       }
+      add(reader_run(o, order, block, Backend::pread, o.queue_depth, file.fd, r.file_bytes,
+                     nullptr));
+      add(mmap_run(o, order, block, file.fd, r.file_bytes));
     }
-    add(reader_run(o, order, block, Backend::pread, o.queue_depth, file.fd, r.file_bytes, nullptr));
-    add(mmap_run(o, order, block, file.fd, r.file_bytes));
+  }
+  // One summary per method, depth and block, in the order of first appearance.
+  for (const DiskBenchRun& x : r.runs) {
+    auto same = [&](const DiskBenchSummary& g) {
+      return g.method == x.method && g.depth == x.depth && g.block_bytes == x.block_bytes;
+    };
+    if (std::find_if(r.summary.begin(), r.summary.end(), same) != r.summary.end()) continue;
+    DiskBenchSummary g{x.method, x.depth, x.block_bytes};
+    std::vector<double> v;
+    for (const DiskBenchRun& y : r.runs)
+      if (y.method == x.method && y.depth == x.depth && y.block_bytes == x.block_bytes)
+        v.push_back(y.gbps);
+    g.gbps_median = median_of(v);
+    g.gbps_min = *std::min_element(v.begin(), v.end());
+    g.gbps_max = *std::max_element(v.begin(), v.end());
+    r.summary.push_back(g);
   }
   return r;
 }
@@ -274,7 +302,16 @@ nlohmann::json to_json(const DiskBenchResult& r) {
                     {"bytes", x.bytes},
                     {"seconds", x.seconds},
                     {"gbps", x.gbps},
-                    {"cached_fraction", x.cached_fraction}});
+                    {"cached_fraction", x.cached_fraction},
+                    {"repetition", x.repetition}});
+  json summary = json::array();
+  for (const DiskBenchSummary& g : r.summary)
+    summary.push_back({{"method", g.method},
+                       {"depth", g.depth},
+                       {"block_bytes", g.block_bytes},
+                       {"gbps_median", g.gbps_median},
+                       {"gbps_min", g.gbps_min},
+                       {"gbps_max", g.gbps_max}});
   return {{"benchmark", "berth bench disk"},
           {"date", r.machine.date_utc},
           {"machine", to_json(r.machine)},
@@ -288,24 +325,35 @@ nlohmann::json to_json(const DiskBenchResult& r) {
            {{"queue_depth", r.options.queue_depth},
             {"block_bytes", r.options.block_bytes},
             {"seconds", r.options.seconds},
+            {"repetitions", r.options.repetitions},
             {"seed", r.options.seed}}},
           {"io_uring", r.io_uring},
-          {"runs", runs}};
+          {"runs", runs},
+          {"summary", summary}};
 }
 
 std::string format_text(const DiskBenchResult& r) {
   std::string s = fmt::format(
       "berth bench disk: {} ({:.2f} GB) on {} (read_ahead_kb {}), {} on {}\n"
-      "random block-aligned reads, up to {} s per run, page cache dropped before each run\n"
+      "random block-aligned reads, up to {} s per run, {} repetition(s) interleaved, page cache "
+      "dropped before each run\n"
       "io_uring: {}\n\n",
       r.options.path, static_cast<double>(r.file_bytes) / 1e9,
       r.disk.device.empty() ? "an unknown device" : r.disk.device, r.disk.read_ahead_kb,
-      r.machine.date_utc, r.machine.hostname, r.options.seconds, r.io_uring);
-  s += fmt::format("{:<18} {:>5} {:>8} {:>7} {:>8} {:>8} {:>9}\n", "method", "depth", "block",
-                   "reads", "seconds", "GB/s", "cached");
+      r.machine.date_utc, r.machine.hostname, r.options.seconds, r.options.repetitions, r.io_uring);
+  s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8} {:>8} {:>9}\n", "method", "depth", "block",
+                   "rep", "reads", "seconds", "GB/s", "cached");
   for (const DiskBenchRun& x : r.runs)
-    s += fmt::format("{:<18} {:>5} {:>8} {:>7} {:>8.1f} {:>8.3f} {:>8.1f}%\n", x.method, x.depth,
-                     size_text(x.block_bytes), x.reads, x.seconds, x.gbps, 100 * x.cached_fraction);
+    s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8.1f} {:>8.3f} {:>8.1f}%\n", x.method,
+                     x.depth, size_text(x.block_bytes), x.repetition + 1, x.reads, x.seconds,
+                     x.gbps, 100 * x.cached_fraction);
+  if (r.options.repetitions > 1) {
+    s += fmt::format("\n{:<18} {:>5} {:>8} {:>12} {:>17}\n", "method", "depth", "block",
+                     "median GB/s", "min - max GB/s");
+    for (const DiskBenchSummary& g : r.summary)
+      s += fmt::format("{:<18} {:>5} {:>8} {:>12.3f} {:>8.3f} - {:<6.3f}\n", g.method, g.depth,
+                       size_text(g.block_bytes), g.gbps_median, g.gbps_min, g.gbps_max);
+  }
   return s;
 }
 

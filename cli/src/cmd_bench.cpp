@@ -212,6 +212,9 @@ Runner add_bench(CLI::App& app) {
       ->check(CLI::Range(size_t{4}, size_t{1} << 20));
   d->add_option("--seconds", o->d.seconds, "seconds per run (default 10)")
       ->check(CLI::Range(0.001, 3600.0));
+  d->add_option("--reps", o->d.repetitions,
+                "runs per method, interleaved; the table then adds median, min and max (default 1)")
+      ->check(CLI::Range(1, 1000));
   d->add_option("--json", o->json_path,
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");

@@ -3,6 +3,7 @@
 // and bad options are refused with the right category. No timing assertions.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -43,6 +44,7 @@ TEST_CASE("bench disk reads every block of a small file once per run") {
   o.queue_depth = 4;
   o.block_bytes = {size_t{1} << 20, size_t{512} << 10};
   o.seconds = 60;  // not reached: 6 and 12 blocks
+  o.repetitions = 2;
   int lines = 0;
   o.progress = [&](std::string_view) { ++lines; };
   const bench::DiskBenchResult r = bench::run_disk_bench(o);
@@ -52,12 +54,17 @@ TEST_CASE("bench disk reads every block of a small file once per run") {
   std::vector<std::string> methods;
   if (uring) methods = {"io_uring O_DIRECT", "io_uring O_DIRECT"};
   methods.insert(methods.end(), {"pread pool", "mmap"});
-  REQUIRE(r.runs.size() == 2 * methods.size());
+  const size_t m = methods.size();
+  // Per block size, per repetition, every method.
+  REQUIRE(r.runs.size() == 2 * 2 * m);
   for (size_t i = 0; i < r.runs.size(); ++i) {
     const bench::DiskBenchRun& x = r.runs[i];
     CAPTURE(i);
-    const size_t block = i < methods.size() ? size_t{1} << 20 : size_t{512} << 10;
-    CHECK(x.method == methods[i % methods.size()]);
+    const size_t block = i < 2 * m ? size_t{1} << 20 : size_t{512} << 10;
+    CHECK(x.method == methods[i % m]);
+    const bool one = (uring && i % m == 1) || x.method == "mmap";  // depth-1 runs
+    CHECK(x.depth == (one ? 1u : 4u));
+    CHECK(x.repetition == static_cast<int>((i / m) % 2));
     CHECK(x.block_bytes == block);
     CHECK(x.reads == (size_t{6} << 20) / block);
     CHECK(x.bytes == size_t{6} << 20);
@@ -66,17 +73,28 @@ TEST_CASE("bench disk reads every block of a small file once per run") {
     CHECK(x.cached_fraction >= 0);
     CHECK(x.cached_fraction <= 1);
   }
-  if (uring) CHECK(r.runs[1].depth == 1);
-  CHECK(r.runs[0].depth == 4);
   CHECK(lines == static_cast<int>(r.runs.size()));
+  REQUIRE(r.summary.size() == 2 * m);
+  for (size_t g = 0; g < r.summary.size(); ++g) {
+    const bench::DiskBenchSummary& s = r.summary[g];
+    CAPTURE(g);
+    CHECK(s.method == methods[g % m]);
+    const bench::DiskBenchRun& a = r.runs[(g / m) * 2 * m + g % m];
+    const bench::DiskBenchRun& b = r.runs[(g / m) * 2 * m + m + g % m];
+    CHECK(s.gbps_min == std::min(a.gbps, b.gbps));
+    CHECK(s.gbps_max == std::max(a.gbps, b.gbps));
+    CHECK(s.gbps_median == doctest::Approx((a.gbps + b.gbps) / 2));
+  }
 
   const nlohmann::json j = bench::to_json(r);
   CHECK(j["benchmark"] == "berth bench disk");
   CHECK(j["file"]["bytes"] == (size_t{6} << 20) + 100);
   CHECK(j["config"]["block_bytes"] == nlohmann::json::array({1048576, 524288}));
   CHECK(j["config"]["queue_depth"] == 4);
+  CHECK(j["config"]["repetitions"] == 2);
   REQUIRE(j["runs"].size() == r.runs.size());
   CHECK(j["runs"][0]["reads"] == 6);
+  CHECK(j["summary"].size() == r.summary.size());
   CHECK(bench::format_text(r).find("method") != std::string::npos);
 }
 
@@ -94,6 +112,9 @@ TEST_CASE("bench disk refuses bad options with the right category") {
   o.seconds = 0;
   CHECK(category_of(o) == ErrorCategory::invalid_argument);
   o.seconds = 1;
+  o.repetitions = 0;
+  CHECK(category_of(o) == ErrorCategory::invalid_argument);
+  o.repetitions = 1;
   o.path += ".missing";
   CHECK(category_of(o) == ErrorCategory::io);
 }

@@ -36,7 +36,10 @@ struct DiskBenchOptions {
   /// Read sizes, bytes, multiples of 4096; empty: 3 MiB and 1 MiB.
   std::vector<size_t> block_bytes;
   double seconds = 10;  ///< per run, > 0
-  uint64_t seed = 1;    ///< of the block permutation
+  /// Runs per method (1..1000), interleaved: every method once, then again (a shared or
+  /// throttled drive drifts; each method sees the same drift). Repetition k uses seed + k.
+  int repetitions = 1;
+  uint64_t seed = 1;  ///< of the block permutation
   /// Called with one line of text after each run (progress).
   std::function<void(std::string_view)> progress;
 };
@@ -58,6 +61,15 @@ struct DiskBenchRun {
   double seconds = 0;
   double gbps = 0;             ///< 1e9 bytes per second
   double cached_fraction = 0;  ///< of the file's pages resident when the run started
+  int repetition = 0;          ///< 0-based
+};
+
+/// The runs of one method, depth and block size over the repetitions.
+struct DiskBenchSummary {
+  std::string method;
+  unsigned depth = 0;
+  size_t block_bytes = 0;
+  double gbps_median = 0, gbps_min = 0, gbps_max = 0;
 };
 
 struct DiskBenchResult {
@@ -67,12 +79,14 @@ struct DiskBenchResult {
   uint64_t file_bytes = 0;
   /// The io_uring reader's settings line, or why io_uring is unavailable (its runs then absent).
   std::string io_uring;
-  std::vector<DiskBenchRun> runs;
+  std::vector<DiskBenchRun> runs;  ///< in the order run
+  std::vector<DiskBenchSummary> summary;
 };
 
 /// Runs every measurement (module comment). Memory: 2 x queue_depth blocks of the largest
 /// size. Throws Error(invalid_argument) for a block size that is zero or not a multiple of
-/// 4096, a queue depth outside 1..1024, seconds <= 0, or a file smaller than one block;
+/// 4096, a queue depth outside 1..1024, repetitions outside 1..1000, seconds <= 0, or a file
+/// smaller than one block;
 /// Error(io) when the file cannot be opened, mapped or read.
 DiskBenchResult run_disk_bench(const DiskBenchOptions& options);
 
