@@ -8,7 +8,7 @@
 //     "config": {queue_depth, block_bytes[], seconds, repetitions, seed},
 //     "io_uring": the reader's settings line or why it is unavailable,
 //     "runs": [{method, depth, block_bytes, reads, bytes, seconds, gbps, cached_fraction,
-//               repetition}],
+//               device_bytes (-1: unknown), repetition}],
 //     "summary": [{method, depth, block_bytes, gbps_median, gbps_min, gbps_max}] }
 #include "berth/bench/disk_bench.h"
 
@@ -114,6 +114,8 @@ DiskInfo disk_info(int fd) {
   fs::path dev = fmt::format("/sys/dev/block/{}:{}", major(st.st_dev), minor(st.st_dev));
   std::error_code ec;
   if (!fs::exists(dev, ec)) return d;
+  // The counters of the file's own device or partition; the queue of the whole disk.
+  d.stat_path = (dev / "stat").string();
   if (!fs::exists(dev / "queue", ec)) dev = dev / "..";
   const std::string uevent_dev = [&] {
     std::ifstream in(dev / "uevent");
@@ -128,6 +130,24 @@ DiskInfo disk_info(int fd) {
   return d;
 }
 
+// Bytes the device has read since boot: /sys/dev/block/MAJ:MIN/stat, field 3 (512-byte sectors,
+// Documentation/block/stat.rst); -1 when unknown.
+int64_t device_read_bytes(const std::string& stat_path) {
+  std::ifstream in(stat_path);
+  int64_t ios = 0, merges = 0, sectors = 0;
+  if (stat_path.empty() || !(in >> ios >> merges >> sectors)) return -1;
+  return sectors * 512;
+}
+
+// Fills the run's time, bytes and rates; t0 and dev0: the clock and the device counter at start.
+void finish_run(DiskBenchRun& run, double t0, int64_t dev0, const std::string& stat_path) {
+  run.seconds = now_seconds() - t0;
+  run.bytes = run.reads * run.block_bytes;
+  run.gbps = static_cast<double>(run.bytes) / 1e9 / run.seconds;
+  const int64_t dev1 = device_read_bytes(stat_path);
+  run.device_bytes = dev0 >= 0 && dev1 >= dev0 ? dev1 - dev0 : -1;
+}
+
 std::string size_text(size_t bytes) {
   if (bytes % (size_t{1} << 20) == 0) return fmt::format("{} MiB", bytes >> 20);
   return fmt::format("{} KiB", bytes >> 10);
@@ -136,7 +156,7 @@ std::string size_text(size_t bytes) {
 // Random block-aligned reads through a DiskReader, 2 x depth submitted, for `seconds`.
 DiskBenchRun reader_run(const DiskBenchOptions& o, const std::vector<uint64_t>& order, size_t block,
                         io::DiskReaderOptions::Backend backend, unsigned depth, int fd,
-                        uint64_t file_bytes, std::string* settings) {
+                        uint64_t file_bytes, const std::string& stat_path, std::string* settings) {
   const size_t n_buf = 2 * static_cast<size_t>(depth);
   io::AlignedBuffer arena(n_buf * block);
   std::memset(arena.data(), 0, arena.size());  // faulted in before timing
@@ -160,6 +180,7 @@ DiskBenchRun reader_run(const DiskBenchOptions& o, const std::vector<uint64_t>& 
     const uint64_t offset = order[next++] * block;
     out.emplace_back(reader.submit(io::ReadRequest{offset, block, arena.data() + b * block}), b);
   };
+  const int64_t dev0 = device_read_bytes(stat_path);
   const double t0 = now_seconds();
   for (size_t b = 0; b < n_buf && next < order.size(); ++b) submit(b);
   while (!out.empty()) {
@@ -169,15 +190,13 @@ DiskBenchRun reader_run(const DiskBenchOptions& o, const std::vector<uint64_t>& 
     ++run.reads;
     if (now_seconds() - t0 < o.seconds && next < order.size()) submit(b);
   }
-  run.seconds = now_seconds() - t0;
-  run.bytes = run.reads * block;
-  run.gbps = static_cast<double>(run.bytes) / 1e9 / run.seconds;
+  finish_run(run, t0, dev0, stat_path);
   return run;
 }
 
 // Random block-aligned ranges of a mapping, one byte per page touched, for `seconds`.
 DiskBenchRun mmap_run(const DiskBenchOptions& o, const std::vector<uint64_t>& order, size_t block,
-                      int fd, uint64_t file_bytes) {
+                      int fd, uint64_t file_bytes, const std::string& stat_path) {
   DiskBenchRun run;
   run.method = "mmap";
   run.depth = 1;
@@ -185,6 +204,7 @@ DiskBenchRun mmap_run(const DiskBenchOptions& o, const std::vector<uint64_t>& or
   run.cached_fraction = drop_cache(fd, file_bytes, o.path);
   Mapping m(fd, file_bytes, o.path);
   volatile uint8_t sink = 0;
+  const int64_t dev0 = device_read_bytes(stat_path);
   const double t0 = now_seconds();
   for (size_t i = 0; i < order.size() && now_seconds() - t0 < o.seconds; ++i) {
     const uint8_t* p = m.p + order[i] * block;
@@ -193,9 +213,7 @@ DiskBenchRun mmap_run(const DiskBenchOptions& o, const std::vector<uint64_t>& or
     sink = sink ^ s;
     ++run.reads;
   }
-  run.seconds = now_seconds() - t0;
-  run.bytes = run.reads * block;
-  run.gbps = static_cast<double>(run.bytes) / 1e9 / run.seconds;
+  finish_run(run, t0, dev0, stat_path);
   return run;
 }
 
@@ -256,9 +274,10 @@ DiskBenchResult run_disk_bench(const DiskBenchOptions& options) {
       if (uring) {
         try {
           add(reader_run(o, order, block, Backend::io_uring, o.queue_depth, file.fd, r.file_bytes,
-                         &r.io_uring));
+                         r.disk.stat_path, &r.io_uring));
           if (o.queue_depth != 1)
-            add(reader_run(o, order, block, Backend::io_uring, 1, file.fd, r.file_bytes, nullptr));
+            add(reader_run(o, order, block, Backend::io_uring, 1, file.fd, r.file_bytes,
+                           r.disk.stat_path, nullptr));
         } catch (const Error& e) {
           if (e.category() != ErrorCategory::unsupported) throw;
           uring = false;
@@ -268,8 +287,8 @@ DiskBenchResult run_disk_bench(const DiskBenchOptions& options) {
         }
       }
       add(reader_run(o, order, block, Backend::pread, o.queue_depth, file.fd, r.file_bytes,
-                     nullptr));
-      add(mmap_run(o, order, block, file.fd, r.file_bytes));
+                     r.disk.stat_path, nullptr));
+      add(mmap_run(o, order, block, file.fd, r.file_bytes, r.disk.stat_path));
     }
   }
   // One summary per method, depth and block, in the order of first appearance.
@@ -303,6 +322,7 @@ nlohmann::json to_json(const DiskBenchResult& r) {
                     {"seconds", x.seconds},
                     {"gbps", x.gbps},
                     {"cached_fraction", x.cached_fraction},
+                    {"device_bytes", x.device_bytes},
                     {"repetition", x.repetition}});
   json summary = json::array();
   for (const DiskBenchSummary& g : r.summary)
@@ -341,12 +361,16 @@ std::string format_text(const DiskBenchResult& r) {
       r.options.path, static_cast<double>(r.file_bytes) / 1e9,
       r.disk.device.empty() ? "an unknown device" : r.disk.device, r.disk.read_ahead_kb,
       r.machine.date_utc, r.machine.hostname, r.options.seconds, r.options.repetitions, r.io_uring);
-  s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8} {:>8} {:>9}\n", "method", "depth", "block",
-                   "rep", "reads", "seconds", "GB/s", "cached");
+  s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8} {:>8} {:>9} {:>13}\n", "method", "depth",
+                   "block", "rep", "reads", "seconds", "GB/s", "cached", "device/asked");
   for (const DiskBenchRun& x : r.runs)
-    s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8.1f} {:>8.3f} {:>8.1f}%\n", x.method,
-                     x.depth, size_text(x.block_bytes), x.repetition + 1, x.reads, x.seconds,
-                     x.gbps, 100 * x.cached_fraction);
+    s += fmt::format("{:<18} {:>5} {:>8} {:>4} {:>7} {:>8.1f} {:>8.3f} {:>8.1f}% {:>13}\n",
+                     x.method, x.depth, size_text(x.block_bytes), x.repetition + 1, x.reads,
+                     x.seconds, x.gbps, 100 * x.cached_fraction,
+                     x.device_bytes < 0 || x.bytes == 0
+                         ? std::string("-")
+                         : fmt::format("{:.2f}", static_cast<double>(x.device_bytes) /
+                                                     static_cast<double>(x.bytes)));
   if (r.options.repetitions > 1) {
     s += fmt::format("\n{:<18} {:>5} {:>8} {:>12} {:>17}\n", "method", "depth", "block",
                      "median GB/s", "min - max GB/s");

@@ -13,7 +13,8 @@
 // file's blocks, so no block is read twice in a run) for `seconds` or until every block was
 // read, keeping 2 x depth reads submitted (the reader keeps `depth` of them in the kernel).
 // Before each run the file's pages are dropped from the page cache (fdatasync, then
-// posix_fadvise(POSIX_FADV_DONTNEED)); the fraction still resident (mincore) is reported.
+// posix_fadvise(POSIX_FADV_DONTNEED)); the fraction still resident (mincore) is reported, and
+// the bytes the device read during the run (sysfs), to show read-ahead beyond what was asked.
 // GB/s = bytes of completed reads / 1e9 / seconds from the first submission to the last
 // completion.
 #pragma once
@@ -50,6 +51,7 @@ struct DiskInfo {
   int64_t read_ahead_kb = -1;  ///< queue/read_ahead_kb
   int rotational = -1;         ///< queue/rotational
   int64_t logical_block_size = -1;
+  std::string stat_path;  ///< /sys/dev/block/MAJ:MIN/stat of the file's device or partition
 };
 
 struct DiskBenchRun {
@@ -61,7 +63,10 @@ struct DiskBenchRun {
   double seconds = 0;
   double gbps = 0;             ///< 1e9 bytes per second
   double cached_fraction = 0;  ///< of the file's pages resident when the run started
-  int repetition = 0;          ///< 0-based
+  /// Bytes the device read during the run (its sysfs counter: every reader of the device
+  /// counts, not only this run; read-ahead shows as device_bytes > bytes); -1: unknown.
+  int64_t device_bytes = -1;
+  int repetition = 0;  ///< 0-based
 };
 
 /// The runs of one method, depth and block size over the repetitions.
