@@ -30,9 +30,11 @@
 // hold); wait() blocks only its caller. A ticket is retired by the first poll() that returns
 // true (or throws) or by wait(); using it again is an error.
 //
-// Errors of a read (EIO, a short read, a file that shrank since it was opened) are reported by
-// poll()/wait() of its ticket as berth::Error(io) naming the file, the request's offset and
-// length, the tensor (when the request names one) and the cause; they never crash the process.
+// A short read is continued where it stopped. Errors of a read (EIO and other errnos, the end
+// of the file reached before the range's end: a file that shrank since it was opened) are
+// reported by poll()/wait() of its ticket as berth::Error(io) naming the file, the request's
+// offset and length, the tensor (when the request names one) and the cause; they never crash
+// the process.
 #pragma once
 
 #include <cerrno>
