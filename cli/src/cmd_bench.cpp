@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "berth/bench/disk_bench.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
 #include "berth/core/error.h"
@@ -29,6 +30,10 @@ struct BenchOptions {
   CLI::App* model = nullptr;
   bench::ModelBenchOptions m;
   size_t model_dram_mib = 0;
+  // bench disk
+  CLI::App* disk = nullptr;
+  bench::DiskBenchOptions d;
+  size_t block_kib = 0;
 };
 
 // The --json destination: "-" is standard output (the text table then goes to standard
@@ -90,6 +95,19 @@ int bench_model(BenchOptions& o) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
   const bench::ModelBenchResult r = bench::run_model_bench(o.m);
+  json_out.write(bench::to_json(r));
+  json_out.text(bench::format_text(r));
+  return 0;
+}
+
+int bench_disk(BenchOptions& o) {
+  JsonOut json_out(o.json_path);
+  if (o.block_kib != 0) o.d.block_bytes = {o.block_kib * 1024};
+  if (!o.quiet)
+    o.d.progress = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  const bench::DiskBenchResult r = bench::run_disk_bench(o.d);
   json_out.write(bench::to_json(r));
   json_out.text(bench::format_text(r));
   return 0;
@@ -174,8 +192,32 @@ Runner add_bench(CLI::App& app) {
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");
   m->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  CLI::App* d = sub->add_subcommand(
+      "disk",
+      "the drive under a model file: random-read GB/s of expert-sized blocks through io_uring "
+      "with O_DIRECT (at --qd and at depth 1), a pool of pread threads and mmap page faults, "
+      "each from a cold page cache");
+  o->disk = d;
+  d->add_option("-m,--model", o->d.path, "the file to read (a GGUF model or any large file)")
+      ->required();
+  d->add_option("--qd", o->d.queue_depth, "io_uring queue depth and pread threads (default 32)")
+      ->check(CLI::Range(1u, 1024u));
+  d->add_option("--block-kib", o->block_kib,
+                "KiB per read, a multiple of 4 (default: 3072 and 1024; 3 MiB is one qwen3-30b-a3b "
+                "Q4_K expert's gate + up + down)")
+      ->check(CLI::Range(size_t{4}, size_t{1} << 20));
+  d->add_option("--seconds", o->d.seconds, "seconds per run (default 10)")
+      ->check(CLI::Range(0.001, 3600.0));
+  d->add_option("--reps", o->d.repetitions,
+                "runs per method, interleaved; the table then adds median, min and max (default 1)")
+      ->check(CLI::Range(1, 1000));
+  d->add_option("--json", o->json_path,
+                "also write every number as JSON to this file (-: to standard output, the table to "
+                "standard error)");
+  d->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] {
     if (o->kernels->parsed()) return bench_kernels(*o);
+    if (o->disk->parsed()) return bench_disk(*o);
     if (o->model->parsed()) return bench_model(*o);
     return 2;
   };
