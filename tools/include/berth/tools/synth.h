@@ -46,7 +46,8 @@
 // above plus, with a shared expert, ffn_gate_inp_shexp {n_embd}, ffn_gate_shexp, ffn_up_shexp
 // {n_embd, n_ff_shexp}, ffn_down_shexp {n_ff_shexp, n_embd}. An MTP layer l = n_layer (n_mtp =
 // 1): nextn.eh_proj {2 n_embd, n_embd}, nextn.enorm, nextn.hnorm, nextn.shared_head_norm
-// {n_embd}, then an attention block and the FFN as above. Values: ssm_conv1d std 0.5 (unit
+// {n_embd}, then an attention block and the FFN as above, written after output.weight (so the
+// main model's tensors and values do not depend on it). Values: ssm_conv1d std 0.5 (unit
 // variance over 4 taps), ssm_dt.bias std 0.5, ssm_a = -A with A log-uniform in [0.05, 1]
 // (stored as -exp(A_log), so decays exp(ssm_a softplus(.)) mostly between 0.4 and 0.97),
 // ssm_norm 1 + 0.02 z (the model applies it unshifted), the other norms 1 + 0.02 z (the files
