@@ -22,7 +22,8 @@ struct SynthOptions {
   int32_t n_threads = 0;
   // Shape flags: nullopt when not given (the preset's value, or the default, applies).
   std::optional<int64_t> n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx,
-      n_expert, n_expert_used, n_ff_exp;
+      n_expert, n_expert_used, n_ff_exp, n_rot, full_attention_interval, ssm_d_conv, ssm_d_state,
+      ssm_n_group, ssm_dt_rank, n_ff_shexp, n_mtp;
   std::optional<float> rope_base;
 };
 
@@ -79,6 +80,14 @@ int synth(const SynthOptions& o) {
   if (o.n_expert_used) s.n_expert_used = *o.n_expert_used;
   if (o.n_ff_exp) s.n_ff_exp = *o.n_ff_exp;
   if (o.rope_base) s.rope_freq_base = *o.rope_base;
+  if (o.n_rot) s.n_rot = *o.n_rot;
+  if (o.full_attention_interval) s.full_attention_interval = *o.full_attention_interval;
+  if (o.ssm_d_conv) s.ssm_d_conv = *o.ssm_d_conv;
+  if (o.ssm_d_state) s.ssm_d_state = *o.ssm_d_state;
+  if (o.ssm_n_group) s.ssm_n_group = *o.ssm_n_group;
+  if (o.ssm_dt_rank) s.ssm_dt_rank = *o.ssm_dt_rank;
+  if (o.n_ff_shexp) s.n_ff_shexp = *o.n_ff_shexp;
+  if (o.n_mtp) s.n_mtp = *o.n_mtp;
   s.type = o.type;
   s.seed = o.seed;
   s.router_skew = o.router_skew;
@@ -133,7 +142,8 @@ Runner add_synth(CLI::App& app) {
   for (const std::string& p : synth_presets()) presets += (presets.empty() ? "" : ", ") + p;
   CLI::App* sub = app.add_subcommand(
       "synth", "write a synthetic GGUF model (random weights of realistic scale) for testing");
-  sub->add_option("--arch", o->arch, "architecture: llama, qwen2, qwen3, qwen3moe");
+  sub->add_option("--arch", o->arch,
+                  "architecture: llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe");
   sub->add_option("--preset", o->preset, "a named shape: " + presets);
   sub->add_option("--type", o->type,
                   "weight type: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k "
@@ -163,6 +173,19 @@ Runner add_synth(CLI::App& app) {
   sub->add_option("--n-expert-used", o->n_expert_used, "expert_used_count");
   sub->add_option("--n-ff-exp", o->n_ff_exp, "expert_feed_forward_length (qwen3moe)");
   sub->add_option("--rope-base", o->rope_base, "rope.freq_base (default 10000; qwen 1e6)");
+  sub->add_option("--n-rot", o->n_rot, "rope.dimension_count (qwen35*; default head_dim / 4)");
+  sub->add_option("--full-attention-interval", o->full_attention_interval,
+                  "qwen35*: every N-th layer is full attention, the others Gated DeltaNet "
+                  "(default 4)");
+  sub->add_option("--ssm-d-conv", o->ssm_d_conv, "qwen35*: ssm.conv_kernel (default 4)");
+  sub->add_option("--ssm-d-state", o->ssm_d_state, "qwen35*: ssm.state_size, the GDN head dim");
+  sub->add_option("--ssm-n-group", o->ssm_n_group, "qwen35*: ssm.group_count, GDN K heads");
+  sub->add_option("--ssm-dt-rank", o->ssm_dt_rank,
+                  "qwen35*: ssm.time_step_rank, GDN V heads (a multiple of the K heads)");
+  sub->add_option("--n-ff-shexp", o->n_ff_shexp,
+                  "qwen35moe: expert_shared_feed_forward_length (0: no shared expert)");
+  sub->add_option("--n-mtp", o->n_mtp,
+                  "qwen35*: 1 writes the MTP block blk.{n_layer}.nextn.* (0: none)");
   return [o] { return synth(*o); };
 }
 

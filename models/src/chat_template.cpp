@@ -13,8 +13,9 @@ namespace berth {
 
 namespace {
 
-constexpr std::array<ChatFormat, 4> kFormats = {ChatFormat::chatml, ChatFormat::llama3,
-                                                ChatFormat::mistral, ChatFormat::deepseek3};
+constexpr std::array<ChatFormat, 5> kFormats = {ChatFormat::chatml, ChatFormat::llama3,
+                                                ChatFormat::mistral, ChatFormat::deepseek3,
+                                                ChatFormat::qwen3};
 
 // DeepSeek's markers use U+FF5C FULLWIDTH VERTICAL LINE and U+2581 LOWER ONE EIGHTH BLOCK.
 constexpr std::string_view kDsUser = "<｜User｜>";
@@ -70,6 +71,63 @@ void render_chatml(std::span<const ChatMessage> msgs, bool gen, Renderer& r) {
     r.markup("<|im_end|>\n");
   }
   if (gen) r.markup("<|im_start|>assistant\n");
+}
+
+/// Python's str.strip / lstrip / rstrip of newline characters only (the template's
+/// .strip('\n') and friends).
+std::string_view strip_nl(std::string_view s, bool left, bool right) {
+  while (left && !s.empty() && s.front() == '\n') s.remove_prefix(1);
+  while (right && !s.empty() && s.back() == '\n') s.remove_suffix(1);
+  return s;
+}
+
+bool is_tool_response(std::string_view s) {
+  return s.starts_with("<tool_response>") && s.ends_with("</tool_response>");
+}
+
+// Qwen3's chat_template (tokenizer_config.json) without tools: see chat.h.
+void render_qwen3(std::span<const ChatMessage> msgs, bool gen, const ChatOptions& opts,
+                  Renderer& r) {
+  // The last user message that is a query (not a tool response); the last message if none.
+  size_t last_query = msgs.empty() ? 0 : msgs.size() - 1;
+  for (size_t i = msgs.size(); i-- > 0;) {
+    if (msgs[i].role == ChatRole::user && !is_tool_response(msgs[i].content)) {
+      last_query = i;
+      break;
+    }
+  }
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const ChatMessage& m = msgs[i];
+    r.markup(fmt::format("<|im_start|>{}\n", role_name(m.role)));
+    if (m.role != ChatRole::assistant) {
+      r.content(m.content, i);
+      r.markup("<|im_end|>\n");
+      continue;
+    }
+    std::string_view content = m.content, reasoning;
+    if (const size_t end = content.rfind("</think>"); end != std::string_view::npos) {
+      // content.split('</think>')[-1].lstrip('\n'); the reasoning: split('</think>')[0]
+      // .rstrip('\n').split('<think>')[-1].lstrip('\n').
+      std::string_view before = strip_nl(content.substr(0, content.find("</think>")), false, true);
+      if (const size_t open = before.rfind("<think>"); open != std::string_view::npos)
+        before.remove_prefix(open + 7);
+      reasoning = strip_nl(before, true, false);
+      content = strip_nl(content.substr(end + 8), true, false);
+    }
+    const bool last = i + 1 == msgs.size();
+    if (i > last_query && (last || !reasoning.empty())) {
+      r.content(fmt::format("<think>\n{}\n</think>\n\n{}", strip_nl(reasoning, true, true),
+                            strip_nl(content, true, false)),
+                i);
+    } else {
+      r.content(std::string(content), i);
+    }
+    r.markup("<|im_end|>\n");
+  }
+  if (gen) {
+    r.markup("<|im_start|>assistant\n");
+    if (opts.enable_thinking == false) r.markup("<think>\n\n</think>\n\n");
+  }
 }
 
 void render_llama3(std::span<const ChatMessage> msgs, bool gen, Renderer& r) {
@@ -159,6 +217,8 @@ std::string_view chat_format_name(ChatFormat format) {
       return "mistral";
     case ChatFormat::deepseek3:
       return "deepseek3";
+    case ChatFormat::qwen3:
+      return "qwen3";
   }
   return "?";
 }
@@ -184,7 +244,8 @@ ChatFormat detect_chat_format(std::string_view t) {
   if (t.find(kDsUser) != std::string_view::npos || t.find(kDsAssistant) != std::string_view::npos)
     return ChatFormat::deepseek3;
   if (t.find("<|start_header_id|>") != std::string_view::npos) return ChatFormat::llama3;
-  if (t.find("<|im_start|>") != std::string_view::npos) return ChatFormat::chatml;
+  if (t.find("<|im_start|>") != std::string_view::npos)
+    return t.find("<think>") != std::string_view::npos ? ChatFormat::qwen3 : ChatFormat::chatml;
   if (t.find("[INST]") != std::string_view::npos) return ChatFormat::mistral;
   throw Error(ErrorCategory::unsupported,
               fmt::format("the model's chat template (tokenizer.chat_template, {} bytes) is not "
@@ -205,7 +266,7 @@ ChatFormat chat_format_for(const gguf::File& file, std::string_view override_nam
 }
 
 std::vector<ChatPiece> render_chat(ChatFormat format, std::span<const ChatMessage> messages,
-                                   bool add_generation_prompt) {
+                                   bool add_generation_prompt, const ChatOptions& options) {
   for (size_t i = 1; i < messages.size(); ++i)
     if (messages[i].role == ChatRole::system)
       throw Error(ErrorCategory::invalid_argument,
@@ -227,6 +288,9 @@ std::vector<ChatPiece> render_chat(ChatFormat format, std::span<const ChatMessag
     case ChatFormat::deepseek3:
       render_deepseek3(messages, add_generation_prompt, r);
       break;
+    case ChatFormat::qwen3:
+      render_qwen3(messages, add_generation_prompt, options, r);
+      break;
   }
   return out;
 }
@@ -240,6 +304,7 @@ std::string chat_text(std::span<const ChatPiece> pieces) {
 std::vector<ChatPiece> chat_end_of_turn(ChatFormat format) {
   switch (format) {
     case ChatFormat::chatml:
+    case ChatFormat::qwen3:
       return {ChatPiece{"<|im_end|>\n", true, -1}};
     case ChatFormat::llama3:
       return {ChatPiece{"<|eot_id|>", true, -1}};
@@ -254,6 +319,7 @@ std::vector<ChatPiece> chat_end_of_turn(ChatFormat format) {
 std::vector<std::string> chat_stop_texts(ChatFormat format) {
   switch (format) {
     case ChatFormat::chatml:
+    case ChatFormat::qwen3:
       return {"<|im_end|>"};
     case ChatFormat::llama3:
       return {"<|eot_id|>", "<|eom_id|>"};

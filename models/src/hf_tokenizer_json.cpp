@@ -78,7 +78,7 @@ bool has_byte_level(const json& j) {
 /// tokenizer.ggml.pre for the Split regexes of a tokenizer.json: the known pre-tokenizer whose
 /// regex list is exactly `regexes`, else "default" (documented in read_hf_tokenizer_json).
 std::string guess_pre(const std::vector<std::string>& regexes) {
-  for (std::string_view name : {"qwen2", "llama-bpe", "deepseek-v3"}) {
+  for (std::string_view name : {"qwen2", "qwen35", "llama-bpe", "deepseek-v3"}) {
     const std::vector<std::string>* known = bpe_pre_regexes(name);
     if (known != nullptr && regexes == *known) return std::string(name);
   }

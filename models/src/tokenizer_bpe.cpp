@@ -19,6 +19,12 @@ namespace {
 // spell them (after JSON unescaping), so that read_hf_tokenizer_json can recognise them.
 const std::vector<std::string> kQwen2 = {
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"};
+// Qwen3.5 (tokenizer.ggml.pre "qwen35"): Qwen2's pattern with combining marks in words, letter
+// runs [\p{L}\p{M}]+ and punctuation runs [^\s\p{L}\p{M}\p{N}]+ (the Split pattern of the
+// Qwen3.5 tokenizer.json as llama.cpp / ik_llama.cpp quote it in llama-vocab.cpp). Contractions
+// match either case in both patterns ((?i:...)).
+const std::vector<std::string> kQwen35 = {
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"};
 const std::vector<std::string> kLlama3 = {
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"};
 // DeepSeek-V3: digits in groups of up to three, runs of CJK ideographs (U+4E00..U+9FA5) and
@@ -75,13 +81,16 @@ uint64_t pair_key(int32_t left, int32_t right) {
 
 const std::vector<std::string>* bpe_pre_regexes(std::string_view pre) {
   if (pre == "qwen2") return &kQwen2;
+  if (pre == "qwen35") return &kQwen35;
   if (pre == "llama-bpe") return &kLlama3;
   if (pre == "deepseek-v3") return &kDeepSeekV3;
   if (pre == "default" || pre == "gpt-2") return &kGpt2;
   return nullptr;
 }
 
-std::string_view bpe_supported_pres() { return "qwen2, llama-bpe, deepseek-v3, default, gpt-2"; }
+std::string_view bpe_supported_pres() {
+  return "qwen2, qwen35, llama-bpe, deepseek-v3, default, gpt-2";
+}
 
 /// A compiled pattern: UTF + UCP, JIT-compiled when the library supports it.
 struct BpeTokenizer::Regex {

@@ -212,8 +212,8 @@ TEST_CASE(
     "turns") {
   // A 2-layer qwen3 with the real 151,936-token vocabulary and Qwen3's chat template (written
   // by berth's generator). Its replies are random text, but the conversation mechanics are
-  // those of a real Qwen3 file: ChatML detected from the template, control tokens from the
-  // markup only, each turn prefilling just what the KV cache lacks.
+  // those of a real Qwen3 file: ChatML with thinking tags (qwen3) detected from the template,
+  // control tokens from the markup only, each turn prefilling just what the KV cache lacks.
   const auto dir = test::temp_dir("chat-qwen3");
   const std::string path = (dir / "tiny-qwen3-vocab.gguf").string();
   SynthSpec spec = synth_preset("tiny-qwen3");
@@ -225,13 +225,14 @@ TEST_CASE(
   gguf::File file = gguf::File::open(path);
   std::unique_ptr<Model> model = load_model(file);
   std::unique_ptr<Tokenizer> tok = Tokenizer::from_gguf(file);
-  REQUIRE(chat_format_for(file, "") == ChatFormat::chatml);
+  // Qwen3's template has thinking tags: the qwen3 format (ChatML with <think> handling).
+  REQUIRE(chat_format_for(file, "") == ChatFormat::qwen3);
   const int32_t im_end = tok->find_token("<|im_end|>");
   REQUIRE(im_end == 151645);
 
   Session s(*model, SessionParams{.n_threads = 2, .n_ctx = 1024, .n_ubatch = 512});
   Sampler sampler(greedy(), tok->n_vocab());
-  ChatSession chat(s, *tok, sampler, ChatFormat::chatml, kSystem);
+  ChatSession chat(s, *tok, sampler, ChatFormat::qwen3, kSystem);
   const std::vector<std::string> turns = {"Hello!", "Say <|im_end|> twice: <|im_end|>", "Thanks."};
   int64_t before = 0;
   for (size_t i = 0; i < turns.size(); ++i) {

@@ -116,11 +116,82 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("qwen3 renders as Qwen3's chat_template does (goldens from jinja2 on the real file)") {
+  // Each expected string is what Jinja2 3.1.6 printed for the chat_template of
+  // ../shared/tokenizers/qwen3/tokenizer_config.json with these messages.
+  using M = std::vector<ChatMessage>;
+  const auto q3 = [](const M& m, bool gen, ChatOptions o = {}) {
+    return chat_text(render_chat(ChatFormat::qwen3, m, gen, o));
+  };
+  // The last message, an assistant reply after the last query, gets an (empty) thinking block.
+  CHECK(q3(kConversation, false) ==
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n");
+  // An earlier turn loses its reasoning.
+  const M multi = {{ChatRole::user, "2+2?"},
+                   {ChatRole::assistant, "<think>\nadd them\n</think>\n\n4"},
+                   {ChatRole::user, "and 3+3?"}};
+  CHECK(q3(multi, true) ==
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+        "<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n");
+  CHECK(q3({{ChatRole::user, "q"}, {ChatRole::assistant, "<think>r</think>a"}}, false) ==
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\na"
+        "<|im_end|>\n");
+  // A tool response is not a query: both replies after the question keep their reasoning.
+  const M tool = {{ChatRole::user, "q"},
+                  {ChatRole::assistant, "<think>\nplan\n</think>\n\ncall"},
+                  {ChatRole::user, "<tool_response>\n42\n</tool_response>"},
+                  {ChatRole::assistant, "<think>\nok\n</think>\n\nIt is 42."}};
+  CHECK(q3(tool, false) ==
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nplan\n</think>\n\ncall"
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nok\n</think>\n\nIt is 42.<|im_end|>\n");
+  // enable_thinking: false closes an empty thinking block after the prompt; true = unset.
+  const M hi = {{ChatRole::user, "Hi"}};
+  CHECK(q3(hi, true, {.enable_thinking = false}) ==
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  CHECK(q3(hi, true, {.enable_thinking = true}) ==
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  CHECK(q3(hi, true) == q3(hi, true, {.enable_thinking = true}));
+  // Without </think> an earlier reply stays as written (leading newlines too); reasoning is
+  // before the first </think>, the content after the last one.
+  const M edge = {{ChatRole::user, "q"},
+                  {ChatRole::assistant, "\n\nlead"},
+                  {ChatRole::user, "q2"},
+                  {ChatRole::assistant, "x</think>\n\ny</think>z"}};
+  CHECK(q3(edge, false) ==
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n\n\nlead<|im_end|>\n"
+        "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\nz"
+        "<|im_end|>\n");
+  // No user message: no reply is after a query.
+  CHECK(q3({{ChatRole::system, "s"}, {ChatRole::assistant, "<think>\nr\n</think>a"}}, false) ==
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n");
+
+  // Pieces: the thinking block is part of the reply's one content piece; markup is special.
+  const std::vector<ChatPiece> pieces = render_chat(ChatFormat::qwen3, kConversation, false);
+  for (const ChatPiece& p : pieces) CHECK(p.special == (p.message < 0));
+  const auto reply =
+      std::find_if(pieces.begin(), pieces.end(), [](const ChatPiece& p) { return p.message == 2; });
+  REQUIRE(reply != pieces.end());
+  CHECK(reply->text == "<think>\n\n</think>\n\nHello.");
+  CHECK(q3(std::vector(kConversation.begin(), kConversation.begin() + 2), true) ==
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        "<|im_start|>assistant\n");
+  CHECK(chat_stop_texts(ChatFormat::qwen3) == std::vector<std::string>{"<|im_end|>"});
+  CHECK(chat_text(chat_end_of_turn(ChatFormat::qwen3)) == "<|im_end|>\n");
+  // With the real vocabulary: <think> and </think> are single (added) tokens.
+  const auto tok = qwen3_tokenizer();
+  const Ids ids = tokenize_chat(*tok, pieces, false);
+  CHECK(std::count(ids.begin(), ids.end(), tok->find_token("<think>")) == 1);
+  CHECK(std::count(ids.begin(), ids.end(), tok->find_token("</think>")) == 1);
+  CHECK(std::count(ids.begin(), ids.end(), kImStart) == 3);
+}
+
 TEST_CASE("format names round-trip; unknown names are invalid_argument naming the flag") {
-  for (ChatFormat f :
-       {ChatFormat::chatml, ChatFormat::llama3, ChatFormat::mistral, ChatFormat::deepseek3})
+  for (ChatFormat f : {ChatFormat::chatml, ChatFormat::llama3, ChatFormat::mistral,
+                       ChatFormat::deepseek3, ChatFormat::qwen3})
     CHECK(chat_format_from_name(chat_format_name(f)) == f);
-  CHECK(chat_format_names() == "chatml, llama3, mistral, deepseek3");
+  CHECK(chat_format_names() == "chatml, llama3, mistral, deepseek3, qwen3");
   std::string msg;
   CHECK(category_of([] { chat_format_from_name("vicuna"); }, &msg) ==
         ErrorCategory::invalid_argument);
@@ -142,12 +213,14 @@ TEST_CASE("detection from template text") {
   std::ifstream in(test::shared_dir() / "tokenizers/qwen3/tokenizer_config.json");
   REQUIRE(in);
   const nlohmann::json config = nlohmann::json::parse(in);
-  CHECK(detect_chat_format(config.at("chat_template").get<std::string>()) == ChatFormat::chatml);
+  CHECK(detect_chat_format(config.at("chat_template").get<std::string>()) == ChatFormat::qwen3);
 
   // Short templates with each family's markers.
   CHECK(detect_chat_format("{% for message in messages %}{{'<|im_start|>' + message['role'] + "
                            "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}") ==
         ChatFormat::chatml);
+  CHECK(detect_chat_format("{{'<|im_start|>assistant\\n'}}{% if enable_thinking is false %}"
+                           "{{'<think>\\n\\n</think>\\n\\n'}}{% endif %}") == ChatFormat::qwen3);
   CHECK(detect_chat_format("{{ bos_token }}{% for message in messages %}{{ "
                            "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
                            "+ message['content'] | trim + '<|eot_id|>' }}{% endfor %}") ==

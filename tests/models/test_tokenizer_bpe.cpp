@@ -462,6 +462,59 @@ TEST_CASE("bpe: pre-tokenizers split where their published regexes say") {
   CHECK(qwen->encode("abc", false) == Ids{259, 'c'});
 }
 
+TEST_CASE("bpe: qwen35 keeps combining marks in words (handwritten cases)") {
+  // qwen35's pattern (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35) differs from qwen2's only in
+  // \p{M}: letter runs are [\p{L}\p{M}]+ and punctuation runs exclude marks. Each case has a
+  // merge that crosses a qwen2 piece boundary, so the ids show where each one splits.
+  const std::string acute = "\xCC\x81";  // U+0301 COMBINING ACUTE ACCENT
+  {
+    const std::vector<std::string> extra = {"e\xCC", "e\xCC\x81"};
+    const Merges m = {{"e", "\xCC"}, {"e\xCC", "\x81"}};
+    const auto q35 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen35"));
+    const auto q2 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen2"));
+    // "é" spelled e + U+0301: one word for qwen35; for qwen2 the letter, then the mark.
+    CHECK(q35->encode("e" + acute, false) == Ids{257});
+    CHECK(q2->encode("e" + acute, false) == Ids{'e', 0xCC, 0x81});
+    // Inside a word: qwen2 splits "cafe" | U+0301 "s" (the mark as a word's prefix character).
+    CHECK(q35->encode("cafe" + acute + "s", false) == Ids{'c', 'a', 'f', 257, 's'});
+    CHECK(q2->encode("cafe" + acute + "s", false) == Ids{'c', 'a', 'f', 'e', 0xCC, 0x81, 's'});
+    CHECK(q35->decode(q35->encode("cafe" + acute + "s", false)) == "cafe" + acute + "s");
+  }
+  {
+    // Devanagari "हि": HA (Lo) + vowel sign I (Mc). qwen2: "ह" | "ि"; qwen35: one word.
+    const std::string ha = "\xE0\xA4\xB9", sign_i = "\xE0\xA4\xBF";
+    const std::vector<std::string> extra = {"\xE0\xA4", ha, ha + "\xE0\xA4", ha + sign_i};
+    const Merges m = {
+        {"\xE0", "\xA4"}, {"\xE0\xA4", "\xB9"}, {ha, "\xE0\xA4"}, {ha + "\xE0\xA4", "\xBF"}};
+    const auto q35 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen35"));
+    const auto q2 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen2"));
+    CHECK(q35->encode(ha + sign_i, false) == Ids{259});
+    CHECK(q2->encode(ha + sign_i, false) == Ids{257, 256, 0xBF});
+  }
+  {
+    // A mark after punctuation: qwen2's punctuation run takes it ("..́"); qwen35's stops at
+    // it and the mark starts a word of its own.
+    const Merges m = {{".", "."}, {"..", "\xCC"}};
+    const std::vector<std::string> extra = {"..", "..\xCC"};
+    const auto q35 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen35"));
+    const auto q2 = Tokenizer::make_bpe(tiny_vocab(extra, m, "qwen2"));
+    CHECK(q35->encode(".." + acute, false) == Ids{256, 0xCC, 0x81});
+    CHECK(q2->encode(".." + acute, false) == Ids{257, 0x81});
+  }
+  {
+    // Contractions of either case are pieces ((?i:...)), as for qwen2; digits one per piece.
+    const Merges m = {{"'", "T"}, {"'", "t"}, {"1", "2"}};
+    const auto q35 = Tokenizer::make_bpe(tiny_vocab({"'T", "'t", "12"}, m, "qwen35"));
+    CHECK(q35->encode("DON'T", false) == Ids{'D', 'O', 'N', 256});
+    CHECK(q35->encode("don't", false) == Ids{'d', 'o', 'n', 257});
+    CHECK(q35->encode("12", false) == Ids{'1', '2'});
+    // Spaces as qwen2: a run before a word leaves its last space to the word.
+    const auto sp =
+        Tokenizer::make_bpe(tiny_vocab({"  ", " a"}, {{" ", " "}, {" ", "a"}}, "qwen35"));
+    CHECK(sp->encode("   a", false) == Ids{256, 257});
+  }
+}
+
 TEST_CASE("bpe: special tokens") {
   const auto tok = Tokenizer::make_bpe(tiny_vocab({"ab"}, {{"a", "b"}}, "qwen2",
                                                   {{"<|e", TokenType::control},

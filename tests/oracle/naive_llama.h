@@ -1,5 +1,6 @@
 // The oracle: a naive, double-precision reference forward pass of the architectures berth runs:
-// `llama` (dense, and Mixtral-style with experts), `qwen2`, `qwen3` and `qwen3moe`.
+// `llama` (dense, and Mixtral-style with experts), `qwen2`, `qwen3` and `qwen3moe` (this file),
+// and the hybrids `qwen35` and `qwen35moe` (naive_qwen35.h; NaiveModel delegates to it).
 //
 // Every optimised path of berth (models/, runtime/, the SIMD and CUDA kernels) is tested
 // against this class. It shares no math code with those paths on purpose: weights are decoded
@@ -40,12 +41,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "berth/io/gguf.h"
 
 namespace berth::oracle {
+
+class NaiveQwen35;
 
 /// Hyper-parameters as read from GGUF metadata. Keys carry the `{general.architecture}.`
 /// prefix (written `{arch}.` below), e.g. `qwen3.attention.key_length`.
@@ -114,7 +118,9 @@ Routing route_experts(const std::vector<double>& logits, int n_expert_used, bool
 Routing route_experts(const std::vector<float>& logits, int n_expert_used, bool renormalise);
 
 /// Naive forward of llama (dense or Mixtral-style), qwen2, qwen3 or qwen3moe with its own KV
-/// cache. Not thread-safe; one position per step().
+/// cache; for qwen35 / qwen35moe files it runs a NaiveQwen35 (hybrid()) and fills config() with
+/// the fields both share (n_layer: the main layers; n_head_kv: that of the first attention
+/// layer). Not thread-safe; one position per step().
 class NaiveModel {
  public:
   /// Reads hyper-parameters and all weights (converted to double) from `file`. `n_ctx`: the
@@ -134,11 +140,11 @@ class NaiveModel {
   /// asking for no renormalisation, a tensor type that cannot be dequantized, or any tensor
   /// this model does not use (e.g. biases on llama); Error(invalid_argument) for n_ctx < 0.
   explicit NaiveModel(const gguf::File& file, int n_ctx = 0);
-  virtual ~NaiveModel() = default;
-  NaiveModel(const NaiveModel&) = default;
-  NaiveModel& operator=(const NaiveModel&) = default;
-  NaiveModel(NaiveModel&&) = default;
-  NaiveModel& operator=(NaiveModel&&) = default;
+  virtual ~NaiveModel();
+  NaiveModel(const NaiveModel& other);  ///< a deep copy: a snapshot of the sequence
+  NaiveModel& operator=(const NaiveModel& other);
+  NaiveModel(NaiveModel&&) noexcept;
+  NaiveModel& operator=(NaiveModel&&) noexcept;
 
   /// Feeds `token` at position pos() (0, 1, 2, ...), appends its keys and values to the KV
   /// cache and returns the logits for the next token: n_vocab doubles, unnormalised. For MoE
@@ -156,6 +162,9 @@ class NaiveModel {
   /// The routing of the token of the last step(), one entry per layer (index = layer); empty
   /// for dense models, and entries with empty ids before the first step() or after reset().
   const std::vector<Routing>& last_routing() const { return last_routing_; }
+  /// The hybrid forward for qwen35 / qwen35moe files (its config, recurrent state); null for
+  /// the other architectures.
+  const NaiveQwen35* hybrid() const { return hybrid_.get(); }
 
  private:
   struct Layer {
@@ -186,7 +195,8 @@ class NaiveModel {
   std::vector<double> output_;       // [n_vocab][n_embd]; empty when tied to token_embd_
   std::vector<double> rope_freqs_;   // [n_rot/2]; empty when absent
   std::vector<Layer> layers_;
-  std::vector<Routing> last_routing_;  // [n_layer] for MoE models; empty for dense ones
+  std::vector<Routing> last_routing_;    // [n_layer] for MoE models; empty for dense ones
+  std::unique_ptr<NaiveQwen35> hybrid_;  // qwen35 / qwen35moe only
   int32_t pos_ = 0;
 };
 

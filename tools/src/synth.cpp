@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/core/strings.h"
@@ -23,10 +24,12 @@
 #include "berth/io/gguf_writer.h"
 #include "berth/models/tokenizer.h"
 #include "berth/tools/quantize.h"
-#include "berth/backends/thread_pool.h"
+#include "synth_internal.h"
 
 namespace berth {
 namespace {
+
+using namespace synth_detail;  // NOLINT: Kind, AddTensor, the vocabulary and hybrid parts
 
 [[noreturn]] void bad(const std::string& msg) { throw Error(ErrorCategory::invalid_argument, msg); }
 
@@ -98,6 +101,19 @@ SynthSpec make(const char* arch, int64_t n_layer, int64_t n_embd, int64_t n_head
   return s;
 }
 
+// The hybrid fields of a qwen35 / qwen35moe preset: GDN K and V heads of 128, kernel 4, every
+// 4th layer full attention, rotary on a quarter of each attention head.
+SynthSpec hybrid(SynthSpec s, int64_t h_k, int64_t h_v, int64_t n_ff_shexp) {
+  s.ssm_n_group = h_k;
+  s.ssm_dt_rank = h_v;
+  s.ssm_d_state = 128;
+  s.ssm_d_conv = 4;
+  s.full_attention_interval = 4;
+  s.n_rot = s.head_dim / 4;
+  s.n_ff_shexp = n_ff_shexp;
+  return s;
+}
+
 const std::vector<Preset>& presets() {
   // Qwen3 shapes: the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B.
   static const std::vector<Preset> p = {
@@ -113,6 +129,31 @@ const std::vector<Preset>& presets() {
        make("qwen3moe", 2, 256, 8, 2, 32, 512, 512, 4096, 4, 2, 256, 1e6f, 1e-6f, false)},
       {"tiny-mixtral",
        make("llama", 2, 256, 8, 4, 32, 256, 512, 4096, 4, 2, 0, 1e6f, 1e-5f, false)},
+      // Qwen3.5 shapes (config.json of Qwen/Qwen3.5-*; ../shared/notes/qwen35-hybrid.md): GDN
+      // heads of 128, attention heads of 256 with rotary on 64 dims, vocabulary 248,320.
+      {"qwen3.5-0.8b",
+       hybrid(make("qwen35", 24, 1024, 8, 2, 256, 3584, 248320, 262144, 0, 0, 0, 1e7f, 1e-6f, true),
+              16, 16, 0)},
+      {"qwen3.5-4b", hybrid(make("qwen35", 32, 2560, 16, 4, 256, 9216, 248320, 262144, 0, 0, 0,
+                                 1e7f, 1e-6f, true),
+                            16, 32, 0)},
+      {"qwen3.5-27b", hybrid(make("qwen35", 64, 5120, 24, 4, 256, 17408, 248320, 262144, 0, 0, 0,
+                                  1e7f, 1e-6f, false),
+                             16, 48, 0)},
+      {"qwen3.5-35b-a3b", hybrid(make("qwen35moe", 40, 2048, 16, 2, 256, 0, 248320, 262144, 256, 8,
+                                      512, 1e7f, 1e-6f, false),
+                                 16, 32, 512)},
+      // Tiny hybrids: 4 layers (GDN, GDN, GDN, attention) with the real head sizes. H_k != H_v
+      // (2 K heads, 4 V heads) unless named -eqheads: a wrong V-head mapping shows only there.
+      {"tiny-qwen35",
+       hybrid(make("qwen35", 4, 256, 4, 2, 256, 512, 1024, 4096, 0, 0, 0, 1e7f, 1e-6f, false), 2, 4,
+              0)},
+      {"tiny-qwen35-eqheads",
+       hybrid(make("qwen35", 4, 256, 4, 2, 256, 512, 1024, 4096, 0, 0, 0, 1e7f, 1e-6f, true), 2, 2,
+              0)},
+      {"tiny-qwen35moe",
+       hybrid(make("qwen35moe", 4, 256, 4, 2, 256, 0, 1024, 4096, 8, 2, 128, 1e7f, 1e-6f, false), 2,
+              4, 128)},
   };
   return p;
 }
@@ -121,8 +162,10 @@ const std::vector<Preset>& presets() {
 // Spec checks
 // ---------------------------------------------------------------------------------------------
 
-bool is_moe_arch(const std::string& a) { return a == "qwen3moe"; }
-bool has_qk_norm(const std::string& a) { return a == "qwen3" || a == "qwen3moe"; }
+bool is_moe_arch(const std::string& a) { return a == "qwen3moe" || a == "qwen35moe"; }
+bool has_qk_norm(const std::string& a) {
+  return a == "qwen3" || a == "qwen3moe" || is_hybrid_arch(a);
+}
 bool uses_spm(const SynthSpec& s) { return s.arch == "llama" && s.vocab_path.empty(); }
 
 std::string lower(std::string_view s) {
@@ -159,6 +202,7 @@ SynthSpec resolved(const SynthSpec& in, VocabData* hf_vocab) {
   if (s.n_head_kv == 0) s.n_head_kv = s.n_head;
   if (s.head_dim == 0 && s.n_head > 0 && s.n_embd % s.n_head == 0) s.head_dim = s.n_embd / s.n_head;
   if (s.arch == "llama" && s.n_expert > 0) s.n_ff_exp = s.n_ff;
+  if (s.n_rot == 0) s.n_rot = is_hybrid_arch(s.arch) ? s.head_dim / 4 : s.head_dim;
   if (!s.vocab_path.empty() && (s.n_vocab == 0 || hf_vocab)) {
     VocabData v = read_hf_tokenizer_json(s.vocab_path);
     const auto n_tok = static_cast<int64_t>(v.tokens.size());
@@ -172,11 +216,12 @@ SynthSpec resolved(const SynthSpec& in, VocabData* hf_vocab) {
 }
 
 void check_spec(const SynthSpec& s) {
-  static const std::set<std::string> archs = {"llama", "qwen2", "qwen3", "qwen3moe"};
+  static const std::set<std::string> archs = {"llama",    "qwen2",  "qwen3",
+                                              "qwen3moe", "qwen35", "qwen35moe"};
   if (!archs.count(s.arch))
     bad(
         fmt::format("--arch: unknown architecture '{}' (expected one of: llama qwen2 qwen3 "
-                    "qwen3moe)",
+                    "qwen3moe qwen35 qwen35moe)",
                     printable(s.arch)));
   auto dim = [](int64_t v, const char* field, const char* flag) {
     if (v < 1 || v > kMaxDim)
@@ -200,7 +245,7 @@ void check_spec(const SynthSpec& s) {
     bad(fmt::format("--head-dim: head_dim = {} must be even (RoPE rotates pairs)", s.head_dim));
   if (s.n_head * s.head_dim > kMaxDim)
     bad(fmt::format("--n-head: n_head * head_dim = {} is too large", s.n_head * s.head_dim));
-  dim(s.n_ff, "n_ff", "--n-ff");
+  if (s.arch != "qwen35moe" || s.n_ff != 0) dim(s.n_ff, "n_ff", "--n-ff");  // optional there
   dim(s.n_vocab, "n_vocab", "--n-vocab");
   dim(s.n_ctx_train, "n_ctx_train", "--n-ctx");
   if (s.vocab_path.empty()) {
@@ -215,9 +260,9 @@ void check_spec(const SynthSpec& s) {
     bad(fmt::format("--n-expert: n_expert = {} must be in 0..65536", s.n_expert));
   if (is_moe_arch(s.arch) && s.n_expert == 0)
     bad(fmt::format("--n-expert: {} needs n_expert >= 1", s.arch));
-  if ((s.arch == "qwen2" || s.arch == "qwen3") && s.n_expert != 0)
-    bad(fmt::format("--n-expert: {} is dense (n_expert = {}); use qwen3moe for experts", s.arch,
-                    s.n_expert));
+  if ((s.arch == "qwen2" || s.arch == "qwen3" || s.arch == "qwen35") && s.n_expert != 0)
+    bad(fmt::format("--n-expert: {} is dense (n_expert = {}); use {}moe for experts", s.arch,
+                    s.n_expert, s.arch));
   if (s.n_expert > 0) {
     if (s.n_expert_used < 1 || s.n_expert_used > s.n_expert)
       bad(fmt::format("--n-expert-used: n_expert_used = {} must be in 1..n_expert ({})",
@@ -231,6 +276,7 @@ void check_spec(const SynthSpec& s) {
     bad(fmt::format("rms_eps = {} must be finite and positive", s.rms_eps));
   if (!(s.router_skew >= 0.0) || std::isinf(s.router_skew))
     bad(fmt::format("--router-skew: router_skew = {} must be finite and >= 0", s.router_skew));
+  if (is_hybrid_arch(s.arch)) check_hybrid_spec(s);
   (void)uniform_type(s.type);
 }
 
@@ -247,8 +293,6 @@ bool ends_with(std::string_view s, std::string_view suf) {
 // The tensor plan
 // ---------------------------------------------------------------------------------------------
 
-enum class Kind { normal, norm, bias, embedding, router };
-
 struct TensorGen {
   SynthTensor t;
   Kind kind = Kind::normal;
@@ -259,8 +303,6 @@ struct TensorGen {
 
 constexpr float kEmbdStd = 0.05f;  // token part of token_embd, per element
 constexpr float kShared = 0.3f;    // rms per element of the shared direction (router skew)
-constexpr float kNormNoise = 0.02f;
-constexpr float kBiasStd = 0.02f;
 
 struct Plan {
   SynthSpec spec;  // resolved
@@ -304,9 +346,9 @@ void plan_skew(Plan& p) {
   const double U2 = double(kShared) * kShared;
   double tok = double(kEmbdStd) * kEmbdStd;
   const double k = static_cast<double>(std::max<int64_t>(1, s.n_expert_used));
-  p.alpha.assign(static_cast<size_t>(L), std::vector<float>(static_cast<size_t>(E)));
+  p.alpha.assign(static_cast<size_t>(L + s.n_mtp), std::vector<float>(static_cast<size_t>(E)));
   std::vector<double> logw(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < L + s.n_mtp; ++l) {
     // Share of u in the normalised input of layer l (exact at layer 0); the router's input also
     // holds this layer's attention write, left out (small next to the residual in deep models).
     const double share = U2 / (U2 + tok);
@@ -369,7 +411,10 @@ Plan make_plan(const SynthSpec& in, VocabData* hf_vocab) {
   };
 
   add("token_embd.weight", {n, s.n_vocab}, Kind::embedding, kEmbdStd, true, -1);
-  for (int64_t l = 0; l < L; ++l) {
+  if (is_hybrid_arch(s.arch)) {
+    for (int64_t l = 0; l < L; ++l) add_hybrid_layer(s, l, add);
+  }
+  for (int64_t l = 0; l < L && !is_hybrid_arch(s.arch); ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     add(b + "attn_norm.weight", {n}, Kind::norm, kNormNoise, false, l);
     add(b + "attn_q.weight", {n, q_dim}, Kind::normal, in_std(n), true, l);
@@ -403,6 +448,8 @@ Plan make_plan(const SynthSpec& in, VocabData* hf_vocab) {
   }
   add("output_norm.weight", {n}, Kind::norm, kNormNoise, false, -1);
   if (!s.tie_embeddings) add("output.weight", {n, s.n_vocab}, Kind::normal, in_std(n), false, -1);
+  // The MTP block last, so that the main model's tensors (and their values) do not depend on it.
+  for (int64_t l = L; l < L + s.n_mtp; ++l) add_hybrid_layer(s, l, add);
   if (p.skew) plan_skew(p);
   return p;
 }
@@ -414,6 +461,12 @@ void generate_row(const Plan& p, const TensorGen& g, uint64_t index, int64_t row
   switch (g.kind) {
     case Kind::norm:
       for (int64_t i = 0; i < n; ++i) out[i] = 1.0f + g.std * r.normal();
+      return;
+    case Kind::ssm_a:
+      for (int64_t i = 0; i < n; ++i) {
+        const double u = static_cast<double>(r.next() >> 11) * 0x1.0p-53;
+        out[i] = static_cast<float>(-std::exp(std::log(0.05) + u * std::log(20.0)));
+      }
       return;
     case Kind::bias:
     case Kind::normal:
@@ -435,232 +488,6 @@ void generate_row(const Plan& p, const TensorGen& g, uint64_t index, int64_t row
 }
 
 // ---------------------------------------------------------------------------------------------
-// Vocabularies
-// ---------------------------------------------------------------------------------------------
-
-// Common English words, most frequent first (used to learn plausible merges).
-constexpr std::string_view kWords[] = {
-    "the",       "of",      "and",      "to",      "in",       "a",       "is",      "that",
-    "for",       "it",      "as",       "was",     "with",     "be",      "by",      "on",
-    "not",       "he",      "this",     "are",     "or",       "his",     "from",    "at",
-    "which",     "but",     "have",     "an",      "had",      "they",    "you",     "were",
-    "there",     "one",     "all",      "we",      "can",      "her",     "has",     "been",
-    "if",        "more",    "when",     "will",    "would",    "who",     "so",      "no",
-    "she",       "other",   "its",      "may",     "these",    "what",    "them",    "than",
-    "some",      "him",     "time",     "into",    "only",     "do",      "their",   "two",
-    "also",      "about",   "could",    "new",     "first",    "like",    "then",    "any",
-    "over",      "such",    "our",      "after",   "most",     "made",    "between", "before",
-    "through",   "where",   "many",     "each",    "under",    "those",   "people",  "world",
-    "because",   "while",   "should",   "found",   "state",    "same",    "system",  "number",
-    "great",     "small",   "house",    "water",   "little",   "story",   "called",  "world",
-    "school",    "during",  "another",  "without", "against",  "however", "always",  "nothing",
-    "something", "example", "language", "model",   "question", "answer",  "think",   "know",
-    "hello",     "once",    "upon",     "dragon",  "quick",    "brown",   "fox",     "jumps",
-    "lazy",      "dog",     "day",      "night",   "king",     "queen",   "city",    "river",
-};
-
-// GPT-2's bytes_to_unicode symbols of the 256 bytes (models' gpt2_byte_symbol).
-std::vector<std::string> gpt2_byte_symbols() {
-  std::vector<std::string> out(256);
-  for (int b = 0; b < 256; ++b)
-    out[static_cast<size_t>(b)] = gpt2_byte_symbol(static_cast<uint8_t>(b));
-  return out;
-}
-
-struct Merge {
-  std::string left, right;
-};
-
-// Learns up to `budget` merges over the word list (words prefixed with `space`, frequencies
-// falling as 1/rank), then extends tokens systematically by one letter, so that every merge joins
-// two existing tokens into a new one. `have` holds the base tokens and receives the new ones.
-std::vector<Merge> make_merges(const std::string& space, int64_t budget,
-                               std::unordered_set<std::string>& have) {
-  std::vector<Merge> merges;
-  struct Word {
-    std::vector<std::string> sym;
-    int64_t freq;
-  };
-  std::vector<Word> words;
-  int64_t rank = 1;
-  for (std::string_view w : kWords) {
-    Word x;
-    x.freq = 10000 / rank++;
-    x.sym.push_back(space);
-    for (char c : w) x.sym.emplace_back(1, c);
-    words.push_back(std::move(x));
-  }
-  while (static_cast<int64_t>(merges.size()) < budget) {
-    std::map<std::pair<std::string, std::string>, int64_t> count;
-    for (const Word& w : words)
-      for (size_t i = 0; i + 1 < w.sym.size(); ++i) count[{w.sym[i], w.sym[i + 1]}] += w.freq;
-    const std::pair<std::string, std::string>* best = nullptr;
-    int64_t best_n = 0;
-    for (const auto& [pair, c] : count)  // ordered map: ties go to the smallest pair
-      if (c > best_n) best = &pair, best_n = c;
-    if (!best) break;
-    const std::string l = best->first, r = best->second, lr = l + r;
-    for (Word& w : words) {
-      std::vector<std::string> out;
-      for (size_t i = 0; i < w.sym.size(); ++i) {
-        if (i + 1 < w.sym.size() && w.sym[i] == l && w.sym[i + 1] == r) {
-          out.push_back(lr);
-          ++i;
-        } else {
-          out.push_back(w.sym[i]);
-        }
-      }
-      w.sym = std::move(out);
-    }
-    if (have.insert(lr).second) merges.push_back({l, r});
-  }
-  std::vector<std::string> grow = {space};
-  for (char c = 'a'; c <= 'z'; ++c) grow.emplace_back(1, c);
-  for (size_t i = 0; static_cast<int64_t>(merges.size()) < budget; ++i) {
-    const std::string base = grow[i];  // copy: grow reallocates
-    for (char c = 'a'; c <= 'z' && static_cast<int64_t>(merges.size()) < budget; ++c) {
-      std::string s = base + c;
-      if (!have.insert(s).second) continue;
-      merges.push_back({base, std::string(1, c)});
-      grow.push_back(std::move(s));
-    }
-  }
-  return merges;
-}
-
-constexpr const char* kChatMl =
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}";
-
-void write_spm_vocab(const SynthSpec& s, gguf::Writer& w) {
-  std::vector<std::string> tokens = {"<unk>", "<s>", "</s>"};
-  std::vector<int32_t> types = {int32_t(TokenType::unknown), int32_t(TokenType::control),
-                                int32_t(TokenType::control)};
-  for (int b = 0; b < 256; ++b) {
-    tokens.push_back(fmt::format("<0x{:02X}>", b));
-    types.push_back(int32_t(TokenType::byte));
-  }
-  const std::string space = "\xE2\x96\x81";  // U+2581
-  std::vector<std::string> chars = {space};
-  for (int c = 0x21; c <= 0x7E; ++c) chars.emplace_back(1, static_cast<char>(c));
-  std::unordered_set<std::string> have(chars.begin(), chars.end());
-  const int64_t n_base = static_cast<int64_t>(tokens.size() + chars.size());
-  std::vector<Merge> merges = make_merges(space, s.n_vocab - n_base, have);
-  std::vector<float> scores(tokens.size(), 0.0f);
-  // Pieces score by creation order (a merge learned earlier wins); single characters last.
-  for (size_t i = 0; i < merges.size(); ++i) {
-    tokens.push_back(merges[i].left + merges[i].right);
-    types.push_back(int32_t(TokenType::normal));
-    scores.push_back(-static_cast<float>(i));
-  }
-  for (size_t i = 0; i < chars.size(); ++i) {
-    tokens.push_back(chars[i]);
-    types.push_back(int32_t(TokenType::normal));
-    scores.push_back(-static_cast<float>(merges.size() + i));
-  }
-  BERTH_CHECK(static_cast<int64_t>(tokens.size()) == s.n_vocab, "spm vocabulary size");
-  w.set_string("tokenizer.ggml.model", "llama");
-  w.set_string_array("tokenizer.ggml.tokens", std::move(tokens));
-  w.set_f32_array("tokenizer.ggml.scores", std::move(scores));
-  w.set_i32_array("tokenizer.ggml.token_type", std::move(types));
-  w.set_u32("tokenizer.ggml.bos_token_id", 1);
-  w.set_u32("tokenizer.ggml.eos_token_id", 2);
-  w.set_u32("tokenizer.ggml.unknown_token_id", 0);
-  w.set_bool("tokenizer.ggml.add_bos_token", true);
-  w.set_bool("tokenizer.ggml.add_eos_token", false);
-}
-
-void write_gpt2_keys(gguf::Writer& w, std::vector<std::string> tokens, std::vector<int32_t> types,
-                     std::vector<std::string> merges, const std::string& pre,
-                     const std::string& chat_template) {
-  auto find = [&](std::string_view t) -> int64_t {
-    for (size_t i = tokens.size(); i-- > 0;)
-      if (tokens[i] == t) return static_cast<int64_t>(i);
-    return -1;
-  };
-  const int64_t eot = find("<|endoftext|>");
-  int64_t eos = find("<|im_end|>");
-  if (eos < 0) eos = eot;
-  w.set_string("tokenizer.ggml.model", "gpt2");
-  w.set_string("tokenizer.ggml.pre", pre);
-  w.set_string_array("tokenizer.ggml.tokens", std::move(tokens));
-  w.set_i32_array("tokenizer.ggml.token_type", std::move(types));
-  w.set_string_array("tokenizer.ggml.merges", std::move(merges));
-  if (eos >= 0) w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(eos));
-  if (eot >= 0) {
-    w.set_u32("tokenizer.ggml.padding_token_id", static_cast<uint32_t>(eot));
-    w.set_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(eot));
-  }
-  w.set_bool("tokenizer.ggml.add_bos_token", false);
-  if (!chat_template.empty()) w.set_string("tokenizer.chat_template", chat_template);
-}
-
-void write_bpe_vocab(const SynthSpec& s, gguf::Writer& w) {
-  std::vector<std::string> tokens = gpt2_byte_symbols();
-  std::unordered_set<std::string> have(tokens.begin(), tokens.end());
-  const std::vector<std::string> specials = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
-  const int64_t n_merges = s.n_vocab - 256 - static_cast<int64_t>(specials.size());
-  std::vector<Merge> m = make_merges(tokens[' '], n_merges, have);
-  std::vector<std::string> merges;
-  merges.reserve(m.size());
-  for (const Merge& x : m) {
-    tokens.push_back(x.left + x.right);
-    merges.push_back(x.left + " " + x.right);
-  }
-  std::vector<int32_t> types(tokens.size(), int32_t(TokenType::normal));
-  for (const std::string& t : specials) {
-    tokens.push_back(t);
-    types.push_back(int32_t(TokenType::control));
-  }
-  BERTH_CHECK(static_cast<int64_t>(tokens.size()) == s.n_vocab, "bpe vocabulary size");
-  write_gpt2_keys(w, std::move(tokens), std::move(types), std::move(merges), "qwen2", kChatMl);
-}
-
-// tokenizer_config.json's chat_template (a string, or a list of {name, template} entries of
-// which "default" is taken); empty when the file or the field is absent.
-std::string read_chat_template(const std::string& tokenizer_json) {
-  const std::filesystem::path cfg =
-      std::filesystem::path(tokenizer_json).parent_path() / "tokenizer_config.json";
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(cfg, ec)) return {};
-  std::ifstream f(cfg);
-  if (!f) throw Error(ErrorCategory::io, fmt::format("cannot read '{}'", cfg.string()));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(ErrorCategory::format,
-                fmt::format("{}: not valid JSON: {}", cfg.string(), printable(e.what())));
-  }
-  if (!j.is_object() || !j.contains("chat_template")) return {};
-  const nlohmann::json& t = j["chat_template"];
-  if (t.is_string()) return t.get<std::string>();
-  if (t.is_array())
-    for (const auto& e : t)
-      if (e.is_object() && e.value("name", "") == "default" && e.contains("template") &&
-          e["template"].is_string())
-        return e["template"].get<std::string>();
-  throw Error(ErrorCategory::format,
-              fmt::format("{}: chat_template is neither a string nor a list with a \"default\" "
-                          "entry",
-                          cfg.string()));
-}
-
-void write_hf_vocab(const SynthSpec& s, VocabData v, gguf::Writer& w) {
-  const auto n_tok = static_cast<int64_t>(v.tokens.size());
-  std::vector<int32_t> types(static_cast<size_t>(s.n_vocab), int32_t(TokenType::normal));
-  for (int64_t i = 0; i < n_tok && i < static_cast<int64_t>(v.types.size()); ++i)
-    types[i] = static_cast<int32_t>(v.types[i]);
-  for (int64_t i = n_tok; i < s.n_vocab; ++i) {
-    v.tokens.push_back(fmt::format("[PAD{}]", i));
-    types[i] = int32_t(TokenType::unused);
-  }
-  write_gpt2_keys(w, std::move(v.tokens), std::move(types), std::move(v.merges),
-                  v.pre.empty() ? "default" : v.pre, read_chat_template(s.vocab_path));
-}
-
-// ---------------------------------------------------------------------------------------------
 // Metadata
 // ---------------------------------------------------------------------------------------------
 
@@ -676,8 +503,8 @@ void write_metadata(const Plan& p, gguf::Writer& w, VocabData* hf_vocab) {
   if (quantized) w.set_u32("general.quantization_version", 2);
   w.set_u32(a + "context_length", u32(s.n_ctx_train));
   w.set_u32(a + "embedding_length", u32(s.n_embd));
-  w.set_u32(a + "block_count", u32(s.n_layer));
-  w.set_u32(a + "feed_forward_length", u32(s.n_ff));
+  w.set_u32(a + "block_count", u32(s.n_layer + s.n_mtp));
+  if (s.n_ff > 0) w.set_u32(a + "feed_forward_length", u32(s.n_ff));
   w.set_u32(a + "attention.head_count", u32(s.n_head));
   w.set_u32(a + "attention.head_count_kv", u32(s.n_head_kv));
   if (has_qk_norm(s.arch) || s.head_dim * s.n_head != s.n_embd) {
@@ -689,14 +516,15 @@ void write_metadata(const Plan& p, gguf::Writer& w, VocabData* hf_vocab) {
   if (s.n_expert > 0) {
     w.set_u32(a + "expert_count", u32(s.n_expert));
     w.set_u32(a + "expert_used_count", u32(s.n_expert_used));
-    if (s.arch == "qwen3moe") w.set_u32(a + "expert_feed_forward_length", u32(s.n_ff_exp));
+    if (s.arch != "llama") w.set_u32(a + "expert_feed_forward_length", u32(s.n_ff_exp));
   }
+  if (is_hybrid_arch(s.arch)) write_hybrid_metadata(s, w);
   if (hf_vocab)
     write_hf_vocab(s, std::move(*hf_vocab), w);
   else if (uses_spm(s))
     write_spm_vocab(s, w);
   else
-    write_bpe_vocab(s, w);
+    write_bpe_vocab(s, is_hybrid_arch(s.arch) ? "qwen35" : "qwen2", w);
 }
 
 int64_t n_elements(const std::vector<int64_t>& ne) {
@@ -730,11 +558,14 @@ void validate_synth_spec(const SynthSpec& spec) { check_spec(resolved(spec, null
 GgmlType synth_tensor_type(const SynthSpec& spec, std::string_view name, int64_t layer) {
   const std::optional<GgmlType> uni = uniform_type(spec.type);
   if (ends_with(name, "_norm.weight") || ends_with(name, ".bias") ||
-      ends_with(name, "ffn_gate_inp.weight"))
+      ends_with(name, "ffn_gate_inp.weight") || ends_with(name, "ffn_gate_inp_shexp.weight") ||
+      ends_with(name, "ssm_conv1d.weight") || ends_with(name, "ssm_beta.weight") ||
+      ends_with(name, "ssm_alpha.weight") || ends_with(name, ".ssm_a"))
     return GgmlType::F32;
   if (uni) return *uni;
   // q4_k_m
   if (name == "output.weight") return GgmlType::Q6_K;
+  if (ends_with(name, "attn_qkv.weight")) return GgmlType::Q5_K;
   const bool more_bits_kind = ends_with(name, "attn_v.weight") ||
                               ends_with(name, "ffn_down.weight") ||
                               ends_with(name, "ffn_down_exps.weight");

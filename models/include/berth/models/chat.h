@@ -8,6 +8,16 @@
 //
 //   chatml    (Qwen, Qwen2/2.5/3, many others): "<|im_start|>ROLE\nCONTENT<|im_end|>\n" per
 //             message; generation prompt "<|im_start|>assistant\n"; turn ends at "<|im_end|>".
+//   qwen3     (Qwen3, Qwen3.5: ChatML with thinking tags, as the chat_template of Qwen3's
+//             tokenizer_config.json renders a conversation without tools): as chatml, except
+//             that an assistant message's content loses its reasoning "...</think>" part
+//             (the text after the last "</think>", leading newlines dropped), and an assistant
+//             message after the last user query that is the last message, or has reasoning,
+//             is rendered "<think>\nREASONING\n</think>\n\nCONTENT" (REASONING: the text before
+//             the first "</think>" and after the last "<think>" in it, newlines stripped at both
+//             ends); with enable_thinking = false the generation prompt is followed by
+//             "<think>\n\n</think>\n\n". A user message of the form
+//             "<tool_response>...</tool_response>" does not count as a query.
 //   llama3    (Llama 3 / 3.1 / 3.2 / 3.3): BOS, then
 //             "<|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|>" per message with
 //             CONTENT trimmed of surrounding whitespace (as the template's `| trim`); generation
@@ -29,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -43,7 +54,7 @@ class File;
 namespace berth {
 
 /// A built-in chat format (see the file comment for each one's layout).
-enum class ChatFormat { chatml, llama3, mistral, deepseek3 };
+enum class ChatFormat { chatml, llama3, mistral, deepseek3, qwen3 };
 
 /// Who wrote a message.
 enum class ChatRole { system, user, assistant };
@@ -64,11 +75,11 @@ struct ChatPiece {
   int32_t message = -1;
 };
 
-/// "chatml", "llama3", "mistral" or "deepseek3": the name --chat-template takes.
+/// "chatml", "llama3", "mistral", "deepseek3" or "qwen3": the name --chat-template takes.
 std::string_view chat_format_name(ChatFormat format);
 
 /// The built-in names, comma-separated, for messages and --help ("chatml, llama3, mistral,
-/// deepseek3").
+/// deepseek3, qwen3").
 std::string chat_format_names();
 
 /// The format named `name` (one of chat_format_names()). Throws Error(invalid_argument) naming
@@ -77,7 +88,8 @@ ChatFormat chat_format_from_name(std::string_view name);
 
 /// Recognises a Jinja chat template (the text of `tokenizer.chat_template`) by its markers:
 /// "<｜User｜>" or "<｜Assistant｜>" -> deepseek3, "<|start_header_id|>" -> llama3,
-/// "<|im_start|>" -> chatml, "[INST]" -> mistral, checked in that order (DeepSeek-distilled
+/// "<|im_start|>" -> qwen3 when the template also has "<think>", chatml otherwise, "[INST]" ->
+/// mistral, checked in that order (DeepSeek-distilled
 /// Qwen models use DeepSeek's markers in a Qwen vocabulary). Throws Error(unsupported) for a
 /// template without any of them; the message names `--chat-template NAME` and the built-in names.
 ChatFormat detect_chat_format(std::string_view template_text);
@@ -88,27 +100,41 @@ ChatFormat detect_chat_format(std::string_view template_text);
 /// not a string) and no override is given; the errors of the two functions above otherwise.
 ChatFormat chat_format_for(const gguf::File& file, std::string_view override_name);
 
+/// Options of a rendering (Jinja variables some templates read).
+struct ChatOptions {
+  /// qwen3: `enable_thinking`. Unset (the template's "not defined") or true: the generation
+  /// prompt is "<|im_start|>assistant\n" and the model decides whether to think; false: an
+  /// empty thinking block follows it. Other formats ignore it.
+  std::optional<bool> enable_thinking;
+};
+
 /// Renders `messages` in `format`. With `add_generation_prompt`, ends with the markup that
-/// opens an assistant reply (for ChatML this is "<|im_start|>assistant\n" with no thinking
+/// opens an assistant reply (for chatml and qwen3 "<|im_start|>assistant\n" with no thinking
 /// block: Qwen3 then decides itself whether to think, as its template does when
 /// enable_thinking is not set). A system message is allowed only as the first message. Each
 /// message's content is exactly one piece (possibly empty) with `message` set to its index,
-/// except a system prompt in mistral, which shares the first user message's piece. Rendering
-/// messages[0..k] is a prefix of rendering messages[0..n] for k < n, and the generation prompt
-/// is a prefix of an assistant message's rendering, so a growing conversation only appends.
-/// Throws Error(invalid_argument) naming the index for a system message after the first.
+/// except a system prompt in mistral, which shares the first user message's piece; in qwen3
+/// an assistant's thinking block is part of its content piece (so a caller that swaps the
+/// piece for generated ids keeps what the model generated). Rendering messages[0..k] is a
+/// prefix of rendering messages[0..n] for k < n (qwen3: unless message k is an assistant
+/// message after the last query, whose thinking block disappears once a message follows), and
+/// the generation prompt is a prefix of an assistant message's rendering, so a growing
+/// conversation only appends. Throws Error(invalid_argument) naming the index for a system
+/// message after the first.
 std::vector<ChatPiece> render_chat(ChatFormat format, std::span<const ChatMessage> messages,
-                                   bool add_generation_prompt);
+                                   bool add_generation_prompt, const ChatOptions& options = {});
 
 /// Concatenated text of `pieces` (what a Jinja engine would output, minus the BOS token).
 std::string chat_text(std::span<const ChatPiece> pieces);
 
 /// The markup that closes an assistant message in `format`, as pieces ("<|im_end|>\n" for
-/// chatml, "<|eot_id|>" for llama3, "</s>" for mistral, "<｜end▁of▁sentence｜>" for deepseek3).
+/// chatml and qwen3, "<|eot_id|>" for llama3, "</s>" for mistral, "<｜end▁of▁sentence｜>" for
+/// deepseek3).
 std::vector<ChatPiece> chat_end_of_turn(ChatFormat format);
 
 /// Token texts that end an assistant turn in `format`; generation should stop at them (besides
-/// the vocabulary's end-of-generation tokens): {"<|im_end|>"}, {"<|eot_id|>", "<|eom_id|>"},
+/// the vocabulary's end-of-generation tokens): {"<|im_end|>"} (chatml, qwen3),
+/// {"<|eot_id|>", "<|eom_id|>"},
 /// {"</s>"}, {"<｜end▁of▁sentence｜>"}.
 std::vector<std::string> chat_stop_texts(ChatFormat format);
 

@@ -67,9 +67,9 @@ class Tokenizer {
 
   /// Byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") from arrays: tokens spelled in
   /// GPT-2's byte-to-unicode alphabet, `merges` by rank ("left right"), pre-tokenizer regexes
-  /// chosen by `vocab.pre` ("qwen2", "llama-bpe", "deepseek-v3", "default"/"gpt-2"; "" means
-  /// "default"); `scores` are ignored. Input text is assumed to be NFC (no normaliser runs).
-  /// Throws Error(format) naming the key and `vocab.source` for a malformed merge ("left
+  /// chosen by `vocab.pre` ("qwen2", "qwen35", "llama-bpe", "deepseek-v3", "default"/"gpt-2";
+  /// "" means "default"); `scores` are ignored. Input text is assumed to be NFC (no normaliser
+  /// runs). Throws Error(format) naming the key and `vocab.source` for a malformed merge ("left
   /// right" with one space), a merge whose sides or result are not tokens, inconsistent array
   /// lengths or a special id outside [-1, n_vocab); Error(unsupported) naming the value and
   /// the supported list for an unknown `pre`.
@@ -158,11 +158,11 @@ const std::string& gpt2_byte_symbol(uint8_t b);
 /// added_tokens), token types (added special tokens -> control, other added tokens ->
 /// user_defined, the rest normal), merges as "left right" strings by rank (model.merges may
 /// hold ["left", "right"] pairs or, in older files, "left right" strings), `pre` from the Split
-/// regexes of pre_tokenizer: "qwen2" (Qwen2/Qwen3), "llama-bpe" (Llama 3) or "deepseek-v3" when
-/// they equal those models' published patterns exactly, otherwise "default" (GPT-2's pattern,
-/// which may split differently: check `pre` before trusting ids of an unknown family). The
-/// normalizer (NFC for Qwen) is not applied. BOS/EOS ids are left at -1 (they live in
-/// tokenizer_config.json); add_bos = false; extra_eog_ids holds the control tokens with an
+/// regexes of pre_tokenizer: "qwen2" (Qwen2/Qwen3), "qwen35" (Qwen3.5), "llama-bpe" (Llama 3) or
+/// "deepseek-v3" when they equal those models' published patterns exactly, otherwise "default"
+/// (GPT-2's pattern, which may split differently: check `pre` before trusting ids of an unknown
+/// family). The normalizer (NFC for Qwen) is not applied. BOS/EOS ids are left at -1 (they live
+/// in tokenizer_config.json); add_bos = false; extra_eog_ids holds the control tokens with an
 /// end-of-turn text ("<|im_end|>", "<|endoftext|>", ...). Throws Error(io) when the file cannot
 /// be read, Error(format) naming the file and JSON field when it is not such a tokenizer (not
 /// JSON, model.type not "BPE", no ByteLevel step, a malformed merge, an id given twice, or ids

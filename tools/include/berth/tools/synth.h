@@ -25,8 +25,38 @@
 //   Mixtral: the expert size is feed_forward_length): ffn_gate_inp.weight {n_embd, n_expert},
 //   ffn_gate_exps.weight {n_embd, n_ff_exp, n_expert}, ffn_up_exps.weight {same},
 //   ffn_down_exps.weight {n_ff_exp, n_embd, n_expert}.
+// Hybrids (qwen35, qwen35moe: Gated DeltaNet layers and gated attention; the keys and names
+// llama.cpp / ik_llama.cpp load, ../shared/notes/qwen35-hybrid.md). Keys: block_count =
+// n_layer + n_mtp, nextn_predict_layers (when n_mtp > 0), attention.head_count(_kv),
+// attention.key_length = value_length = head_dim, rope.dimension_count = n_rot,
+// rope.dimension_sections [s0, s1, s2, 0] with h = n_rot / 2, s2 = h * 10 / 32 and s0 >= s1
+// splitting the rest (64 rotary dims: [11, 11, 10, 0]; text positions make them irrelevant),
+// full_attention_interval, ssm.conv_kernel, ssm.state_size (d), ssm.group_count (H_k),
+// ssm.time_step_rank (H_v), ssm.inner_size (H_v * d); qwen35moe: expert_count,
+// expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length (when
+// n_ff_shexp > 0), feed_forward_length only when n_ff > 0. The synthetic vocabulary's pre is
+// "qwen35". Tensors of layer l (key_dim = H_k d, value_dim = H_v d, conv_dim = 2 key_dim +
+// value_dim): attn_norm {n_embd}, post_attention_norm {n_embd} (no ffn_norm); when
+// (l + 1) % full_attention_interval == 0 attention: attn_q {n_embd, 2 q_dim} (per head head_dim
+// query rows then head_dim gate rows), attn_k, attn_v {n_embd, kv_dim}, attn_q_norm,
+// attn_k_norm {head_dim}, attn_output {q_dim, n_embd}; otherwise GDN: attn_qkv {n_embd,
+// conv_dim}, attn_gate {n_embd, value_dim}, ssm_conv1d {ssm_d_conv, conv_dim}, ssm_dt.bias
+// {H_v}, ssm_a {H_v} (no .weight suffix), ssm_beta, ssm_alpha {n_embd, H_v}, ssm_norm {d},
+// ssm_out {value_dim, n_embd}; FFN: dense ffn_gate/up/down, or ffn_gate_inp and the *_exps as
+// above plus, with a shared expert, ffn_gate_inp_shexp {n_embd}, ffn_gate_shexp, ffn_up_shexp
+// {n_embd, n_ff_shexp}, ffn_down_shexp {n_ff_shexp, n_embd}. An MTP layer l = n_layer (n_mtp =
+// 1): nextn.eh_proj {2 n_embd, n_embd}, nextn.enorm, nextn.hnorm, nextn.shared_head_norm
+// {n_embd}, then an attention block and the FFN as above, written after output.weight (so the
+// main model's tensors and values do not depend on it). Values: ssm_conv1d std 0.5 (unit
+// variance over 4 taps), ssm_dt.bias std 0.5, ssm_a = -A with A log-uniform in [0.05, 1]
+// (stored as -exp(A_log), so decays exp(ssm_a softplus(.)) mostly between 0.4 and 0.97),
+// ssm_norm 1 + 0.02 z (the model applies it unshifted), the other norms 1 + 0.02 z (the files
+// store 1 + w), ssm_out and attn_output as residual projections, the shared-expert gate like a
+// router row.
 // Norm weights, biases and the router (ffn_gate_inp) are always F32; a matrix whose row
 // length ne[0] is not a multiple of its type's block size stays F32 (SynthStats::notes says so).
+// Hybrids keep ssm_conv1d, ssm_beta, ssm_alpha, ssm_a, ssm_dt.bias and ffn_gate_inp_shexp in F32
+// too; q4_k_m gives attn_qkv Q5_K (llama.cpp's rule for fused QKV).
 //
 // Weights (all values from a counter-based generator, see write_synth_model):
 //   - attn_q/k/v, ffn_gate/up (and experts'): std 1/sqrt(n_embd) (unit-variance outputs);
@@ -82,19 +112,21 @@ namespace berth {
 /// Shape and content of a synthetic model. Field names follow the GGUF keys (see the top of
 /// this file). Dimensions are element counts.
 struct SynthSpec {
-  std::string arch = "llama";       ///< general.architecture: llama, qwen2, qwen3 or qwen3moe
-  std::string name = "custom";      ///< general.name is "berth synth <name>" (the preset's name)
-  int64_t n_layer = 0;              ///< block_count
-  int64_t n_embd = 0;               ///< embedding_length
-  int64_t n_head = 0;               ///< attention.head_count
-  int64_t n_head_kv = 0;            ///< attention.head_count_kv; 0: n_head
-  int64_t head_dim = 0;             ///< attention.key_length = value_length; 0: n_embd / n_head
-  int64_t n_ff = 0;                 ///< feed_forward_length (dense FFN; Mixtral: the expert size)
-  int64_t n_vocab = 0;              ///< rows of token_embd; 0 with vocab_path: its token count
-  int64_t n_ctx_train = 4096;       ///< context_length
-  int64_t n_expert = 0;             ///< expert_count; 0: dense
-  int64_t n_expert_used = 0;        ///< expert_used_count
-  int64_t n_ff_exp = 0;             ///< expert_feed_forward_length (qwen3moe); llama uses n_ff
+  /// general.architecture: llama, qwen2, qwen3, qwen3moe, qwen35 or qwen35moe
+  std::string arch = "llama";
+  std::string name = "custom";  ///< general.name is "berth synth <name>" (the preset's name)
+  int64_t n_layer = 0;          ///< block_count (hybrids: the main layers; block_count adds n_mtp)
+  int64_t n_embd = 0;           ///< embedding_length
+  int64_t n_head = 0;           ///< attention.head_count
+  int64_t n_head_kv = 0;        ///< attention.head_count_kv; 0: n_head
+  int64_t head_dim = 0;         ///< attention.key_length = value_length; 0: n_embd / n_head
+  /// feed_forward_length (dense FFN; Mixtral: the expert size); qwen35moe: 0 = not written
+  int64_t n_ff = 0;
+  int64_t n_vocab = 0;         ///< rows of token_embd; 0 with vocab_path: its token count
+  int64_t n_ctx_train = 4096;  ///< context_length
+  int64_t n_expert = 0;        ///< expert_count; 0: dense
+  int64_t n_expert_used = 0;   ///< expert_used_count
+  int64_t n_ff_exp = 0;  ///< expert_feed_forward_length (qwen3moe, qwen35moe); llama uses n_ff
   float rope_freq_base = 10000.0f;  ///< rope.freq_base
   float rms_eps = 1e-5f;            ///< attention.layer_norm_rms_epsilon
   /// Weight type: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k
@@ -104,15 +136,27 @@ struct SynthSpec {
   double router_skew = 0.0;     ///< Zipf exponent A of expert popularity; 0: uniform
   std::string vocab_path;       ///< tokenizer.json; empty: synthetic vocabulary
   bool tie_embeddings = false;  ///< no output.weight: the head reuses token_embd
+  // Hybrids (qwen35, qwen35moe) only:
+  int64_t n_rot = 0;  ///< rope.dimension_count; 0: head_dim / 4 (Qwen3.5: 64 of 256)
+  int64_t full_attention_interval = 4;  ///< layer l is full attention iff (l + 1) % this == 0
+  int64_t ssm_d_conv = 4;               ///< ssm.conv_kernel
+  int64_t ssm_d_state = 0;              ///< ssm.state_size: the GDN head dim (K and V heads alike)
+  int64_t ssm_n_group = 0;              ///< ssm.group_count: GDN K heads (H_k)
+  int64_t ssm_dt_rank = 0;  ///< ssm.time_step_rank: GDN V heads (H_v), a multiple of H_k
+  int64_t n_ff_shexp = 0;   ///< qwen35moe: expert_shared_feed_forward_length (0: no shared expert)
+  int64_t n_mtp = 0;        ///< MTP layers after the main ones (nextn_predict_layers), 0 or 1
 };
 
 /// The names synth_preset accepts: qwen3-30b-a3b, qwen3-235b-a22b, tiny-llama, tiny-qwen2,
-/// tiny-qwen3, tiny-qwen3moe, tiny-mixtral.
+/// tiny-qwen3, tiny-qwen3moe, tiny-mixtral, qwen3.5-0.8b, qwen3.5-4b, qwen3.5-27b,
+/// qwen3.5-35b-a3b, tiny-qwen35 (H_k 2 != H_v 4), tiny-qwen35-eqheads (H_k = H_v = 2, tied
+/// head), tiny-qwen35moe (H_k 2, H_v 4; 8 experts of 128, 2 used, shared expert 128).
 std::vector<std::string> synth_presets();
 
 /// The spec of a preset (type f32, seed 0, no skew; callers set those). Real shapes are those
-/// of the published Qwen3 config.json files; the tiny ones are a few MB in f32 with n_embd
-/// 256 (so K-quants apply), 2 layers, GQA (n_head_kv < n_head).
+/// of the published Qwen3 and Qwen3.5 config.json files; the tiny ones are a few MB in f32 with
+/// n_embd 256 (so K-quants apply), 2 layers (hybrids: 4, the real head sizes), GQA
+/// (n_head_kv < n_head).
 /// Throws Error(invalid_argument) naming `name` and listing the presets.
 SynthSpec synth_preset(std::string_view name);
 
