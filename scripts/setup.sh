@@ -4,7 +4,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config ccache
       libtbb-dev libhwloc-dev liburing-dev libhwy-dev libspdlog-dev libfmt-dev
-      doctest-dev libcli11-dev nlohmann-json3-dev libpcre2-dev)
+      doctest-dev libcli11-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

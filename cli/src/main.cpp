@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/core/strings.h"
-#include "berth/backends/thread_pool.h"
 #include "commands.h"
 
 namespace {
@@ -25,7 +25,7 @@ std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
       {"-ub", "--ubatch-size"},   {"-cnv", "--chat"},           {"-sys", "--system-prompt"},
       {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"}, {"-cmoe", "--cpu-moe"},
-      {"-ncmoe", "--n-cpu-moe"},
+      {"-ncmoe", "--n-cpu-moe"},  {"-np", "--parallel"},
   };
   // Options whose value is free text: "-p -ub" is a prompt, not a flag.
   static const std::set<std::string> text_options = {
@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   berth::cli::Runner bench = berth::cli::add_bench(app);
   berth::cli::Runner synth = berth::cli::add_synth(app);
   berth::cli::Runner plan = berth::cli::add_plan(app);
+  berth::cli::Runner serve = berth::cli::add_serve(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
       if (name == "bench") return bench();
       if (name == "synth") return synth();
       if (name == "plan") return plan();
+      if (name == "serve") return serve();
     }
     return 2;
   } catch (const berth::Error& e) {
