@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/core/strings.h"
+#include "berth/backends/thread_pool.h"
 #include "commands.h"
 
 namespace {
