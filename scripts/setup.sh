@@ -18,3 +18,24 @@ if ((${#missing[@]})); then
 else
   echo "setup: all build dependencies are installed"
 fi
+
+# The official OpenAI client library the server tests round-trip with (tests/server/openai-client):
+# `npm ci` from the committed lockfile, skipped when node_modules already holds that lockfile's
+# install (a stamp copy of it), so a second run needs no network. Node.js and npm come from
+# Debian when the machine has none.
+root=$(cd "$(dirname "$0")/.." && pwd)
+client=$root/tests/server/openai-client
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  sudo_cmd=""
+  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  echo "setup: installing nodejs npm"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+if cmp -s "$client/package-lock.json" "$client/node_modules/.berth-lock"; then
+  echo "setup: the OpenAI client library is installed"
+else
+  echo "setup: npm ci in tests/server/openai-client"
+  (cd "$client" && npm ci --no-audit --no-fund --loglevel=error)
+  cp "$client/package-lock.json" "$client/node_modules/.berth-lock"
+fi

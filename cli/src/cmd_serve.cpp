@@ -136,6 +136,11 @@ class RunningServer {
     mc.file_size = file_.file_size();
 
     int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_context(*model_, file_.file_size(), o.n_slots);
+    if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs "
+                              "at least 2 (raise -c or lower -np)",
+                              n_ctx, o.n_slots, n_ctx / o.n_slots));
     n_ctx = n_ctx / o.n_slots * o.n_slots;  // every slot the same size
     if (std::string c = context_note(n_ctx, hp); !c.empty()) log::warn("{}", c);
     SessionParams params = o.session;
