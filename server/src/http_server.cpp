@@ -165,6 +165,10 @@ void HttpServer::Impl::routes() {
     send_error(res, e);
     return httplib::Server::HandlerResponse::Handled;
   }));
+  s.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    log::info("{} {} {} -> {}", req.remote_addr, printable(req.method, 16),
+              printable(req.path, 200), res.status);
+  });
   s.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "unknown exception";

@@ -209,3 +209,25 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("/health") != std::string::npos);
 }
+
+TEST_CASE("several slots on the simulated device give the CPU's golden text") {
+  setenv("BERTH_SIM_DEVICE", "1G", 1);
+  ServeProcess p({"-m", stories260k().string(), "--port", "0", "-t", "1", "-np", "2", "-c", "1024",
+                  "-ngl", "99"});
+  unsetenv("BERTH_SIM_DEVICE");
+  const int port = p.ready();
+  REQUIRE_MESSAGE(port > 0, p.stderr_text());
+  CHECK(p.stderr_text().find("SIM0") != std::string::npos);
+  std::vector<std::string> got(4);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < got.size(); ++i)
+    threads.emplace_back([&, i] {
+      Reply r = post(port, "/v1/completions",
+                     {{"prompt", "Once upon a time"}, {"max_tokens", 64}, {"temperature", 0}});
+      got[i] = r.status == 200 ? r.j["choices"][0]["text"].get<std::string>() : r.body;
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::string& g : got) CHECK(g == kStoriesContinuation);
+  p.signal(SIGTERM);
+  CHECK(p.wait_exit(20) == 0);
+}
