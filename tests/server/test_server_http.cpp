@@ -630,3 +630,28 @@ TEST_CASE(
   CHECK(std::count(req.gen.prompt.begin(), req.gen.prompt.end(), im_end) == 1);
   CHECK(req.gen.stop_ids == std::vector<int32_t>{im_end});
 }
+
+TEST_CASE("prefix cache: a chat's next turn prefills only what is new; slots chosen by prefix") {
+  TestServer srv(stories(), ServerConfig{.n_slots = 2, .n_ctx = 2048});
+  json turn = chat_body("Tell me a story about a cat.", 16);
+  Reply r1 = post(srv.port, "/v1/chat/completions", turn);
+  REQUIRE(r1.status == 200);
+  const int64_t p1 = r1.j["usage"]["prompt_tokens"];
+  // Another conversation takes the other slot (it shares little with the first).
+  Reply other = post(srv.port, "/v1/chat/completions", chat_body("Why is the sky blue?", 8));
+  CHECK(other.j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>() < p1 / 2);
+  turn["messages"].push_back(
+      {{"role", "assistant"}, {"content", r1.j["choices"][0]["message"]["content"]}});
+  turn["messages"].push_back({{"role", "user"}, {"content", "And then?"}});
+  Reply r2 = post(srv.port, "/v1/chat/completions", turn);
+  REQUIRE(r2.status == 200);
+  const int64_t p2 = r2.j["usage"]["prompt_tokens"];
+  const int64_t cached = r2.j["usage"]["prompt_tokens_details"]["cached_tokens"];
+  CHECK(cached >= p1);  // the first turn's whole prompt (at least) came from the cache
+  CHECK(cached < p2);
+  CHECK(r2.j["timings"]["prompt_n"] == p2 - cached);
+  // The same request on a fresh server, without the cache, gives the same reply.
+  TestServer fresh(stories(), ServerConfig{.n_slots = 1, .n_ctx = 1024});
+  CHECK(post(fresh.port, "/v1/chat/completions", turn).j["choices"][0]["message"]["content"] ==
+        r2.j["choices"][0]["message"]["content"]);
+}
