@@ -367,7 +367,7 @@ TEST_CASE("/slots shows every slot busy when requests exceed slots") {
     threads.emplace_back([&, i] {
       streams[i] = post_stream(srv.port, "/completion",
                                {{"prompt", {1, 20 + static_cast<int>(i)}},
-                                {"n_predict", 40},
+                                {"n_predict", 120},
                                 {"temperature", 0},
                                 {"ignore_eos", true},
                                 {"stream", true}});
@@ -386,7 +386,7 @@ TEST_CASE("/slots shows every slot busy when requests exceed slots") {
   for (std::thread& t : threads) t.join();
   for (const Stream& s : streams) {
     CHECK(s.status == 200);
-    CHECK(s.events().back()["tokens_predicted"] == 40);
+    CHECK(s.events().back()["tokens_predicted"] == 120);
   }
   Reply s = get(srv.port, "/slots");
   CHECK(s.j[0]["is_processing"] == false);
