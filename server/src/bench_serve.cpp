@@ -65,9 +65,12 @@ RequestSamples one_request(const ServeBenchOptions& o, const std::vector<int32_t
   const Clock::time_point t0 = Clock::now();
   Clock::time_point first{};
   bool finished = false;
+  // Events that arrive in one read share its time: the inter-token latency of a read's tokens
+  // is the gap since the previous read that carried tokens, divided by their number.
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     const Clock::time_point now = Clock::now();
     buf.append(data, n);
+    int64_t k = 0;  // tokens in this read
     size_t end;
     while ((end = buf.find("\n\n")) != std::string::npos) {
       const std::string event = buf.substr(0, end);
@@ -79,19 +82,19 @@ RequestSamples one_request(const ServeBenchOptions& o, const std::vector<int32_t
         s.error = j["error"].value("message", "error event");
         return false;
       }
-      const int64_t k = j.contains("tokens") ? static_cast<int64_t>(j["tokens"].size()) : 0;
-      if (k > 0) {
-        if (s.n_tokens == 0) {
-          s.ttft_ms = ms(now - t0);
-          first = now;
-        } else {
-          const double gap = ms(now - last) / static_cast<double>(k);
-          for (int64_t i = 0; i < k; ++i) s.itl_ms.push_back(gap);
-        }
-        s.n_tokens += k;
-        last = now;
-      }
+      if (j.contains("tokens")) k += static_cast<int64_t>(j["tokens"].size());
       if (j.value("stop", false)) finished = true;
+    }
+    if (k > 0) {
+      if (s.n_tokens == 0) {
+        s.ttft_ms = ms(now - t0);
+        first = now;
+      } else {
+        const double gap = ms(now - last) / static_cast<double>(k);
+        for (int64_t i = 0; i < k; ++i) s.itl_ms.push_back(gap);
+      }
+      s.n_tokens += k;
+      last = now;
     }
     return true;
   };

@@ -406,9 +406,9 @@ void HttpServer::set_ready(ModelContext model, Engine& engine) {
 void HttpServer::shutdown(std::chrono::milliseconds grace) {
   Impl& m = *impl_;
   using Clock = std::chrono::steady_clock;
-  m.draining.store(true);
+  if (m.engine) m.engine->close();
+  m.draining.store(true);  // after close(): draining() implies refusals
   if (m.engine) {
-    m.engine->close();
     const auto until = Clock::now() + grace;
     auto idle = [&] { return m.engine->n_in_flight() == 0 && m.active.load() == 0; };
     while (!idle() && Clock::now() < until)
@@ -425,6 +425,8 @@ void HttpServer::shutdown(std::chrono::milliseconds grace) {
   stop();
   wait();
 }
+
+bool HttpServer::draining() const { return impl_->draining.load(); }
 
 void HttpServer::stop() {
   Impl& m = *impl_;

@@ -6,8 +6,9 @@
 // reused beyond the first token) and n_predict = `n_predict`, so every request generates exactly
 // n_predict tokens. Measured on the client:
 //   TTFT (time to first token): from sending the request to the first event carrying a token;
-//   ITL (inter-token latency): the gap between consecutive events, divided by the tokens of the
-//     later event (one token per event unless the client fell behind);
+//   ITL (inter-token latency): the gap between consecutive reads of the stream that carry
+//     tokens, divided by the tokens of the later read (one token per read unless the client
+//     fell behind); the first read's other tokens have no sample;
 //   aggregate tok/s: generated tokens of all requests / wall time from the first request sent
 //     to the last response read.
 // Percentiles: nearest-rank (p50, p99) over every request's samples.

@@ -70,6 +70,8 @@ class HttpServer {
   /// waits for their responses to be written, and stops listening. Returns after the
   /// listener thread ended.
   void shutdown(std::chrono::milliseconds grace);
+  /// True once shutdown() began (completion requests are refused from then on).
+  bool draining() const;
   /// Stops at once: open streams end where they are.
   void stop();
   /// Blocks until the listener thread ended (after shutdown() or stop()).
