@@ -103,8 +103,9 @@ json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
 void HttpServer::Impl::routes() {
   httplib::Server& s = *svr;
   s.set_payload_max_length(opt.max_body_bytes);
-  const int n_threads = opt.n_http_threads > 0 ? opt.n_http_threads
-                                               : std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8;
+  const int n_threads = opt.n_http_threads > 0
+                            ? opt.n_http_threads
+                            : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
   s.new_task_queue = [n_threads] {
     return new httplib::ThreadPool(static_cast<size_t>(n_threads));
   };
