@@ -215,10 +215,13 @@ Runner add_bench(CLI::App& app) {
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");
   d->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
-  return [o] {
+  Runner serve = add_bench_serve(*sub);
+  CLI::App* serve_cmd = sub->get_subcommand("serve");
+  return [o, serve, serve_cmd] {
     if (o->kernels->parsed()) return bench_kernels(*o);
     if (o->disk->parsed()) return bench_disk(*o);
     if (o->model->parsed()) return bench_model(*o);
+    if (serve_cmd->parsed()) return serve();
     return 2;
   };
 }

@@ -20,6 +20,9 @@ Runner add_bench(CLI::App& app);
 Runner add_synth(CLI::App& app);
 Runner add_plan(CLI::App& app);
 Runner add_trace(CLI::App& app);
+Runner add_serve(CLI::App& app);
+/// `bench serve` (cmd_serve.cpp), registered by add_bench on its `bench` subcommand.
+Runner add_bench_serve(CLI::App& bench);
 
 /// Writes all of `s` to stdout and flushes. Returns false when the reader of a pipe has gone
 /// (EPIPE, e.g. `| head`): commands then stop and exit 0. Throws Error(io) for any other write

@@ -25,7 +25,7 @@ std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
       {"-ub", "--ubatch-size"},   {"-cnv", "--chat"},           {"-sys", "--system-prompt"},
       {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"}, {"-cmoe", "--cpu-moe"},
-      {"-ncmoe", "--n-cpu-moe"},
+      {"-ncmoe", "--n-cpu-moe"},  {"-np", "--parallel"},
   };
   // Options whose value is free text: "-p -ub" is a prompt, not a flag.
   static const std::set<std::string> text_options = {
@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
   berth::cli::Runner synth = berth::cli::add_synth(app);
   berth::cli::Runner plan = berth::cli::add_plan(app);
   berth::cli::Runner trace = berth::cli::add_trace(app);
+  berth::cli::Runner serve = berth::cli::add_serve(app);
 
   try {
     std::vector<std::string> args = normalise_args(argc, argv);
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
       if (name == "synth") return synth();
       if (name == "plan") return plan();
       if (name == "trace") return trace();
+      if (name == "serve") return serve();
     }
     return 2;
   } catch (const berth::Error& e) {

@@ -1,0 +1,371 @@
+// `berth serve`: an OpenAI- and llama-server-compatible HTTP server (server/).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "berth/backends/thread_pool.h"
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+#include "berth/io/gguf.h"
+#include "berth/models/chat.h"
+#include "berth/models/model.h"
+#include "berth/models/tokenizer.h"
+#include "berth/runtime/placed.h"
+#include "berth/server/bench_serve.h"
+#include "berth/server/server.h"
+#include "berth/server/slot_engine.h"
+#include "commands.h"
+#include "placement_flags.h"
+
+namespace berth::cli {
+namespace {
+
+struct ServeOptions {
+  std::string model;
+  server::ServerOptions http;
+  int32_t n_slots = 1;
+  int64_t n_ctx = 0;
+  int32_t queue = 64;
+  std::string alias;
+  std::string chat_template;
+  SessionParams session;
+  placement::Flags placement;
+  int32_t stream_min = kStreamExpertsAuto;
+  double host_expert_share = 0;
+  int64_t warm_workers_us = kAutoWarmWorkersUs;
+  double shutdown_grace_s = 30;
+};
+
+// SIGTERM / SIGINT: one byte into a pipe the main thread polls (write() is async-signal-safe).
+int g_signal_pipe[2] = {-1, -1};
+extern "C" void on_signal(int) {
+  const int saved = errno;
+  const char b = 1;
+  (void)!write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+void install_signals() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw Error(ErrorCategory::io, "cannot create the signal pipe");
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+// Waits up to `ms` for a signal; true when one came.
+bool wait_signal(int ms) {
+  pollfd p{g_signal_pipe[0], POLLIN, 0};
+  if (poll(&p, 1, ms) <= 0) return false;
+  char buf[16];
+  while (read(g_signal_pipe[0], buf, sizeof buf) > 0) {
+  }
+  return true;
+}
+
+// -c not given: the model's context_length, lowered so that the KV cache (f32 K and V on the
+// CPU) takes at most half of the memory left beside the model file.
+int64_t default_context(const Model& model, uint64_t file_bytes, int32_t n_slots) {
+  const Hparams& hp = model.hparams();
+  int64_t n = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
+  size_t per_token = 0;
+  for (const KvLayer& l : model.kv_layers())
+    per_token += static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
+  const size_t phys = physical_memory_bytes();
+  if (per_token > 0 && phys > 0) {
+    const size_t left = phys > file_bytes ? phys - file_bytes : 0;
+    const int64_t fit = static_cast<int64_t>(left / 2 / per_token);
+    if (fit < n) {
+      const int64_t lowered = std::max<int64_t>(fit / 256 * 256, 2 * n_slots);
+      log::warn(
+          "-c not given: the model's context_length {} lowered to {} tokens, so that the KV "
+          "cache ({:.1f} MiB) takes at most half of the {:.1f} MiB of memory left beside the "
+          "model file",
+          n, lowered, static_cast<double>(lowered * static_cast<int64_t>(per_token)) / (1 << 20),
+          static_cast<double>(left) / (1 << 20));
+      n = lowered;
+    }
+  }
+  return n;
+}
+
+/// A loaded model behind a listening server (what `serve` and `bench serve` run).
+class RunningServer {
+ public:
+  explicit RunningServer(ServeOptions& o)
+      : file_(gguf::File::open(o.model)),
+        model_(load_model(file_)),
+        tok_(Tokenizer::from_gguf(file_)) {
+    if (tok_->n_vocab() != model_->hparams().n_vocab)
+      throw Error(ErrorCategory::format,
+                  fmt::format("{}: the vocabulary has {} tokens but token_embd.weight has {} rows",
+                              o.model, tok_->n_vocab(), model_->hparams().n_vocab));
+    server::ModelContext mc;
+    mc.tok = tok_.get();
+    mc.chat_template = file_.get_string_opt("tokenizer.chat_template").value_or("");
+    if (!o.chat_template.empty()) {
+      mc.chat_format = chat_format_from_name(o.chat_template);
+    } else {
+      try {
+        mc.chat_format = chat_format_for(file_, "");
+      } catch (const Error& e) {
+        log::warn("{}; chat requests use chatml (--chat-template NAME chooses)", e.what());
+        mc.chat_format = ChatFormat::chatml;
+      }
+    }
+    mc.chat_stop_ids = chat_stop_ids(*tok_, mc.chat_format);
+    mc.model_path = o.model;
+    mc.alias = o.alias.empty() ? o.model : o.alias;
+    const Hparams& hp = model_->hparams();
+    mc.n_vocab = hp.n_vocab;
+    mc.n_ctx_train = hp.n_ctx_train;
+    mc.n_embd = hp.n_embd;
+    mc.n_layer = hp.n_layer;
+    mc.file_size = file_.file_size();
+
+    int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_context(*model_, file_.file_size(), o.n_slots);
+    if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs "
+                              "at least 2 (raise -c or lower -np)",
+                              n_ctx, o.n_slots, n_ctx / o.n_slots));
+    n_ctx = n_ctx / o.n_slots * o.n_slots;  // every slot the same size
+    if (std::string c = context_note(n_ctx, hp); !c.empty()) log::warn("{}", c);
+    SessionParams params = o.session;
+    params.n_ctx = n_ctx;
+    params.hybrid.stream_experts_min_tokens = o.stream_min;
+    params.hybrid.host_expert_share = o.host_expert_share;
+    placed_ = place(*model_, o.placement, params, true);
+    params.hybrid.warm_workers_us = o.warm_workers_us;
+    for (const std::string& note :
+         device_option_notes(*model_, params, false, o.warm_workers_us != kAutoWarmWorkersUs))
+      log::warn("{}", note);
+    if (o.n_slots > 1 && params.device && params.device->name().rfind("SIM", 0) != 0)
+      throw Error(ErrorCategory::unsupported,
+                  fmt::format("-np {} with {}: each slot would upload its own copy of the "
+                              "weights until the batching loop exists; use -np 1 on a GPU, or "
+                              "-ngl 0 for several slots on the CPU",
+                              o.n_slots, params.device->name()));
+    log::info("{}", placed_.summary());
+
+    // Listen first (health answers 503 while the slots are built: KV caches, uploads).
+    o.http.n_slots_hint = o.n_slots;
+    o.http.queue_hint = o.queue;
+    http_ = std::make_unique<server::HttpServer>(o.http);
+    port_ = http_->bind();
+    http_->start();
+    std::fprintf(stderr, "berth: listening on http://%s:%d (loading the model)\n",
+                 o.http.host.c_str(), port_);
+    try {
+      server::SlotEngineOptions eo;
+      eo.n_slots = o.n_slots;
+      eo.n_ctx = n_ctx;
+      eo.queue_limit = o.queue;
+      eo.session = params;
+      engine_ = std::make_unique<server::SlotEngine>(*model_, *tok_, eo);
+    } catch (...) {
+      http_->stop();
+      throw;
+    }
+    http_->set_ready(mc, *engine_);
+    std::fprintf(stderr,
+                 "berth: ready: %s on http://%s:%d, %d slot%s of %lld tokens, %d threads each, "
+                 "chat format %s\n",
+                 mc.alias.c_str(), o.http.host.c_str(), port_, o.n_slots, o.n_slots == 1 ? "" : "s",
+                 static_cast<long long>(engine_->n_ctx_per_slot()), engine_->n_threads(),
+                 std::string(chat_format_name(mc.chat_format)).c_str());
+  }
+  ~RunningServer() { http_.reset(); }  // the server goes before the engine it calls
+
+  int port() const { return port_; }
+  int64_t n_vocab() const { return model_->hparams().n_vocab; }
+  server::HttpServer& http() { return *http_; }
+  server::SlotEngine& engine() { return *engine_; }
+
+ private:
+  gguf::File file_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tok_;
+  PlacementSetup placed_;
+  std::unique_ptr<server::SlotEngine> engine_;
+  std::unique_ptr<server::HttpServer> http_;
+  int port_ = 0;
+};
+
+int serve(ServeOptions& o) {
+  install_signals();  // a SIGTERM while loading ends the server once it is up
+  RunningServer srv(o);
+  while (!wait_signal(500)) {
+  }
+  std::fprintf(stderr, "berth: shutting down: finishing %lld requests (at most %.0f s)\n",
+               static_cast<long long>(srv.engine().n_in_flight()), o.shutdown_grace_s);
+  std::atomic<bool> drained{false};
+  // A second signal cancels what is still running.
+  std::thread second([&] {
+    while (!drained.load())
+      if (wait_signal(100)) {
+        std::fprintf(stderr, "berth: second signal: cancelling the requests in flight\n");
+        srv.engine().cancel_all();
+      }
+  });
+  srv.http().shutdown(std::chrono::milliseconds(static_cast<int64_t>(o.shutdown_grace_s * 1e3)));
+  drained.store(true);
+  second.join();
+  std::fprintf(stderr, "berth: stopped\n");
+  return 0;
+}
+
+// The flags of `serve` (also those of `bench serve`, whose server they configure).
+void add_serve_flags(CLI::App* sub, ServeOptions& o) {
+  sub->add_option("--host", o.http.host, "address to listen on")->capture_default_str();
+  sub->add_option("--port", o.http.port, "port to listen on (0: any free port)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  sub->add_option("--parallel", o.n_slots,
+                  "-np: slots, each serving one request at a time with -c / -np tokens of context")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  sub->add_option("-c,--ctx-size", o.n_ctx,
+                  "total context in tokens, split evenly over the slots (0: the model's "
+                  "context_length, lowered to what memory holds)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  sub->add_option("--ubatch-size", o.session.n_ubatch,
+                  "-ub: prompt tokens per prefill step (a slot's turn)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
+  sub->add_option("-t,--threads", o.session.n_threads, "CPU threads (0: all physical cores)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  sub->add_option("--api-key", o.http.api_key,
+                  "require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every route "
+                  "but /health and /v1/models");
+  sub->add_flag("--metrics", o.http.metrics, "serve Prometheus metrics on GET /metrics");
+  sub->add_option("-a,--alias", o.alias, "model name in responses (default: the file path)");
+  sub->add_option("--queue", o.queue,
+                  "requests that may wait when every slot is busy; more get 503 with Retry-After")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  sub->add_option("--chat-template", o.chat_template,
+                  "chat format: " + chat_format_names() +
+                      " (default: detected from tokenizer.chat_template, else chatml)");
+  sub->add_option("--shutdown-grace", o.shutdown_grace_s,
+                  "seconds SIGTERM lets requests in flight finish before cancelling them")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 3600.0));
+  add_placement_flags(*sub, o.placement);
+  add_stream_experts(*sub, o.stream_min);
+  add_host_expert_share(*sub, o.host_expert_share);
+  add_warm_workers(*sub, o.warm_workers_us);
+}
+
+struct BenchServeOptions {
+  ServeOptions serve;
+  server::ServeBenchOptions bench;
+  std::string url;
+  std::string json_path;
+  bool quiet = false;
+};
+
+int bench_serve(BenchServeOptions& o) {
+  std::unique_ptr<RunningServer> srv;
+  if (!o.url.empty()) {
+    // http://HOST:PORT (no path)
+    std::string u = o.url;
+    if (u.rfind("http://", 0) == 0) u = u.substr(7);
+    while (!u.empty() && u.back() == '/') u.pop_back();
+    const size_t colon = u.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !CLI::detail::lexical_cast(u.substr(colon + 1), port) || port < 1 || port > 65535)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("--url {}: expected http://HOST:PORT", o.url));
+    o.bench.host = u.substr(0, colon);
+    o.bench.port = port;
+    if (o.bench.api_key.empty()) o.bench.api_key = o.serve.http.api_key;
+  } else {
+    if (o.serve.model.empty())
+      throw Error(ErrorCategory::invalid_argument, "bench serve needs -m MODEL or --url URL");
+    o.serve.http.host = "127.0.0.1";
+    srv = std::make_unique<RunningServer>(o.serve);
+    o.bench.host = "127.0.0.1";
+    o.bench.port = srv->port();
+    o.bench.api_key = o.serve.http.api_key;
+    o.bench.n_vocab = srv->n_vocab();
+  }
+  if (!o.quiet)
+    o.bench.progress = [](std::string_view line) {
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+    };
+  const server::ServeBenchResult r = server::run_serve_bench(o.bench);
+  nlohmann::json j = server::to_json(r);
+  if (srv) {
+    j["server"] = {{"model", o.serve.model},
+                   {"n_slots", o.serve.n_slots},
+                   {"n_ctx_per_slot", srv->engine().n_ctx_per_slot()},
+                   {"n_threads", srv->engine().n_threads()}};
+    srv->http().shutdown(std::chrono::milliseconds(1000));
+  }
+  j["n_prompt"] = o.bench.n_prompt;
+  j["n_predict"] = o.bench.n_predict;
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path, std::ios::binary | std::ios::trunc);
+    out << j.dump(2) << "\n";
+    if (!out) throw Error(ErrorCategory::io, fmt::format("cannot write '{}'", o.json_path));
+  }
+  (void)write_stdout(server::format_text(r));
+  return r.n_failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+Runner add_serve(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "serve", "an OpenAI- and llama-server-compatible HTTP server (/v1/chat/completions, ...)");
+  sub->add_option("-m,--model", o->model, "GGUF model file")->required();
+  add_serve_flags(sub, *o);
+  return [o] { return serve(*o); };
+}
+
+Runner add_bench_serve(CLI::App& bench) {
+  auto o = std::make_shared<BenchServeOptions>();
+  o->serve.http.port = 0;
+  CLI::App* sub = bench.add_subcommand(
+      "serve",
+      "the HTTP server under N concurrent streaming clients: aggregate tok/s, time to first "
+      "token and inter-token latency p50/p99 (a server of its own with -m and the serve flags, "
+      "or a running one with --url)");
+  sub->add_option("-m,--model", o->serve.model, "GGUF model file (a server of its own)");
+  sub->add_option("--url", o->url, "benchmark a running server, http://HOST:PORT");
+  add_serve_flags(sub, o->serve);
+  sub->add_option("--clients", o->bench.n_clients, "concurrent streaming clients")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  sub->add_option("--requests", o->bench.n_requests, "requests per client, one after another")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  sub->add_option("-p,--n-prompt", o->bench.n_prompt, "prompt tokens per request")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("-n,--n-predict", o->bench.n_predict, "tokens generated per request")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--json", o->json_path, "also write the numbers as JSON to this file");
+  sub->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  return [o] { return bench_serve(*o); };
+}
+
+}  // namespace berth::cli

@@ -1,0 +1,56 @@
+// `berth bench serve`: N concurrent streaming clients against a running server.
+//
+// Each client sends `n_requests` requests one after another to POST /completion (llama-server's
+// native endpoint) with stream, return_tokens and ignore_eos, temperature 0, a prompt of
+// `n_prompt` token ids drawn from a seeded generator (distinct per request, so no prefix is
+// reused beyond the first token) and n_predict = `n_predict`, so every request generates exactly
+// n_predict tokens. Measured on the client:
+//   TTFT (time to first token): from sending the request to the first event carrying a token;
+//   ITL (inter-token latency): the gap between consecutive reads of the stream that carry
+//     tokens, divided by the tokens of the later read (one token per read unless the client
+//     fell behind); the first read's other tokens have no sample;
+//   aggregate tok/s: generated tokens of all requests / wall time from the first request sent
+//     to the last response read.
+// Percentiles: nearest-rank (p50, p99) over every request's samples.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+
+namespace berth::server {
+
+struct ServeBenchOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::string api_key;
+  int n_clients = 4;    ///< concurrent streaming clients
+  int n_requests = 4;   ///< requests per client, one after another
+  int n_prompt = 32;    ///< prompt tokens per request
+  int n_predict = 64;   ///< tokens generated per request
+  int64_t n_vocab = 0;  ///< prompt ids are drawn from [1, n_vocab); 0: ask GET /v1/models
+  uint64_t seed = 1;
+  std::function<void(std::string_view)> progress;
+};
+
+struct ServeBenchResult {
+  int n_clients = 0, n_requests = 0, n_failed = 0;
+  int64_t n_tokens = 0;        ///< generated, over all requests
+  double wall_s = 0;           ///< seconds
+  double aggregate_tok_s = 0;  ///< n_tokens / wall_s
+  double ttft_p50_ms = 0, ttft_p99_ms = 0;
+  double itl_p50_ms = 0, itl_p99_ms = 0;
+  double per_request_tok_s = 0;  ///< median over requests of (n_predict - 1) / (last - first token)
+  std::string first_error;       ///< of a failed request, "" when none failed
+};
+
+/// Runs the benchmark. Throws Error(invalid_argument) for counts < 1, Error(io) when the server
+/// cannot be reached (GET /health) or n_vocab cannot be read.
+ServeBenchResult run_serve_bench(const ServeBenchOptions& options);
+
+nlohmann::json to_json(const ServeBenchResult& r);
+std::string format_text(const ServeBenchResult& r);
+
+}  // namespace berth::server

@@ -1,0 +1,102 @@
+// The prefix cache's view of one sequence's state, through checkpoints, so that states which
+// cannot be cut back to an arbitrary position (the recurrent layers of hybrid models such as
+// Qwen3.5/Qwen3-Next: a Gated DeltaNet state summarises every position it has seen) plug in
+// snapshots, while attention-only models just truncate their KV cache.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace berth {
+class Session;
+}
+
+namespace berth::server {
+
+/// A position a SequenceState can return to: the state after its first `n_past` tokens.
+/// `handle` identifies what save() kept (0 for states that keep nothing).
+struct Checkpoint {
+  int64_t n_past = 0;
+  uint64_t handle = 0;
+};
+
+/// One sequence's state (KV cache rows, recurrent state) as a prefix cache sees it. Not
+/// thread-safe: the engine thread owns it.
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  /// Tokens the state holds: positions 0 .. n_past() - 1.
+  virtual int64_t n_past() const = 0;
+  /// True when truncate_to(n) works for every 0 <= n <= n_past() (attention KV: later positions
+  /// are overwritten by later evaluations). False for recurrent states, which return to earlier
+  /// positions only through restore().
+  virtual bool can_truncate() const = 0;
+  /// Forgets positions >= n. truncate_to(0) (an empty sequence) always works; other n need
+  /// can_truncate(). Throws Error(invalid_argument) for n outside 0..n_past() and
+  /// Error(unsupported) for an n > 0 a recurrent state cannot reach.
+  virtual void truncate_to(int64_t n) = 0;
+  /// Keeps what restore() needs to return to the current position and returns its checkpoint.
+  /// States that can truncate keep nothing (the KV rows of earlier positions stay valid).
+  virtual Checkpoint save() = 0;
+  /// Returns to `cp`, a checkpoint save() returned on this state. The caller guarantees that
+  /// the tokens before cp.n_past were not replaced since (SlotCache drops checkpoints past a
+  /// point it rewrites). Throws Error(invalid_argument) for a checkpoint this state cannot reach.
+  virtual void restore(const Checkpoint& cp) = 0;
+  /// Frees what save() kept for `cp`.
+  virtual void drop(const Checkpoint& cp) = 0;
+};
+
+/// The SequenceState of a runtime Session whose model has attention layers only (its KV cache
+/// truncates anywhere): checkpoints are positions.
+class SessionSequenceState : public SequenceState {
+ public:
+  explicit SessionSequenceState(Session& session) : session_(session) {}
+  int64_t n_past() const override;
+  bool can_truncate() const override { return true; }
+  void truncate_to(int64_t n) override;
+  Checkpoint save() override;
+  void restore(const Checkpoint& cp) override;
+  void drop(const Checkpoint&) override {}
+
+ private:
+  Session& session_;
+};
+
+/// What one slot's state holds (its token ids) and how much of a new prompt it can reuse: the
+/// longest common prefix of the two, reached by truncation when the state allows it, else by
+/// the latest checkpoint at or before it. Keeps at most `max_checkpoints` checkpoints (the
+/// oldest are dropped), taken by checkpoint() and only for states that cannot truncate.
+class SlotCache {
+ public:
+  explicit SlotCache(SequenceState& state, int max_checkpoints = 4);
+  ~SlotCache();
+  SlotCache(const SlotCache&) = delete;
+  SlotCache& operator=(const SlotCache&) = delete;
+
+  /// Token ids at positions 0 .. state.n_past() - 1.
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+
+  /// Length of the longest common prefix of `a` and `b`.
+  static int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
+
+  /// Readies the state for `prompt` (not empty) and returns n, the number of its leading tokens
+  /// the state now holds; the caller evaluates prompt[n..] and calls append() with them. n is at
+  /// most prompt.size() - 1 (the last prompt token is always evaluated: its logits are needed)
+  /// and 0 when `reuse` is false.
+  int64_t prepare(std::span<const int32_t> prompt, bool reuse);
+  /// Records tokens the state has just evaluated after tokens().
+  void append(std::span<const int32_t> evaluated);
+  /// Saves a checkpoint at the current end when the state cannot truncate (no-op otherwise).
+  void checkpoint();
+  /// Forgets everything (after a failed step, when the state's content is unknown).
+  void clear();
+
+ private:
+  SequenceState& state_;
+  int max_checkpoints_;
+  std::vector<int32_t> tokens_;
+  std::vector<Checkpoint> checkpoints_;  // ascending n_past
+};
+
+}  // namespace berth::server

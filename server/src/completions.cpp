@@ -1,0 +1,439 @@
+// POST /v1/chat/completions, /v1/completions and /completion: submit to the engine, then write
+// the response whole (non-stream) or as server-sent events (stream).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <optional>
+
+#include "berth/core/log.h"
+#include "berth/core/strings.h"
+#include "berth/models/utf8.h"
+#include "berth/server/text_output.h"
+#include "http_internal.h"
+
+namespace berth::server {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr std::chrono::milliseconds kPoll{100};
+
+ApiError rejection(const Rejected& r) {
+  switch (r.reason()) {
+    case Rejected::Reason::context_exceeded:
+      return ApiError{400, "exceed_context_size_error",
+                      "the request exceeds the available context size, try increasing it (" +
+                          std::string(r.what()) + ")",
+                      json{{"n_prompt_tokens", r.n_prompt()}, {"n_ctx", r.n_ctx()}}};
+    case Rejected::Reason::queue_full:
+      return ApiError{503, "unavailable_error", std::string(r.what()) + "; retry later"};
+    case Rejected::Reason::shutting_down:
+      return ApiError{503, "unavailable_error", r.what()};
+    case Rejected::Reason::invalid:
+      break;
+  }
+  return ApiError{400, "invalid_request_error", r.what()};
+}
+
+const ApiError kShuttingDown{503, "unavailable_error", "the server is shutting down"};
+
+std::string sse(const json& j) {
+  return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+json error_json(const ApiError& e) {
+  json err = {{"code", e.status}, {"message", e.message}, {"type", e.type}};
+  for (const auto& [k, v] : e.extra.items()) err[k] = v;
+  return json{{"error", err}};
+}
+
+json bytes_of(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+/// The consumer side of one completion: turns the engine's tokens into response text (UTF-8,
+/// stop strings) and counts them. Shared by the streaming and the whole-response paths.
+struct Output {
+  Output(HttpServer::Impl& server, CompletionRequest request, std::shared_ptr<Generation> g,
+         const httplib::Request& http)
+      : srv(server),
+        req(std::move(request)),
+        gen(std::move(g)),
+        filter(req.stop),
+        watch(http),
+        active(server.active),
+        id(server.next_id(req.endpoint == Endpoint::chat ? "chatcmpl-" : "cmpl-")),
+        created(unix_time()) {}
+  ~Output() { gen->cancel(); }  // a no-op once done; else the client is gone or we stop
+
+  HttpServer::Impl& srv;
+  CompletionRequest req;
+  std::shared_ptr<Generation> gen;
+  TextFilter filter;
+  PeerWatch watch;
+  ActiveGuard active;
+  std::string id;
+  int64_t created;
+
+  int32_t slot = -1;
+  int64_t n_cached = 0;
+  int64_t n_tokens = 0;  // tokens whose text is part of the output (up to a stop string)
+  bool done = false, word_stop = false;
+  FinishReason finish = FinishReason::length;
+  std::optional<ApiError> error;
+  GenerationTimings timings;
+
+  /// Takes an update: returns the text it releases and appends the tokens it covers to `toks`.
+  std::string take(GenerationUpdate& u, std::vector<GeneratedToken>& toks) {
+    if (u.started) {
+      slot = u.slot;
+      n_cached = u.timings.n_cached;
+    }
+    std::string text;
+    for (GeneratedToken& t : u.tokens) {
+      if (filter.stopped()) break;  // tokens the engine made before it saw the cancel
+      ++n_tokens;
+      text += filter.push(srv.model.tok->token_to_piece(t.id));
+      toks.push_back(std::move(t));
+      if (filter.stopped()) {
+        word_stop = true;
+        gen->cancel();
+      }
+    }
+    if (u.done) {
+      done = true;
+      finish = u.finish;
+      timings = u.timings;
+      if (u.error) {
+        error = ApiError{500, "server_error", *u.error};
+      } else if (u.finish == FinishReason::cancelled && !word_stop) {
+        error = kShuttingDown;
+      } else {
+        text += filter.flush();
+      }
+    }
+    return text;
+  }
+
+  std::string finish_reason() const {
+    return word_stop || finish == FinishReason::eos ? "stop" : "length";
+  }
+  std::string stop_type() const {
+    if (word_stop) return "word";
+    return finish == FinishReason::eos ? "eos" : "limit";
+  }
+
+  json usage() const {
+    const int64_t n_prompt = static_cast<int64_t>(req.gen.prompt.size());
+    return json{{"prompt_tokens", n_prompt},
+                {"completion_tokens", n_tokens},
+                {"total_tokens", n_prompt + n_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", n_cached}}}};
+  }
+
+  json timings_json() const {
+    auto per = [](double ms, int64_t n) { return n > 0 ? ms / static_cast<double>(n) : 0.0; };
+    auto rate = [](double ms, int64_t n) {
+      return ms > 0 ? 1e3 * static_cast<double>(n) / ms : 0.0;
+    };
+    return json{{"cache_n", n_cached},
+                {"prompt_n", timings.n_evaluated},
+                {"prompt_ms", timings.prompt_ms},
+                {"prompt_per_token_ms", per(timings.prompt_ms, timings.n_evaluated)},
+                {"prompt_per_second", rate(timings.prompt_ms, timings.n_evaluated)},
+                {"predicted_n", n_tokens},
+                {"predicted_ms", timings.predicted_ms},
+                {"predicted_per_token_ms", per(timings.predicted_ms, n_tokens)},
+                {"predicted_per_second", rate(timings.predicted_ms, n_tokens)}};
+  }
+
+  std::string piece_text(int32_t t) const { return srv.model.tok->token_to_piece(t); }
+
+  // Log-probabilities of `toks` in the endpoint's format (null when not asked for).
+  json logprobs(const std::vector<GeneratedToken>& toks) const {
+    if (!req.logprobs) return nullptr;
+    if (req.endpoint == Endpoint::completions) {
+      json tokens = json::array(), lps = json::array(), tops = json::array();
+      for (const GeneratedToken& t : toks) {
+        tokens.push_back(utf8::sanitize(piece_text(t.id)));
+        lps.push_back(t.logprob);
+        json top = json::object();
+        for (const auto& [id, lp] : t.top) top[utf8::sanitize(piece_text(id))] = lp;
+        tops.push_back(top);
+      }
+      return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
+    }
+    json content = json::array();
+    for (const GeneratedToken& t : toks) content.push_back(token_json(t));
+    return json{{"content", content}};
+  }
+
+  json token_json(const GeneratedToken& t) const {
+    const std::string p = piece_text(t.id);
+    json top = json::array();
+    for (const auto& [id, lp] : t.top) {
+      const std::string q = piece_text(id);
+      json e = {{"token", utf8::sanitize(q)}, {"logprob", lp}, {"bytes", bytes_of(q)}};
+      if (req.endpoint == Endpoint::native) e["id"] = id;
+      top.push_back(e);
+    }
+    json e = {{"token", utf8::sanitize(p)},
+              {"logprob", t.logprob},
+              {"bytes", bytes_of(p)},
+              {"top_logprobs", top}};
+    if (req.endpoint == Endpoint::native) e["id"] = t.id;
+    return e;
+  }
+
+  json ids_of(const std::vector<GeneratedToken>& toks) const {
+    json a = json::array();
+    for (const GeneratedToken& t : toks) a.push_back(t.id);
+    return a;
+  }
+
+  // --- OpenAI objects ---
+  json base(const char* object) const {
+    return json{{"id", id},
+                {"object", object},
+                {"created", created},
+                {"model", srv.model.alias},
+                {"system_fingerprint", "berth-0.1.0"}};
+  }
+
+  /// A streamed chunk: `delta` (chat) or `text` (completions), finish_reason or null.
+  json chunk(const std::string& text, const std::vector<GeneratedToken>& toks,
+             const json& finish) const {
+    if (req.endpoint == Endpoint::native) {
+      json j = {{"index", 0},
+                {"content", text},
+                {"stop", false},
+                {"id_slot", slot},
+                {"tokens_predicted", n_tokens},
+                {"tokens_evaluated", static_cast<int64_t>(req.gen.prompt.size())}};
+      j["tokens"] = req.return_tokens ? ids_of(toks) : json::array();
+      if (req.logprobs) j["completion_probabilities"] = logprobs(toks)["content"];
+      return j;
+    }
+    json choice = {{"index", 0}, {"logprobs", logprobs(toks)}, {"finish_reason", finish}};
+    if (req.endpoint == Endpoint::chat) {
+      choice["delta"] = finish.is_null() ? json{{"content", text}} : json::object();
+      json j = base("chat.completion.chunk");
+      j["choices"] = json::array({choice});
+      return j;
+    }
+    choice["text"] = text;
+    json j = base("text_completion");
+    j["choices"] = json::array({choice});
+    return j;
+  }
+
+  /// The native endpoint's final object (whole response, or the last event of a stream).
+  json native_final(const std::string& content, const std::vector<GeneratedToken>& toks) const {
+    const SamplerParams& sp = req.gen.sampling.sampler;
+    json j = {{"index", 0},
+              {"content", content},
+              {"tokens", req.return_tokens ? ids_of(toks) : json::array()},
+              {"id_slot", slot},
+              {"stop", true},
+              {"model", srv.model.alias},
+              {"tokens_predicted", n_tokens},
+              {"tokens_evaluated", static_cast<int64_t>(req.gen.prompt.size())},
+              {"generation_settings",
+               {{"n_predict", req.gen.max_tokens},
+                {"temperature", sp.temp},
+                {"top_k", sp.top_k},
+                {"top_p", sp.top_p},
+                {"min_p", sp.min_p},
+                {"repeat_penalty", sp.repeat_penalty},
+                {"repeat_last_n", sp.repeat_last_n},
+                {"presence_penalty", req.gen.sampling.presence_penalty},
+                {"frequency_penalty", req.gen.sampling.frequency_penalty},
+                {"stop", req.stop},
+                {"cache_prompt", req.gen.cache_prompt}}},
+              {"prompt", req.prompt_text},
+              {"has_new_line", content.find('\n') != std::string::npos},
+              {"truncated", false},
+              {"stop_type", stop_type()},
+              {"stopping_word", filter.stop_word()},
+              {"tokens_cached", n_cached},
+              {"timings", timings_json()}};
+    if (req.logprobs) j["completion_probabilities"] = logprobs(toks)["content"];
+    return j;
+  }
+
+  /// The whole (non-stream) response.
+  json whole(const std::string& content, const std::vector<GeneratedToken>& toks) const {
+    if (req.endpoint == Endpoint::native) return native_final(content, toks);
+    json choice = {{"index", 0}, {"logprobs", logprobs(toks)}, {"finish_reason", finish_reason()}};
+    json j;
+    if (req.endpoint == Endpoint::chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", content}};
+      j = base("chat.completion");
+    } else {
+      choice["text"] = content;
+      j = base("text_completion");
+    }
+    j["choices"] = json::array({choice});
+    j["usage"] = usage();
+    j["timings"] = timings_json();
+    return j;
+  }
+};
+
+/// Server-sent events of one streaming completion, written by cpp-httplib's content provider
+/// on the connection's thread.
+class EventStream {
+ public:
+  explicit EventStream(std::unique_ptr<Output> out) : out_(std::move(out)) {}
+
+  /// Writes the whole stream; false when the client went away (the generation is cancelled).
+  bool run(httplib::DataSink& sink) {
+    Output& o = *out_;
+    sink_ = &sink;
+    // First bytes at once: the role (chat) or a comment, so a client that left while queued or
+    // during prefill is noticed on the next write.
+    if (o.req.endpoint == Endpoint::chat) {
+      json j = o.base("chat.completion.chunk");
+      j["choices"] = json::array({json{{"index", 0},
+                                       {"delta", {{"role", "assistant"}, {"content", nullptr}}},
+                                       {"logprobs", nullptr},
+                                       {"finish_reason", nullptr}}});
+      if (!write(sse(j))) return false;
+    } else if (!write(": berth\n\n")) {
+      return false;
+    }
+    std::vector<GeneratedToken> toks;  // tokens whose text has not been sent yet
+    while (true) {
+      if (o.srv.stopping.load()) return end_with_error(kShuttingDown);
+      GenerationUpdate u = o.gen->wait(kPoll);
+      if (o.watch.gone()) {
+        o.gen->cancel();
+        return false;
+      }
+      const std::string text = o.take(u, toks);
+      const bool native_tokens = o.req.endpoint == Endpoint::native && o.req.return_tokens;
+      if (!text.empty() || (native_tokens && !toks.empty())) {
+        if (!write(sse(o.chunk(text, toks, nullptr)))) return false;
+        toks.clear();
+      } else if (u.progressed && !o.done) {
+        if (!write(fmt::format(": prefill {}/{}\n\n", u.n_prompt_done, o.req.gen.prompt.size())))
+          return false;
+      }
+      if (o.done) return finish(toks);
+      if (Clock::now() - last_write_ > std::chrono::duration<double>(o.srv.opt.ping_interval_s) &&
+          !write(": ping\n\n"))
+        return false;
+    }
+  }
+
+ private:
+  bool write(const std::string& s) {
+    if (!sink_->write(s.data(), s.size())) {
+      out_->gen->cancel();
+      return false;
+    }
+    last_write_ = Clock::now();
+    return true;
+  }
+
+  bool end_with_error(const ApiError& e) {
+    if (!write(sse(error_json(e)))) return false;
+    sink_->done();
+    return true;
+  }
+
+  bool finish(std::vector<GeneratedToken>& toks) {
+    Output& o = *out_;
+    if (o.error) return end_with_error(*o.error);
+    if (o.req.endpoint == Endpoint::native) {
+      if (!write(sse(o.native_final("", toks)))) return false;
+      sink_->done();
+      return true;
+    }
+    json last = o.chunk("", toks, o.finish_reason());
+    last["timings"] = o.timings_json();
+    if (!write(sse(last))) return false;
+    if (o.req.include_usage) {
+      json u =
+          o.base(o.req.endpoint == Endpoint::chat ? "chat.completion.chunk" : "text_completion");
+      u["choices"] = json::array();
+      u["usage"] = o.usage();
+      if (!write(sse(u))) return false;
+    }
+    if (!write("data: [DONE]\n\n")) return false;
+    sink_->done();
+    return true;
+  }
+
+  std::unique_ptr<Output> out_;
+  httplib::DataSink* sink_ = nullptr;
+  Clock::time_point last_write_ = Clock::now();
+};
+
+}  // namespace
+
+void HttpServer::Impl::completion(const httplib::Request& http, httplib::Response& res,
+                                  const httplib::ContentReader& reader, Endpoint endpoint) {
+  std::string body;
+  if (!read_body(http, res, reader, opt.max_body_bytes, body)) return;
+  std::unique_ptr<Output> out;
+  try {
+    CompletionRequest req = parse_completion(parse_body(body), endpoint, model);
+    body.clear();
+    body.shrink_to_fit();
+    std::shared_ptr<Generation> gen;
+    try {
+      gen = engine->submit(req.gen);
+    } catch (const Rejected& r) {
+      throw rejection(r);
+    }
+    out = std::make_unique<Output>(*this, std::move(req), std::move(gen), http);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+    return;
+  } catch (const Error& e) {
+    send_error(res, ApiError{400, "invalid_request_error", printable(e.what(), 1000)});
+    return;
+  }
+
+  if (out->req.stream) {
+    auto stream = std::make_shared<EventStream>(std::move(out));
+    res.status = 200;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [stream](size_t, httplib::DataSink& sink) { return stream->run(sink); });
+    return;
+  }
+
+  // Whole response: wait for the end, watching the client.
+  Output& o = *out;
+  std::string content;
+  std::vector<GeneratedToken> toks;
+  while (!o.done) {
+    if (stopping.load()) {
+      send_error(res, kShuttingDown);
+      return;
+    }
+    GenerationUpdate u = o.gen->wait(kPoll);
+    if (o.watch.gone()) {
+      o.gen->cancel();
+      log::debug("request {}: the client went away", o.id);
+      res.status = 499;  // never reaches anyone
+      return;
+    }
+    content += o.take(u, toks);
+  }
+  if (o.error) {
+    send_error(res, *o.error);
+    return;
+  }
+  send_json(res, o.whole(content, toks));
+}
+
+}  // namespace berth::server

@@ -1,0 +1,451 @@
+#include <fmt/format.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <ctime>
+#include <random>
+
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+#include "berth/core/strings.h"
+#include "berth/models/utf8.h"
+#include "http_internal.h"
+
+namespace berth::server {
+
+using json = nlohmann::json;
+
+int64_t unix_time() { return static_cast<int64_t>(std::time(nullptr)); }
+
+void send_json(httplib::Response& res, const json& j, int status) {
+  res.status = status;
+  res.set_content(j.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  json err = {{"code", e.status}, {"message", e.message}, {"type", e.type}};
+  for (const auto& [k, v] : e.extra.items()) err[k] = v;
+  if (e.status == 503) res.set_header("Retry-After", "1");
+  send_json(res, json{{"error", err}}, e.status);
+}
+
+bool read_body(const httplib::Request& req, httplib::Response& res,
+               const httplib::ContentReader& reader, size_t max, std::string& body) {
+  bool too_big = false;
+  const bool ok = reader([&](const char* data, size_t n) {
+    if (body.size() + n > max) {
+      too_big = true;
+      return false;
+    }
+    body.append(data, n);
+    return true;
+  });
+  if (too_big || res.status == 413) {
+    const std::string len = req.get_header_value("Content-Length");
+    res.set_header("Connection", "close");
+    send_error(
+        res, ApiError{413, "invalid_request_error",
+                      fmt::format("the request body{} is over the limit of {} bytes",
+                                  len.empty() ? "" : " of " + printable(len, 40) + " bytes", max)});
+    return false;
+  }
+  if (!ok) {
+    res.set_header("Connection", "close");
+    send_error(res, ApiError{400, "invalid_request_error", "the request body could not be read"});
+    return false;
+  }
+  return true;
+}
+
+HttpServer::Impl::Impl(ServerOptions o)
+    : opt(std::move(o)), svr(std::make_unique<HttplibServer>()) {
+  std::random_device rd;
+  static constexpr char kAlnum[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  for (int i = 0; i < 12; ++i) id_seed += kAlnum[rd() % 62];
+}
+
+std::string HttpServer::Impl::next_id(const char* prefix) {
+  return fmt::format("{}{}{:012d}", prefix, id_seed, counter.fetch_add(1) + 1);
+}
+
+namespace {
+
+bool is_public(const std::string& path) {
+  return path == "/health" || path == "/v1/health" || path == "/v1/models" || path == "/models";
+}
+
+// Constant-time comparison, so the key cannot be guessed byte by byte from response times.
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(b.size(), 1)]);
+  return diff == 0 && !b.empty();
+}
+
+json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  json arr = json::array();
+  for (int32_t id : ids) {
+    const std::string piece = tok.token_to_piece(id, true);
+    json p;
+    if (utf8::is_valid(piece)) {
+      p = piece;
+    } else {
+      p = json::array();
+      for (unsigned char c : piece) p.push_back(static_cast<int>(c));
+    }
+    arr.push_back({{"id", id}, {"piece", p}});
+  }
+  return arr;
+}
+
+}  // namespace
+
+void HttpServer::Impl::routes() {
+  httplib::Server& s = *svr;
+  s.set_payload_max_length(opt.max_body_bytes);
+  const int n_threads = opt.n_http_threads > 0
+                            ? opt.n_http_threads
+                            : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
+  s.new_task_queue = [n_threads] {
+    return new httplib::ThreadPool(static_cast<size_t>(n_threads));
+  };
+
+  s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    n_requests.fetch_add(1, std::memory_order_relaxed);
+    static const char* kMethods[] = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"};
+    if (std::none_of(std::begin(kMethods), std::end(kMethods),
+                     [&](const char* m) { return req.method == m; })) {
+      res.set_header("Connection", "close");
+      send_error(res, ApiError{404, "not_found_error",
+                               fmt::format("method {} is not served", printable(req.method, 20))});
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (req.is_multipart_form_data()) {
+      res.set_header("Connection", "close");
+      send_error(res, ApiError{400, "invalid_request_error",
+                               "multipart bodies are not accepted: send a JSON object"});
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (!opt.api_key.empty() && !is_public(req.path)) {
+      std::string key = req.get_header_value("X-Api-Key");
+      const std::string auth = req.get_header_value("Authorization");
+      if (key.empty() && auth.rfind("Bearer ", 0) == 0) key = auth.substr(7);
+      if (!same_secret(key, opt.api_key)) {
+        res.set_header("Connection", "close");  // the body, if any, stays unread
+        send_error(res, ApiError{401, "authentication_error", "Invalid API Key"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    if (!ready.load() && req.path != "/health" && req.path != "/v1/health") {
+      res.set_header("Connection", "close");
+      send_error(res, ApiError{503, "unavailable_error", "Loading model"});
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  // Fills a JSON body into errors cpp-httplib answers itself (unknown route 404, a malformed
+  // request line 400, 414, 413); leaves the ones berth wrote alone.
+  s.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request&,
+                                                                  httplib::Response& res) {
+    n_errors.fetch_add(1, std::memory_order_relaxed);
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    ApiError e;
+    e.status = res.status;
+    if (res.status == 404) {
+      e.type = "not_found_error";
+      e.message = "File Not Found";
+    } else if (res.status == 413) {
+      e.message = fmt::format("the request body is over the limit of {} bytes", opt.max_body_bytes);
+    } else if (res.status >= 500) {
+      e.type = "server_error";
+      e.message = "internal server error";
+    } else {
+      e.message = fmt::format("bad request (HTTP {})", res.status);
+    }
+    send_error(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  s.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    log::info("{} {} {} -> {}", req.remote_addr, printable(req.method, 16),
+              printable(req.path, 200), res.status);
+  });
+  s.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        log::error("HTTP handler failed: {}", what);
+        send_error(res, ApiError{500, "server_error", printable(what, 500)});
+      });
+
+  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (!ready.load())
+      send_error(res, ApiError{503, "unavailable_error", "Loading model"});
+    else
+      send_json(res, json{{"status", "ok"}});
+  });
+  s.Get("/v1/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (!ready.load())
+      send_error(res, ApiError{503, "unavailable_error", "Loading model"});
+    else
+      send_json(res, json{{"status", "ok"}});
+  });
+  auto models = [this](const httplib::Request&, httplib::Response& res) {
+    send_json(res, json{{"object", "list"},
+                        {"data", json::array({json{{"id", model.alias},
+                                                   {"object", "model"},
+                                                   {"created", unix_time()},
+                                                   {"owned_by", "berth"},
+                                                   {"meta",
+                                                    {{"n_vocab", model.n_vocab},
+                                                     {"n_ctx_train", model.n_ctx_train},
+                                                     {"n_embd", model.n_embd},
+                                                     {"n_layer", model.n_layer},
+                                                     {"size", model.file_size}}}}})}});
+  };
+  s.Get("/v1/models", models);
+  s.Get("/models", models);
+
+  s.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+    const SamplerParams d;
+    send_json(res, json{{"default_generation_settings",
+                         {{"n_ctx", engine->n_ctx_per_slot()},
+                          {"params",
+                           {{"temperature", d.temp},
+                            {"top_k", d.top_k},
+                            {"top_p", d.top_p},
+                            {"min_p", d.min_p},
+                            {"repeat_penalty", d.repeat_penalty},
+                            {"repeat_last_n", d.repeat_last_n},
+                            {"presence_penalty", 0.0},
+                            {"frequency_penalty", 0.0},
+                            {"n_predict", -1},
+                            {"seed", -1}}}}},
+                        {"total_slots", engine->n_slots()},
+                        {"model_path", model.model_path},
+                        {"model_alias", model.alias},
+                        {"chat_template", model.chat_template},
+                        {"chat_format", std::string(chat_format_name(model.chat_format))},
+                        {"modalities", {{"vision", false}, {"audio", false}}},
+                        {"build_info", "berth 0.1.0"}});
+  });
+  s.Get("/slots", [this](const httplib::Request&, httplib::Response& res) {
+    json arr = json::array();
+    for (const SlotInfo& si : engine->slots())
+      arr.push_back({{"id", si.id},
+                     {"n_ctx", si.n_ctx},
+                     {"is_processing", si.is_processing},
+                     {"id_task", si.is_processing ? json(si.id_task) : json(nullptr)},
+                     {"tokens_cached", si.n_cached}});
+    send_json(res, arr);
+  });
+  s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    if (!opt.metrics) {
+      send_error(res, ApiError{501, "not_supported_error",
+                               "This server does not support metrics endpoint. Start it with "
+                               "`--metrics`"});
+      return;
+    }
+    const EngineMetrics m = engine->metrics();
+    std::string out;
+    auto metric = [&](const char* name, const char* type, const char* help, double v) {
+      out += fmt::format("# HELP berth:{0} {1}\n# TYPE berth:{0} {2}\nberth:{0} {3}\n", name, help,
+                         type, v);
+    };
+    metric("prompt_tokens_total", "counter", "Prompt tokens evaluated.",
+           static_cast<double>(m.prompt_tokens_total));
+    metric("prompt_seconds_total", "counter", "Prefill time.", m.prompt_seconds_total);
+    metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from slot caches.",
+           static_cast<double>(m.n_cached_total));
+    metric("tokens_predicted_total", "counter", "Tokens generated.",
+           static_cast<double>(m.tokens_predicted_total));
+    metric("tokens_predicted_seconds_total", "counter", "Decode time.",
+           m.tokens_predicted_seconds_total);
+    metric("n_decode_total", "counter", "Forward steps (prefill chunks and decode steps).",
+           static_cast<double>(m.n_decode_total));
+    metric("requests_processing", "gauge", "Requests in a slot.",
+           static_cast<double>(m.requests_processing));
+    metric("requests_deferred", "gauge", "Requests waiting for a slot.",
+           static_cast<double>(m.requests_deferred));
+    metric("http_requests_total", "counter", "HTTP requests received.",
+           static_cast<double>(n_requests.load()));
+    metric("http_errors_total", "counter", "HTTP responses with a status of 400 or more.",
+           static_cast<double>(n_errors.load()));
+    res.status = 200;
+    res.set_content(out, "text/plain; version=0.0.4");
+  });
+
+  for (const char* p : {"/v1/chat/completions", "/chat/completions"})
+    s.Post(p, [this](const httplib::Request& req, httplib::Response& res,
+                     const httplib::ContentReader& r) { completion(req, res, r, Endpoint::chat); });
+  for (const char* p : {"/v1/completions", "/completions"})
+    s.Post(p, [this](const httplib::Request& req, httplib::Response& res,
+                     const httplib::ContentReader& r) {
+      completion(req, res, r, Endpoint::completions);
+    });
+  s.Post("/completion",
+         [this](const httplib::Request& req, httplib::Response& res,
+                const httplib::ContentReader& r) { completion(req, res, r, Endpoint::native); });
+
+  // /tokenize, /detokenize, /apply-template: small JSON in, JSON out.
+  auto simple = [this](const char* path, std::function<json(const json&)> fn) {
+    svr->Post(path, [this, fn](const httplib::Request& req, httplib::Response& res,
+                               const httplib::ContentReader& reader) {
+      std::string body;
+      if (!read_body(req, res, reader, opt.max_body_bytes, body)) return;
+      try {
+        send_json(res, fn(parse_body(body)));
+      } catch (const ApiError& e) {
+        send_error(res, e);
+      } catch (const Error& e) {
+        send_error(res, ApiError{400, "invalid_request_error", printable(e.what(), 1000)});
+      }
+    });
+  };
+  simple("/tokenize", [this](const json& j) {
+    auto it = j.find("content");
+    if (it == j.end() || !it->is_string())
+      throw ApiError{400, "invalid_request_error", "'content' must be a string"};
+    auto flag = [&](const char* key, bool def) {
+      auto f = j.find(key);
+      if (f == j.end() || f->is_null()) return def;
+      if (!f->is_boolean())
+        throw ApiError{400, "invalid_request_error",
+                       fmt::format("'{}' must be true or false", key)};
+      return f->get<bool>();
+    };
+    const std::vector<int32_t> ids = model.tok->encode(
+        it->get<std::string>(), flag("add_special", false), flag("parse_special", true));
+    if (flag("with_pieces", false)) return json{{"tokens", tokens_with_pieces(*model.tok, ids)}};
+    return json{{"tokens", ids}};
+  });
+  simple("/detokenize", [this](const json& j) {
+    auto it = j.find("tokens");
+    if (it == j.end() || !it->is_array())
+      throw ApiError{400, "invalid_request_error", "'tokens' must be an array of token ids"};
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& t = (*it)[i];
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= model.n_vocab)
+        throw ApiError{
+            400, "invalid_request_error",
+            fmt::format("'tokens[{}]' must be a token id in 0..{}", i, model.n_vocab - 1)};
+      ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    }
+    return json{{"content", utf8::sanitize(model.tok->decode(ids))}};
+  });
+  simple("/apply-template", [this](const json& j) {
+    const std::vector<ChatMessage> msgs = parse_messages(j);
+    std::vector<ChatPiece> pieces;
+    try {
+      pieces = render_chat(model.chat_format, msgs, true);
+    } catch (const Error& e) {
+      throw ApiError{400, "invalid_request_error", fmt::format("'messages': {}", e.what())};
+    }
+    return json{{"prompt", chat_text(pieces)}};
+  });
+
+  // Anything else: 404, after reading (at most max_body_bytes of) the body.
+  auto not_found = [this](const httplib::Request& req, httplib::Response& res,
+                          const httplib::ContentReader& reader) {
+    std::string body;
+    if (!read_body(req, res, reader, opt.max_body_bytes, body)) return;
+    send_error(res, ApiError{404, "not_found_error", "File Not Found"});
+  };
+  s.Post(".*", not_found);
+  s.Put(".*", not_found);
+  s.Patch(".*", not_found);
+  s.Delete(".*", not_found);
+}
+
+HttpServer::HttpServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  impl_->routes();
+}
+
+HttpServer::~HttpServer() {
+  stop();
+  wait();
+}
+
+int HttpServer::bind() {
+  Impl& m = *impl_;
+  if (m.opt.port == 0) {
+    port_ = m.svr->bind_to_any_port(m.opt.host);
+  } else if (m.svr->bind_to_port(m.opt.host, m.opt.port)) {
+    port_ = m.opt.port;
+  } else {
+    port_ = -1;
+  }
+  if (port_ <= 0)
+    throw Error(ErrorCategory::io, fmt::format("cannot listen on {}:{} (in use, or not an address "
+                                               "of this machine)",
+                                               m.opt.host, m.opt.port));
+  ::listen(m.svr->listening_socket(), SOMAXCONN);  // a longer accept queue (see HttplibServer)
+  return port_;
+}
+
+void HttpServer::start() {
+  Impl& m = *impl_;
+  m.started.store(true);
+  m.thread = std::thread([&m] {
+    m.svr->listen_after_bind();
+    m.finished.store(true);
+  });
+}
+
+void HttpServer::set_ready(ModelContext model, Engine& engine) {
+  impl_->model = std::move(model);
+  impl_->engine = &engine;
+  impl_->ready.store(true);
+}
+
+void HttpServer::shutdown(std::chrono::milliseconds grace) {
+  Impl& m = *impl_;
+  using Clock = std::chrono::steady_clock;
+  if (m.engine) m.engine->close();
+  m.draining.store(true);  // after close(): draining() implies refusals
+  if (m.engine) {
+    const auto until = Clock::now() + grace;
+    auto idle = [&] { return m.engine->n_in_flight() == 0 && m.active.load() == 0; };
+    while (!idle() && Clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!idle()) {
+      log::warn("shutdown: cancelling {} requests still running after {} ms",
+                m.engine->n_in_flight(), grace.count());
+      m.engine->cancel_all();
+      const auto hard = Clock::now() + std::chrono::seconds(5);
+      while (m.active.load() > 0 && Clock::now() < hard)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  stop();
+  wait();
+}
+
+bool HttpServer::draining() const { return impl_->draining.load(); }
+
+void HttpServer::stop() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.stop_mu);
+  if (!m.started.load()) return;
+  // httplib::Server::stop() acts only once the listener runs, and must be called once.
+  while (!m.finished.load()) {
+    if (!m.stop_called && m.svr->is_running()) {
+      m.stop_called = true;
+      m.stopping.store(true);  // open streams and waiting handlers end
+      m.svr->stop();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void HttpServer::wait() {
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+}  // namespace berth::server

@@ -1,0 +1,98 @@
+#include "berth/server/sequence_state.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "berth/core/error.h"
+#include "berth/runtime/session.h"
+
+namespace berth::server {
+
+int64_t SessionSequenceState::n_past() const { return session_.n_past(); }
+
+void SessionSequenceState::truncate_to(int64_t n) { session_.truncate(n); }
+
+Checkpoint SessionSequenceState::save() { return Checkpoint{session_.n_past(), 0}; }
+
+void SessionSequenceState::restore(const Checkpoint& cp) {
+  if (cp.n_past > session_.n_past())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("cannot restore a checkpoint at position {}: the KV cache holds {}",
+                            cp.n_past, session_.n_past()));
+  session_.truncate(cp.n_past);
+}
+
+SlotCache::SlotCache(SequenceState& state, int max_checkpoints)
+    : state_(state), max_checkpoints_(std::max(max_checkpoints, 0)) {}
+
+SlotCache::~SlotCache() {
+  for (const Checkpoint& cp : checkpoints_) state_.drop(cp);
+}
+
+int64_t SlotCache::common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return static_cast<int64_t>(i);
+}
+
+int64_t SlotCache::prepare(std::span<const int32_t> prompt, bool reuse) {
+  BERTH_CHECK(!prompt.empty(), "SlotCache::prepare: empty prompt");
+  BERTH_CHECK(static_cast<int64_t>(tokens_.size()) == state_.n_past(),
+              "SlotCache: the state holds a different number of tokens than recorded");
+  int64_t want = 0;
+  if (reuse)
+    want = std::min(common_prefix(tokens_, prompt), static_cast<int64_t>(prompt.size()) - 1);
+  int64_t n = 0;
+  if (want == state_.n_past()) {
+    n = want;  // the prompt continues exactly what the state holds
+  } else if (state_.can_truncate()) {
+    state_.truncate_to(want);
+    n = want;
+  } else {
+    // The latest checkpoint at or before `want`, else from scratch.
+    const Checkpoint* best = nullptr;
+    for (const Checkpoint& cp : checkpoints_)
+      if (cp.n_past <= want) best = &cp;
+    if (best) {
+      state_.restore(*best);
+      n = best->n_past;
+    } else {
+      state_.truncate_to(0);
+      n = 0;
+    }
+  }
+  // Checkpoints past n describe tokens about to be overwritten.
+  while (!checkpoints_.empty() && checkpoints_.back().n_past > n) {
+    state_.drop(checkpoints_.back());
+    checkpoints_.pop_back();
+  }
+  tokens_.resize(static_cast<size_t>(n));
+  return n;
+}
+
+void SlotCache::append(std::span<const int32_t> evaluated) {
+  tokens_.insert(tokens_.end(), evaluated.begin(), evaluated.end());
+  BERTH_CHECK(static_cast<int64_t>(tokens_.size()) == state_.n_past(),
+              "SlotCache::append: the state holds a different number of tokens than recorded");
+}
+
+void SlotCache::checkpoint() {
+  if (state_.can_truncate() || max_checkpoints_ == 0) return;
+  if (!checkpoints_.empty() && checkpoints_.back().n_past == state_.n_past()) return;
+  if (static_cast<int>(checkpoints_.size()) >= max_checkpoints_) {
+    state_.drop(checkpoints_.front());
+    checkpoints_.erase(checkpoints_.begin());
+  }
+  checkpoints_.push_back(state_.save());
+}
+
+void SlotCache::clear() {
+  for (const Checkpoint& cp : checkpoints_) state_.drop(cp);
+  checkpoints_.clear();
+  tokens_.clear();
+  state_.truncate_to(0);
+}
+
+}  // namespace berth::server

@@ -1,0 +1,413 @@
+#include "berth/server/slot_engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <unordered_map>
+
+#include "berth/backends/device.h"
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+
+namespace berth::server {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// log-softmax of `logits` at `id` and the `n_top` most likely tokens (descending; ties: lower
+// id first).
+void fill_logprobs(std::span<const float> logits, int32_t id, int32_t n_top, GeneratedToken& out) {
+  float mx = -INFINITY;
+  for (float v : logits)
+    if (v > mx) mx = v;
+  double sum = 0;
+  for (float v : logits) sum += std::isfinite(v) ? std::exp(static_cast<double>(v - mx)) : 0.0;
+  const double log_z = static_cast<double>(mx) + std::log(sum);
+  auto lp = [&](int32_t t) {
+    const float v = logits[static_cast<size_t>(t)];
+    return std::isfinite(v) ? static_cast<float>(v - log_z) : -INFINITY;
+  };
+  out.logprob = lp(id);
+  if (n_top <= 0) return;
+  const size_t n = std::min<size_t>(static_cast<size_t>(n_top), logits.size());
+  std::vector<int32_t> idx(logits.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(n), idx.end(),
+                    [&](int32_t a, int32_t b) {
+                      const float la = logits[static_cast<size_t>(a)];
+                      const float lb = logits[static_cast<size_t>(b)];
+                      return la > lb || (la == lb && a < b);
+                    });
+  for (size_t i = 0; i < n; ++i) out.top.emplace_back(idx[i], lp(idx[i]));
+}
+
+}  // namespace
+
+SlotEngine::SlotEngine(const Model& model, const Tokenizer& tok, SlotEngineOptions options)
+    : model_(model), tok_(tok), options_(std::move(options)) {
+  const int32_t np = options_.n_slots;
+  if (np < 1)
+    throw Error(ErrorCategory::invalid_argument, fmt::format("-np must be at least 1, got {}", np));
+  if (options_.queue_limit < 0)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("--queue must be at least 0, got {}", options_.queue_limit));
+  const int64_t n_ctx = options_.n_ctx > 0 ? options_.n_ctx : default_n_ctx(model.hparams());
+  n_ctx_slot_ = n_ctx / np;
+  if (n_ctx_slot_ < 2)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs at "
+                            "least 2 (raise -c or lower -np)",
+                            n_ctx, np, n_ctx_slot_));
+  if (np > 1 && options_.session.device && options_.session.device->name().rfind("SIM", 0) != 0)
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("-np {} with {}: each slot would upload its own copy of the weights "
+                            "until the batching loop exists; use -np 1 on a GPU, or -ngl 0 for "
+                            "several slots on the CPU",
+                            np, options_.session.device->name()));
+  slots_.reserve(static_cast<size_t>(np));
+  info_.resize(static_cast<size_t>(np));
+  for (int32_t i = 0; i < np; ++i) {
+    SessionParams sp = options_.session;
+    sp.n_ctx = n_ctx_slot_;
+    Slot& s = slots_.emplace_back();
+    s.id = i;
+    s.session = std::make_unique<Session>(model, sp);
+    s.state = std::make_unique<SessionSequenceState>(*s.session);
+    s.cache = std::make_unique<SlotCache>(*s.state);
+    info_[static_cast<size_t>(i)] = SlotInfo{i, n_ctx_slot_, false, 0, 0};
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+SlotEngine::~SlotEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    stopping_ = true;
+    for (Waiting& w : waiting_) w.gen->cancel();
+    for (Slot& s : slots_)
+      if (s.gen) s.gen->cancel();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+int SlotEngine::n_threads() const {
+  return slots_.empty() ? 0 : slots_.front().session->pool().n_threads();
+}
+
+std::shared_ptr<Generation> SlotEngine::submit(GenerationRequest req) {
+  using R = Rejected::Reason;
+  const int64_t n_prompt = static_cast<int64_t>(req.prompt.size());
+  if (n_prompt == 0) throw Rejected(R::invalid, "the prompt has no tokens");
+  const int64_t n_vocab = model_.hparams().n_vocab;
+  for (size_t i = 0; i < req.prompt.size(); ++i)
+    if (req.prompt[i] < 0 || req.prompt[i] >= n_vocab)
+      throw Rejected(R::invalid, fmt::format("prompt token {} (at index {}) is outside the "
+                                             "vocabulary of {} tokens",
+                                             req.prompt[i], i, n_vocab));
+  if (n_prompt >= n_ctx_slot_)
+    throw Rejected(R::context_exceeded,
+                   fmt::format("the prompt of {} tokens does not fit in the context of a slot "
+                               "({} tokens, -c / -np): it needs room for at least one more",
+                               n_prompt, n_ctx_slot_),
+                   n_prompt, n_ctx_slot_);
+  if (req.max_tokens < -1)
+    throw Rejected(R::invalid, fmt::format("max_tokens must be -1 (no limit) or at least 0, got {}",
+                                           req.max_tokens));
+  if (req.slot < -1 || req.slot >= n_slots())
+    throw Rejected(R::invalid, fmt::format("id_slot {} is not -1 or a slot id in 0..{}", req.slot,
+                                           n_slots() - 1));
+  const SamplingSettings& ss = req.sampling;
+  if (ss.n_top_logprobs < 0 || ss.n_top_logprobs > 20)
+    throw Rejected(R::invalid,
+                   fmt::format("top_logprobs must be in 0..20, got {}", ss.n_top_logprobs));
+  if (!std::isfinite(ss.presence_penalty) || !std::isfinite(ss.frequency_penalty))
+    throw Rejected(R::invalid, "presence_penalty and frequency_penalty must be finite");
+  std::optional<Sampler> sampler;
+  try {
+    sampler.emplace(ss.sampler, static_cast<int32_t>(n_vocab));
+  } catch (const Error& e) {
+    throw Rejected(R::invalid, e.what());
+  }
+  std::shared_ptr<Generation> gen;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) throw Rejected(R::shutting_down, "the server is shutting down");
+    if (n_busy_ + static_cast<int64_t>(waiting_.size()) >=
+        static_cast<int64_t>(n_slots()) + options_.queue_limit)
+      throw Rejected(R::queue_full,
+                     fmt::format("all {} slots are busy and {} requests are waiting (--queue {})",
+                                 n_slots(), waiting_.size(), options_.queue_limit));
+    gen = std::make_shared<Generation>(next_id_++);
+    waiting_.push_back(Waiting{gen, std::move(req), std::move(*sampler), Clock::now()});
+    metrics_.requests_deferred = static_cast<int64_t>(waiting_.size());
+  }
+  cv_.notify_all();
+  return gen;
+}
+
+std::vector<SlotInfo> SlotEngine::slots() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return info_;
+}
+
+EngineMetrics SlotEngine::metrics() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineMetrics m = metrics_;
+  m.requests_processing = n_busy_;
+  m.requests_deferred = static_cast<int64_t>(waiting_.size());
+  return m;
+}
+
+void SlotEngine::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+}
+
+int64_t SlotEngine::n_in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return n_busy_ + static_cast<int64_t>(waiting_.size());
+}
+
+void SlotEngine::cancel_all() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Waiting& w : waiting_) w.gen->cancel();
+    for (Slot& s : slots_)
+      if (s.gen) s.gen->cancel();
+  }
+  cv_.notify_all();
+}
+
+void SlotEngine::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    assign_locked();
+    if (n_busy_ == 0) {
+      if (stopping_ && waiting_.empty()) break;
+      cv_.wait(lock, [this] { return stopping_ || !waiting_.empty(); });
+      continue;
+    }
+    lock.unlock();
+    for (Slot& s : slots_)
+      if (s.gen) step(s);
+    lock.lock();
+  }
+}
+
+// Moves waiting requests to idle slots, in arrival order. A request without a slot choice takes
+// the idle slot whose cache shares the longest prefix with its prompt when that prefix is at
+// least kMinSimilarity of the prompt (with cache_prompt; llama-server's slot_prompt_similarity),
+// else the least recently used idle slot, so that a slot's cache is not spent on a request that
+// shares little with it.
+void SlotEngine::assign_locked() {
+  constexpr double kMinSimilarity = 0.5;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Waiting& w = *it;
+    if (w.gen->cancelled()) {
+      GenerationTimings t;
+      t.n_prompt = static_cast<int64_t>(w.req.prompt.size());
+      t.queued_ms = ms_since(w.submitted);
+      w.gen->finish(FinishReason::cancelled, t);
+      it = waiting_.erase(it);
+      continue;
+    }
+    Slot* best = nullptr;  // by shared prefix
+    Slot* lru = nullptr;
+    int64_t best_lcp = 0;
+    for (Slot& s : slots_) {
+      if (s.gen || (w.req.slot >= 0 && s.id != w.req.slot)) continue;
+      if (!lru || s.last_used < lru->last_used) lru = &s;
+      const int64_t lcp =
+          w.req.cache_prompt ? SlotCache::common_prefix(s.cache->tokens(), w.req.prompt) : 0;
+      if (static_cast<double>(lcp) < kMinSimilarity * static_cast<double>(w.req.prompt.size()))
+        continue;
+      if (!best || lcp > best_lcp || (lcp == best_lcp && s.last_used < best->last_used)) {
+        best = &s;
+        best_lcp = lcp;
+      }
+    }
+    if (!best) best = lru;
+    if (!best) {
+      ++it;
+      continue;
+    }
+    Slot& s = *best;
+    s.gen = w.gen;
+    s.req = std::move(w.req);
+    s.sampler.emplace(std::move(w.sampler));
+    s.t = GenerationTimings{};
+    s.t.n_prompt = static_cast<int64_t>(s.req.prompt.size());
+    s.t.queued_ms = ms_since(w.submitted);
+    s.pending = -1;
+    s.recent.clear();
+    it = waiting_.erase(it);
+    ++n_busy_;
+    int64_t n_cached = 0;
+    try {
+      n_cached = s.cache->prepare(s.req.prompt, s.req.cache_prompt);
+    } catch (const std::exception& e) {
+      s.cache->clear();
+      n_cached = 0;
+      log::warn("slot {}: the prefix cache failed ({}); starting from an empty cache", s.id,
+                e.what());
+    }
+    s.n_prompt_done = n_cached;
+    s.t.n_cached = n_cached;
+    metrics_.n_cached_total += n_cached;
+    for (int32_t t : s.req.prompt) {
+      s.sampler->accept(t);
+      note_recent(s, t);
+    }
+    SlotInfo& info = info_[static_cast<size_t>(s.id)];
+    info.is_processing = true;
+    info.id_task = s.gen->id();
+    info.n_cached = n_cached;
+    s.gen->start(s.id, n_cached, s.t.queued_ms);
+  }
+}
+
+void SlotEngine::note_recent(Slot& s, int32_t id) {
+  const int32_t window = s.sampler->params().repeat_last_n;
+  if (window <= 0) return;
+  s.recent.push_back(id);
+  while (static_cast<int32_t>(s.recent.size()) > window) s.recent.pop_front();
+}
+
+void SlotEngine::step(Slot& s) {
+  if (s.gen->cancelled()) {
+    end(s, FinishReason::cancelled);
+    return;
+  }
+  try {
+    const auto t0 = Clock::now();
+    const std::span<const int32_t> prompt(s.req.prompt);
+    const int64_t n_prompt = static_cast<int64_t>(prompt.size());
+    if (s.n_prompt_done < n_prompt) {
+      const int64_t n = std::min<int64_t>(options_.session.n_ubatch, n_prompt - s.n_prompt_done);
+      const auto chunk =
+          prompt.subspan(static_cast<size_t>(s.n_prompt_done), static_cast<size_t>(n));
+      std::span<const float> logits = s.session->eval(chunk);
+      s.cache->append(chunk);
+      s.n_prompt_done += n;
+      const double ms = ms_since(t0);
+      s.t.n_evaluated += n;
+      s.t.prompt_ms += ms;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        metrics_.prompt_tokens_total += n;
+        metrics_.prompt_seconds_total += ms / 1e3;
+        ++metrics_.n_decode_total;
+      }
+      s.gen->progress(s.n_prompt_done);
+      if (s.n_prompt_done < n_prompt) return;
+      s.cache->checkpoint();
+      if (s.req.max_tokens == 0) {
+        end(s, FinishReason::length);
+        return;
+      }
+      const auto t1 = Clock::now();
+      sample(s, logits);
+      s.t.predicted_ms += ms_since(t1);
+      return;
+    }
+    // Decode: evaluate the token sampled last turn, then sample the next.
+    const int32_t one[1] = {s.pending};
+    std::span<const float> logits = s.session->eval(one);
+    s.cache->append(one);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++metrics_.n_decode_total;
+    }
+    sample(s, logits);
+    s.t.predicted_ms += ms_since(t0);
+  } catch (const std::exception& e) {
+    fail(s, e.what());
+  }
+}
+
+void SlotEngine::sample(Slot& s, std::span<const float> logits) {
+  const SamplingSettings& ss = s.req.sampling;
+  std::span<const float> use = logits;
+  if (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f) {
+    s.scratch.assign(logits.begin(), logits.end());
+    std::unordered_map<int32_t, int32_t> counts;
+    for (int32_t t : s.recent) ++counts[t];
+    for (const auto& [t, c] : counts)
+      s.scratch[static_cast<size_t>(t)] -=
+          static_cast<float>(c) * ss.frequency_penalty + ss.presence_penalty;
+    use = s.scratch;
+  }
+  const int32_t id = s.sampler->sample(use);
+  s.sampler->accept(id);
+  note_recent(s, id);
+  ++s.t.n_predicted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++metrics_.tokens_predicted_total;
+  }
+  if ((!s.req.ignore_eos && tok_.is_eog(id)) ||
+      std::find(s.req.stop_ids.begin(), s.req.stop_ids.end(), id) != s.req.stop_ids.end()) {
+    end(s, FinishReason::eos);
+    return;
+  }
+  GeneratedToken out;
+  out.id = id;
+  if (ss.logprobs) fill_logprobs(logits, id, ss.n_top_logprobs, out);
+  s.gen->push(std::move(out));
+  if (s.req.max_tokens >= 0 && s.t.n_predicted >= s.req.max_tokens) {
+    end(s, FinishReason::length);
+  } else if (s.session->n_past() >= s.session->n_ctx()) {
+    end(s, FinishReason::context);
+  } else {
+    s.pending = id;
+  }
+}
+
+void SlotEngine::end(Slot& s, FinishReason reason) {
+  std::shared_ptr<Generation> gen;
+  s.sampler.reset();
+  s.pending = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // cancel_all() reads s.gen
+    gen = std::move(s.gen);
+    s.gen.reset();
+    s.last_used = ++use_counter_;
+    --n_busy_;
+    metrics_.tokens_predicted_seconds_total += s.t.predicted_ms / 1e3;
+    SlotInfo& info = info_[static_cast<size_t>(s.id)];
+    info.is_processing = false;
+    info.n_cached = static_cast<int64_t>(s.cache->tokens().size());
+  }
+  gen->finish(reason, s.t);
+}
+
+void SlotEngine::fail(Slot& s, const std::string& message) {
+  log::error("slot {}: request {} failed: {}", s.id, s.gen->id(), message);
+  std::shared_ptr<Generation> gen;
+  s.sampler.reset();
+  s.pending = -1;
+  try {
+    s.cache->clear();
+  } catch (const std::exception&) {
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gen = std::move(s.gen);
+    s.gen.reset();
+    s.last_used = ++use_counter_;
+    --n_busy_;
+    SlotInfo& info = info_[static_cast<size_t>(s.id)];
+    info.is_processing = false;
+    info.n_cached = 0;
+  }
+  gen->fail(message, s.t);
+}
+
+}  // namespace berth::server

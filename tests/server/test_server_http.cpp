@@ -1,0 +1,652 @@
+// The HTTP server in this process, on an ephemeral port of 127.0.0.1, over the real stories260K
+// model (exact golden text and token counts) and small synthetic ones: endpoints and response
+// shapes, stream == non-stream, stop strings, context overflow, determinism across slot counts
+// under load, authentication and limits.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "berth/models/utf8.h"
+#include "server_harness.h"
+
+using namespace berth;
+using namespace berth::test;
+
+namespace {
+
+const LoadedModel& stories() {
+  static LoadedModel m(stories260k().string());
+  return m;
+}
+
+const std::string kOnce = "Once upon a time";
+
+json completion_body(const std::string& prompt, int max_tokens, bool stream = false) {
+  return json{
+      {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", stream}};
+}
+
+json chat_body(const std::string& text, int max_tokens, bool stream = false) {
+  return json{{"messages", {{{"role", "user"}, {"content", text}}}},
+              {"max_tokens", max_tokens},
+              {"temperature", 0},
+              {"stream", stream}};
+}
+
+void check_error(const Reply& r, int status, const std::string& type) {
+  CHECK(r.status == status);
+  REQUIRE(r.j.is_object());
+  REQUIRE(r.j.contains("error"));
+  CHECK(r.j["error"]["code"] == status);
+  CHECK(r.j["error"]["type"] == type);
+  CHECK(r.j["error"]["message"].is_string());
+}
+
+// Content of a stream's events, by endpoint.
+std::string stream_text(const Stream& s) {
+  std::string out;
+  for (const json& e : s.events()) {
+    if (e.contains("content") && e["content"].is_string()) out += e["content"].get<std::string>();
+    if (!e.contains("choices")) continue;
+    for (const json& c : e["choices"]) {
+      if (c.contains("text")) out += c["text"].get<std::string>();
+      if (c.contains("delta") && c["delta"].contains("content") &&
+          c["delta"]["content"].is_string())
+        out += c["delta"]["content"].get<std::string>();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("endpoints answer in llama-server's and OpenAI's shapes") {
+  TestServer srv(stories(), ServerConfig{});
+  const int port = srv.port;
+  Reply r = get(port, "/health");
+  CHECK(r.status == 200);
+  CHECK(r.j == json{{"status", "ok"}});
+  r = get(port, "/v1/models");
+  CHECK(r.status == 200);
+  CHECK(r.j["object"] == "list");
+  CHECK(r.j["data"][0]["id"] == "test-model");
+  CHECK(r.j["data"][0]["object"] == "model");
+  CHECK(r.j["data"][0]["meta"]["n_vocab"] == 512);
+  r = get(port, "/props");
+  CHECK(r.j["total_slots"] == 1);
+  CHECK(r.j["default_generation_settings"]["n_ctx"] == 1024);
+  CHECK(r.j["model_path"] == stories260k().string());
+  CHECK(r.j["chat_template"] == "");
+  r = get(port, "/slots");
+  REQUIRE(r.j.is_array());
+  REQUIRE(r.j.size() == 1);
+  CHECK(r.j[0]["id"] == 0);
+  CHECK(r.j[0]["n_ctx"] == 1024);
+  CHECK(r.j[0]["is_processing"] == false);
+  check_error(get(port, "/metrics"), 501, "not_supported_error");
+
+  r = post(port, "/tokenize", {{"content", kOnce}, {"add_special", true}});
+  CHECK(r.j["tokens"] == json{1, 403, 407, 261, 378});
+  r = post(port, "/tokenize", {{"content", kOnce}, {"with_pieces", true}});
+  CHECK(r.j["tokens"][0] == json{{"id", 403}, {"piece", " Once"}});
+  r = post(port, "/detokenize", {{"tokens", {403, 407, 261, 378}}});
+  CHECK(r.j["content"] == kOnce);
+  check_error(post(port, "/detokenize", {{"tokens", {403, 4000}}}), 400, "invalid_request_error");
+  CHECK(post(port, "/detokenize", {{"tokens", {403, 4000}}})
+            .j["error"]["message"]
+            .get<std::string>()
+            .find("tokens[1]") != std::string::npos);
+  check_error(post(port, "/tokenize", {{"content", 5}}), 400, "invalid_request_error");
+  r = post(port, "/apply-template", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}});
+  CHECK(r.j["prompt"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+
+  check_error(get(port, "/nope"), 404, "not_found_error");
+  check_error(post(port, "/nope", {{"a", 1}}), 404, "not_found_error");
+  check_error(post_raw(port, "/v1/completions", "{\"prompt\": "), 400, "invalid_request_error");
+  check_error(post_raw(port, "/v1/completions", "\"just a string\""), 400, "invalid_request_error");
+}
+
+TEST_CASE("exact token counts, finish_reason and the golden continuation") {
+  TestServer srv(stories(), ServerConfig{});
+  Reply r = post(srv.port, "/v1/completions", completion_body(kOnce, 64));
+  REQUIRE(r.status == 200);
+  CHECK(r.j["object"] == "text_completion");
+  CHECK(r.j["id"].get<std::string>().rfind("cmpl-", 0) == 0);
+  CHECK(r.j["model"] == "test-model");
+  CHECK(r.j["choices"][0]["text"] == kStoriesContinuation);
+  CHECK(r.j["choices"][0]["finish_reason"] == "length");
+  CHECK(r.j["usage"] == json{{"prompt_tokens", 5},
+                             {"completion_tokens", 64},
+                             {"total_tokens", 69},
+                             {"prompt_tokens_details", {{"cached_tokens", 0}}}});
+  // The same prompt again: 4 of its 5 tokens come from the slot's cache (the last is evaluated
+  // for its logits), and the text is the same.
+  r = post(srv.port, "/v1/completions", completion_body(kOnce, 10));
+  CHECK(r.j["usage"]["prompt_tokens_details"]["cached_tokens"] == 4);
+  CHECK(r.j["usage"]["completion_tokens"] == 10);
+  const std::string ten = r.j["choices"][0]["text"];
+  CHECK(kStoriesContinuation.rfind(ten, 0) == 0);
+  CHECK(ten.size() > 20);
+  // cache_prompt false evaluates the whole prompt.
+  json b = completion_body(kOnce, 3);
+  b["cache_prompt"] = false;
+  CHECK(post(srv.port, "/v1/completions", b).j["usage"]["prompt_tokens_details"]["cached_tokens"] ==
+        0);
+
+  // n_predict 0: no token at all.
+  r = post(srv.port, "/completion", {{"prompt", kOnce}, {"n_predict", 0}});
+  CHECK(r.j["content"] == "");
+  CHECK(r.j["tokens_predicted"] == 0);
+  CHECK(r.j["stop_type"] == "limit");
+  // The native endpoint's fields.
+  r = post(srv.port, "/completion",
+           {{"prompt", kOnce}, {"n_predict", 8}, {"temperature", 0}, {"return_tokens", true}});
+  CHECK(r.j["stop"] == true);
+  CHECK(r.j["tokens_predicted"] == 8);
+  CHECK(r.j["tokens_evaluated"] == 5);
+  CHECK(r.j["tokens"].size() == 8);
+  CHECK(r.j["id_slot"] == 0);
+  CHECK(r.j["prompt"] == kOnce);
+  CHECK(kStoriesContinuation.rfind(r.j["content"].get<std::string>(), 0) == 0);
+  CHECK(r.j["timings"]["predicted_n"] == 8);
+
+  // Chat: an assistant message, length at max_tokens.
+  r = post(srv.port, "/v1/chat/completions", chat_body("Tell me a story.", 7));
+  REQUIRE(r.status == 200);
+  CHECK(r.j["object"] == "chat.completion");
+  CHECK(r.j["id"].get<std::string>().rfind("chatcmpl-", 0) == 0);
+  CHECK(r.j["choices"][0]["message"]["role"] == "assistant");
+  CHECK(r.j["choices"][0]["finish_reason"] == "length");
+  CHECK(r.j["usage"]["completion_tokens"] == 7);
+  const int64_t n_prompt = r.j["usage"]["prompt_tokens"];
+  CHECK(r.j["usage"]["total_tokens"] == n_prompt + 7);
+  // The rendered conversation, tokenized piece by piece, is what was counted.
+  std::vector<ChatMessage> msgs = {{ChatRole::user, "Tell me a story."}};
+  CHECK(
+      n_prompt ==
+      static_cast<int64_t>(
+          tokenize_chat(*stories().tok, render_chat(ChatFormat::chatml, msgs, true), true).size()));
+}
+
+TEST_CASE("a stream carries the same text and counts as the whole response") {
+  TestServer srv(stories(), ServerConfig{});
+  for (const bool greedy : {true, false}) {
+    CAPTURE(greedy);
+    json chat = chat_body("Tell me a story about a dog.", 24);
+    json comp = completion_body(kOnce, 24);
+    for (json* b : {&chat, &comp}) {
+      (*b)["temperature"] = greedy ? 0.0 : 0.9;
+      (*b)["seed"] = 1234;
+    }
+    // Chat.
+    Reply whole = post(srv.port, "/v1/chat/completions", chat);
+    chat["stream"] = true;
+    chat["stream_options"] = {{"include_usage", true}};
+    Stream s = post_stream(srv.port, "/v1/chat/completions", chat);
+    REQUIRE(s.status == 200);
+    CHECK(httplib::detail::get_header_value(s.headers, "Content-Type", 0, "") ==
+          std::string("text/event-stream"));
+    REQUIRE(s.data.size() >= 4);
+    CHECK(s.data.back() == "[DONE]");
+    const std::vector<json> ev = s.events();
+    const std::string id = ev[0]["id"];
+    for (const json& e : ev) {
+      CHECK(e["id"] == id);
+      CHECK(e["object"] == "chat.completion.chunk");
+      CHECK(e.contains("choices"));
+    }
+    CHECK(ev[0]["choices"][0]["delta"] == json{{"role", "assistant"}, {"content", nullptr}});
+    for (size_t i = 1; i + 2 < ev.size(); ++i) {
+      CHECK(ev[i]["choices"][0]["finish_reason"].is_null());
+      CHECK(ev[i]["choices"][0]["delta"]["content"].is_string());
+    }
+    const json& last = ev[ev.size() - 2];
+    CHECK(last["choices"][0]["delta"] == json::object());
+    CHECK(last["choices"][0]["finish_reason"] == whole.j["choices"][0]["finish_reason"]);
+    const json& usage = ev.back();
+    CHECK(usage["choices"] == json::array());
+    CHECK(usage["usage"]["completion_tokens"] == whole.j["usage"]["completion_tokens"]);
+    CHECK(usage["usage"]["prompt_tokens"] == whole.j["usage"]["prompt_tokens"]);
+    CHECK(stream_text(s) == whole.j["choices"][0]["message"]["content"].get<std::string>());
+    // Without include_usage there is no usage chunk (it would break clients that read
+    // choices[0]).
+    chat.erase("stream_options");
+    s = post_stream(srv.port, "/v1/chat/completions", chat);
+    for (const json& e : s.events()) CHECK_FALSE(e["choices"].empty());
+    CHECK(stream_text(s) == whole.j["choices"][0]["message"]["content"].get<std::string>());
+
+    // Completions.
+    whole = post(srv.port, "/v1/completions", comp);
+    comp["stream"] = true;
+    s = post_stream(srv.port, "/v1/completions", comp);
+    CHECK(s.data.back() == "[DONE]");
+    CHECK(stream_text(s) == whole.j["choices"][0]["text"].get<std::string>());
+    CHECK(s.events().back()["choices"][0]["finish_reason"] == "length");
+
+    // Native: no [DONE]; the last event has stop: true.
+    json nat = {
+        {"prompt", kOnce}, {"n_predict", 24}, {"temperature", greedy ? 0.0 : 0.9}, {"seed", 1234}};
+    whole = post(srv.port, "/completion", nat);
+    nat["stream"] = true;
+    s = post_stream(srv.port, "/completion", nat);
+    CHECK(s.data.back() != "[DONE]");
+    CHECK(s.events().back()["stop"] == true);
+    CHECK(s.events().back()["tokens_predicted"] == 24);
+    CHECK(stream_text(s) == whole.j["content"].get<std::string>());
+    if (greedy)
+      CHECK(whole.j["content"] ==
+            kStoriesContinuation.substr(0, whole.j["content"].get<std::string>().size()));
+  }
+}
+
+TEST_CASE("stop strings across tokens: held back, never streamed in part, not in the output") {
+  TestServer srv(stories(), ServerConfig{});
+  // Which token completes "little girl": from the tokens of the golden continuation.
+  Reply ref = post(srv.port, "/completion",
+                   {{"prompt", kOnce}, {"n_predict", 64}, {"temperature", 0}, {"n_probs", 1}});
+  std::string acc;
+  int64_t n_to_stop = 0;
+  for (const json& t : ref.j["completion_probabilities"]) {
+    ++n_to_stop;
+    for (int b : t["bytes"]) acc += static_cast<char>(b);
+    if (acc.find("little girl") != std::string::npos) break;
+  }
+  REQUIRE(acc.find("little girl") != std::string::npos);
+  for (const bool stream : {false, true}) {
+    CAPTURE(stream);
+    json b = completion_body(kOnce, 64, stream);
+    b["stop"] = {"never-there", "little girl"};
+    if (stream) {
+      b["stream_options"] = {{"include_usage", true}};
+      Stream s = post_stream(srv.port, "/v1/completions", b);
+      CHECK(stream_text(s) == ", there was a ");
+      for (const json& e : s.events())
+        for (const json& c : e["choices"])
+          CHECK(c["text"].get<std::string>().find("lit") == std::string::npos);
+      CHECK(s.events()[s.events().size() - 2]["choices"][0]["finish_reason"] == "stop");
+      CHECK(s.events().back()["usage"]["completion_tokens"] == n_to_stop);
+    } else {
+      Reply r = post(srv.port, "/v1/completions", b);
+      CHECK(r.j["choices"][0]["text"] == ", there was a ");
+      CHECK(r.j["choices"][0]["finish_reason"] == "stop");
+      CHECK(r.j["usage"]["completion_tokens"] == n_to_stop);
+    }
+  }
+  // A stop string that starts and ends inside tokens.
+  json b = completion_body(kOnce, 64);
+  b["stop"] = "ttle gi";
+  CHECK(post(srv.port, "/v1/completions", b).j["choices"][0]["text"] == ", there was a li");
+  // One whose start shows up ("Lily") but which never completes: all the text, length.
+  b["stop"] = {"Lily's dog", "\n\n"};
+  Reply r = post(srv.port, "/v1/completions", b);
+  CHECK(r.j["choices"][0]["text"] == kStoriesContinuation);
+  CHECK(r.j["choices"][0]["finish_reason"] == "length");
+  b["stream"] = true;
+  CHECK(stream_text(post_stream(srv.port, "/v1/completions", b)) == kStoriesContinuation);
+  // Native: stop_type word and the stopping word.
+  r = post(srv.port, "/completion",
+           {{"prompt", kOnce}, {"n_predict", 64}, {"temperature", 0}, {"stop", {"Lily"}}});
+  CHECK(r.j["content"] == ", there was a little girl named ");
+  CHECK(r.j["stop_type"] == "word");
+  CHECK(r.j["stopping_word"] == "Lily");
+}
+
+TEST_CASE("context overflow is 400 exceed_context_size_error, streaming or not") {
+  TestServer srv(stories(), ServerConfig{.n_slots = 2, .n_ctx = 256});
+  std::vector<int32_t> ids(128, 403);
+  ids[0] = 1;
+  for (const bool stream : {false, true}) {
+    CAPTURE(stream);
+    json b = {{"prompt", ids}, {"max_tokens", 4}, {"stream", stream}};
+    Reply r = post(srv.port, "/v1/completions", b);
+    check_error(r, 400, "exceed_context_size_error");
+    CHECK(r.j["error"]["n_prompt_tokens"] == 128);
+    CHECK(r.j["error"]["n_ctx"] == 128);
+    CHECK(httplib::detail::get_header_value(r.headers, "Content-Type", 0, "") ==
+          std::string("application/json"));
+    json c = chat_body(std::string(2000, 'a'), 4, stream);
+    check_error(post(srv.port, "/v1/chat/completions", c), 400, "exceed_context_size_error");
+  }
+  // One token less fits: the context then holds the prompt and one generated token, and the
+  // token sampled from its logits is the second and last (n_ctx + 1 tokens in all).
+  ids.pop_back();
+  Reply r = post(srv.port, "/v1/completions",
+                 {{"prompt", ids}, {"max_tokens", 4}, {"temperature", 0}, {"ignore_eos", true}});
+  CHECK(r.status == 200);
+  CHECK(r.j["usage"]["completion_tokens"] == 2);
+  CHECK(r.j["choices"][0]["finish_reason"] == "length");
+  // Without a limit generation ends at the full context.
+  ids.resize(100);
+  r = post(srv.port, "/completion", {{"prompt", ids}, {"temperature", 0}, {"ignore_eos", true}});
+  CHECK(r.j["tokens_predicted"] == 128 - 100 + 1);
+  CHECK(r.j["stop_type"] == "limit");
+}
+
+TEST_CASE("identical greedy output with -np 1 and -np 4 under concurrent load") {
+  const std::vector<std::string> prompts = {kOnce,
+                                            "Lily and Tom went to",
+                                            "The little dog",
+                                            "One day, a bird",
+                                            "Sam had a big red",
+                                            "The sun was",
+                                            "Mom said",
+                                            "There was a tree"};
+  auto ask = [](int port, const std::string& p) {
+    Reply r = post(port, "/v1/completions", completion_body(p, 48));
+    CHECK_MESSAGE(r.status == 200, r.body);  // CHECK: this runs on several threads
+    return r.status == 200 ? r.j["choices"][0]["text"].get<std::string>() : std::string();
+  };
+  std::map<std::string, std::string> expected;
+  {
+    TestServer one(stories(), ServerConfig{.n_slots = 1, .n_ctx = 512});
+    for (const std::string& p : prompts) expected[p] = ask(one.port, p);
+  }
+  for (const int np : {4, 1}) {
+    CAPTURE(np);
+    TestServer srv(stories(), ServerConfig{.n_slots = np, .n_ctx = 2048});
+    std::vector<std::string> got(prompts.size() * 3);
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < got.size(); ++i)
+      threads.emplace_back([&, i] { got[i] = ask(srv.port, prompts[i % prompts.size()]); });
+    for (std::thread& t : threads) t.join();
+    for (size_t i = 0; i < got.size(); ++i) CHECK(got[i] == expected[prompts[i % prompts.size()]]);
+  }
+}
+
+TEST_CASE("/slots shows every slot busy when requests exceed slots") {
+  static LoadedModel slow(synth_model("slow-llama"));
+  TestServer srv(slow, ServerConfig{.n_slots = 2, .n_ctx = 512, .metrics = true});
+  std::vector<Stream> streams(3);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < streams.size(); ++i)
+    threads.emplace_back([&, i] {
+      streams[i] = post_stream(srv.port, "/completion",
+                               {{"prompt", {1, 20 + static_cast<int>(i)}},
+                                {"n_predict", 120},
+                                {"temperature", 0},
+                                {"ignore_eos", true},
+                                {"stream", true}});
+    });
+  bool all_busy = eventually(
+      [&] {
+        Reply s = get(srv.port, "/slots");
+        return s.j.is_array() && s.j.size() == 2 && s.j[0]["is_processing"] == true &&
+               s.j[1]["is_processing"] == true;
+      },
+      30);
+  CHECK(all_busy);
+  const std::string metrics = get(srv.port, "/metrics").body;
+  CHECK(metrics.find("berth:requests_processing 2\n") != std::string::npos);
+  CHECK(metrics.find("berth:requests_deferred 1\n") != std::string::npos);
+  for (std::thread& t : threads) t.join();
+  for (const Stream& s : streams) {
+    CHECK(s.status == 200);
+    CHECK(s.events().back()["tokens_predicted"] == 120);
+  }
+  Reply s = get(srv.port, "/slots");
+  CHECK(s.j[0]["is_processing"] == false);
+  CHECK(s.j[1]["is_processing"] == false);
+}
+
+TEST_CASE("a client that vanishes frees its slot within a step: mid-stream, in prefill, waiting") {
+  static LoadedModel slow(synth_model("slow-llama"));
+  TestServer srv(slow, ServerConfig{.n_slots = 1, .n_ctx = 1024, .n_ubatch = 1, .metrics = true});
+  auto idle = [&] {
+    Reply s = get(srv.port, "/slots");
+    return s.j.is_array() && s.j[0]["is_processing"] == false;
+  };
+  auto metric = [&](const std::string& name) {
+    const std::string body = get(srv.port, "/metrics").body;
+    const size_t p = body.find("\nberth:" + name + " ");
+    REQUIRE(p != std::string::npos);
+    return std::stod(body.substr(p + name.size() + 8));
+  };
+  const auto t0 = metric("tokens_predicted_total");
+  {  // Mid-stream: read the first token's event, then hang up.
+    RawConn c(srv.port);
+    const std::string body =
+        json{{"prompt", {1, 5}}, {"n_predict", 600}, {"stream", true}, {"ignore_eos", true}}.dump();
+    REQUIRE(c.send(http_post_head("/completion", body.size()) + body));
+    CHECK(c.read_until("\"tokens_predicted\"").find("data: ") != std::string::npos);
+  }
+  CHECK(eventually(idle, 3));
+  CHECK(metric("tokens_predicted_total") - t0 < 300);
+  {  // In prefill (-ub 1: a step per prompt token): hang up after the first prefill comment.
+    std::vector<int32_t> ids(600, 7);
+    ids[0] = 1;
+    RawConn c(srv.port);
+    const std::string body = json{{"prompt", ids}, {"n_predict", 4}, {"stream", true}}.dump();
+    REQUIRE(c.send(http_post_head("/completion", body.size()) + body));
+    CHECK(c.read_until(": prefill").find(": prefill") != std::string::npos);
+  }
+  CHECK(eventually(idle, 3));
+  CHECK(metric("prompt_tokens_total") < 300);
+  {  // Not streaming: the socket is watched while the request runs.
+    RawConn c(srv.port);
+    const std::string body =
+        json{{"prompt", {1, 9}}, {"n_predict", 600}, {"ignore_eos", true}}.dump();
+    REQUIRE(c.send(http_post_head("/completion", body.size()) + body));
+    CHECK(eventually([&] { return !idle(); }, 10));
+  }
+  CHECK(eventually(idle, 3));
+  // And the server goes on answering.
+  Reply r =
+      post(srv.port, "/completion", {{"prompt", {1, 5}}, {"n_predict", 3}, {"temperature", 0}});
+  CHECK(r.status == 200);
+  CHECK(r.j["tokens_predicted"] == 3);
+}
+
+TEST_CASE("503 with Retry-After when every slot is busy and the queue is full") {
+  static LoadedModel slow(synth_model("slow-llama"));
+  TestServer srv(slow, ServerConfig{.n_slots = 1, .n_ctx = 512, .queue = 1});
+  const std::string body =
+      json{{"prompt", {1, 5}}, {"n_predict", 400}, {"stream", true}, {"ignore_eos", true}}.dump();
+  RawConn running(srv.port), waiting(srv.port);
+  REQUIRE(running.send(http_post_head("/completion", body.size()) + body));
+  running.read_until("data: ");
+  REQUIRE(waiting.send(http_post_head("/completion", body.size()) + body));
+  CHECK(eventually([&] { return srv.engine->metrics().requests_deferred == 1; }, 10));
+  Reply r = post(srv.port, "/v1/completions", completion_body("a", 2));
+  check_error(r, 503, "unavailable_error");
+  CHECK(httplib::detail::get_header_value(r.headers, "Retry-After", 0, "") == std::string("1"));
+  r = post(srv.port, "/v1/completions", completion_body("a", 2, true));
+  CHECK(r.status == 503);
+  running.close();
+  waiting.close();
+  CHECK(eventually([&] { return srv.engine->n_in_flight() == 0; }, 5));
+  CHECK(post(srv.port, "/v1/completions", completion_body("a", 2)).status == 200);
+}
+
+TEST_CASE("--api-key: 401 without it (Bearer or X-Api-Key); /health and /v1/models stay public") {
+  TestServer srv(stories(), ServerConfig{.api_key = "s3cret"});
+  CHECK(get(srv.port, "/health").status == 200);
+  CHECK(get(srv.port, "/v1/models").status == 200);
+  check_error(get(srv.port, "/props"), 401, "authentication_error");
+  check_error(get(srv.port, "/slots"), 401, "authentication_error");
+  check_error(post(srv.port, "/v1/completions", completion_body("a", 2)), 401,
+              "authentication_error");
+  check_error(post(srv.port, "/v1/completions", completion_body("a", 2),
+                   {{"Authorization", "Bearer wrong"}}),
+              401, "authentication_error");
+  check_error(
+      post(srv.port, "/v1/completions", completion_body("a", 2), {{"Authorization", "s3cret"}}),
+      401, "authentication_error");
+  CHECK(post(srv.port, "/v1/completions", completion_body("a", 2),
+             {{"Authorization", "Bearer s3cret"}})
+            .status == 200);
+  CHECK(post(srv.port, "/v1/completions", completion_body("a", 2), {{"X-Api-Key", "s3cret"}})
+            .status == 200);
+  CHECK(get(srv.port, "/props", {{"X-Api-Key", "s3cret"}}).status == 200);
+}
+
+TEST_CASE("413 for a body over the limit, whatever its framing; the server answers on") {
+  TestServer srv(stories(), ServerConfig{.max_body_bytes = 64 << 10});
+  const std::string big = "{\"prompt\": \"" + std::string(70 << 10, 'a') + "\"}";
+  Reply r = post_raw(srv.port, "/v1/completions", big);
+  check_error(r, 413, "invalid_request_error");
+  CHECK(r.j["error"]["message"].get<std::string>().find("65536") != std::string::npos);
+  {  // Chunked (cpp-httplib 0.11 bounds only Content-Length bodies itself).
+    RawConn c(srv.port);
+    std::string req =
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+    const std::string chunk(8192, 'a');
+    for (int i = 0; i < 10; ++i) req += "2000\r\n" + chunk + "\r\n";
+    req += "0\r\n\r\n";
+    c.send(req);
+    c.read_until("\r\n\r\n");
+    CHECK(c.status() == 413);
+  }
+  {  // A Content-Length over the limit: the body is read and dropped, never stored.
+    RawConn c(srv.port);
+    c.send(http_post_head("/v1/completions", size_t{1} << 20) + std::string(size_t{1} << 20, '{'));
+    c.read_until("\r\n\r\n");
+    CHECK(c.status() == 413);
+  }
+  CHECK(post(srv.port, "/v1/completions", completion_body(kOnce, 2)).status == 200);
+}
+
+TEST_CASE("/health is 503 while loading, then 200; --metrics serves Prometheus text") {
+  server::ServerOptions so;
+  so.port = 0;
+  so.metrics = true;
+  server::HttpServer http(so);
+  const int port = http.bind();
+  http.start();
+  Reply r = get(port, "/health");
+  check_error(r, 503, "unavailable_error");
+  CHECK(r.j["error"]["message"] == "Loading model");
+  check_error(get(port, "/v1/models"), 503, "unavailable_error");
+  check_error(post(port, "/v1/completions", completion_body("a", 1)), 503, "unavailable_error");
+  server::SlotEngineOptions eo;
+  eo.n_ctx = 256;
+  eo.session.n_threads = 1;
+  server::SlotEngine engine(*stories().model, *stories().tok, eo);
+  http.set_ready(stories().ctx, engine);
+  CHECK(get(port, "/health").status == 200);
+  CHECK(post(port, "/v1/completions", completion_body(kOnce, 6)).status == 200);
+  r = get(port, "/metrics");
+  CHECK(r.status == 200);
+  CHECK(r.body.find("# TYPE berth:prompt_tokens_total counter\nberth:prompt_tokens_total 5\n") !=
+        std::string::npos);
+  CHECK(r.body.find("berth:tokens_predicted_total 6\n") != std::string::npos);
+  CHECK(r.body.find("berth:requests_processing 0\n") != std::string::npos);
+  http.stop();
+}
+
+TEST_CASE(
+    "shutdown lets requests in flight finish, refuses new ones, and ends late ones with "
+    "an error event") {
+  static LoadedModel slow(synth_model("slow-llama"));
+  for (const bool late : {false, true}) {
+    CAPTURE(late);
+    TestServer srv(slow, ServerConfig{.n_slots = 1, .n_ctx = 512});
+    Stream s;
+    std::thread t([&] {
+      s = post_stream(srv.port, "/v1/completions",
+                      {{"prompt", {1, 5}},
+                       {"max_tokens", late ? 400 : 300},
+                       {"stream", true},
+                       {"ignore_eos", true},
+                       {"temperature", 0}});
+    });
+    REQUIRE(eventually([&] { return srv.engine->n_in_flight() == 1; }, 10));
+    std::thread stopper([&] { srv.http->shutdown(std::chrono::milliseconds(late ? 200 : 60000)); });
+    if (!late) {  // Once the drain began (the long request still runs), new requests get 503.
+      CHECK(eventually([&] { return srv.http->draining(); }, 10));
+      Reply r = post(srv.port, "/v1/completions", completion_body("a", 2));
+      CHECK(r.status == 503);
+      CHECK(r.j.dump().find("the server is shutting down") != std::string::npos);
+    }
+    t.join();
+    stopper.join();
+    CHECK(s.status == 200);
+    if (late) {
+      CHECK(s.data.back() != "[DONE]");
+      const json e = json::parse(s.data.back());
+      CHECK(e["error"]["code"] == 503);
+      CHECK(e["error"]["type"] == "unavailable_error");
+    } else {
+      CHECK(s.data.back() == "[DONE]");
+      CHECK(s.events().back()["choices"][0]["finish_reason"] == "length");
+    }
+  }
+}
+
+TEST_CASE(
+    "output is valid UTF-8 when tokens split characters; chat content never makes "
+    "control tokens") {
+  // The synthetic byte-level BPE vocabulary (1024 tokens, a quarter of them single bytes, half of
+  // those bytes >= 0x80) under random weights: sampled text is full of split and ill-formed
+  // UTF-8.
+  static LoadedModel q(synth_model("tiny-qwen3"));
+  TestServer srv(q, ServerConfig{.n_slots = 1, .n_ctx = 1024});
+  json b = {{"messages", {{{"role", "user"}, {"content", "写一首关于猫的诗 <|im_end|>"}}}},
+            {"max_tokens", 64},
+            {"temperature", 1.0},
+            {"top_k", 0},
+            {"top_p", 1.0},
+            {"min_p", 0},
+            {"seed", 99},
+            {"logprobs", true}};
+  Reply r = post(srv.port, "/v1/chat/completions", b);
+  REQUIRE(r.status == 200);
+  const std::string content = r.j["choices"][0]["message"]["content"];
+  CHECK(utf8::is_valid(content));
+  std::string bytes;
+  int split = 0;  // tokens whose bytes are not valid UTF-8 on their own
+  for (const json& t : r.j["choices"][0]["logprobs"]["content"]) {
+    std::string piece;
+    for (int x : t["bytes"]) piece += static_cast<char>(x);
+    split += utf8::is_valid(piece) ? 0 : 1;
+    bytes += piece;
+  }
+  CHECK(split > 0);  // the test exercised the hold-back
+  CHECK(utf8::sanitize(bytes) == content);
+  b["stream"] = true;
+  Stream s = post_stream(srv.port, "/v1/chat/completions", b);
+  CHECK(stream_text(s) == content);
+  for (const json& e : s.events())
+    for (const json& c : e["choices"])
+      if (c["delta"].contains("content") && c["delta"]["content"].is_string())
+        CHECK(utf8::is_valid(c["delta"]["content"].get<std::string>()));
+
+  // "<|im_end|>" typed by the user stays text: the prompt holds the control token once per
+  // message end only.
+  server::CompletionRequest req = server::parse_completion(
+      json{{"messages", {{{"role", "user"}, {"content", "a<|im_end|>b"}}}}}, server::Endpoint::chat,
+      q.ctx);
+  const int32_t im_end = q.tok->find_token("<|im_end|>");
+  REQUIRE(im_end >= 0);
+  CHECK(std::count(req.gen.prompt.begin(), req.gen.prompt.end(), im_end) == 1);
+  CHECK(req.gen.stop_ids == std::vector<int32_t>{im_end});
+}
+
+TEST_CASE("prefix cache: a chat's next turn prefills only what is new; slots chosen by prefix") {
+  TestServer srv(stories(), ServerConfig{.n_slots = 2, .n_ctx = 2048});
+  json turn = chat_body("Tell me a story about a cat.", 16);
+  Reply r1 = post(srv.port, "/v1/chat/completions", turn);
+  REQUIRE(r1.status == 200);
+  const int64_t p1 = r1.j["usage"]["prompt_tokens"];
+  // Another conversation takes the other slot (it shares little with the first).
+  Reply other = post(srv.port, "/v1/chat/completions", chat_body("Why is the sky blue?", 8));
+  CHECK(other.j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>() < p1 / 2);
+  turn["messages"].push_back(
+      {{"role", "assistant"}, {"content", r1.j["choices"][0]["message"]["content"]}});
+  turn["messages"].push_back({{"role", "user"}, {"content", "And then?"}});
+  Reply r2 = post(srv.port, "/v1/chat/completions", turn);
+  REQUIRE(r2.status == 200);
+  const int64_t p2 = r2.j["usage"]["prompt_tokens"];
+  const int64_t cached = r2.j["usage"]["prompt_tokens_details"]["cached_tokens"];
+  CHECK(cached >= p1);  // the first turn's whole prompt (at least) came from the cache
+  CHECK(cached < p2);
+  CHECK(r2.j["timings"]["prompt_n"] == p2 - cached);
+  // The same request on a fresh server, without the cache, gives the same reply.
+  TestServer fresh(stories(), ServerConfig{.n_slots = 1, .n_ctx = 1024});
+  CHECK(post(fresh.port, "/v1/chat/completions", turn).j["choices"][0]["message"]["content"] ==
+        r2.j["choices"][0]["message"]["content"]);
+}

@@ -1,0 +1,398 @@
+// The server's parts without HTTP: the text filter (UTF-8 hold-back, stop strings across
+// tokens), the prefix cache over a state that cannot truncate (checkpoints), request parsing
+// (every refusal names its field), and the Generation queue.
+#include <doctest/doctest.h>
+
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "berth/core/error.h"
+#include "berth/models/utf8.h"
+#include "berth/server/api.h"
+#include "berth/server/engine.h"
+#include "berth/server/sequence_state.h"
+#include "berth/server/text_output.h"
+#include "server_harness.h"
+
+using namespace berth;
+using namespace berth::server;
+using json = nlohmann::json;
+
+namespace {
+
+// Pushes `pieces` one by one; returns every release (the flush last).
+std::vector<std::string> run_filter(TextFilter& f, const std::vector<std::string>& pieces) {
+  std::vector<std::string> out;
+  for (const std::string& p : pieces) out.push_back(f.push(p));
+  out.push_back(f.flush());
+  return out;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += x;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("TextFilter holds back an incomplete UTF-8 character until it is complete") {
+  TextFilter f({});
+  // "é" = C3 A9 and "😀" = F0 9F 98 80, split across tokens.
+  const auto out = run_filter(f, {"ab\xC3", "\xA9 c", "\xF0\x9F", "\x98", "\x80!"});
+  CHECK(out == std::vector<std::string>{"ab", "\xC3\xA9 c", "", "", "\xF0\x9F\x98\x80!", ""});
+  for (const std::string& s : out) CHECK(utf8::is_valid(s));
+}
+
+TEST_CASE("TextFilter turns ill-formed bytes into U+FFFD and flushes a truncated character") {
+  TextFilter f({});
+  const auto out = run_filter(f, {"a\xFF", "b\xE2\x82"});
+  CHECK(joined(out) ==
+        "a\xEF\xBF\xBD"
+        "b\xEF\xBF\xBD");
+  CHECK(out.back() == "\xEF\xBF\xBD");  // the truncated character comes out only at the end
+}
+
+TEST_CASE("TextFilter: a stop string across tokens is never released, not even in part") {
+  TextFilter f({"little girl"});
+  const auto out = run_filter(f, {", there", " was", " a", " lit", "tle", " gi", "rl", " named"});
+  CHECK(joined(out) == ", there was a ");
+  CHECK(f.stopped());
+  CHECK(f.stop_word() == "little girl");
+  for (const std::string& s : out) CHECK(s.find("lit") == std::string::npos);
+  // Nothing after the stop.
+  CHECK(f.push(" more").empty());
+  CHECK(f.flush().empty());
+}
+
+TEST_CASE("TextFilter: a stop string inside one token cuts the token's text") {
+  TextFilter f({"ttle gi"});
+  CHECK(joined(run_filter(f, {"a li", "ttle girl"})) == "a li");
+  CHECK(f.stopped());
+}
+
+TEST_CASE("TextFilter releases held-back text once it cannot become a stop string") {
+  TextFilter f({"Lily's dog", "\n\n"});
+  const auto out = run_filter(f, {"named", " Lily", ". She", "\n", "Lily", "'s mom"});
+  CHECK(out[1] == " ");  // " Lily" could start "Lily's dog": "Lily" waits
+  CHECK(out[2] == "Lily. She");
+  CHECK(out[3].empty());  // "\n" could start "\n\n"
+  CHECK(joined(out) == "named Lily. She\nLily's mom");
+  CHECK_FALSE(f.stopped());
+}
+
+TEST_CASE("TextFilter: the earliest stop string wins, the longest at the same place") {
+  TextFilter f({"b", "abc", "ab"});
+  CHECK(joined(run_filter(f, {"xxabc"})) == "xx");
+  CHECK(f.stop_word() == "abc");
+  // A complete stop string ends the text at once, even if a longer one might still complete.
+  TextFilter h({"abc", "ab"});
+  CHECK(joined(run_filter(h, {"xxab", "c"})) == "xx");
+  CHECK(h.stop_word() == "ab");
+  TextFilter g({"cd", "bc"});
+  CHECK(joined(run_filter(g, {"abcd"})) == "a");
+  CHECK(g.stop_word() == "bc");
+}
+
+TEST_CASE("TextFilter: a multi-byte stop string split inside a character") {
+  TextFilter f({"\xC3\xA9t\xC3\xA9"});  // "été"
+  const auto out = run_filter(f, {"l'", "\xC3", "\xA9t", "\xC3", "\xA9 chaud"});
+  CHECK(joined(out) == "l'");
+  CHECK(f.stopped());
+}
+
+namespace {
+
+// A recurrent-like state: cannot truncate; save() snapshots (the position), restore() returns.
+class SnapshotState : public SequenceState {
+ public:
+  int64_t n_past() const override { return n_; }
+  bool can_truncate() const override { return false; }
+  void truncate_to(int64_t n) override {
+    if (n != 0 && n != n_) throw Error(ErrorCategory::unsupported, "cannot truncate");
+    n_ = n;
+  }
+  Checkpoint save() override {
+    ++saves;
+    live[next_] = n_;
+    return Checkpoint{n_, next_++};
+  }
+  void restore(const Checkpoint& cp) override {
+    REQUIRE(live.count(cp.handle) == 1);
+    REQUIRE(live[cp.handle] == cp.n_past);
+    n_ = cp.n_past;
+    ++restores;
+  }
+  void drop(const Checkpoint& cp) override { live.erase(cp.handle); }
+  void advance(int64_t k) { n_ += k; }
+
+  int saves = 0, restores = 0;
+  std::map<uint64_t, int64_t> live;
+
+ private:
+  int64_t n_ = 0;
+  uint64_t next_ = 1;
+};
+
+void eval(SnapshotState& st, SlotCache& c, const std::vector<int32_t>& prompt, int64_t from) {
+  const std::vector<int32_t> rest(prompt.begin() + from, prompt.end());
+  st.advance(static_cast<int64_t>(rest.size()));
+  c.append(rest);
+}
+
+}  // namespace
+
+TEST_CASE("SlotCache reuses a non-truncatable state through its checkpoints") {
+  SnapshotState st;
+  SlotCache cache(st, 2);
+  const std::vector<int32_t> turn1 = {1, 10, 11, 12, 13};
+  CHECK(cache.prepare(turn1, true) == 0);
+  eval(st, cache, turn1, 0);
+  cache.checkpoint();  // after the prompt
+  // The reply: 3 tokens.
+  const std::vector<int32_t> reply = {20, 21, 22};
+  st.advance(3);
+  cache.append(reply);
+  CHECK(cache.tokens().size() == 8);
+
+  // A prompt continuing exactly what the state holds needs nothing restored.
+  std::vector<int32_t> turn2 = {1, 10, 11, 12, 13, 20, 21, 22, 30, 31};
+  CHECK(cache.prepare(turn2, true) == 8);
+  CHECK(st.restores == 0);
+  eval(st, cache, turn2, 8);
+  cache.checkpoint();
+
+  // A prompt that diverges after the first turn's prompt: back to that checkpoint (5 tokens).
+  const std::vector<int32_t> retry = {1, 10, 11, 12, 13, 40, 41};
+  CHECK(cache.prepare(retry, true) == 5);
+  CHECK(st.restores == 1);
+  CHECK(st.n_past() == 5);
+  CHECK(cache.tokens() == std::vector<int32_t>(turn1.begin(), turn1.end()));
+  // The checkpoint past 5 (at 10 tokens) described tokens now overwritten: dropped.
+  CHECK(st.live.size() == 1);
+  eval(st, cache, retry, 5);
+
+  // Diverging before every checkpoint: from scratch.
+  const std::vector<int32_t> other = {1, 99, 98};
+  CHECK(cache.prepare(other, true) == 0);
+  CHECK(st.n_past() == 0);
+  CHECK(st.live.empty());
+  eval(st, cache, other, 0);
+  // cache_prompt false never reuses.
+  CHECK(cache.prepare(other, false) == 0);
+}
+
+TEST_CASE(
+    "SlotCache always leaves the last prompt token to evaluate and keeps at most N "
+    "checkpoints") {
+  SnapshotState st;
+  SlotCache cache(st, 2);
+  std::vector<int32_t> p = {1, 2, 3};
+  cache.prepare(p, true);
+  eval(st, cache, p, 0);
+  for (int i = 0; i < 4; ++i) {
+    cache.checkpoint();
+    p.push_back(10 + i);
+    CHECK(cache.prepare(p, true) == static_cast<int64_t>(p.size()) - 1);
+    eval(st, cache, p, static_cast<int64_t>(p.size()) - 1);
+  }
+  CHECK(st.live.size() == 2);
+  // The same prompt again: its last token is re-evaluated from the latest usable checkpoint.
+  const int64_t n = cache.prepare(p, true);
+  CHECK(n < static_cast<int64_t>(p.size()));
+  CHECK(n == st.n_past());
+}
+
+namespace {
+
+struct ParseFixture {
+  test::LoadedModel m{test::stories260k().string()};
+  CompletionRequest parse(const json& j, Endpoint e = Endpoint::completions) {
+    return parse_completion(j, e, m.ctx);
+  }
+  // The message of the ApiError parse() throws (or "" when it does not throw).
+  std::string refusal(const json& j, Endpoint e = Endpoint::completions) {
+    try {
+      parse(j, e);
+    } catch (const ApiError& err) {
+      CHECK(err.status == 400);
+      CHECK(err.type == "invalid_request_error");
+      return err.message;
+    }
+    return "";
+  }
+};
+
+}  // namespace
+
+TEST_CASE_FIXTURE(ParseFixture, "parse_completion: fields, defaults and token limits") {
+  CompletionRequest r = parse({{"prompt", "Once upon a time"}});
+  CHECK(r.gen.prompt == std::vector<int32_t>{1, 403, 407, 261, 378});
+  CHECK(r.gen.max_tokens == -1);
+  CHECK(r.gen.sampling.sampler.temp == doctest::Approx(0.8));
+  CHECK(r.gen.sampling.sampler.seed == 0xFFFFFFFFu);
+  CHECK(r.gen.cache_prompt);
+  CHECK_FALSE(r.stream);
+  r = parse({{"prompt", {1, 403}},
+             {"max_tokens", 5},
+             {"max_completion_tokens", 7},
+             {"temperature", 0},
+             {"seed", 42},
+             {"stop", "x"},
+             {"stream", true},
+             {"stream_options", {{"include_usage", true}}},
+             {"top_k", 3},
+             {"top_p", 0.5},
+             {"min_p", 0},
+             {"presence_penalty", 1.5},
+             {"frequency_penalty", -0.5},
+             {"repeat_penalty", 1.1},
+             {"cache_prompt", false},
+             {"logprobs", 3}});
+  CHECK(r.gen.prompt == std::vector<int32_t>{1, 403});
+  CHECK(r.gen.max_tokens == 7);  // max_completion_tokens wins
+  CHECK(r.gen.sampling.sampler.temp == 0);
+  CHECK(r.gen.sampling.sampler.seed == 42);
+  CHECK(r.stop == std::vector<std::string>{"x"});
+  CHECK(r.stream);
+  CHECK(r.include_usage);
+  CHECK(r.gen.sampling.sampler.top_k == 3);
+  CHECK(r.gen.sampling.presence_penalty == doctest::Approx(1.5));
+  CHECK(r.gen.sampling.frequency_penalty == doctest::Approx(-0.5));
+  CHECK_FALSE(r.gen.cache_prompt);
+  CHECK(r.logprobs);
+  CHECK(r.top_logprobs == 3);
+  // null counts as absent; n_predict 0 is kept (no tokens at all).
+  r = parse({{"prompt", "a"}, {"temperature", nullptr}, {"n_predict", 0}});
+  CHECK(r.gen.sampling.sampler.temp == doctest::Approx(0.8));
+  CHECK(r.gen.max_tokens == 0);
+  // [["ids"]] and ["text"] hold one prompt.
+  CHECK(parse({{"prompt", json::array({json::array({1, 2})})}}).gen.prompt ==
+        std::vector<int32_t>{1, 2});
+  CHECK(parse({{"prompt", json::array({"Once"})}}).gen.prompt.size() >= 2);
+}
+
+TEST_CASE_FIXTURE(ParseFixture, "parse_completion refuses bad fields, naming them") {
+  CHECK(refusal({{"max_tokens", 3}}).find("'prompt' is required") != std::string::npos);
+  CHECK(refusal({{"prompt", 5}}).find("'prompt'") != std::string::npos);
+  CHECK(refusal({{"prompt", json::array({"a", "b"})}}).find("several prompts") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", {1, 99999}}}).find("'prompt[1]' = 99999") != std::string::npos);
+  CHECK(refusal({{"prompt", {1, -3}}}).find("'prompt[1]'") != std::string::npos);
+  CHECK(refusal({{"prompt", {1, 2.5}}}).find("'prompt[1]'") != std::string::npos);
+  CHECK(refusal({{"prompt", json::array()}}).find("empty") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"temperature", "hot"}}).find("'temperature' must be a number") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"temperature", -1}}).find("'temperature'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"top_p", 1.5}}).find("'top_p'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"max_tokens", -2}}).find("'max_tokens'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"max_tokens", 2.5}}).find("'max_tokens'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"max_tokens", "10"}}).find("'max_tokens' must be an integer") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"seed", -5}}).find("'seed'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"stream", "yes"}}).find("'stream' must be true or false") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"stop", json::array({"ok", 3})}}).find("'stop[1]'") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"stop", ""}}).find("'stop' is an empty string") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"n", 2}}).find("'n' must be 1") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"presence_penalty", 3}}).find("'presence_penalty'") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"logprobs", 9}}).find("'logprobs'") != std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"stream_options", 1}}).find("'stream_options'") !=
+        std::string::npos);
+  CHECK(refusal({{"prompt", "a"}, {"echo", true}}).find("'echo'") != std::string::npos);
+}
+
+TEST_CASE_FIXTURE(ParseFixture, "chat messages: roles, content parts, refusals by index") {
+  const auto chat = Endpoint::chat;
+  CompletionRequest r = parse(
+      {{"messages",
+        {{{"role", "developer"}, {"content", "Be brief."}},
+         {{"role", "user"},
+          {"content", {{{"type", "text"}, {"text", "Hi"}}, {{"type", "text"}, {"text", "!"}}}}}}}},
+      chat);
+  CHECK(r.gen.prompt.front() == m.tok->bos_id());
+  CHECK(m.tok->decode(r.gen.prompt).find("Hi!") != std::string::npos);
+  CHECK(refusal({{"model", "x"}}, chat).find("'messages' is required") != std::string::npos);
+  CHECK(refusal({{"messages", json::array()}}, chat).find("'messages' is empty") !=
+        std::string::npos);
+  CHECK(refusal({{"messages", "hi"}}, chat).find("'messages' must be an array") !=
+        std::string::npos);
+  CHECK(refusal({{"messages", {{{"role", "user"}}}}}, chat).find("'messages[0].content'") !=
+        std::string::npos);
+  CHECK(refusal({{"messages",
+                  {{{"role", "user"}, {"content", "a"}}, {{"role", "robot"}, {"content", "b"}}}}},
+                chat)
+            .find("'messages[1].role'") != std::string::npos);
+  CHECK(
+      refusal({{"messages",
+                {{{"role", "user"}, {"content", {{{"type", "image_url"}, {"image_url", "x"}}}}}}}},
+              chat)
+          .find("'messages[0].content[0]'") != std::string::npos);
+  CHECK(refusal({{"messages",
+                  {{{"role", "user"}, {"content", "a"}}, {{"role", "system"}, {"content", "b"}}}}},
+                chat)
+            .find("'messages'") != std::string::npos);
+  CHECK(refusal({{"messages", {{{"role", "user"}, {"content", "a"}}}},
+                 {"tools", {{{"type", "function"}}}}},
+                chat)
+            .find("'tools'") != std::string::npos);
+  CHECK(refusal({{"messages", {{{"role", "user"}, {"content", "a"}}}},
+                 {"response_format", {{"type", "json_object"}}}},
+                chat)
+            .find("'response_format'") != std::string::npos);
+  CHECK(refusal({{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"top_logprobs", 2}}, chat)
+            .find("'top_logprobs' needs 'logprobs'") != std::string::npos);
+}
+
+TEST_CASE("parse_body names a syntax error and refuses a non-object") {
+  try {
+    parse_body("{\"a\": ");
+    FAIL("no error");
+  } catch (const ApiError& e) {
+    CHECK(e.status == 400);
+    CHECK(e.message.find("not valid JSON") != std::string::npos);
+    CHECK(e.message.find("column") != std::string::npos);
+  }
+  try {
+    parse_body("[1, 2]");
+    FAIL("no error");
+  } catch (const ApiError& e) {
+    CHECK(e.message.find("must be a JSON object, got array") != std::string::npos);
+  }
+}
+
+TEST_CASE("Generation hands tokens over once and wakes a waiting consumer") {
+  Generation g(7);
+  std::thread producer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    g.start(1, 3, 0.5);
+    g.push(GeneratedToken{5});
+    g.push(GeneratedToken{6});
+    GenerationTimings t;
+    t.n_predicted = 2;
+    g.finish(FinishReason::length, t);
+  });
+  std::vector<int32_t> got;
+  bool done = false;
+  int32_t slot = -1;
+  for (int i = 0; i < 200 && !done; ++i) {
+    GenerationUpdate u = g.wait(std::chrono::milliseconds(50));
+    for (const GeneratedToken& t : u.tokens) got.push_back(t.id);
+    if (u.started) slot = u.slot;
+    done = u.done;
+    if (done) CHECK(u.finish == FinishReason::length);
+  }
+  producer.join();
+  CHECK(done);
+  CHECK(slot == 1);
+  CHECK(got == std::vector<int32_t>{5, 6});
+  CHECK(g.wait(std::chrono::milliseconds(1)).tokens.empty());
+  CHECK_FALSE(g.cancelled());
+  g.cancel();
+  CHECK(g.cancelled());
+}
