@@ -380,7 +380,6 @@ class SimDevice final : public backend_detail::StreamDevice {
   bool supports(const Op&) const override { return true; }
 
   size_t op_workspace(const StepView& view, const Op& op, bool host_w) const override {
-    const graph::Graph& g = *view.g;
     const graph::WeightTable& w = *view.weights;
     (void)host_w;  // host and device memory are one: staging needs no room
     switch (op.kind) {

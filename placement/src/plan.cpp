@@ -162,8 +162,6 @@ std::string describe_flags(const Flags& f) {
   return s;
 }
 
-bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
-
 enum class Group { embd, out_norm, out, attn, exps };
 
 struct Unit {

@@ -9,10 +9,11 @@
 //   launchers, and the fusions (one launch for neighbouring calls, same bits).
 // - sim/: the same contract on the CPU, with memory of its own, executed asynchronously in
 //   enqueue order by one worker thread (so the flag hand-off works as on CUDA); kernels are the
-//   scalar/SIMD CPU kernels, with the KV cache rounded to f16 as on the GPU; no fusions. CI has no
-//   GPU: the scheduler's split (what runs where, what is copied, in which order, what a replayed
-//   graph reads, both hand-offs) is tested against it, and the same tests run against CUDA on a
-//   GPU machine.
+//   scalar/SIMD CPU kernels, with the KV cache rounded to f16 as on the GPU; a fused call runs as
+//   its parts one after another (the same bits), so its hand-off path runs too. CI has no GPU: the
+//   scheduler's split (what runs where, what is copied, in which order, what a replayed graph
+//   reads, both hand-offs) is tested against it, and the same tests run against CUDA on a GPU
+//   machine.
 //
 // Pointers called "device" below come from alloc(Mem::device); "host" pointers from
 // alloc(Mem::host) (page-locked) or register_host. copy() in a stream needs page-locked host
