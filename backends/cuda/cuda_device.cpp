@@ -115,17 +115,19 @@ class CudaDevice final : public backend_detail::StreamDevice {
         size_t f = 0, t = 0;
         cudaMemGetInfo(&f, &t);
         throw Error(ErrorCategory::out_of_memory,
-                    fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free): {}", name_,
-                                (bytes + kMiB - 1) / kMiB, what, f / kMiB, cudaGetErrorString(e)));
+                    fmt::format("{}: cannot allocate {:.1f} MiB for {} ({:.1f} MiB free): {}",
+                                name_, static_cast<double>(bytes) / kMiB, what,
+                                static_cast<double>(f) / kMiB, cudaGetErrorString(e)));
       }
       return p;
     }
     const cudaError_t e = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("{}: cannot allocate {} MiB of pinned host memory for {}: {}", name_,
-                              (bytes + kMiB - 1) / kMiB, what, cudaGetErrorString(e)));
+      throw Error(
+          ErrorCategory::out_of_memory,
+          fmt::format("{}: cannot allocate {:.1f} MiB of pinned host memory for {}: {}", name_,
+                      static_cast<double>(bytes) / kMiB, what, cudaGetErrorString(e)));
     }
     return p;
   }

@@ -81,13 +81,14 @@ class SimDevice final : public backend_detail::StreamDevice {
     bytes = std::max<size_t>(bytes, 1);
     if (bytes > capacity_ - used_)
       throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("{}: cannot allocate {} MiB for {} ({} MiB free)", name(),
-                              (bytes + kMiB - 1) / kMiB, what, (capacity_ - used_) / kMiB));
+                  fmt::format("{}: cannot allocate {:.1f} MiB for {} ({:.1f} MiB free)", name(),
+                              static_cast<double>(bytes) / kMiB, what,
+                              static_cast<double>(capacity_ - used_) / kMiB));
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
     if (!p)
-      throw Error(
-          ErrorCategory::out_of_memory,
-          fmt::format("{}: host memory for {} MiB of {} is exhausted", name(), bytes / kMiB, what));
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("{}: host memory for {:.1f} MiB of {} is exhausted", name(),
+                              static_cast<double>(bytes) / kMiB, what));
     // Fresh device memory holds garbage, not zeros: make reads of unwritten bytes visible.
     std::memset(p, 0x7f, bytes);
     sizes_[p] = bytes;
@@ -106,8 +107,8 @@ class SimDevice final : public backend_detail::StreamDevice {
     void* p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
     if (!p)
       throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("{}: cannot allocate {} MiB of pinned host memory for {}", name(),
-                              bytes / kMiB, what));
+                  fmt::format("{}: cannot allocate {:.1f} MiB of pinned host memory for {}", name(),
+                              static_cast<double>(bytes) / kMiB, what));
     host_.push_back(p);
     return p;
   }

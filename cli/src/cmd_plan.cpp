@@ -67,6 +67,13 @@ int plan(const PlanOptions& o) {
   }
   std::string out = placement::plan_table(setup.request, p);
   for (const auto& [title, s] : schedules) out += "\n" + schedule_text(s, model->weights(), title);
+  if (!schedules.empty() && schedules.front().second.value_side.size() > 0 &&
+      schedules.front().second.has_device &&
+      schedules.front().second.value_side[static_cast<size_t>(schedules.front().second.g.output)] ==
+          Side::device)
+    out +=
+        "\nWith greedy sampling (--temp 0) `run` ends the decode step with select (the argmax "
+        "on the GPU, 4 bytes back) instead of output.\n";
   (void)write_stdout(out);
   return 0;
 }

@@ -228,8 +228,9 @@ std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
                             .host_expert_share = h.host_expert_share};
   const int32_t n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
   std::vector<std::pair<std::string, Schedule>> out;
-  for (const auto& [n_tokens, title] : {std::pair<int32_t, std::string>{1, "decode step (1 token)"},
-                                        {n_ub, fmt::format("prefill ubatch ({} tokens)", n_ub)}}) {
+  for (const auto& [n_tokens, title] :
+       {std::pair<int32_t, std::string>{1, "decode step (1 token)"},
+        {n_ub, fmt::format("prefill ubatch ({} token{})", n_ub, n_ub == 1 ? "" : "s")}}) {
     const graph::Graph g = model.build_step(n_tokens, 1);
     out.emplace_back(
         title, make_schedule(g, w, setup.plan.home, setup.plan.kv_home, caps, opt, dev, n_ctx));

@@ -45,7 +45,8 @@ struct Scheduler::Step {
   void* arena = nullptr;
   void* ws = nullptr;
   float* out_host = nullptr;
-  int graph = -1;  // captured device graph (decode)
+  int graph = -1;         // captured device graph (decode)
+  uint64_t last_use = 0;  // Scheduler::use_clock_ when last run
   double cpu_seconds = 0;
   std::exception_ptr error;
 };
@@ -150,10 +151,29 @@ size_t Scheduler::device_scratch_bytes() const {
 
 Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const int64_t out_rows = g.values.at(static_cast<size_t>(g.output)).rows;
+  ++use_clock_;
   for (auto& st : steps_)
     if (st->n_tokens == g.n_tokens && st->out_rows == out_rows && st->n_ops == g.ops.size() &&
-        st->select == select && st->profile == profiling_)
+        st->select == select && st->profile == profiling_) {
+      st->last_use = use_clock_;
       return *st;
+    }
+  // Keep a few shapes: each holds device memory (its arena, workspace, page-locked buffers),
+  // and prompts of many lengths would otherwise grow it without bound. Steps with a captured
+  // graph (decode: one token) stay; the least recently used of the others goes.
+  constexpr size_t kMaxSteps = 8;
+  while (steps_.size() >= kMaxSteps) {
+    auto victim = steps_.end();
+    for (auto it = steps_.begin(); it != steps_.end(); ++it)
+      if ((*it)->graph < 0 && (victim == steps_.end() || (*it)->last_use < (*victim)->last_use))
+        victim = it;
+    if (victim == steps_.end()) break;
+    if (dev_) {
+      dev_->synchronize();
+      free_step(**victim);
+    }
+    steps_.erase(victim);
+  }
   auto owned = std::make_unique<Step>();
   Step& st = *owned;
   st.n_tokens = g.n_tokens;
@@ -161,6 +181,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   st.n_ops = g.ops.size();
   st.select = select;
   st.profile = profiling_;
+  st.last_use = use_clock_;
   const ScheduleOptions so{.handoff = handoff_,
                            .stream_experts_min_tokens = opt_.stream_experts_min_tokens,
                            .host_expert_share = opt_.host_expert_share,
@@ -321,6 +342,12 @@ void Scheduler::enqueue_step(Step& st) {
     if (c.streamed) {
       const size_t j = next_stream++;
       dev_->wait_event(kMain, copied[j]);
+      // The stage buffer as it is now (Residency may have grown it for a later shape).
+      const graph::MoeParams& p = s.g.ops[static_cast<size_t>(c.ops[0])].moe;
+      uint8_t* base = static_cast<uint8_t*>(res_->stage(static_cast<int>(j % 2)));
+      st.b.moe_w[static_cast<size_t>(c.ops[0])] = {
+          base, base + weights_[p.gate].n_bytes,
+          base + weights_[p.gate].n_bytes + weights_[p.up].n_bytes};
       dev_->enqueue(c, st.b);
       const int done = dev_->record(kMain);
       if (j + 2 < streamed.size()) start_copy(j + 2, done);

@@ -597,6 +597,33 @@ TEST_CASE("device_scratch_bytes covers the arena the executor allocates for a fu
   CHECK(s.scheduler().device_scratch_bytes() * 2 > est - (size_t{1} << 20));
 }
 
+TEST_CASE("hybrid: prompts of many lengths keep a bounded number of compiled steps") {
+  // Each step shape holds device memory; without eviction a chat with prompts of new lengths
+  // grew it without bound (found by a review). Evicted shapes compile again, same results.
+  gguf::File file = gguf::File::open(tiny_moe_file("f32"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  const Homes h = homes_by(*model, [](const std::string&, int) { return true; });
+  Session s(*model, on_device(dev.get(), h, 256));
+  const auto logits_of = [&](int n) {
+    s.reset();
+    std::vector<int32_t> prompt(static_cast<size_t>(n), 7);
+    const std::span<const float> l = s.eval(prompt);
+    return std::vector<float>(l.begin(), l.end());
+  };
+  const std::vector<float> first = logits_of(2);
+  for (int n = 3; n < 30; ++n) (void)logits_of(n);
+  CHECK(s.scheduler().n_steps() <= 8);
+  CHECK(logits_of(2) == first);  // evicted long ago, compiled again
+  if (!use_cuda()) {
+    // Every evicted shape gave its device memory back: what is used is the kept shapes' scratch
+    // plus the weights, KV cache and the token buffers (less than 1 MiB here).
+    const size_t used = dev->total_bytes() - dev->free_bytes();
+    CHECK(used <= s.scheduler().device_scratch_bytes() + s.residency()->device_weight_bytes() +
+                      s.kv_device_bytes() + (size_t{1} << 20));
+  }
+}
+
 TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the same tokens") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);

@@ -114,6 +114,9 @@ class Scheduler {
   void set_skip_cpu_segments(bool on) { skip_cpu_ = on; }
   /// Device bytes of the steps' arenas and workspaces.
   size_t device_scratch_bytes() const;
+  /// Step shapes compiled and kept (at most 8 besides captured decode steps: the least recently
+  /// run other one is freed to make room).
+  size_t n_steps() const { return steps_.size(); }
   /// Device time per op kind: when on, steps run eagerly and unfused (no graph replay) with a
   /// timed mark around each device op; gpu_profile() sums them since the last reset.
   void set_profiling(bool on) { profiling_ = on; }
@@ -162,6 +165,7 @@ class Scheduler {
   int32_t* tokens_dev_ = nullptr;
   int32_t* positions_dev_ = nullptr;
   std::vector<std::unique_ptr<Step>> steps_;
+  uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
   double last_step_s_ = 0, last_cpu_s_ = 0;
   bool skip_cpu_ = false;
   std::atomic<bool> serve_abort_{false};  // an eager step's enqueue failed: stop serving
