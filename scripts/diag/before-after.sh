@@ -7,6 +7,8 @@
 # Writes OUTDIR/before-after.tsv (row, round, build, pp tok/s, tg tok/s) and
 # OUTDIR/before-after.txt (the ratios); the raw logs go to $TMPDIR.
 # usage: BEFORE=berth-before AFTER=berth bash scripts/diag/before-after.sh OUTDIR [TYPE] [ROUNDS] [REPS]
+#   env ROWS="all-gpu cpu-moe"   only these rows (default: all); results append to the TSV, so a
+#                                long table can be run in parts (one device command each)
 set -uo pipefail
 out=${1:-.}
 type=${2:-q4_k_m}
@@ -31,9 +33,10 @@ rows=(
   "cpu-only|-p 512 -n 32 -ngl 0"
 )
 tsv=$out/before-after.tsv
-printf 'row\tround\tbuild\tpp_tok_s\ttg_tok_s\n' >"$tsv"
+[[ -f $tsv ]] || printf 'row\tround\tbuild\tpp_tok_s\ttg_tok_s\n' >"$tsv"
 for row in "${rows[@]}"; do
   IFS='|' read -r name args <<<"$row"
+  [[ -z ${ROWS:-} || " $ROWS " == *" $name "* ]] || continue
   for r in $(seq 1 "$rounds"); do
     for build in before after; do
       bin=$before
