@@ -3,11 +3,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
+#include <span>
 
 #include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
@@ -33,6 +38,56 @@ std::string si(double x, const char* unit) {
 }
 
 constexpr size_t kGiB = size_t{1} << 30;
+
+// A size for model_type from the parameter count: "293K", "7.6B", "30.5B", "236B".
+std::string size_label(int64_t n) {
+  const double x = static_cast<double>(n);
+  if (x >= 1e11) return fmt::format("{:.0f}B", x / 1e9);
+  if (x >= 1e9) return fmt::format("{:.1f}B", x / 1e9);
+  if (x >= 1e6) return fmt::format("{:.0f}M", x / 1e6);
+  return fmt::format("{:.0f}K", x / 1e3);
+}
+
+// The file type as llama.cpp names it: general.file_type (llama.cpp's enum llama_ftype) or, in
+// a file without it, the type of most of the matrices' bytes ("all F32", "Q8_0").
+std::string file_type_text(const gguf::File& file) {
+  const std::optional<int64_t> ft = file.get_int_opt("general.file_type");
+  if (!ft) {
+    std::map<GgmlType, uint64_t> bytes;
+    for (const gguf::TensorInfo& t : file.tensors())
+      if (t.ne[1] > 1) bytes[t.type] += t.n_bytes;
+    if (bytes.empty()) return "all F32";
+    const GgmlType top =
+        std::max_element(bytes.begin(), bytes.end(), [](const auto& a, const auto& b) {
+          return a.second < b.second;
+        })->first;
+    std::string name(type_name(top));
+    for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return top == GgmlType::F32 ? "all F32" : name;
+  }
+  static const std::pair<int64_t, const char*> names[] = {
+      {0, "all F32"},        {1, "F16"},
+      {2, "Q4_0"},           {3, "Q4_1"},
+      {7, "Q8_0"},           {8, "Q5_0"},
+      {9, "Q5_1"},           {10, "Q2_K - Medium"},
+      {11, "Q3_K - Small"},  {12, "Q3_K - Medium"},
+      {13, "Q3_K - Large"},  {14, "Q4_K - Small"},
+      {15, "Q4_K - Medium"}, {16, "Q5_K - Small"},
+      {17, "Q5_K - Medium"}, {18, "Q6_K"},
+      {32, "BF16"}};
+  for (const auto& [id, name] : names)
+    if (id == *ft) return name;
+  return fmt::format("file type {}", *ft);
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return date;
+}
 
 // Bytes one decode step reads from the weights: see the module comment. With `home` (one per
 // weight), only the weights whose home is `side`.
@@ -107,16 +162,36 @@ std::vector<OpShare> shares(const std::vector<CpuExecutor::OpTime>& prof, int ru
 ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   ModelBenchOptions o = options;
   o.progress = nullptr;
-  if (o.n_prompt < 0 || o.n_gen < 0 || o.repetitions < 1)
-    throw Error(ErrorCategory::invalid_argument, "bench model: -p and -n must be >= 0 and -r >= 1");
-  if (o.n_prompt == 0 && o.n_gen == 0)
+  o.on_test = nullptr;
+  const TestLists& lists = o.tests;
+  auto all_at_least = [](const std::vector<int>& v, int m) {
+    return std::all_of(v.begin(), v.end(), [m](int x) { return x >= m; });
+  };
+  if (!all_at_least(lists.n_prompt, 0) || !all_at_least(lists.n_gen, 0) ||
+      !all_at_least(lists.n_depth, 0) || o.repetitions < 1)
     throw Error(ErrorCategory::invalid_argument,
-                "bench model: -p 0 and -n 0 leave nothing to measure");
+                "bench model: -p, -n and -d must be >= 0 and -r >= 1");
+  if (lists.n_batch.empty() || lists.n_ubatch.empty() || lists.n_depth.empty() ||
+      !all_at_least(lists.n_batch, 1) || !all_at_least(lists.n_ubatch, 1))
+    throw Error(ErrorCategory::invalid_argument, "bench model: -b and -ub must be >= 1");
+  for (const PromptGen& pg : lists.pg)
+    if (pg.n_prompt < 0 || pg.n_gen < 0 || (pg.n_prompt == 0 && pg.n_gen == 0))
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("bench model: -pg {},{} is not a test", pg.n_prompt, pg.n_gen));
+  const std::vector<BenchTest> planned = expand_tests(lists);
+  if (planned.empty())
+    throw Error(ErrorCategory::invalid_argument,
+                "bench model: -p 0 and -n 0 (and no -pg) leave nothing to measure");
   auto say = [&](const std::string& s) {
     if (options.progress) options.progress(s);
   };
   ModelBenchResult r;
   r.machine = machine_info();
+  r.planned = planned;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    if (r.pp_test < 0 && planned[i].is_pp()) r.pp_test = static_cast<int>(i);
+    if (r.tg_test < 0 && planned[i].is_tg()) r.tg_test = static_cast<int>(i);
+  }
   gguf::File file = gguf::File::open(o.model_path);
   std::unique_ptr<Model> model = load_model(file);
   const Hparams& hp = model->hparams();
@@ -126,18 +201,35 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     r.n_params += t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
     r.weight_bytes += t.n_bytes;
   }
+  r.model_type = fmt::format("{} {} {}", r.arch, size_label(r.n_params), file_type_text(file));
   r.n_layer = hp.n_layer;
   r.n_expert = hp.n_expert;
   r.n_expert_used = hp.n_expert_used;
 
+  int64_t n_ctx = 16;
+  for (const BenchTest& t : planned) {
+    if (t.n_ctx() > hp.n_ctx_train) {
+      std::string terms;
+      auto term = [&](bool on, const std::string& s) {
+        if (on) terms += (terms.empty() ? "" : " + ") + s;
+      };
+      term(t.n_depth > 0, fmt::format("-d {}", t.n_depth));
+      const bool pg = !t.is_pp() && !t.is_tg();
+      term(pg, fmt::format("-pg {},{}", t.n_prompt, t.n_gen));
+      term(!pg && t.n_prompt > 0, fmt::format("-p {}", t.n_prompt));
+      term(!pg && t.n_gen > 0, fmt::format("-n {}", t.n_gen));
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("bench model: the test {} needs {} tokens of context ({}), more "
+                              "than the model's context_length {}",
+                              t.name(), t.n_ctx(), terms, hp.n_ctx_train));
+    }
+    n_ctx = std::max(n_ctx, t.n_ctx());
+  }
   SessionParams sp;
   sp.n_threads = o.n_threads;
-  sp.n_ctx = std::max<int64_t>(std::max(o.n_prompt, o.n_gen), 16);
-  sp.n_ubatch = std::max(o.n_prompt, 1);
-  if (sp.n_ctx > hp.n_ctx_train)
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("bench model: {} tokens exceed the model's context_length {}", sp.n_ctx,
-                            hp.n_ctx_train));
+  sp.n_ctx = n_ctx;
+  // Steps never exceed the largest ubatch the tests run (each eval below is one ubatch).
+  sp.n_ubatch = max_step_tokens(planned);
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
@@ -153,8 +245,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
        device_option_notes(*model, sp, o.handoff != "auto", o.warm_workers_us >= 0))
     log::warn("{}", note);
   r.placement = placed.plan.how;
+  r.backend = "CPU";
   if (sp.device) {
     r.device = sp.device->name();
+    r.gpu_weight_bytes = placed.plan.gpu_weight_bytes;
+    const size_t kind =
+        r.device.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz");
+    r.backend = kind == 0 ? r.device : r.device.substr(0, kind);
     say(placed.summary());
   }
   Session session(*model, sp);
@@ -184,6 +281,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                     ? std::string("--handoff callback")
                     : fmt::format("{} has no flags", r.device.empty() ? "the device" : r.device));
   }
+  r.options = o;
   auto reset_gpu = [&] {
     if (session.device()) session.scheduler().reset_gpu_profile();
   };
@@ -191,85 +289,124 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     return session.device() ? shares(session.scheduler().gpu_profile(), o.repetitions)
                             : std::vector<OpShare>{};
   };
-  if (o.n_prompt > 0) {
-    std::vector<double> secs;
-    for (int rep = 0; rep <= o.repetitions; ++rep) {
-      const std::vector<int32_t> t = tokens(o.n_prompt);
-      session.reset();
-      if (rep == 1) session.executor().reset_profile(), reset_gpu();
-      const auto t0 = std::chrono::steady_clock::now();
-      (void)session.eval(t);
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (rep > 0) secs.push_back(s);
-      if (rep > 0 && session.device())
-        r.pp_cpu_busy += session.scheduler().last_cpu_seconds() / s / o.repetitions;
-      say(fmt::format("pp{}   run {}{}  {:8.2f} tok/s", o.n_prompt, rep, rep ? "" : " (warm-up)",
-                      o.n_prompt / s));
+  using clock = std::chrono::steady_clock;
+  auto seconds_since = [](clock::time_point t0) {
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  // Evaluates `t` in the test's batches and ubatches, one eval (one step) per ubatch; adds the
+  // CPU segments' seconds to *cpu_s.
+  auto eval_steps = [&](std::span<const int32_t> t, const BenchTest& bt, double* cpu_s) {
+    size_t at = 0;
+    for (int u : ubatch_sizes(static_cast<int>(t.size()), bt.n_batch, bt.n_ubatch)) {
+      (void)session.eval(t.subspan(at, static_cast<size_t>(u)));
+      at += static_cast<size_t>(u);
+      if (cpu_s && session.device()) *cpu_s += session.scheduler().last_cpu_seconds();
     }
-    r.pp_tok_s = rate_of(secs, o.n_prompt);
-    r.pp_profile = shares(session.executor().profile(), o.repetitions);
-    r.pp_gpu_profile = gpu_shares();
-  }
-  if (o.n_gen > 0) {
+  };
+  // The depth context: one token sequence (its own generator), so the positions one test leaves
+  // filled serve the next; positions 0 .. filled-1 hold its first `filled` tokens.
+  std::mt19937_64 depth_rng(o.seed ^ 0x9e3779b97f4a7c15ull);
+  std::vector<int32_t> depth_tokens;
+  int64_t filled = 0;
+  auto to_depth = [&](const BenchTest& t) {
+    filled = std::min<int64_t>(filled, t.n_depth);
+    session.truncate(filled);
+    if (filled == t.n_depth) return;
+    while (static_cast<int64_t>(depth_tokens.size()) < t.n_depth)
+      depth_tokens.push_back(static_cast<int32_t>(depth_rng() % static_cast<uint64_t>(hp.n_vocab)));
+    const auto t0 = clock::now();
+    eval_steps(std::span<const int32_t>(depth_tokens)
+                   .subspan(static_cast<size_t>(filled), static_cast<size_t>(t.n_depth - filled)),
+               t, nullptr);
+    say(fmt::format("d{}  context filled in {:.2f} s", t.n_depth, seconds_since(t0)));
+    filled = t.n_depth;
+  };
+  // One run of a test after its depth: returns its seconds, adds CPU segment seconds to cpu_s.
+  auto run_once = [&](const BenchTest& t, double& cpu_s) {
+    to_depth(t);
+    const std::vector<int32_t> p = tokens(t.n_prompt), g = tokens(t.n_gen);
+    const auto t0 = clock::now();
+    eval_steps(p, t, &cpu_s);
+    for (int32_t id : g) {
+      (void)session.eval(std::span<const int32_t>(&id, 1));
+      if (session.device()) cpu_s += session.scheduler().last_cpu_seconds();
+    }
+    return seconds_since(t0);
+  };
+
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const BenchTest& t = planned[i];
+    const bool is_pp = static_cast<int>(i) == r.pp_test, is_tg = static_cast<int>(i) == r.tg_test;
+    TestResult tr;
+    tr.test = t;
+    tr.test_time = utc_now();
     std::vector<double> secs;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
-      const std::vector<int32_t> t = tokens(o.n_gen);
-      session.reset();
-      if (rep == 1) session.executor().reset_profile(), reset_gpu();
-      const auto t0 = std::chrono::steady_clock::now();
+      if (rep == 1 && (is_pp || is_tg)) session.executor().reset_profile(), reset_gpu();
       double cpu_s = 0;
-      for (int32_t id : t) {
-        (void)session.eval(std::span<const int32_t>(&id, 1));
-        if (session.device()) cpu_s += session.scheduler().last_cpu_seconds();
+      const double s = run_once(t, cpu_s);
+      if (rep > 0) {
+        secs.push_back(s);
+        tr.samples_ns.push_back(static_cast<uint64_t>(std::llround(s * 1e9)));
+        if (session.device()) tr.cpu_busy += cpu_s / s / o.repetitions;
       }
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (rep > 0) r.tg_cpu_busy += cpu_s / s / o.repetitions;
-      if (rep > 0) secs.push_back(s);
-      say(fmt::format("tg{}   run {}{}  {:8.2f} tok/s", o.n_gen, rep, rep ? "" : " (warm-up)",
-                      o.n_gen / s));
+      say(fmt::format("{}   run {}{}  {:8.2f} tok/s", t.name(), rep, rep ? "" : " (warm-up)",
+                      (t.n_prompt + t.n_gen) / s));
     }
-    r.tg_tok_s = rate_of(secs, o.n_gen);
-    if (const CpuExecutor::MoeTiming& mt = session.executor().moe_timing(); mt.calls > 0) {
-      const double c = static_cast<double>(mt.calls);
-      const double tc = static_cast<double>(std::max<int64_t>(1, mt.thread_calls));
-      auto& m = r.tg_moe;
-      m.calls = mt.calls / std::max(1, o.repetitions);
-      m.threads = static_cast<double>(mt.thread_calls) / c;
-      m.total_us = 1e6 * mt.total / c;
-      m.before_us = 1e6 * mt.before / c;
-      m.region_us = 1e6 * mt.region / c;
-      m.after_us = 1e6 * mt.after / c;
-      m.join_us = 1e6 * mt.join / tc;
-      m.wait_us = 1e6 * mt.wait / tc;
-      m.tail_us = 1e6 * mt.tail / tc;
+    filled = t.n_depth;
+    tr.stats = test_stats(t, tr.samples_ns);
+    if (is_pp) {
+      r.pp_tok_s = rate_of(secs, t.n_prompt);
+      r.pp_cpu_busy = tr.cpu_busy;
+      r.pp_profile = shares(session.executor().profile(), o.repetitions);
+      r.pp_gpu_profile = gpu_shares();
     }
-    if (session.device() && r.tg_cpu_busy > 0) {
-      // The device alone: the same steps with the CPU segments skipped (timing only; the
-      // outputs and KV rows are wrong, so the session is reset after), as many runs as above,
-      // median over median.
-      std::vector<double> alone;
-      session.scheduler().set_skip_cpu_segments(true);
-      try {
-        for (int rep = 0; rep < o.repetitions; ++rep) {
-          const std::vector<int32_t> t = tokens(o.n_gen);
-          session.reset();
-          const auto t0 = std::chrono::steady_clock::now();
-          for (int32_t id : t) (void)session.eval(std::span<const int32_t>(&id, 1));
-          alone.push_back(
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (is_tg) {
+      r.tg_tok_s = rate_of(secs, t.n_gen);
+      r.tg_cpu_busy = tr.cpu_busy;
+      r.tg_profile = shares(session.executor().profile(), o.repetitions);
+      r.tg_gpu_profile = gpu_shares();
+      if (const CpuExecutor::MoeTiming& mt = session.executor().moe_timing(); mt.calls > 0) {
+        const double c = static_cast<double>(mt.calls);
+        const double tc = static_cast<double>(std::max<int64_t>(1, mt.thread_calls));
+        auto& m = r.tg_moe;
+        m.calls = mt.calls / std::max(1, o.repetitions);
+        m.threads = static_cast<double>(mt.thread_calls) / c;
+        m.total_us = 1e6 * mt.total / c;
+        m.before_us = 1e6 * mt.before / c;
+        m.region_us = 1e6 * mt.region / c;
+        m.after_us = 1e6 * mt.after / c;
+        m.join_us = 1e6 * mt.join / tc;
+        m.wait_us = 1e6 * mt.wait / tc;
+        m.tail_us = 1e6 * mt.tail / tc;
+      }
+      if (session.device() && r.tg_cpu_busy > 0) {
+        // The device alone: the same steps with the CPU segments skipped (timing only; the
+        // outputs and the KV rows they write are wrong, so the cache is cut back to the depth
+        // after), as many runs as above, median over median.
+        std::vector<double> alone;
+        session.scheduler().set_skip_cpu_segments(true);
+        try {
+          for (int rep = 0; rep < o.repetitions; ++rep) {
+            session.truncate(t.n_depth);
+            const std::vector<int32_t> g = tokens(t.n_gen);
+            const auto t0 = clock::now();
+            for (int32_t id : g) (void)session.eval(std::span<const int32_t>(&id, 1));
+            alone.push_back(seconds_since(t0));
+          }
+        } catch (...) {
+          session.scheduler().set_skip_cpu_segments(false);
+          throw;
         }
-      } catch (...) {
         session.scheduler().set_skip_cpu_segments(false);
-        throw;
+        session.truncate(t.n_depth);
+        const double alone_tok_s = rate_of(alone, t.n_gen).median;
+        r.tg_device_busy = alone_tok_s > 0 ? r.tg_tok_s.median / alone_tok_s : 0;
+        say(fmt::format("{}   device alone  {:8.2f} tok/s", t.name(), alone_tok_s));
       }
-      session.scheduler().set_skip_cpu_segments(false);
-      session.reset();
-      const double alone_tok_s = rate_of(alone, o.n_gen).median;
-      r.tg_device_busy = alone_tok_s > 0 ? r.tg_tok_s.median / alone_tok_s : 0;
-      say(fmt::format("tg{}   device alone  {:8.2f} tok/s", o.n_gen, alone_tok_s));
     }
-    r.tg_profile = shares(session.executor().profile(), o.repetitions);
-    r.tg_gpu_profile = gpu_shares();
+    r.tests.push_back(std::move(tr));
+    if (options.on_test) options.on_test(r, r.tests.back());
   }
   const size_t llc = r.machine.llc_bytes;
   r.dram =
@@ -277,26 +414,28 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                              std::max(3, o.repetitions));
   say(fmt::format("dram   threads {:>3}  {:8.2f} GB/s", r.n_threads, r.dram.gbps.median));
 
+  // The decode bytes of the first tg test: the KV rows at its average position, depth included.
+  const BenchTest* tg = r.tg_test >= 0 ? &planned[static_cast<size_t>(r.tg_test)] : nullptr;
+  const uint64_t kv_positions_x2 =
+      tg ? 2 * static_cast<uint64_t>(tg->n_depth) + static_cast<uint64_t>(tg->n_gen) + 1 : 1;
   r.decode_weight_bytes = decode_weight_bytes(*model);
   uint64_t kv_row = 0;
   for (const KvLayer& l : model->kv_layers())
     kv_row += static_cast<uint64_t>(l.k_dim + l.v_dim) * 4;
-  r.decode_kv_bytes = kv_row * static_cast<uint64_t>(o.n_gen + 1) / 2;
+  r.decode_kv_bytes = kv_row * kv_positions_x2 / 2;
   const double bytes = static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes);
   r.bound_tok_s = r.dram.gbps.median * 1e9 / bytes;
-  if (o.n_gen > 0) {
+  if (tg) {
     r.fraction_of_bound = r.tg_tok_s.median / r.bound_tok_s;
     r.decode_gbps = r.tg_tok_s.median * bytes / 1e9;
   }
   if (sp.device) {
     Device& dev = *sp.device;
     const auto& home = placed.plan.home;
-    r.gpu_weight_bytes = placed.plan.gpu_weight_bytes;
     uint64_t kv_gpu = 0, kv_cpu = 0;
     const auto kvl = model->kv_layers();
     for (size_t l = 0; l < kvl.size(); ++l) {
-      const uint64_t avg = static_cast<uint64_t>(kvl[l].k_dim + kvl[l].v_dim) *
-                           static_cast<uint64_t>(o.n_gen + 1) / 2;
+      const uint64_t avg = static_cast<uint64_t>(kvl[l].k_dim + kvl[l].v_dim) * kv_positions_x2 / 2;
       if (placed.plan.kv_home[l] == placement::Home::gpu)
         kv_gpu += avg * 2;  // f16
       else
@@ -322,7 +461,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                               static_cast<double>(r.decode_share_bytes) / (r.h2d_gbps * 1e9)) +
                      static_cast<double>(r.decode_gpu_bytes) / (r.hbm_gbps * 1e9);
     r.hybrid_bound_tok_s = t > 0 ? 1.0 / t : 0;
-    if (o.n_gen > 0) r.fraction_of_bound = r.tg_tok_s.median / r.hybrid_bound_tok_s;
+    if (tg) r.fraction_of_bound = r.tg_tok_s.median / r.hybrid_bound_tok_s;
   }
   r.options = o;
   return r;
@@ -337,6 +476,11 @@ nlohmann::json to_json(const ModelBenchResult& r) {
     return a;
   };
   const MachineInfo& m = r.machine;
+  const BenchTest* pp = r.pp_test >= 0 ? &r.planned[static_cast<size_t>(r.pp_test)] : nullptr;
+  const BenchTest* tg = r.tg_test >= 0 ? &r.planned[static_cast<size_t>(r.tg_test)] : nullptr;
+  const BenchTest first = r.planned.empty() ? BenchTest{} : r.planned.front();
+  json tests = json::array();
+  for (const TestResult& t : r.tests) tests.push_back(json(test_record(r, t)));
   return json{
       {"machine", to_json(m)},
       {"model",
@@ -350,8 +494,11 @@ nlohmann::json to_json(const ModelBenchResult& r) {
         {"n_expert_used", r.n_expert_used}}},
       {"config",
        {{"threads", r.n_threads},
-        {"n_prompt", r.options.n_prompt},
-        {"n_gen", r.options.n_gen},
+        {"n_prompt", pp ? pp->n_prompt : 0},
+        {"n_gen", tg ? tg->n_gen : 0},
+        {"n_depth", first.n_depth},
+        {"n_batch", first.n_batch},
+        {"n_ubatch", first.n_ubatch},
         {"repetitions", r.options.repetitions},
         {"seed", r.options.seed}}},
       {"statistic", fmt::format("median of {} run{} after 1 warm-up", r.options.repetitions,
@@ -399,6 +546,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},
       {"pp_profile", prof(r.pp_profile)},
       {"tg_profile", prof(r.tg_profile)},
+      {"tests", tests},
   };
 }
 
@@ -412,13 +560,21 @@ std::string format_text(const ModelBenchResult& r) {
                    si(static_cast<double>(r.weight_bytes), "B"));
   s += fmt::format("threads: {}   statistic: median of {} run{} after 1 warm-up\n\n", r.n_threads,
                    r.options.repetitions, r.options.repetitions == 1 ? "" : "s");
-  s += fmt::format("{:<10} {:>12} {:>12}\n", "test", "tok/s", "best");
-  if (r.options.n_prompt > 0)
-    s += fmt::format("{:<10} {:>12.2f} {:>12.2f}\n", fmt::format("pp{}", r.options.n_prompt),
-                     r.pp_tok_s.median, r.pp_tok_s.best);
-  if (r.options.n_gen > 0)
-    s += fmt::format("{:<10} {:>12.2f} {:>12.2f}\n", fmt::format("tg{}", r.options.n_gen),
-                     r.tg_tok_s.median, r.tg_tok_s.best);
+  // The first pp and tg tests, which the analysis below is about.
+  std::string pp_name, tg_name;
+  if (r.pp_test >= 0) pp_name = r.planned[static_cast<size_t>(r.pp_test)].name();
+  if (r.tg_test >= 0) tg_name = r.planned[static_cast<size_t>(r.tg_test)].name();
+  const size_t w = std::max<size_t>({10, pp_name.size(), tg_name.size()});
+  const int n_analysed = (r.pp_test >= 0) + (r.tg_test >= 0);
+  if (r.planned.size() > static_cast<size_t>(n_analysed) && n_analysed > 0)
+    s += fmt::format("the first pp and tg test of the {}:\n", r.planned.size());
+  s += fmt::format("{:<{}} {:>12} {:>12}\n", "test", w, "tok/s", "best");
+  if (r.pp_test >= 0)
+    s +=
+        fmt::format("{:<{}} {:>12.2f} {:>12.2f}\n", pp_name, w, r.pp_tok_s.median, r.pp_tok_s.best);
+  if (r.tg_test >= 0)
+    s +=
+        fmt::format("{:<{}} {:>12.2f} {:>12.2f}\n", tg_name, w, r.tg_tok_s.median, r.tg_tok_s.best);
   s += fmt::format(
       "\ndecode reads {:.3f} GB/token (weights {:.3f} + KV {:.4f}); DRAM {:.1f} GB/s "
       "-> bound {:.2f} tok/s\n",
@@ -456,10 +612,10 @@ std::string format_text(const ModelBenchResult& r) {
         r.hybrid_bound_tok_s);
     // Only the phases that ran.
     std::string busy;
-    if (r.options.n_gen > 0) busy += fmt::format("tg {:.0f}%", 100 * r.tg_cpu_busy);
-    if (r.options.n_prompt > 0)
+    if (r.tg_test >= 0) busy += fmt::format("tg {:.0f}%", 100 * r.tg_cpu_busy);
+    if (r.pp_test >= 0)
       busy += fmt::format("{}pp {:.0f}%", busy.empty() ? "" : ", ", 100 * r.pp_cpu_busy);
-    s += fmt::format("CPU segments busy: {} of the step\n", busy);
+    if (!busy.empty()) s += fmt::format("CPU segments busy: {} of the step\n", busy);
     if (r.tg_device_busy > 0)
       s += fmt::format(
           "device busy: tg {:.0f}% of the step (the same steps with the CPU segments skipped: "
@@ -469,7 +625,7 @@ std::string format_text(const ModelBenchResult& r) {
               ? "; over 100%: the re-timed steps ran slower than the real ones (noise: more -r)"
               : "");
   }
-  if (r.options.n_gen > 0)
+  if (r.tg_test >= 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
                      r.device.empty() ? "DRAM " : "hybrid ");
   if (r.tg_moe.calls > 0) {

@@ -30,6 +30,10 @@ struct BenchOptions {
   CLI::App* model = nullptr;
   bench::ModelBenchOptions m;
   size_t model_dram_mib = 0;
+  // llama-bench's list options as typed (each occurrence one list), and -o.
+  std::vector<std::string> n_prompt, n_gen, n_depth, n_batch, n_ubatch, pg;
+  std::string output = "md";
+  bench::OutputFormat format = bench::OutputFormat::md;
   // bench disk
   CLI::App* disk = nullptr;
   bench::DiskBenchOptions d;
@@ -87,6 +91,28 @@ class JsonOut {
   bool existed_ = false, armed_ = false;
 };
 
+// bench model's lists and -o, checked once parsing is done (a usage error, exit 2, naming the
+// flag).
+void parse_model_lists(BenchOptions& o) {
+  constexpr int kMaxTokens = 1 << 20, kMaxDepth = 1 << 24;
+  bench::TestLists& l = o.m.tests;
+  try {
+    l.n_prompt = bench::parse_int_lists(o.n_prompt, "-p", 0, kMaxTokens, {bench::kDefaultPrompt});
+    l.n_gen = bench::parse_int_lists(o.n_gen, "-n", 0, kMaxTokens, {bench::kDefaultGen});
+    l.n_depth = bench::parse_int_lists(o.n_depth, "-d", 0, kMaxDepth, {0});
+    l.n_batch = bench::parse_int_lists(o.n_batch, "-b", 1, kMaxTokens, {bench::kDefaultBatch});
+    l.n_ubatch = bench::parse_int_lists(o.n_ubatch, "-ub", 1, kMaxTokens, {bench::kDefaultUbatch});
+    l.pg.clear();
+    for (const std::string& s : o.pg) l.pg.push_back(bench::parse_pg(s, kMaxTokens));
+    o.format = bench::parse_output_format(o.output);
+  } catch (const Error& e) {
+    throw CLI::ValidationError(e.what());
+  }
+  if (o.json_path == "-" && o.format != bench::OutputFormat::md)
+    throw CLI::ValidationError(fmt::format(
+        "--json - and -o {} both write to standard output (give --json a file)", o.output));
+}
+
 int bench_model(BenchOptions& o) {
   JsonOut json_out(o.json_path);
   o.m.dram_bytes = o.model_dram_mib * 1024 * 1024;
@@ -94,9 +120,25 @@ int bench_model(BenchOptions& o) {
     o.m.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
+  // csv and jsonl: a line per test as it finishes (what ran is kept if a later test fails);
+  // md and json are printed whole at the end.
+  const bench::OutputFormat f = o.format;
+  bool first = true;
+  if (f == bench::OutputFormat::csv || f == bench::OutputFormat::jsonl)
+    o.m.on_test = [&](const bench::ModelBenchResult& r, const bench::TestResult& t) {
+      (void)write_stdout(bench::format_record_line(f, r, t, first));
+      first = false;
+    };
   const bench::ModelBenchResult r = bench::run_model_bench(o.m);
   json_out.write(bench::to_json(r));
-  json_out.text(bench::format_text(r));
+  if (f == bench::OutputFormat::md) {
+    // The table, then the analysis: standard output (standard error with --json -).
+    json_out.text(bench::format_records(f, r) + "\n" + bench::format_text(r));
+    return 0;
+  }
+  // Standard output holds only the records; the analysis goes to standard error.
+  if (f == bench::OutputFormat::json) (void)write_stdout(bench::format_records(f, r));
+  std::fputs(bench::format_text(r).c_str(), stderr);
   return 0;
 }
 
@@ -170,11 +212,32 @@ Runner add_bench(CLI::App& app) {
   m->add_option("-m,--model", o->m.model_path, "GGUF model file")->required();
   m->add_option("-t,--threads", o->m.n_threads, "worker threads (default: physical cores)")
       ->check(CLI::Range(0, 4096));
-  m->add_option("-p,--n-prompt", o->m.n_prompt,
-                "prompt tokens of the pp test (default 512; 0: skip)")
-      ->check(CLI::Range(0, 1 << 20));
-  m->add_option("-n,--n-gen", o->m.n_gen, "tokens of the tg test (default 128; 0: skip)")
-      ->check(CLI::Range(0, 1 << 20));
+  // llama-bench's lists: comma-separated, ranges FIRST-LAST[+STEP|*MULT], the option repeated
+  // adds to the list; every combination is a test.
+  auto list = [&](const std::string& names, std::vector<std::string>& to, const std::string& what) {
+    m->add_option(names, to, what)
+        ->type_name("LIST")
+        ->expected(1)
+        ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  };
+  list("-p,--n-prompt", o->n_prompt,
+       "prompt tokens of the pp tests, a list (default 512; 0: no pp test)");
+  list("-n,--n-gen", o->n_gen, "decode steps of the tg tests, a list (default 128; 0: no tg test)");
+  list("-d,--n-depth", o->n_depth,
+       "tokens of context already in the KV cache when each test starts, a list (default 0)");
+  list("-b,--batch-size", o->n_batch,
+       "logical batch: prompt tokens submitted per call, a list (default 2048)");
+  list("--ubatch-size", o->n_ubatch,
+       "-ub: tokens per prefill step, a list (default 512; a batch is cut into ubatches)");
+  m->add_option("--prompt-gen", o->pg,
+                "-pg PP,TG: a test of PP prompt tokens then TG decode steps, timed together "
+                "(repeat for more)")
+      ->type_name("PP,TG")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  m->add_option("-o,--output", o->output,
+                "the tests' records on standard output: md (a table, then the analysis), csv, "
+                "json or jsonl (the analysis then on standard error)");
   m->add_option("-r,--repetitions", o->m.repetitions, "timed runs after a warm-up (default 3)")
       ->check(CLI::Range(1, 1000));
   m->add_option("--dram-mib", o->model_dram_mib,
@@ -192,6 +255,7 @@ Runner add_bench(CLI::App& app) {
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");
   m->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  m->callback([o] { parse_model_lists(*o); });
   CLI::App* d = sub->add_subcommand(
       "disk",
       "the drive under a model file: random-read GB/s of expert-sized blocks through io_uring "

@@ -25,7 +25,7 @@ std::vector<std::string> normalise_args(int argc, char** argv) {
   static const std::map<std::string, std::string> aliases = {
       {"-ub", "--ubatch-size"},   {"-cnv", "--chat"},           {"-sys", "--system-prompt"},
       {"-ngl", "--n-gpu-layers"}, {"-ot", "--override-tensor"}, {"-cmoe", "--cpu-moe"},
-      {"-ncmoe", "--n-cpu-moe"},  {"-np", "--parallel"},
+      {"-ncmoe", "--n-cpu-moe"},  {"-np", "--parallel"},        {"-pg", "--prompt-gen"},
   };
   // Options whose value is free text: "-p -ub" is a prompt, not a flag.
   static const std::set<std::string> text_options = {

@@ -3,10 +3,12 @@
 // fractions of the step), whatever the timings were. No speed is asserted.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "test_util.h"
@@ -152,4 +154,129 @@ TEST_CASE("bench model: a run that fails leaves the --json file as it was") {
                   shell_quote(fresh.string()));
   CHECK(r.exit_code == 1);
   CHECK_FALSE(std::filesystem::exists(fresh));
+}
+
+TEST_CASE("bench model: llama-bench's lists, depth and output formats") {
+  const std::string bin = berth::test::berth_bin() + " bench model -m " +
+                          shell_quote(berth::test::stories260k().string()) +
+                          " -t 2 -q --dram-mib 16 ";
+  // -o json: an array of records, one per test of the product (2 prompts + 1 gen) x 2 depths,
+  // in llama-bench's order (per depth: the pp tests, then the tg tests).
+  CommandResult r = run_command(bin + "-p 16,32 -n 8 -d 0,16 -r 1 -o json");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  REQUIRE(j.is_array());
+  REQUIRE(j.size() == 6);
+  const int prompt[] = {16, 32, 0, 16, 32, 0}, gen[] = {0, 0, 8, 0, 0, 8},
+            depth[] = {0, 0, 0, 16, 16, 16};
+  const char* names[] = {"pp16", "pp32", "tg8", "pp16 @ d16", "pp32 @ d16", "tg8 @ d16"};
+  for (size_t i = 0; i < 6; ++i) {
+    CAPTURE(i);
+    const auto& t = j[i];
+    for (const char* k : {"model_filename", "model_type", "model_size", "model_n_params", "n_batch",
+                          "n_ubatch", "n_threads", "avg_ts", "stddev_ts", "avg_ns", "samples_ts",
+                          "samples_ns", "test_time", "backends", "placement"}) {
+      CAPTURE(k);
+      CHECK(t.contains(k));
+    }
+    CHECK(t["n_prompt"] == prompt[i]);
+    CHECK(t["n_gen"] == gen[i]);
+    CHECK(t["n_depth"] == depth[i]);
+    CHECK(t["test"] == names[i]);
+    CHECK(t["n_batch"] == 2048);
+    CHECK(t["n_ubatch"] == 512);
+    CHECK(t["n_threads"] == 2);
+    CHECK(t["backends"] == "CPU");
+    CHECK(t["samples_ns"].size() == 1);
+    CHECK(t["samples_ts"].size() == 1);
+    CHECK(t["avg_ts"].get<double>() > 0);
+    CHECK(t["stddev_ts"] == 0);  // one run
+    CHECK(t["model_type"].get<std::string>().rfind("llama ", 0) == 0);
+  }
+  // The analysis goes to standard error, standard output holds only the records.
+  CHECK(r.err.find("decode reaches") != std::string::npos);
+
+  // jsonl: the same tests, one object per line; csv: a header and a line per test.
+  r = run_command(bin + "-p 16,32 -n 8 -d 0,16 -r 1 -o jsonl");
+  REQUIRE(r.exit_code == 0);
+  std::istringstream lines(r.out);
+  int n = 0;
+  for (std::string l; std::getline(lines, l); ++n)
+    CHECK(nlohmann::json::parse(l)["n_depth"] == depth[n]);
+  CHECK(n == 6);
+  r = run_command(bin + "-p 16 -n 8 -r 2 -o csv");
+  REQUIRE(r.exit_code == 0);
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 3);
+  CHECK(r.out.rfind("cpu_info,", 0) == 0);
+
+  // md (the default): llama-bench's table, then berth's analysis of the first pp and tg tests.
+  r = run_command(bin + "-p 16 -n 8 -d 0,16 -r 1");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.rfind("| model ", 0) == 0);
+  CHECK(r.out.find("| n_ubatch |") != std::string::npos);
+  CHECK(r.out.find("n_batch") == std::string::npos);  // the default -b: no column
+  CHECK(r.out.find(" pp16 @ d16 |") != std::string::npos);
+  CHECK(r.out.find(" tg8 @ d16 |") != std::string::npos);
+  CHECK(r.out.find("\ntg8 ") != std::string::npos);  // the analysis' median line
+  CHECK(r.out.find("decode reaches") != std::string::npos);
+
+  // -b and -ub: a 20-token prompt in batches of 8 cut into ubatches of 3; -pg times pp+tg.
+  r = run_command(bin + "-p 20 -n 0 -b 8 -ub 3 -pg 6,2 -r 1 -o json");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json b = nlohmann::json::parse(r.out);
+  REQUIRE(b.size() == 2);
+  CHECK(b[0]["n_batch"] == 8);
+  CHECK(b[0]["n_ubatch"] == 3);
+  CHECK(b[1]["test"] == "pp6+tg2");
+  CHECK(b[1]["n_prompt"] == 6);
+  CHECK(b[1]["n_gen"] == 2);
+
+  // --json FILE keeps its document (the first pp and tg tests) and adds every test's record.
+  const auto dir = berth::test::temp_dir("bench_model_lists");
+  const auto file = dir / "b.json";
+  r = run_command(bin + "-p 16,32 -n 8 -r 1 --json " + shell_quote(file.string()));
+  REQUIRE(r.exit_code == 0);
+  std::ifstream in(file);
+  const nlohmann::json legacy = nlohmann::json::parse(in);
+  CHECK(legacy["config"]["n_prompt"] == 16);
+  CHECK(legacy["config"]["n_gen"] == 8);
+  CHECK(legacy["pp_tok_s"].get<double>() > 0);
+  CHECK(legacy["tg_tok_s"].get<double>() > 0);
+  CHECK(legacy["tests"].size() == 3);
+  CHECK(r.out.rfind("| model ", 0) == 0);
+}
+
+TEST_CASE("bench model: bad llama-bench options are errors naming the flag") {
+  const std::string bin = berth::test::berth_bin() + " bench model -m " +
+                          shell_quote(berth::test::stories260k().string()) + " -r 1 -q ";
+  struct Case {
+    const char* args;
+    int code;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{"-p abc", 2, "-p: 'abc' is not a whole number"},
+           Case{"-n 8,,16", 2, "-n: an empty item"},
+           Case{"-o xml", 2, "-o: 'xml' is not an output format"},
+           Case{"-ub 0", 2, "-ub: 0 in '0' is below the minimum 1"},
+           Case{"-b 0", 2, "-b: 0 in '0' is below the minimum 1"},
+           Case{"-d -4", 2, "-d: -4 in '-4' is below the minimum 0"},
+           Case{"-d 16-4", 2, "-d: the range '16-4' ends before it starts"},
+           Case{"-pg 512", 2, "-pg: '512' is not PP,TG"},
+           Case{"-o json --json -", 2, "--json - and -o json both write to standard output"},
+           // stories260K's context_length is 2048.
+           Case{"-p 16 -n 0 -d 2040", 1,
+                "the test pp16 @ d2040 needs 2056 tokens of context (-d 2040 + -p 16), more "
+                "than the model's context_length 2048"},
+           Case{"-p 0 -n 0 -pg 2000,100", 1, "(-pg 2000,100)"},
+           Case{"-p 0 -n 0", 1, "nothing to measure"},
+       }) {
+    CAPTURE(c.args);
+    const CommandResult r = run_command(bin + c.args);
+    CHECK(r.exit_code == c.code);
+    CHECK(r.err.find(c.message) != std::string::npos);
+    CHECK(r.out.empty());
+  }
 }

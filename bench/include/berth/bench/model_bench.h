@@ -1,18 +1,26 @@
 // `berth bench model`: prefill and decode speed of a whole model on the CPU, beside the bound
 // that the DRAM read bandwidth (measured in the same run) puts on decode.
 //
-// Measurements (llama-bench's pp/tg convention; each the median of `repetitions` runs after one
-// warm-up run, tokens drawn from a seeded generator, each run from an empty KV cache):
-//   pp: one prefill step of `n_prompt` tokens (ubatch = n_prompt). tok/s = n_prompt / s.
-//   tg: `n_gen` single-token decode steps from position 0 (no sampling). tok/s = n_gen / s.
+// The tests are llama-bench's (bench_tests.h: -p, -n, -pg, -d, -b, -ub lists and their product),
+// each run once as a warm-up and then `repetitions` times, tokens drawn from a seeded generator:
+//   pp N: N prompt tokens from the test's depth, in batches of -b tokens cut into ubatches of
+//     -ub (default 512: a prompt longer than that takes several prefill steps).
+//   tg N: N single-token decode steps from the test's depth (no sampling).
+//   pp P+tg G: both, timed together.
+//   Depth D: before each timed run the KV cache holds D tokens of context (filled once per depth
+//     and kept: each run truncates the cache back to D, Session::truncate).
+// Each test gives a record (llama-bench's fields: mean and sample standard deviation of tok/s
+// over the timed runs, each run's time; plus berth's placement fields), in llama-bench's output
+// formats (format_records). The first pp test and the first tg test of the product are the ones
+// the rest of the report analyses, with berth's statistic (the median of the timed runs):
 //   DRAM: cpu bandwidth (kernel_bench.h, measurement 1) at the same thread count.
 //   Bytes per decode token: what one decode step must read from memory: every weight a
 //   decode graph's ops read (matmul: the whole tensor; embed: one row; norms and biases: their
 //   row; moe_experts: n_expert_used experts' gate, up and down slices per layer, exact because
 //   a token's top-k experts are distinct) plus the KV cache (f32 K and V rows of every layer at
-//   the average position of the tg run). Bound tok/s = DRAM bytes/s / bytes per token;
-//   fraction = tg tok/s / bound.
-// With `profile`, the executor's per-op-kind time of the timed tg and pp runs is reported too.
+//   the average position of the tg run, its depth included). Bound tok/s = DRAM bytes/s / bytes
+//   per token; fraction = tg tok/s / bound.
+// With `profile`, the executor's per-op-kind time of those two tests' timed runs is reported too.
 #pragma once
 
 #include <cstdint>
@@ -22,16 +30,20 @@
 #include <string_view>
 #include <vector>
 
+#include "berth/bench/bench_tests.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/placement/plan.h"
 
 namespace berth::bench {
 
+struct ModelBenchResult;
+struct TestResult;
+
 struct ModelBenchOptions {
   std::string model_path;
-  int n_threads = 0;      ///< 0: all physical cores
-  int n_prompt = 512;     ///< pp tokens (0: skip pp)
-  int n_gen = 128;        ///< tg tokens (0: skip tg)
+  int n_threads = 0;  ///< 0: all physical cores
+  /// -p, -n, -pg, -d, -b, -ub (a 0 in -p or -n: no such test).
+  TestLists tests;
   int repetitions = 3;    ///< timed runs after one warm-up
   size_t dram_bytes = 0;  ///< DRAM bandwidth buffer; 0: max(1 GiB, 8 x LLC)
   uint64_t seed = 1;
@@ -49,6 +61,19 @@ struct ModelBenchOptions {
   /// HybridOptions::handoff: "auto", "flags" or "callback".
   std::string handoff = "auto";
   std::function<void(std::string_view)> progress;
+  /// Called after each test with the result so far (its records' shared fields are set) and the
+  /// test's result (the last of result.tests).
+  std::function<void(const ModelBenchResult&, const TestResult&)> on_test;
+};
+
+/// One test's timed runs.
+struct TestResult {
+  BenchTest test;
+  std::string test_time;             ///< ISO 8601 UTC, when its warm-up began
+  std::vector<uint64_t> samples_ns;  ///< one per timed run
+  TestStats stats;
+  /// With a device: the share of the timed runs' wall time spent in CPU segments.
+  double cpu_busy = 0;
 };
 
 struct OpShare {
@@ -61,6 +86,17 @@ struct ModelBenchResult {
   MachineInfo machine;
   ModelBenchOptions options;
   std::string arch, model_name;
+  /// llama-bench's model_type: architecture, size and file type, e.g. "qwen3moe 30.5B Q4_K -
+  /// Medium" (the size from the parameter count; the type from general.file_type).
+  std::string model_type;
+  /// "CPU", or the device's kind ("CUDA", "SIM") when one holds part of the model.
+  std::string backend;
+  /// The tests in run order (expand_tests) and, as they finish, their results.
+  std::vector<BenchTest> planned;
+  std::vector<TestResult> tests;
+  /// Index in `planned` of the first pp and the first tg test (-1: none), which the fields
+  /// below (pp_tok_s, tg_tok_s, the bound, the profiles) describe.
+  int pp_test = -1, tg_test = -1;
   int64_t n_params = 0;       ///< elements of all tensors
   uint64_t weight_bytes = 0;  ///< bytes of all tensors
   int64_t n_layer = 0, n_expert = 0, n_expert_used = 0;
@@ -118,12 +154,32 @@ struct ModelBenchResult {
 };
 
 /// Loads the model and runs the measurements above. Throws what loading throws (GgufError,
-/// Error(format/unsupported)), Error(invalid_argument) for negative sizes or a prompt longer
-/// than the model's context, Error(out_of_memory) when the KV cache or the DRAM buffer does
-/// not fit.
+/// Error(format/unsupported)), Error(invalid_argument) for negative sizes, no test to run or a
+/// test needing more context than the model's context_length (naming -d, -p, -n or -pg),
+/// Error(out_of_memory) when the KV cache or the DRAM buffer does not fit.
 ModelBenchResult run_model_bench(const ModelBenchOptions& options);
 
+/// Every number as JSON (`--json FILE`): the first pp and tg tests' analysis as before the test
+/// lists, plus "tests", the records of all tests.
 nlohmann::json to_json(const ModelBenchResult& r);
+/// The analysis as text (machine, model, the first pp and tg tests' median and best, bytes per
+/// decode token and the bound, device shares, profiles).
 std::string format_text(const ModelBenchResult& r);
+
+/// One test's record with llama-bench's field names (cpu_info, gpu_info, backends,
+/// model_filename, model_type, model_size, model_n_params, n_batch, n_ubatch, n_threads,
+/// n_gpu_layers, n_cpu_moe, tensor_buft_overrides, n_prompt, n_gen, n_depth, test_time, avg_ns,
+/// stddev_ns, avg_ts, stddev_ts, samples_ns, samples_ts) and berth's (median_ts, placement,
+/// device, ...), in that order.
+nlohmann::ordered_json test_record(const ModelBenchResult& r, const TestResult& t);
+/// The records of r.tests as a whole document: md (llama-bench's table: model, size, params,
+/// backend, threads, n_batch when not only the default, n_ubatch, test, t/s as mean ± standard
+/// deviation), csv (a header line, then a line per test, every value quoted, the sample arrays
+/// left out), json (an array) or jsonl (an object per line).
+std::string format_records(OutputFormat f, const ModelBenchResult& r);
+/// One test's part of a csv or jsonl document, for printing as tests finish (csv: the header
+/// line first when `first`).
+std::string format_record_line(OutputFormat f, const ModelBenchResult& r, const TestResult& t,
+                               bool first);
 
 }  // namespace berth::bench
