@@ -12,6 +12,7 @@
 #include "berth/bench/disk_bench.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
+#include "berth/bench/batch_bench.h"
 #include "berth/core/error.h"
 #include "commands.h"
 #include "placement_flags.h"
@@ -30,6 +31,7 @@ struct BenchOptions {
   CLI::App* model = nullptr;
   bench::ModelBenchOptions m;
   size_t model_dram_mib = 0;
+  std::vector<int> parallel;  // --parallel: the batch measurement instead of pp/tg
   // bench disk
   CLI::App* disk = nullptr;
   bench::DiskBenchOptions d;
@@ -94,6 +96,12 @@ int bench_model(BenchOptions& o) {
     o.m.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
+  if (!o.parallel.empty()) {
+    const bench::BatchBenchResult r = bench::run_batch_bench({o.m, o.parallel});
+    json_out.write(bench::to_json(r));
+    json_out.text(bench::format_text(r));
+    return 0;
+  }
   const bench::ModelBenchResult r = bench::run_model_bench(o.m);
   json_out.write(bench::to_json(r));
   json_out.text(bench::format_text(r));
@@ -183,6 +191,12 @@ Runner add_bench(CLI::App& app) {
   m->add_flag("--profile", o->m.profile,
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");
+  m->add_option("--parallel", o->parallel,
+                "N[,N...]: instead of pp/tg, N sequences decoding together after -p prompt "
+                "tokens each (-n steps of N tokens): aggregate and per-sequence tok/s, distinct "
+                "routed experts per layer per step, and the bound from the bytes a step reads")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
   add_handoff(*m, o->m.handoff);
