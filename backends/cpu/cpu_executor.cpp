@@ -28,24 +28,42 @@ float* CpuExecutor::worker_scratch(size_t floats) {
 }
 
 void CpuExecutor::check_ubatch(const graph::Graph& g, std::span<const int32_t> tokens,
-                               std::span<const int32_t> positions) const {
-  if (tokens.size() != static_cast<size_t>(g.n_tokens) || positions.size() != tokens.size())
+                               std::span<const int32_t> positions,
+                               std::span<const int32_t> seqs) const {
+  if (tokens.size() != static_cast<size_t>(g.n_tokens) || positions.size() != tokens.size() ||
+      (!seqs.empty() && seqs.size() != tokens.size()))
     throw Error(ErrorCategory::invalid_argument,
-                fmt::format("graph of {} tokens run with {} tokens and {} positions", g.n_tokens,
-                            tokens.size(), positions.size()));
+                fmt::format("graph of {} tokens run with {} tokens, {} positions and {} sequence "
+                            "ids",
+                            g.n_tokens, tokens.size(), positions.size(), seqs.size()));
+  // Per sequence, the position its next token must have (-1: none seen yet).
+  std::vector<int64_t> next(static_cast<size_t>(kv_.n_seq), -1);
   for (size_t i = 0; i < positions.size(); ++i) {
+    const int32_t s = seqs.empty() ? 0 : seqs[i];
+    if (s < 0 || s >= kv_.n_seq)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("token {} of the ubatch names sequence {}, outside the KV cache's "
+                              "{} sequences",
+                              i, s, kv_.n_seq));
     if (positions[i] < 0 || positions[i] >= kv_.n_ctx)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("position {} is outside the context of {} tokens", positions[i],
                               kv_.n_ctx));
-    if (i > 0 && positions[i] != positions[i - 1] + 1)
-      throw Error(ErrorCategory::invalid_argument, "ubatch positions must be consecutive");
+    int64_t& nx = next[static_cast<size_t>(s)];
+    if (nx >= 0 && positions[i] != nx)
+      throw Error(ErrorCategory::invalid_argument,
+                  seqs.empty() ? std::string("ubatch positions must be consecutive")
+                               : fmt::format("ubatch positions of sequence {} must be "
+                                             "consecutive: {} follows {}",
+                                             s, positions[i], nx - 1));
+    nx = positions[i] + 1;
   }
 }
 
 std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const int32_t> tokens,
-                                        std::span<const int32_t> positions) {
-  check_ubatch(g, tokens, positions);
+                                        std::span<const int32_t> positions,
+                                        std::span<const int32_t> seqs) {
+  check_ubatch(g, tokens, positions, seqs);
   ++run_count_;
   if (owned_.size() < g.values.size()) owned_.resize(g.values.size());
   ptrs_.resize(g.values.size());
@@ -54,7 +72,7 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
     if (owned_[i].size() < n) owned_[i].resize(n);
     ptrs_[i] = owned_[i].data();
   }
-  pool_.execute([&] { run_ops(g, {}, tokens, positions); });
+  pool_.execute([&] { run_ops(g, {}, tokens, positions, seqs); });
   const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
 }
@@ -67,12 +85,14 @@ void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> 
 }
 
 void CpuExecutor::run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,
-                             std::span<const int32_t> tokens, std::span<const int32_t> positions) {
-  pool_.execute([&] { run_ops(g, op_indices, tokens, positions); });
+                             std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                             std::span<const int32_t> seqs) {
+  pool_.execute([&] { run_ops(g, op_indices, tokens, positions, seqs); });
 }
 
 void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> subset,
-                          std::span<const int32_t> tokens, std::span<const int32_t> positions) {
+                          std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                          std::span<const int32_t> seqs) {
   // The ops to run: all of g in order, or the listed indices (ascending).
   const size_t n_list = subset.empty() ? g.ops.size() : subset.size();
   auto op_at = [&](size_t j) -> const Op& {
@@ -92,7 +112,7 @@ void CpuExecutor::run_ops(const graph::Graph& g, std::span<const int32_t> subset
         ++n_ops;
       matmul_group(g, std::span<const Op>(first, n_ops));
     } else {
-      run_op(g, op, tokens, positions);
+      run_op(g, op, tokens, positions, seqs);
     }
     if (profiling_) {
       OpTime& pt = prof_[static_cast<size_t>(op.kind)];
@@ -124,7 +144,7 @@ std::vector<CpuExecutor::OpTime> CpuExecutor::profile() const {
 }
 
 void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const int32_t> tokens,
-                         std::span<const int32_t> positions) {
+                         std::span<const int32_t> positions, std::span<const int32_t> seqs) {
   const graph::ValueInfo& out_info = g.values[static_cast<size_t>(op.output)];
   float* out = buf(op.output);
   const int64_t rows = out_info.rows, cols = out_info.cols;
@@ -217,59 +237,8 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       return;
     }
     case OpKind::attention: {
-      const graph::AttentionParams& p = op.attn;
-      const float* q = buf(op.inputs[0]);
-      const float* k = buf(op.inputs[1]);
-      const float* v = buf(op.inputs[2]);
-      const KvLayer& kl = kv_.layer(p.layer);
-      float* kc = kv_.k.at(static_cast<size_t>(p.layer));
-      float* vc = kv_.v.at(static_cast<size_t>(p.layer));
-      const int64_t n_tok = rows;
-      for (int64_t t = 0; t < n_tok; ++t) {
-        const int64_t pos = positions[static_cast<size_t>(t)];
-        std::memcpy(kc + pos * kl.k_dim, k + t * kl.k_dim, static_cast<size_t>(kl.k_dim) * 4);
-        std::memcpy(vc + pos * kl.v_dim, v + t * kl.v_dim, static_cast<size_t>(kl.v_dim) * 4);
-      }
-      const int32_t group = p.n_head / p.n_head_kv;
-      const int64_t hd = p.head_dim;
-      if (n_tok == 1) {
-        // Decode: tasks of (KV head, block of its query heads); a block reads each K/V row
-        // once. Short contexts use blocks of one query (more tasks than KV heads, the K/V rows
-        // come from cache); long ones blocks of 4, so K/V stream from memory at most group/4
-        // times. A query's result does not depend on its block, so neither choice changes bits.
-        const int64_t n_kv = positions[0] + 1;
-        const int64_t qb = n_kv <= 512 ? 1 : 4;
-        const int64_t per_head = (group + qb - 1) / qb;
-        pool_.parallel_for(p.n_head_kv * per_head, 1, [&](int64_t i0, int64_t i1) {
-          float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t hk = i / per_head, j0 = (i % per_head) * qb;
-            const int64_t nq = std::min<int64_t>(qb, group - j0);
-            const int64_t h = hk * group + j0;
-            cpu::attention_group(q + h * hd, hd, nq, n_kv, kc + hk * hd, kl.k_dim, vc + hk * hd,
-                                 kl.v_dim, p.head_dim, p.scale, out + h * hd, hd, scratch);
-          }
-        });
-        return;
-      }
-      // Prefill: tasks of (query head, block of consecutive tokens), each a causal tile that
-      // walks the cache in KV tiles with an online softmax (no score matrix). A query's result
-      // depends only on its position, so blocks, threads and ubatches never change the bits.
-      constexpr int64_t kQueryBlock = 32;
-      const int64_t n_blocks = (n_tok + kQueryBlock - 1) / kQueryBlock;
-      pool_.parallel_for(p.n_head * n_blocks, 1, [&](int64_t i0, int64_t i1) {
-        float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t h = i % p.n_head;
-          const int64_t t0 = (i / p.n_head) * kQueryBlock;
-          const int64_t nq = std::min(kQueryBlock, n_tok - t0);
-          const int64_t hk = h / group;
-          cpu::attention_causal_tile(q + t0 * cols + h * hd, cols, nq,
-                                     positions[static_cast<size_t>(t0)], kc + hk * hd, kl.k_dim,
-                                     vc + hk * hd, kl.v_dim, p.head_dim, p.scale,
-                                     out + t0 * cols + h * hd, cols, scratch);
-        }
-      });
+      attention(op, buf(op.inputs[0]), buf(op.inputs[1]), buf(op.inputs[2]), rows, cols, out,
+                positions, seqs);
       return;
     }
     case OpKind::add_bias: {
@@ -305,6 +274,92 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
     }
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
+}
+
+void CpuExecutor::attention(const Op& op, const float* q, const float* k, const float* v,
+                            int64_t n_tok, int64_t cols, float* out,
+                            std::span<const int32_t> positions, std::span<const int32_t> seqs) {
+  const graph::AttentionParams& p = op.attn;
+  const KvLayer& kl = kv_.layer(p.layer);
+  float* kc = kv_.k.at(static_cast<size_t>(p.layer));
+  float* vc = kv_.v.at(static_cast<size_t>(p.layer));
+  const auto seq_of = [&](int64_t t) { return seqs.empty() ? 0 : seqs[static_cast<size_t>(t)]; };
+  // Every token's K/V row first: a token reads rows of its sequence written in this step.
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const int64_t row = kv_.row(seq_of(t), positions[static_cast<size_t>(t)]);
+    std::memcpy(kc + row * kl.k_dim, k + t * kl.k_dim, static_cast<size_t>(kl.k_dim) * 4);
+    std::memcpy(vc + row * kl.v_dim, v + t * kl.v_dim, static_cast<size_t>(kl.v_dim) * 4);
+  }
+  // Runs: maximal stretches of adjacent tokens of one sequence (consecutive positions).
+  runs_.clear();
+  for (int64_t t = 0; t < n_tok; ++t) {
+    if (t > 0 && seq_of(t) == seq_of(t - 1)) {
+      ++runs_.back().n;
+      continue;
+    }
+    runs_.push_back(Run{t, 1, kv_.row(seq_of(t), 0)});
+  }
+  const int32_t group = p.n_head / p.n_head_kv;
+  const int64_t hd = p.head_dim;
+  // A query's result depends only on its vector, its position and its sequence's rows (every
+  // cpu::attention_* call walks the cache in the same KV tiles with the same online softmax),
+  // so how tokens are grouped into tasks never changes the bits.
+  if (runs_.size() == static_cast<size_t>(n_tok)) {
+    // Decode (one token per sequence): tasks of (token, KV head, block of its query heads); a
+    // block reads each K/V row once. Short contexts use blocks of one query (more tasks than KV
+    // heads, the K/V rows come from cache); long ones blocks of 4, so K/V stream from memory at
+    // most group/4 times.
+    int64_t max_kv = 0;
+    for (int64_t t = 0; t < n_tok; ++t)
+      max_kv = std::max<int64_t>(max_kv, positions[static_cast<size_t>(t)] + 1);
+    const int64_t qb = max_kv <= 512 ? 1 : 4;
+    const int64_t per_head = (group + qb - 1) / qb;
+    const int64_t per_tok = p.n_head_kv * per_head;
+    pool_.parallel_for(n_tok * per_tok, 1, [&](int64_t i0, int64_t i1) {
+      float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / per_tok, r = i % per_tok;
+        const int64_t hk = r / per_head, j0 = (r % per_head) * qb;
+        const int64_t nq = std::min<int64_t>(qb, group - j0);
+        const int64_t h = hk * group + j0;
+        const int64_t n_kv = positions[static_cast<size_t>(t)] + 1;
+        const int64_t base = runs_[static_cast<size_t>(t)].base;
+        cpu::attention_group(q + t * cols + h * hd, hd, nq, n_kv, kc + base * kl.k_dim + hk * hd,
+                             kl.k_dim, vc + base * kl.v_dim + hk * hd, kl.v_dim, p.head_dim,
+                             p.scale, out + t * cols + h * hd, hd, scratch);
+      }
+    });
+    return;
+  }
+  // Prefill: tasks of (run, query head, block of the run's consecutive tokens), each a causal
+  // tile that walks the sequence's cache in KV tiles with an online softmax (no score matrix).
+  constexpr int64_t kQueryBlock = 32;
+  task_first_.clear();
+  int64_t n_tasks = 0;
+  for (const Run& r : runs_) {
+    task_first_.push_back(n_tasks);
+    n_tasks += p.n_head * ((r.n + kQueryBlock - 1) / kQueryBlock);
+  }
+  task_first_.push_back(n_tasks);
+  pool_.parallel_for(n_tasks, 1, [&](int64_t i0, int64_t i1) {
+    float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
+    size_t ri = static_cast<size_t>(
+        std::upper_bound(task_first_.begin(), task_first_.end(), i0) - task_first_.begin() - 1);
+    for (int64_t i = i0; i < i1; ++i) {
+      while (i >= task_first_[ri + 1]) ++ri;
+      const Run& r = runs_[ri];
+      const int64_t li = i - task_first_[ri];
+      const int64_t h = li % p.n_head;
+      const int64_t t0 = r.t0 + (li / p.n_head) * kQueryBlock;
+      const int64_t nq = std::min(kQueryBlock, r.t0 + r.n - t0);
+      const int64_t hk = h / group;
+      cpu::attention_causal_tile(q + t0 * cols + h * hd, cols, nq,
+                                 positions[static_cast<size_t>(t0)],
+                                 kc + r.base * kl.k_dim + hk * hd, kl.k_dim,
+                                 vc + r.base * kl.v_dim + hk * hd, kl.v_dim, p.head_dim, p.scale,
+                                 out + t0 * cols + h * hd, cols, scratch);
+    }
+  });
 }
 
 namespace {
@@ -357,6 +412,17 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     }
   for (int32_t e = 0; e < p.n_expert; ++e) moe_first_[e + 1] += moe_first_[e];
   const int64_t n_pairs = moe_first_[static_cast<size_t>(p.n_expert)];
+  {
+    int64_t distinct = 0;
+    for (int32_t e = 0; e < p.n_expert; ++e)
+      distinct += moe_first_[static_cast<size_t>(e) + 1] > moe_first_[static_cast<size_t>(e)];
+    const int64_t expert_bytes = static_cast<int64_t>(wg.row_bytes() * n_ff + wu.row_bytes() * n_ff +
+                                                      wd.row_bytes() * n_embd);
+    ++moe_reads_.calls;
+    moe_reads_.experts += distinct;
+    moe_reads_.pairs += n_pairs;
+    moe_reads_.bytes += distinct * expert_bytes;
+  }
   moe_slots_.resize(static_cast<size_t>(n_pairs));
   {
     std::vector<int64_t>& fill = moe_fill_;  // kept between calls: no allocation per layer

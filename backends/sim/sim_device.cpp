@@ -65,7 +65,10 @@ class SimDevice final : public backend_detail::StreamDevice {
                       .free_bytes = capacity_ - used_,
                       .flags = true,
                       .computes_on_host = true,
-                      .can_register_host = true};
+                      .can_register_host = true,
+                      .multi_seq = true,
+                      .moe_expert_reads = moe_reads_.load(),
+                      .moe_expert_bytes = moe_bytes_.load()};
   }
   void* alloc(size_t bytes, Mem kind, std::string_view what) override {
     return kind == Mem::device ? alloc_device(bytes, what) : alloc_pinned(bytes, what);
@@ -277,34 +280,42 @@ class SimDevice final : public backend_detail::StreamDevice {
     });
   }
   void attention(int s, const float* q, const float* k, const float* v, int64_t n_tok,
-                 const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
-                 int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-                 void* ws) {
+                 const int32_t* positions, const int32_t* seqs, uint16_t* k_cache,
+                 uint16_t* v_cache, int64_t n_ctx, int32_t n_head, int32_t n_head_kv,
+                 int32_t head_dim, float scale, float* out, void* ws) {
     enqueue(s, [=] {
       const int64_t kv_dim = int64_t{n_head_kv} * head_dim;
+      const auto base = [&](int64_t t) { return seqs ? int64_t{seqs[t]} * n_ctx : 0; };
       for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t i = 0; i < kv_dim; ++i) {
-          k_cache[positions[t] * kv_dim + i] = f32_to_fp16(k[t * kv_dim + i]);
-          v_cache[positions[t] * kv_dim + i] = f32_to_fp16(v[t * kv_dim + i]);
+          const int64_t row = base(t) + positions[t];
+          k_cache[row * kv_dim + i] = f32_to_fp16(k[t * kv_dim + i]);
+          v_cache[row * kv_dim + i] = f32_to_fp16(v[t * kv_dim + i]);
         }
-      // Per KV head: its K and V rows decoded to f32 once, then every query head of the group.
+      // Per run of adjacent tokens of one sequence and per KV head: the sequence's K and V rows
+      // decoded to f32 once, then every query head of the group.
       float* kf = static_cast<float*>(ws);
       float* vf = kf + n_ctx * head_dim;
       float* scores = vf + n_ctx * head_dim;
-      const int64_t n_kv = positions[n_tok - 1] + 1;
       const int32_t group = n_head / n_head_kv;
-      for (int32_t hk = 0; hk < n_head_kv; ++hk) {
-        for (int64_t j = 0; j < n_kv; ++j)
-          for (int32_t d = 0; d < head_dim; ++d) {
-            kf[j * head_dim + d] = fp16_to_f32(k_cache[j * kv_dim + hk * head_dim + d]);
-            vf[j * head_dim + d] = fp16_to_f32(v_cache[j * kv_dim + hk * head_dim + d]);
-          }
-        for (int32_t h = hk * group; h < (hk + 1) * group; ++h)
-          for (int64_t t = 0; t < n_tok; ++t) {
-            const int64_t qo = t * n_head * head_dim + int64_t{h} * head_dim;
-            cpu::attention_head(q + qo, kf, head_dim, vf, head_dim, positions[t] + 1, head_dim,
-                                scale, out + qo, scores);
-          }
+      for (int64_t r0 = 0, r1; r0 < n_tok; r0 = r1) {
+        for (r1 = r0 + 1; r1 < n_tok && base(r1) == base(r0);) ++r1;
+        const int64_t n_kv = positions[r1 - 1] + 1;
+        const uint16_t* kc = k_cache + base(r0) * kv_dim;
+        const uint16_t* vc = v_cache + base(r0) * kv_dim;
+        for (int32_t hk = 0; hk < n_head_kv; ++hk) {
+          for (int64_t j = 0; j < n_kv; ++j)
+            for (int32_t d = 0; d < head_dim; ++d) {
+              kf[j * head_dim + d] = fp16_to_f32(kc[j * kv_dim + hk * head_dim + d]);
+              vf[j * head_dim + d] = fp16_to_f32(vc[j * kv_dim + hk * head_dim + d]);
+            }
+          for (int32_t h = hk * group; h < (hk + 1) * group; ++h)
+            for (int64_t t = r0; t < r1; ++t) {
+              const int64_t qo = t * n_head * head_dim + int64_t{h} * head_dim;
+              cpu::attention_head(q + qo, kf, head_dim, vf, head_dim, positions[t] + 1, head_dim,
+                                  scale, out + qo, scores);
+            }
+        }
       }
     });
   }
@@ -328,7 +339,7 @@ class SimDevice final : public backend_detail::StreamDevice {
   }
   void moe_experts(int s, const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                    const uint8_t* mask, const MoeSlots& slots, float* out, void* ws) {
-    enqueue(s, [=] {
+    enqueue(s, [=, this] {
       const int32_t k = w.n_expert_used;
       const int32_t sb = slots.begin, se = slots.end < 0 ? k : slots.end;
       const size_t gate_row = row_bytes(w.gate_type, w.n_embd);
@@ -342,7 +353,39 @@ class SimDevice final : public backend_detail::StreamDevice {
            63) /
           64 * 64);
       float* u = g + w.n_ff;
-      float* y = u + w.n_ff;
+      // The (token, slot) pairs grouped by expert, each expert's matrices read once for all of
+      // its pairs (the count the read-once tests check); then each token's sum in slot order.
+      std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(w.n_expert));
+      for (int64_t t = 0; t < n_tok; ++t)
+        for (int32_t j = sb; j < se; ++j) {
+          const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
+          if (e < 0 || e >= w.n_expert || !mask[e]) continue;
+          by_expert[static_cast<size_t>(e)].push_back(t * k + j);
+        }
+      std::vector<float> ys(static_cast<size_t>(n_tok * k * w.n_embd));
+      int64_t distinct = 0;
+      for (int32_t e = 0; e < w.n_expert; ++e) {
+        const std::vector<int64_t>& pairs = by_expert[static_cast<size_t>(e)];
+        if (pairs.empty()) continue;
+        ++distinct;
+        const auto* gw = static_cast<const uint8_t*>(w.gate) + e * w.n_ff * gate_row;
+        const auto* uw = static_cast<const uint8_t*>(w.up) + e * w.n_ff * up_row;
+        const auto* dw = static_cast<const uint8_t*>(w.down) + e * w.n_embd * down_row;
+        for (int64_t pair : pairs) {
+          const float* x = h + (pair / k) * w.n_embd;
+          float* y = ys.data() + pair * w.n_embd;
+          cpu::quantize_activation(w.gate_type, x, act, w.n_embd);
+          cpu::gemm_rows(w.gate_type, gw, w.n_ff, act, 0, 1, w.n_embd, g, w.n_ff);
+          cpu::quantize_activation(w.up_type, x, act, w.n_embd);
+          cpu::gemm_rows(w.up_type, uw, w.n_ff, act, 0, 1, w.n_embd, u, w.n_ff);
+          cpu::swiglu(g, u, g, w.n_ff);
+          cpu::quantize_activation(w.down_type, g, act_d, w.n_ff);
+          cpu::gemm_rows(w.down_type, dw, w.n_embd, act_d, 0, 1, w.n_ff, y, w.n_embd);
+        }
+      }
+      moe_reads_ += distinct;
+      moe_bytes_ += distinct * static_cast<int64_t>(w.n_ff * gate_row + w.n_ff * up_row +
+                                                    w.n_embd * down_row);
       for (int64_t t = 0; t < n_tok; ++t) {
         float* o = out + t * w.n_embd;
         std::fill(o, o + w.n_embd, 0.0f);
@@ -350,16 +393,7 @@ class SimDevice final : public backend_detail::StreamDevice {
           const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
           if (e < 0 || e >= w.n_expert || !mask[e]) continue;
           const float wt = route[t * 2 * k + k + j];
-          const auto* gw = static_cast<const uint8_t*>(w.gate) + e * w.n_ff * gate_row;
-          const auto* uw = static_cast<const uint8_t*>(w.up) + e * w.n_ff * up_row;
-          const auto* dw = static_cast<const uint8_t*>(w.down) + e * w.n_embd * down_row;
-          cpu::quantize_activation(w.gate_type, h + t * w.n_embd, act, w.n_embd);
-          cpu::gemm_rows(w.gate_type, gw, w.n_ff, act, 0, 1, w.n_embd, g, w.n_ff);
-          cpu::quantize_activation(w.up_type, h + t * w.n_embd, act, w.n_embd);
-          cpu::gemm_rows(w.up_type, uw, w.n_ff, act, 0, 1, w.n_embd, u, w.n_ff);
-          cpu::swiglu(g, u, g, w.n_ff);
-          cpu::quantize_activation(w.down_type, g, act_d, w.n_ff);
-          cpu::gemm_rows(w.down_type, dw, w.n_embd, act_d, 0, 1, w.n_ff, y, w.n_embd);
+          const float* y = ys.data() + (t * k + j) * w.n_embd;
           for (int64_t c = 0; c < w.n_embd; ++c) o[c] += wt * y[c];
         }
       }
@@ -456,7 +490,8 @@ class SimDevice final : public backend_detail::StreamDevice {
       case OpKind::attention: {
         const graph::AttentionParams& p = op.attn;
         const auto l = static_cast<size_t>(p.layer);
-        attention(kMain, in(0), in(1), in(2), rows, b.positions, b.k_cache.at(l), b.v_cache.at(l),
+        attention(kMain, in(0), in(1), in(2), rows, b.positions, b.seqs, b.k_cache.at(l),
+                  b.v_cache.at(l),
                   b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim, p.scale, out, b.ws);
         return;
       }
@@ -538,6 +573,7 @@ class SimDevice final : public backend_detail::StreamDevice {
   std::vector<double> marks_ = std::vector<double>(kMarks, 0.0);
   uint64_t next_mark_ = 0;
   size_t capacity_, used_ = 0;
+  std::atomic<int64_t> moe_reads_{0}, moe_bytes_{0};  // DeviceInfo::moe_expert_reads, _bytes
   std::unordered_map<void*, size_t> sizes_;
   std::vector<void*> host_;
   bool capturing_ = false;

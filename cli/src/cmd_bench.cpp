@@ -12,6 +12,7 @@
 #include "berth/bench/disk_bench.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
+#include "berth/bench/batch_bench.h"
 #include "berth/core/error.h"
 #include "commands.h"
 #include "placement_flags.h"
@@ -34,6 +35,7 @@ struct BenchOptions {
   std::vector<std::string> n_prompt, n_gen, n_depth, n_batch, n_ubatch, pg;
   std::string output = "md";
   bench::OutputFormat format = bench::OutputFormat::md;
+  std::vector<int> parallel;  // --parallel: the batch measurement instead of pp/tg
   // bench disk
   CLI::App* disk = nullptr;
   bench::DiskBenchOptions d;
@@ -120,6 +122,21 @@ int bench_model(BenchOptions& o) {
     o.m.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
+  if (!o.parallel.empty()) {
+    // One prompt length and one decode length; the llama-bench lists do not apply.
+    const bench::TestLists& l = o.m.tests;
+    if (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_depth != std::vector<int>{0} ||
+        !l.pg.empty() || o.format != bench::OutputFormat::md)
+      throw Error(ErrorCategory::invalid_argument,
+                  "bench model --parallel takes one -p and one -n value, and no -d, -pg or -o");
+    bench::BatchBenchOptions b{o.m, o.parallel};
+    b.n_prompt = l.n_prompt[0];
+    b.n_gen = l.n_gen[0];
+    const bench::BatchBenchResult r = bench::run_batch_bench(b);
+    json_out.write(bench::to_json(r));
+    json_out.text(bench::format_text(r));
+    return 0;
+  }
   // csv and jsonl: a line per test as it finishes (what ran is kept if a later test fails);
   // md and json are printed whole at the end.
   const bench::OutputFormat f = o.format;
@@ -246,6 +263,12 @@ Runner add_bench(CLI::App& app) {
   m->add_flag("--profile", o->m.profile,
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");
+  m->add_option("--parallel", o->parallel,
+                "N[,N...]: instead of pp/tg, N sequences decoding together after -p prompt "
+                "tokens each (-n steps of N tokens): aggregate and per-sequence tok/s, distinct "
+                "routed experts per layer per step, and the bound from the bytes a step reads")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
   add_handoff(*m, o->m.handoff);

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
 #include <new>
 
 #include "berth/backends/thread_pool.h"
@@ -9,12 +11,18 @@
 
 namespace berth {
 
-KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx) {
+KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq) {
   view_.layers = layers;
   view_.n_ctx = n_ctx;
+  view_.n_seq = n_seq;
   if (n_ctx < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the context size must be at least 1, got {}", n_ctx));
+  if (n_seq < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("the KV cache needs at least 1 sequence, got {}", n_seq));
+  used_.assign(static_cast<size_t>(n_seq), 0);
+  const int64_t n_rows = view_.n_rows();
   constexpr double kMiB = 1024.0 * 1024.0;
   const size_t total = bytes();
   const size_t phys = physical_memory_bytes();
@@ -27,15 +35,15 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx) {
   try {
     for (const KvLayer& l : layers) {
       // make_unique_for_overwrite leaves the pages untouched until positions are written.
-      k_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_ctx * l.k_dim)));
-      v_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_ctx * l.v_dim)));
+      k_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_rows * l.k_dim)));
+      v_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_rows * l.v_dim)));
       view_.k.push_back(k_.back().get());
       view_.v.push_back(v_.back().get());
     }
   } catch (const std::bad_alloc&) {
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("cannot allocate the KV cache: {:.1f} MiB for {} positions (lower -c)",
-                            static_cast<double>(total) / kMiB, n_ctx));
+                            static_cast<double>(total) / kMiB, n_rows));
   }
   view_.dev_k.assign(layers.size(), nullptr);
   view_.dev_v.assign(layers.size(), nullptr);
@@ -54,8 +62,8 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
     for (size_t l = 0; l < kv_home.size(); ++l) {
       if (kv_home[l] != placement::Home::gpu) continue;
       const KvLayer& kl = view_.layers[l];
-      const size_t kb = static_cast<size_t>(view_.n_ctx * kl.k_dim) * 2;
-      const size_t vb = static_cast<size_t>(view_.n_ctx * kl.v_dim) * 2;
+      const size_t kb = static_cast<size_t>(view_.n_rows() * kl.k_dim) * 2;
+      const size_t vb = static_cast<size_t>(view_.n_rows() * kl.v_dim) * 2;
       view_.dev_k[l] =
           static_cast<uint16_t*>(dev.alloc(kb, fmt::format("the K cache of layer {}", l)));
       view_.dev_v[l] =
@@ -81,9 +89,60 @@ void KvCache::release_device() {
 size_t KvCache::bytes() const {
   size_t total = 0;
   for (const KvLayer& l : view_.layers)
-    total +=
-        static_cast<size_t>(view_.n_ctx) * static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
+    total += static_cast<size_t>(view_.n_rows()) * static_cast<size_t>(l.k_dim + l.v_dim) *
+             sizeof(float);
   return total;
+}
+
+void KvCache::check_seq(int32_t seq, const char* what) const {
+  if (seq < 0 || seq >= view_.n_seq)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("{}: sequence {} is outside the KV cache's {} sequences", what, seq,
+                            view_.n_seq));
+}
+
+int32_t KvCache::acquire() {
+  for (size_t s = 0; s < used_.size(); ++s)
+    if (!used_[s]) {
+      used_[s] = 1;
+      return static_cast<int32_t>(s);
+    }
+  throw Error(ErrorCategory::out_of_memory,
+              fmt::format("the KV cache holds {} sequences and all are in use", view_.n_seq));
+}
+
+void KvCache::release(int32_t seq) {
+  check_seq(seq, "release");
+  if (!used_[static_cast<size_t>(seq)])
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("release: sequence {} is not in use", seq));
+  used_[static_cast<size_t>(seq)] = 0;
+}
+
+int32_t KvCache::n_free() const {
+  return static_cast<int32_t>(std::count(used_.begin(), used_.end(), uint8_t{0}));
+}
+
+void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
+  check_seq(src, "copy");
+  check_seq(dst, "copy");
+  if (src == dst || n < 0 || n > view_.n_ctx)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("copy of {} positions from sequence {} to {}: need two different "
+                            "sequences and 0 <= n <= {}",
+                            n, src, dst, view_.n_ctx));
+  if (n == 0) return;
+  for (size_t l = 0; l < view_.layers.size(); ++l) {
+    const KvLayer& kl = view_.layers[l];
+    const size_t ks = static_cast<size_t>(n * kl.k_dim), vs = static_cast<size_t>(n * kl.v_dim);
+    const int64_t s0 = view_.row(src, 0), d0 = view_.row(dst, 0);
+    std::memcpy(view_.k[l] + d0 * kl.k_dim, view_.k[l] + s0 * kl.k_dim, ks * sizeof(float));
+    std::memcpy(view_.v[l] + d0 * kl.v_dim, view_.v[l] + s0 * kl.v_dim, vs * sizeof(float));
+    if (view_.dev_k[l]) {
+      dev_->copy(kSync, view_.dev_k[l] + d0 * kl.k_dim, view_.dev_k[l] + s0 * kl.k_dim, ks * 2);
+      dev_->copy(kSync, view_.dev_v[l] + d0 * kl.v_dim, view_.dev_v[l] + s0 * kl.v_dim, vs * 2);
+    }
+  }
 }
 
 }  // namespace berth

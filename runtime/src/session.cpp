@@ -21,7 +21,7 @@ Session::Session(const Model& model, SessionParams params)
     : model_(model),
       params_(params),
       pool_(std::make_unique<ThreadPool>(resolve_threads(params.n_threads))),
-      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams())) {
+      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams()), params.n_seq) {
   if (params_.n_ubatch < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));
@@ -84,6 +84,27 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
   }
   (n > 1 ? n_prefill_tokens_ : n_decode_tokens_) += n;
   return logits_;
+}
+
+std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
+                                          std::span<const int32_t> positions,
+                                          std::span<const int32_t> seqs, int32_t n_out) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  if (n == 0 || positions.size() != tokens.size() || seqs.size() != tokens.size())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("eval_step: {} tokens, {} positions and {} sequence ids (need the "
+                            "same number, at least 1)",
+                            tokens.size(), positions.size(), seqs.size()));
+  if (n_out < 1 || n_out > n)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("eval_step: {} output rows of a step of {} tokens", n_out, n));
+  const int64_t n_vocab = model_.hparams().n_vocab;
+  for (int32_t id : tokens)
+    if (id < 0 || id >= n_vocab)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("token id {} is outside the vocabulary of {} tokens", id, n_vocab));
+  const graph::Graph& g = graph_for(static_cast<int32_t>(n), n_out);
+  return scheduler_->run(g, tokens, positions, seqs);
 }
 
 int32_t Session::eval_argmax(int32_t token) {

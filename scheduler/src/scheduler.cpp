@@ -100,12 +100,23 @@ Scheduler::Scheduler(ThreadPool& pool, const graph::WeightTable& weights, const 
     throw Error(ErrorCategory::unsupported,
                 fmt::format("{} cannot wait on flags in host memory; use the callback hand-off",
                             dev_->name()));
+  if (kv_.n_seq > 1 && !dev_->info().multi_seq)
+    for (size_t l = 0; l < kv_home_.size(); ++l)
+      if (kv_home_[l] == Home::gpu)
+        throw Error(ErrorCategory::unsupported,
+                    fmt::format("{} runs the attention of one sequence per step, and the KV cache "
+                                "of layer {} is there: several sequences need their attention on "
+                                "the CPU (or one sequence)",
+                                dev_->name(), l));
   try {
-    const size_t tb = static_cast<size_t>(kv_.n_ctx) * 4;
+    // A step holds at most n_seq * n_ctx tokens (every sequence's whole context).
+    const size_t tb = static_cast<size_t>(kv_.n_rows()) * 4;
     tokens_host_ = static_cast<int32_t*>(dev_->alloc_host(tb, "token ids"));
     positions_host_ = static_cast<int32_t*>(dev_->alloc_host(tb, "positions"));
+    seqs_host_ = static_cast<int32_t*>(dev_->alloc_host(tb, "sequence ids"));
     tokens_dev_ = static_cast<int32_t*>(dev_->alloc(tb, "token ids"));
     positions_dev_ = static_cast<int32_t*>(dev_->alloc(tb, "positions"));
+    seqs_dev_ = static_cast<int32_t*>(dev_->alloc(tb, "sequence ids"));
   } catch (...) {
     release();
     throw;
@@ -126,6 +137,8 @@ void Scheduler::release() {
   if (positions_host_) dev_->dealloc_host(positions_host_), positions_host_ = nullptr;
   if (tokens_dev_) dev_->dealloc(tokens_dev_), tokens_dev_ = nullptr;
   if (positions_dev_) dev_->dealloc(positions_dev_), positions_dev_ = nullptr;
+  if (seqs_host_) dev_->dealloc_host(seqs_host_), seqs_host_ = nullptr;
+  if (seqs_dev_) dev_->dealloc(seqs_dev_), seqs_dev_ = nullptr;
 }
 
 void Scheduler::free_step(Step& st) {
@@ -233,6 +246,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     b.v_cache = kv_.dev_v;
     b.tokens = tokens_dev_;
     b.positions = positions_dev_;
+    b.seqs = kv_.n_seq > 1 ? seqs_dev_ : nullptr;
     b.ws = st.ws;
     b.ws_bytes = m.ws_bytes;
     if (s.select) {
@@ -306,7 +320,9 @@ void Scheduler::run_segment(void* arg) {
     const auto n = static_cast<size_t>(st.n_tokens);
     sch.cpu_.run_subset(st.s.g, st.s.segments[r->index].ops,
                         std::span<const int32_t>(sch.tokens_host_, n),
-                        std::span<const int32_t>(sch.positions_host_, n));
+                        std::span<const int32_t>(sch.positions_host_, n),
+                        sch.kv_.n_seq > 1 ? std::span<const int32_t>(sch.seqs_host_, n)
+                                          : std::span<const int32_t>());
   } catch (...) {
     st.error = std::current_exception();
   }
@@ -318,6 +334,7 @@ void Scheduler::enqueue_step(Step& st) {
   const size_t tb = static_cast<size_t>(st.n_tokens) * 4;
   dev_->copy(kMain, tokens_dev_, tokens_host_, tb);
   dev_->copy(kMain, positions_dev_, positions_host_, tb);
+  if (kv_.n_seq > 1) dev_->copy(kMain, seqs_dev_, seqs_host_, tb);
   // Streamed experts: op j of the list copies into stage j % 2 on the copy stream once op j - 2
   // has finished with it; the main stream waits for op j's copy only.
   std::vector<size_t> streamed;
@@ -366,28 +383,30 @@ void Scheduler::enqueue_step(Step& st) {
 }
 
 std::span<const float> Scheduler::run(const graph::Graph& g, std::span<const int32_t> tokens,
-                                      std::span<const int32_t> positions) {
+                                      std::span<const int32_t> positions,
+                                      std::span<const int32_t> seqs) {
   if (!dev_) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::span<const float> out = cpu_.run(g, tokens, positions);
+    std::span<const float> out = cpu_.run(g, tokens, positions, seqs);
     last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out;
   }
-  Step& st = step(g, tokens, positions, false);
+  Step& st = step(g, tokens, positions, seqs, false);
   const graph::ValueInfo& oi = st.s.g.values[static_cast<size_t>(st.s.g.output)];
   return {st.out_host, static_cast<size_t>(oi.rows * oi.cols)};
 }
 
 int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
-                              std::span<const int32_t> positions) {
+                              std::span<const int32_t> positions,
+                              std::span<const int32_t> seqs) {
   const float* last = nullptr;
   int64_t n_vocab = 0;
   if (!dev_) {
-    std::span<const float> out = run(g, tokens, positions);
+    std::span<const float> out = run(g, tokens, positions, seqs);
     n_vocab = g.values[static_cast<size_t>(g.output)].cols;
     last = out.data() + out.size() - static_cast<size_t>(n_vocab);
   } else {
-    Step& st = step(g, tokens, positions, true);
+    Step& st = step(g, tokens, positions, seqs, true);
     if (st.b.selected_host) return *st.b.selected_host;
     // The logits were made on the CPU: select there.
     const graph::ValueInfo& oi = st.s.g.values[static_cast<size_t>(st.s.g.output)];
@@ -401,8 +420,9 @@ int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> to
 }
 
 Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t> tokens,
-                                 std::span<const int32_t> positions, bool select) {
-  cpu_.check_ubatch(g, tokens, positions);
+                                 std::span<const int32_t> positions,
+                                 std::span<const int32_t> seqs, bool select) {
+  cpu_.check_ubatch(g, tokens, positions, seqs);
   for (const Op& op : g.ops)
     if (op.kind == OpKind::embed)
       for (int32_t id : tokens)
@@ -414,6 +434,12 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   Step& st = step_for(g, select);
   std::copy(tokens.begin(), tokens.end(), tokens_host_);
   std::copy(positions.begin(), positions.end(), positions_host_);
+  if (kv_.n_seq > 1) {
+    if (seqs.empty())
+      std::fill_n(seqs_host_, tokens.size(), 0);
+    else
+      std::copy(seqs.begin(), seqs.end(), seqs_host_);
+  }
   st.error = nullptr;
   st.cpu_seconds = 0;
   cpu_.begin_external(st.s.g, st.host_val);  // every segment of this step works on these buffers

@@ -24,25 +24,45 @@ class CpuExecutor {
   /// executor.
   CpuExecutor(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv);
 
-  /// Runs `g` on the ubatch `tokens` at `positions` (both n_tokens long; positions must be the
-  /// consecutive positions n_past .. n_past + n_tokens - 1, all < kv.n_ctx). Returns the output
+  /// Runs `g` on the ubatch `tokens` at `positions` of the sequences `seqs` (all n_tokens long;
+  /// `seqs` empty: every token is sequence 0). Each token's key and value go to its sequence's
+  /// rows of the KV cache, and it attends to its sequence's positions 0..its own. A sequence's
+  /// tokens need not be adjacent in the ubatch, but in ubatch order their positions must be
+  /// consecutive (p, p + 1, ...), all < kv.n_ctx. A row's arithmetic depends only on its token,
+  /// position and sequence's cache, never on the other rows of the step. Returns the output
   /// value, [rows, n_vocab] row-major, valid until the next run. Throws Error(invalid_argument)
-  /// for a token id outside the vocabulary or a position outside the context.
+  /// for a token id outside the vocabulary, a position outside the context, a sequence outside
+  /// the cache or positions of a sequence that are not consecutive.
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
-                             std::span<const int32_t> positions);
+                             std::span<const int32_t> positions,
+                             std::span<const int32_t> seqs = {});
 
   /// For an executor that runs part of a step elsewhere (the Scheduler): starts a step of `g`
   /// whose values live at `value_ptrs` (one per value of g, caller-owned, nullptr for values
   /// no CPU op touches). run_subset() then runs some of g's ops on those buffers.
   void begin_external(const graph::Graph& g, std::span<float* const> value_ptrs);
   /// Runs the ops of `g` at `op_indices` (ascending) of the step begun by begin_external(), on
-  /// the ubatch `tokens`/`positions` (validated by the caller with check_ubatch()).
+  /// the ubatch `tokens`/`positions`/`seqs` (validated by the caller with check_ubatch()).
   void run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,
-                  std::span<const int32_t> tokens, std::span<const int32_t> positions);
+                  std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                  std::span<const int32_t> seqs = {});
   /// Throws Error(invalid_argument) as run() does for a ubatch that does not fit `g` or the
   /// context.
   void check_ubatch(const graph::Graph& g, std::span<const int32_t> tokens,
-                    std::span<const int32_t> positions) const;
+                    std::span<const int32_t> positions, std::span<const int32_t> seqs = {}) const;
+
+  /// Routed-expert reads of the moe_experts ops since the last reset_moe_reads(): an op reads
+  /// an expert's gate, up and down rows once for all the step's tokens routed to it (the
+  /// tokens are grouped by expert), so `experts` counts (op call, distinct expert) pairs and
+  /// `bytes` their weight bytes (gate + up + down slices, as stored).
+  struct MoeReads {
+    int64_t calls = 0;    ///< moe_experts op calls
+    int64_t experts = 0;  ///< distinct experts computed, summed over the calls
+    int64_t pairs = 0;    ///< (token, expert) pairs computed
+    int64_t bytes = 0;    ///< expert weight bytes read
+  };
+  const MoeReads& moe_reads() const { return moe_reads_; }
+  void reset_moe_reads() { moe_reads_ = {}; }
 
   /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
   /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
@@ -81,9 +101,14 @@ class CpuExecutor {
  private:
   /// Runs the ops at `subset` (ascending indices; empty = every op of g).
   void run_ops(const graph::Graph& g, std::span<const int32_t> subset,
-               std::span<const int32_t> tokens, std::span<const int32_t> positions);
+               std::span<const int32_t> tokens, std::span<const int32_t> positions,
+               std::span<const int32_t> seqs);
   void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
-              std::span<const int32_t> positions);
+              std::span<const int32_t> positions, std::span<const int32_t> seqs);
+  /// The attention op over the step's tokens (see run()).
+  void attention(const graph::Op& op, const float* q, const float* k, const float* v,
+                 int64_t n_tok, int64_t cols, float* out, std::span<const int32_t> positions,
+                 std::span<const int32_t> seqs);
   float* buf(graph::ValueId v) { return ptrs_[static_cast<size_t>(v)]; }
   float* worker_scratch(size_t floats);
   /// Matmul ops reading the same input (one op, or consecutive ones such as Q/K/V), run as one
@@ -134,6 +159,14 @@ class CpuExecutor {
   bool profiling_ = false;
   std::array<OpTime, kOpKinds> prof_{};
   MoeTiming moe_timing_;
+  MoeReads moe_reads_;
+  // attention: the rows of the step's runs (maximal stretches of adjacent tokens of one sequence)
+  struct Run {
+    int64_t t0, n;  // first token, tokens
+    int64_t base;   // KV row of the sequence's position 0
+  };
+  std::vector<Run> runs_;
+  std::vector<int64_t> task_first_;  // prefill attention: first task of each run, then the total
   struct ThreadSpan {  // one worker's part of a moe_experts region (seconds since its start)
     double first = -1, last = 0, wait = 0;
   };

@@ -53,6 +53,13 @@ struct DeviceInfo {
   bool computes_on_host = false;
   /// register_host can succeed (its capability checks, no registration).
   bool can_register_host = false;
+  /// Attention honours StepBindings::seqs: a step may carry tokens of several sequences of a
+  /// multi-sequence KV cache (each token's rows at seq * n_ctx + position).
+  bool multi_seq = false;
+  /// Routed-expert reads of the device's moe_experts calls since it was opened, each expert
+  /// counted once per call however many of the call's tokens it serves: the number of (call,
+  /// expert) pairs and their weight bytes (gate + up + down, as stored). -1: not counted.
+  int64_t moe_expert_reads = -1, moe_expert_bytes = -1;
 };
 
 class Device {

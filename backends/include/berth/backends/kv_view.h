@@ -10,13 +10,21 @@
 
 namespace berth {
 
+/// Sequence s's position p is row s * n_ctx + p of every layer: each sequence owns n_ctx rows.
 struct KvView {
-  int64_t n_ctx = 0;            ///< positions each layer holds
+  int64_t n_ctx = 0;            ///< positions each sequence holds (the per-sequence context)
+  int32_t n_seq = 1;            ///< sequences the cache holds
   std::vector<KvLayer> layers;  ///< row widths per layer
-  /// Host f32 rows, layer l: K [n_ctx, k_dim], V [n_ctx, v_dim] (dims contiguous), or null.
+  /// Host f32 rows, layer l: K [n_seq * n_ctx, k_dim], V [n_seq * n_ctx, v_dim] (dims
+  /// contiguous), or null.
   std::vector<float*> k, v;
   /// Device f16 rows of the layers whose attention runs on the device, same shapes, or null.
   std::vector<uint16_t*> dev_k, dev_v;
+
+  /// Rows of every layer: n_seq * n_ctx.
+  int64_t n_rows() const { return n_ctx * n_seq; }
+  /// The row of sequence `seq` at position `pos`.
+  int64_t row(int32_t seq, int64_t pos) const { return seq * n_ctx + pos; }
 
   int32_t n_layer() const { return static_cast<int32_t>(layers.size()); }
   const KvLayer& layer(int32_t l) const { return layers.at(static_cast<size_t>(l)); }

@@ -13,16 +13,20 @@
 
 namespace berth {
 
-/// Host rows in f32: layer l holds K as [n_ctx, k_dim] and V as [n_ctx, v_dim], row-major (one
-/// row per position, dims contiguous), reserved once for every layer, n_ctx * sum(k_dim + v_dim)
-/// * 4 bytes, without touching the memory: pages are filled as positions are written, so a
-/// large -c costs only what is used. Device rows in f16, the same shapes, for the layers
-/// allocate_device() is given. Throws Error(out_of_memory) naming the MiB when the host rows
-/// would not fit in the machine's physical memory or the allocation fails,
-/// Error(invalid_argument) for n_ctx < 1.
+/// A pool of `n_seq` sequences of up to `n_ctx` positions each (the per-sequence context, as
+/// llama-server's -c / -np): sequence s's position p is row s * n_ctx + p (KvView::row).
+/// Host rows in f32: layer l holds K as [n_seq * n_ctx, k_dim] and V as [n_seq * n_ctx, v_dim],
+/// row-major (one row per position, dims contiguous), reserved once for every layer, n_seq *
+/// n_ctx * sum(k_dim + v_dim) * 4 bytes, without touching the memory: pages are filled as
+/// positions are written, so a large -c costs only what is used. Device rows in f16, the same
+/// shapes, for the layers allocate_device() is given. Sequences are taken from the pool with
+/// acquire() and given back with release(); a single-sequence user (Session::eval) uses
+/// sequence 0 without acquiring it. Throws Error(out_of_memory) naming the MiB when the host
+/// rows would not fit in the machine's physical memory or the allocation fails,
+/// Error(invalid_argument) for n_ctx < 1 or n_seq < 1.
 class KvCache {
  public:
-  KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx);
+  KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq = 1);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -35,6 +39,21 @@ class KvCache {
   /// The rows of every layer, for the executors; valid as long as the cache.
   const KvView& view() const { return view_; }
   int64_t n_ctx() const { return view_.n_ctx; }
+  int32_t n_seq() const { return view_.n_seq; }
+
+  /// Takes a free sequence from the pool and returns its id (the lowest free one). Throws
+  /// Error(out_of_memory) "the KV cache holds N sequences and all are in use" when none is free.
+  int32_t acquire();
+  /// Gives sequence `seq` back to the pool (its rows are overwritten by the next owner). Throws
+  /// Error(invalid_argument) for an id outside [0, n_seq) or one not acquired.
+  void release(int32_t seq);
+  /// Sequences not acquired.
+  int32_t n_free() const;
+  bool in_use(int32_t seq) const { return used_.at(static_cast<size_t>(seq)) != 0; }
+  /// Copies positions [0, n) of sequence `src` to sequence `dst` in every layer, host and device
+  /// rows (forking a shared prefix). Throws Error(invalid_argument) for ids outside [0, n_seq),
+  /// src == dst, or n outside [0, n_ctx].
+  void copy(int32_t src, int32_t dst, int64_t n);
   int32_t n_layer() const { return view_.n_layer(); }
   const KvLayer& layer(int32_t l) const { return view_.layer(l); }
   float* k(int32_t l) { return view_.k.at(static_cast<size_t>(l)); }
@@ -46,8 +65,10 @@ class KvCache {
 
  private:
   void release_device();
+  void check_seq(int32_t seq, const char* what) const;
   KvView view_;
   std::vector<std::unique_ptr<float[]>> k_, v_;
+  std::vector<uint8_t> used_;  // per sequence: acquired
   Device* dev_ = nullptr;
   size_t device_bytes_ = 0;
 };

@@ -24,6 +24,9 @@ struct SessionParams {
   int32_t n_threads = 0;  ///< -t: workers; 0 = all physical cores
   int64_t n_ctx = 0;      ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
   int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
+  /// Sequences the KV cache holds (-np), each of n_ctx positions. eval() and eval_argmax() use
+  /// sequence 0; eval_step() any (the batching loop, runtime/batch.h).
+  int32_t n_seq = 1;
   /// With a device: weights and KV caches where `weight_home` (one per WeightTable entry) and
   /// `kv_home` (one per layer) say (Residency puts them there), and the Scheduler runs each op
   /// where they are. Null: CPU only.
@@ -56,9 +59,26 @@ class Session {
   /// eval().
   int32_t eval_argmax(int32_t token);
 
+  /// One step over tokens of several sequences: token i is tokens[i] at position positions[i]
+  /// of sequence seqs[i] (a sequence's tokens need not be adjacent, but in this order their
+  /// positions are consecutive, continuing what the KV cache holds for it). Returns the logits
+  /// of the last `n_out` tokens ([n_out, n_vocab] row-major, 1 <= n_out <= tokens.size()),
+  /// valid until the next call. A token's logits and the KV rows it writes do not depend on the
+  /// other tokens of the step (CpuExecutor::run). Does not change n_past(). Throws
+  /// Error(invalid_argument) for spans of different lengths or no tokens, n_out out of range,
+  /// a sequence outside [0, n_seq), a position outside [0, n_ctx) or positions of a sequence
+  /// that are not consecutive, a token id outside the vocabulary.
+  std::span<const float> eval_step(std::span<const int32_t> tokens,
+                                   std::span<const int32_t> positions,
+                                   std::span<const int32_t> seqs, int32_t n_out);
+
+  /// The KV cache: its pool of sequences (acquire, release, copy).
+  KvCache& kv() { return kv_; }
+
   int64_t n_past() const { return n_past_; }
   int64_t n_ctx() const { return kv_.n_ctx(); }
   int64_t n_vocab() const { return model_.hparams().n_vocab; }
+  const SessionParams& params() const { return params_; }
   /// Forgets positions >= n (0 <= n <= n_past()): later evals overwrite them. reset() ==
   /// truncate(0).
   void truncate(int64_t n);

@@ -79,25 +79,29 @@ class Scheduler {
   /// else with residency->device() for the ops and KV caches placed there (`kv_home`, one per
   /// layer; kv must hold the device rows of those layers). All references must outlive the
   /// scheduler. Throws Error(invalid_argument) when kv_home does not match the cache, and the
-  /// device's Error(out_of_memory).
+  /// device's Error(out_of_memory), Error(unsupported) for a KV cache of several sequences with
+  /// layers on a device whose attention serves one (DeviceInfo::multi_seq).
   Scheduler(ThreadPool& pool, const graph::WeightTable& weights, const KvView& kv,
             Residency* residency, std::vector<placement::Home> kv_home, HybridOptions options = {});
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  /// Runs `g` on the ubatch `tokens` at `positions` (both n_tokens long; consecutive positions
-  /// below the KV cache's n_ctx) and returns its output value ([rows, n_vocab] row-major, on the
-  /// host), valid until the next run. Throws Error(invalid_argument) for a token id outside the
-  /// vocabulary or a position outside the context.
+  /// Runs `g` on the ubatch `tokens` at `positions` of the sequences `seqs` (as
+  /// CpuExecutor::run: all n_tokens long, `seqs` empty for sequence 0, each sequence's positions
+  /// consecutive in ubatch order and below the KV cache's n_ctx) and returns its output value
+  /// ([rows, n_vocab] row-major, on the host), valid until the next run. Throws
+  /// Error(invalid_argument) for a token id outside the vocabulary, a position outside the
+  /// context or a sequence outside the cache.
   std::span<const float> run(const graph::Graph& g, std::span<const int32_t> tokens,
-                             std::span<const int32_t> positions);
+                             std::span<const int32_t> positions,
+                             std::span<const int32_t> seqs = {});
 
   /// Runs `g` as run() does and returns the argmax of the last output row (ties: lowest id; NaN
   /// counts as -inf), as a greedy sampler would pick it. When the logits are made on the device,
   /// the selection runs there and only the token id is copied back.
   int32_t run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
-                     std::span<const int32_t> positions);
+                     std::span<const int32_t> positions, std::span<const int32_t> seqs = {});
 
   /// The schedule steps of the shape of `g` run (made now if no step of that shape ran yet).
   const Schedule& schedule(const graph::Graph& g, bool select = false);
@@ -143,7 +147,7 @@ class Scheduler {
  private:
   Step& step_for(const graph::Graph& g, bool select);
   Step& step(const graph::Graph& g, std::span<const int32_t> tokens,
-             std::span<const int32_t> positions, bool select);
+             std::span<const int32_t> positions, std::span<const int32_t> seqs, bool select);
   void enqueue_step(Step& st);
   static void run_segment(void* arg);
   void serve_segments(Step& st, int64_t warm_us);  // flag hand-off: runs ready segments in order
@@ -164,6 +168,8 @@ class Scheduler {
   int32_t* positions_host_ = nullptr;
   int32_t* tokens_dev_ = nullptr;
   int32_t* positions_dev_ = nullptr;
+  int32_t* seqs_host_ = nullptr;  // sequence ids, with a multi-sequence KV cache
+  int32_t* seqs_dev_ = nullptr;
   std::vector<std::unique_ptr<Step>> steps_;
   uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
   double last_step_s_ = 0, last_cpu_s_ = 0;

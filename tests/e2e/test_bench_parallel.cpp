@@ -1,0 +1,80 @@
+// `berth bench model --parallel`: N sequences decoding together. The rows obey the relations
+// batch_bench.h states (aggregate = N x per sequence, bound from the bytes and bandwidths), the
+// distinct experts per layer per step lie between n_expert_used and min(N x n_expert_used,
+// n_expert), one sequence reads exactly n_expert_used, and bad counts are refused. No speed is
+// asserted.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "test_util.h"
+
+namespace {
+
+using berth::test::CommandResult;
+using berth::test::run_command;
+using berth::test::shell_quote;
+
+bool near(double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(std::abs(a), 1.0); }
+
+}  // namespace
+
+TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
+  const auto dir = berth::test::temp_dir("bench_parallel");
+  const std::string model = (dir / "moe.gguf").string();
+  REQUIRE(run_command(berth::test::berth_bin() +
+                      " synth --preset tiny-qwen3moe --type q8_0 --router-skew 1 -o " +
+                      shell_quote(model))
+              .exit_code == 0);
+  for (const std::string env : {"", "BERTH_SIM_DEVICE=1G"}) {
+    CAPTURE(env);
+    const auto out = dir / "p.json";
+    const CommandResult r = run_command(
+        env + " " + berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+        " -p 8 -n 6 -r 1 -t 2 -q --parallel 1,3,8 " + (env.empty() ? "-ngl 0" : "-ngl 99") +
+        " --json " + shell_quote(out.string()));
+    CAPTURE(r.err);
+    REQUIRE(r.exit_code == 0);
+    std::ifstream in(out);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    CHECK(j["device"].get<std::string>().empty() == env.empty());
+    const auto& rows = j["parallel"];
+    REQUIRE(rows.size() == 3);
+    const int k = 2, n_expert = 8;  // tiny-qwen3moe
+    const int ns[] = {1, 3, 8};
+    for (size_t i = 0; i < 3; ++i) {
+      const auto& x = rows[i];
+      CAPTURE(i);
+      CHECK(x["n_seq"].get<int>() == ns[i]);
+      CHECK(near(x["agg_tok_s"].get<double>(), ns[i] * x["seq_tok_s"].get<double>()));
+      CHECK(x["experts_exact"].get<bool>());
+      const double e = x["experts_per_layer"].get<double>();
+      if (ns[i] == 1) {
+        CHECK(e == k);  // a token's top-k experts are distinct
+      } else {
+        CHECK(e >= k);
+        CHECK(e <= std::min(ns[i] * k, n_expert));
+      }
+      const double host = x["host_bytes_per_step"].get<double>();
+      const double devb = x["device_bytes_per_step"].get<double>();
+      const double t = host / (j["dram_gbps"].get<double>() * 1e9) +
+                       (devb > 0 ? devb / (j["hbm_gbps"].get<double>() * 1e9) : 0.0);
+      CHECK(near(x["bound_tok_s"].get<double>(), ns[i] / t));
+      CHECK(near(x["fraction_of_bound"].get<double>(),
+                 x["agg_tok_s"].get<double>() / x["bound_tok_s"].get<double>()));
+    }
+  }
+  for (const std::string bad : {"--parallel 0", "--parallel 2,x", "--parallel 2 -n 0"}) {
+    CAPTURE(bad);
+    const CommandResult r = run_command(berth::test::berth_bin() + " bench model -m " +
+                                        shell_quote(model) + " -p 4 -q " + bad);
+    CHECK(r.exit_code != 0);
+    CHECK(!r.signaled);
+    CHECK(r.err.find("parallel") != std::string::npos);
+  }
+}

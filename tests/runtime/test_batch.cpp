@@ -1,0 +1,476 @@
+// Several sequences in one step: the KV cache's pool of sequences, the batching loop, per-
+// sequence results that never depend on the batch (bit for bit: tokens and logits), and MoE
+// steps that read each distinct routed expert once.
+//
+// The device cases use the simulated device (CI) unless BERTH_TEST_DEVICE=cuda.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <string>
+
+#include "berth/backends/device.h"
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/model.h"
+#include "berth/runtime/batch.h"
+#include "berth/runtime/kv_cache.h"
+#include "berth/runtime/session.h"
+#include "berth/tools/synth.h"
+#include "test_util.h"
+
+using namespace berth;
+using placement::Home;
+
+namespace {
+
+bool use_cuda() {
+  const char* e = std::getenv("BERTH_TEST_DEVICE");
+  return e && std::string(e) == "cuda";
+}
+
+std::unique_ptr<Device> test_device() {
+  if (use_cuda()) return make_cuda_device(0);
+  return make_sim_device(size_t{2} << 30);
+}
+
+std::string tiny_moe_file(const std::string& type) {
+  SynthSpec spec = synth_preset("tiny-qwen3moe");
+  spec.type = type;
+  spec.seed = 5;
+  spec.router_skew = 1.0;
+  const auto path = test::temp_dir("batch") / fmt::format("tiny-qwen3moe-{}.gguf", type);
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
+  return path.string();
+}
+
+/// Where the weights and KV caches go: nowhere (CPU only), or on `dev` for the layers `gpu_layer`
+/// says (and the non-layer weights when `gpu_rest`).
+struct Placement {
+  Device* dev = nullptr;
+  std::function<bool(int)> gpu_layer;
+  bool gpu_rest = false;
+};
+
+SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t n_ctx,
+                     int32_t n_ubatch) {
+  SessionParams sp;
+  sp.n_threads = 2;
+  sp.n_ctx = n_ctx;
+  sp.n_seq = n_seq;
+  sp.n_ubatch = n_ubatch;
+  if (p.dev) {
+    sp.device = p.dev;
+    const graph::WeightTable& w = m.weights();
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int32_t l = w.layer(static_cast<graph::WeightId>(i));
+      sp.weight_home.push_back((l >= 0 ? p.gpu_layer(l) : p.gpu_rest) ? Home::gpu : Home::cpu);
+    }
+    for (int32_t l = 0; l < m.hparams().n_layer; ++l)
+      sp.kv_home.push_back(p.gpu_layer(l) ? Home::gpu : Home::cpu);
+  }
+  return sp;
+}
+
+std::vector<int32_t> prompt_of(int n, int salt, int32_t n_vocab) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back((i * 37 + salt * 101 + 11) % (n_vocab - 3) + 3);
+  return p;
+}
+
+/// What one sequence of a loop produced: its tokens, and the logits of each sampled step.
+struct Trace {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;
+  StopReason stop = StopReason::n_predict;
+};
+
+struct Others {
+  int n = 0;             ///< other sequences
+  int delay_steps = 0;   ///< they join after this many steps of the first
+  int prompt_len = 24;   ///< their prompts' length
+  bool sampled = false;  ///< they sample at temperature 0.9 (else greedy)
+};
+
+/// Runs sequence A (`prompt`, greedy, `n_gen` tokens) in a BatchLoop beside `o`; returns A's
+/// trace. Checks every sequence ends.
+Trace run_beside(const Model& m, const Placement& pl, const std::vector<int32_t>& prompt,
+                 int n_gen, const Others& o, int32_t n_ubatch, int64_t n_ctx = 128) {
+  Session s(m, params(m, pl, 8, n_ctx, n_ubatch));
+  BatchLoop loop(s);
+  const auto n_vocab = static_cast<int32_t>(m.hparams().n_vocab);
+  std::map<int64_t, Trace> traces;
+  loop.on_logits = [&](int64_t id, std::span<const float> l) {
+    traces[id].logits.emplace_back(l.begin(), l.end());
+  };
+  BatchRequest a;
+  a.prompt = prompt;
+  a.sampling.temp = 0;
+  a.n_predict = n_gen;
+  const int64_t a_id = loop.submit(a);
+  auto submit_others = [&] {
+    for (int i = 0; i < o.n; ++i) {
+      BatchRequest r;
+      r.prompt = prompt_of(o.prompt_len + 5 * i, i + 1, n_vocab);
+      r.sampling.temp = o.sampled ? 0.9f : 0.0f;
+      r.sampling.seed = 1000 + static_cast<uint64_t>(i);
+      r.n_predict = n_gen + 7 * i;
+      loop.submit(r);
+    }
+  };
+  if (o.delay_steps == 0) submit_others();
+  std::set<int64_t> done;
+  for (int step = 0; !loop.idle(); ++step) {
+    if (step == o.delay_steps && o.delay_steps > 0) submit_others();
+    for (const BatchEvent& e : loop.step()) {
+      REQUIRE(done.count(e.id) == 0);
+      if (e.token >= 0) traces[e.id].tokens.push_back(e.token);
+      if (e.done) {
+        traces[e.id].stop = e.stop;
+        done.insert(e.id);
+      }
+    }
+    REQUIRE(step < 10000);
+  }
+  CHECK(done.size() == static_cast<size_t>(1 + o.n));
+  return traces[a_id];
+}
+
+/// The same sequence through Session::eval, one sequence, no loop.
+Trace run_alone_session(const Model& m, const Placement& pl, const std::vector<int32_t>& prompt,
+                        int n_gen) {
+  Session s(m, params(m, pl, 1, 128, 512));
+  Trace t;
+  std::span<const float> l = s.eval(prompt);
+  for (int i = 0; i < n_gen; ++i) {
+    t.logits.emplace_back(l.begin(), l.end());
+    const auto id = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+    t.tokens.push_back(id);
+    if (i + 1 < n_gen) l = s.eval(std::span<const int32_t>(&id, 1));
+  }
+  return t;
+}
+
+bool same_bits(const Trace& a, const Trace& b) {
+  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
+  for (size_t i = 0; i < a.logits.size(); ++i)
+    if (a.logits[i].size() != b.logits[i].size() ||
+        std::memcmp(a.logits[i].data(), b.logits[i].data(), a.logits[i].size() * 4) != 0)
+      return false;
+  return true;
+}
+
+/// The invariance cases of one model and placement.
+void check_invariance(const Model& m, const Placement& pl) {
+  const auto n_vocab = static_cast<int32_t>(m.hparams().n_vocab);
+  const std::vector<int32_t> prompt = prompt_of(37, 0, n_vocab);
+  const int n_gen = 24;
+  const Trace alone = run_beside(m, pl, prompt, n_gen, {}, 512);
+  REQUIRE(alone.tokens.size() == static_cast<size_t>(n_gen));
+  CHECK(alone.stop == StopReason::n_predict);
+  // The loop alone is the one-sequence Session, bit for bit.
+  CHECK(same_bits(alone, run_alone_session(m, pl, prompt, n_gen)));
+  struct Case {
+    const char* name;
+    Others o;
+    int32_t n_ubatch;
+  };
+  const Case cases[] = {
+      {"beside 1 other", {1}, 512},
+      {"beside 3 others", {3}, 512},
+      {"beside 7 others (sampled)", {7, 0, 24, true}, 512},
+      {"others' prompt chunks in its decode steps (-ub 16)", {3, 4, 40, false}, 16},
+      {"its prompt in chunks beside others' decode tokens (-ub 8)", {2, 0, 5, true}, 8},
+      {"7 others joining late, -ub 5", {7, 9, 13, true}, 5},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const Trace got = run_beside(m, pl, prompt, n_gen, c.o, c.n_ubatch);
+    CHECK(got.tokens == alone.tokens);
+    CHECK(same_bits(got, alone));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("batch: the KV cache's pool of sequences") {
+  KvCache kv({KvLayer{4, 4}, KvLayer{2, 2}}, 8, 3);
+  CHECK(kv.n_seq() == 3);
+  CHECK(kv.view().n_rows() == 24);
+  CHECK(kv.bytes() == 24 * (8 + 4) * 4);
+  CHECK(kv.acquire() == 0);
+  CHECK(kv.acquire() == 1);
+  CHECK(kv.acquire() == 2);
+  CHECK(kv.n_free() == 0);
+  try {
+    kv.acquire();
+    FAIL("a full pool must refuse");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::out_of_memory);
+    CHECK(std::string(e.what()).find("3 sequences") != std::string::npos);
+  }
+  kv.release(1);
+  CHECK(kv.n_free() == 1);
+  CHECK(kv.acquire() == 1);
+  kv.release(2);
+  CHECK_THROWS_AS(kv.release(2), Error);
+  CHECK_THROWS_AS(kv.release(3), Error);
+  // copy: positions [0, n) of one sequence to another, every layer.
+  for (int64_t p = 0; p < 8; ++p)
+    for (int i = 0; i < 4; ++i) {
+      kv.k(0)[kv.view().row(1, p) * 4 + i] = static_cast<float>(100 * p + i);
+      kv.v(0)[kv.view().row(1, p) * 4 + i] = static_cast<float>(-100 * p - i);
+    }
+  for (int64_t r = 0; r < 24; ++r)
+    for (int i = 0; i < 2; ++i) kv.k(1)[r * 2 + i] = static_cast<float>(r);
+  kv.copy(1, 2, 5);
+  for (int64_t p = 0; p < 5; ++p) {
+    CHECK(kv.k(0)[kv.view().row(2, p) * 4 + 3] == static_cast<float>(100 * p + 3));
+    CHECK(kv.v(0)[kv.view().row(2, p) * 4 + 1] == static_cast<float>(-100 * p - 1));
+    CHECK(kv.k(1)[kv.view().row(2, p) * 2] == static_cast<float>(kv.view().row(1, p)));
+  }
+  CHECK(kv.k(1)[kv.view().row(2, 5) * 2] == static_cast<float>(kv.view().row(2, 5)));
+  CHECK_THROWS_AS(kv.copy(1, 1, 2), Error);
+  CHECK_THROWS_AS(kv.copy(1, 2, 9), Error);
+  CHECK_THROWS_AS(KvCache({KvLayer{4, 4}}, 8, 0), Error);
+}
+
+TEST_CASE("batch: a sequence's tokens and logits do not depend on its neighbours (stories260K)") {
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  SUBCASE("CPU") { check_invariance(*model, {}); }
+  SUBCASE("device, every layer") {
+    auto dev = test_device();
+    if (use_cuda()) return;  // the CUDA backend's attention serves one sequence per step
+    check_invariance(*model, {dev.get(), [](int) { return true; }, true});
+  }
+  SUBCASE("device, last 3 layers") {
+    auto dev = test_device();
+    if (use_cuda()) return;
+    const int n_layer = static_cast<int>(model->hparams().n_layer);
+    check_invariance(*model, {dev.get(), [&](int l) { return l >= n_layer - 3; }, false});
+  }
+}
+
+TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighbours") {
+  for (const std::string type : {"q8_0", "q4_k"}) {
+    CAPTURE(type);
+    gguf::File file = gguf::File::open(tiny_moe_file(type));
+    auto model = load_model(file);
+    SUBCASE("CPU") { check_invariance(*model, {}); }
+    SUBCASE("device") {
+      if (use_cuda()) return;
+      auto dev = test_device();
+      check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true});
+    }
+  }
+}
+
+namespace {
+
+/// Per MoE layer of graph g's last run on `s`'s CPU executor: the distinct experts its tokens
+/// were routed to.
+std::vector<std::set<int32_t>> routed_experts(Session& s, const graph::Graph& g) {
+  std::vector<std::set<int32_t>> out;
+  for (const graph::Op& op : g.ops) {
+    if (op.kind != graph::OpKind::moe_route) continue;
+    const std::span<const float> r = s.executor().value(g, op.output);
+    const int32_t k = op.moe.n_expert_used;
+    std::set<int32_t> e;
+    for (size_t t = 0; t < r.size() / (2 * static_cast<size_t>(k)); ++t)
+      for (int32_t j = 0; j < k; ++j) e.insert(static_cast<int32_t>(r[t * 2 * k + j]));
+    out.push_back(e);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("batch: a step of several sequences reads each distinct routed expert once") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  const Hparams& hp = model->hparams();
+  const auto n_vocab = static_cast<int32_t>(hp.n_vocab);
+  // Per expert, the bytes of its gate, up and down slices.
+  const graph::WeightTable& w = model->weights();
+  int64_t expert_bytes = -1;
+  for (size_t i = 0; i < w.size(); ++i)
+    if (w.tensors[i].name == "blk.0.ffn_gate_exps.weight") {
+      const TensorView& t = w.tensors[i];
+      expert_bytes = static_cast<int64_t>(t.n_bytes / static_cast<size_t>(t.ne[2])) * 3;
+    }
+  REQUIRE(expert_bytes > 0);
+  const int n_seq = 4;
+  Session s(*model, params(*model, {}, n_seq, 64, 512));
+  // Prompts of different lengths, each in its sequence.
+  std::vector<int64_t> len(n_seq);
+  for (int q = 0; q < n_seq; ++q) {
+    const std::vector<int32_t> p = prompt_of(5 + 3 * q, q, n_vocab);
+    REQUIRE(s.kv().acquire() == q);
+    std::vector<int32_t> pos(p.size()), seq(p.size(), q);
+    for (size_t i = 0; i < p.size(); ++i) pos[i] = static_cast<int32_t>(i);
+    s.eval_step(p, pos, seq, 1);
+    len[q] = static_cast<int64_t>(p.size());
+  }
+  // One decode step of all four, and one step of two prompt chunks and two decode tokens.
+  struct Step {
+    std::vector<int32_t> tokens, positions, seqs;
+  };
+  Step dec;
+  for (int q = 0; q < n_seq; ++q) {
+    dec.tokens.push_back(7 + q);
+    dec.positions.push_back(static_cast<int32_t>(len[q]));
+    dec.seqs.push_back(q);
+  }
+  Step mixed;
+  for (int q = 0; q < 2; ++q)
+    for (int i = 0; i < 6; ++i) {
+      mixed.tokens.push_back(20 + i + q);
+      mixed.positions.push_back(static_cast<int32_t>(len[q] + 1 + i));
+      mixed.seqs.push_back(q);
+    }
+  for (int q = 2; q < n_seq; ++q) {
+    mixed.tokens.push_back(9);
+    mixed.positions.push_back(static_cast<int32_t>(len[q] + 1));
+    mixed.seqs.push_back(q);
+  }
+  for (const Step* st : {&dec, &mixed}) {
+    const auto n = static_cast<int32_t>(st->tokens.size());
+    const graph::Graph g = model->build_step(n, n);
+    s.executor().reset_moe_reads();
+    s.scheduler().run(g, st->tokens, st->positions, st->seqs);
+    const CpuExecutor::MoeReads& r = s.executor().moe_reads();
+    const auto routed = routed_experts(s, g);
+    REQUIRE(routed.size() == static_cast<size_t>(hp.n_layer));
+    int64_t distinct = 0;
+    for (const auto& e : routed) distinct += static_cast<int64_t>(e.size());
+    CHECK(r.calls == hp.n_layer);
+    CHECK(r.pairs == int64_t{n} * hp.n_expert_used * hp.n_layer);
+    CHECK(r.experts == distinct);
+    CHECK(r.bytes == distinct * expert_bytes);
+    CHECK(r.experts < r.pairs);  // tokens shared experts, and each was read once
+  }
+
+  SUBCASE("on the simulated device") {
+    if (use_cuda()) return;
+    auto dev = test_device();
+    Session sd(*model, params(*model, {dev.get(), [](int) { return true; }, true}, n_seq, 64, 512));
+    for (int q = 0; q < n_seq; ++q) {
+      const std::vector<int32_t> p = prompt_of(5 + 3 * q, q, n_vocab);
+      REQUIRE(sd.kv().acquire() == q);
+      std::vector<int32_t> pos(p.size()), seq(p.size(), q);
+      for (size_t i = 0; i < p.size(); ++i) pos[i] = static_cast<int32_t>(i);
+      sd.eval_step(p, pos, seq, 1);
+    }
+    // The same decode step on the CPU session gives the routes; the device counts its reads.
+    const graph::Graph g = model->build_step(n_seq, n_seq);
+    s.scheduler().run(g, dec.tokens, dec.positions, dec.seqs);
+    int64_t distinct = 0;
+    for (const auto& e : routed_experts(s, g)) distinct += static_cast<int64_t>(e.size());
+    const DeviceInfo before = dev->info();
+    sd.eval_step(dec.tokens, dec.positions, dec.seqs, n_seq);
+    const DeviceInfo after = dev->info();
+    CHECK(after.moe_expert_reads - before.moe_expert_reads == distinct);
+    CHECK(after.moe_expert_bytes - before.moe_expert_bytes == distinct * expert_bytes);
+  }
+}
+
+TEST_CASE("batch: the loop queues, cancels and stops sequences") {
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  const auto n_vocab = static_cast<int32_t>(model->hparams().n_vocab);
+  SessionParams sp = params(*model, {}, 2, 32, 8);
+  Session s(*model, sp);
+  BatchLoop loop(s);
+  auto req = [&](int len, int n_predict, int salt) {
+    BatchRequest r;
+    r.prompt = prompt_of(len, salt, n_vocab);
+    r.sampling.temp = 0;
+    r.n_predict = n_predict;
+    return r;
+  };
+  const int64_t a = loop.submit(req(5, 3, 0));
+  const int64_t b = loop.submit(req(6, -1, 1));  // until the context (32) is full
+  const int64_t c = loop.submit(req(7, 0, 2));   // the prompt only
+  const int64_t d = loop.submit(req(4, 5, 3));   // cancelled while queued
+  CHECK(loop.n_queued() == 4);
+  std::map<int64_t, std::vector<int32_t>> toks;
+  std::map<int64_t, StopReason> stop;
+  std::vector<int64_t> order;
+  bool cancelled = false;
+  for (int i = 0; !loop.idle(); ++i) {
+    REQUIRE(i < 1000);
+    for (const BatchEvent& e : loop.step()) {
+      if (e.token >= 0) toks[e.id].push_back(e.token);
+      if (e.done) {
+        stop[e.id] = e.stop;
+        order.push_back(e.id);
+      }
+    }
+    CHECK(loop.n_running() <= 2);  // the pool has two sequences
+    if (!cancelled) {
+      loop.cancel(d);
+      cancelled = true;
+    }
+  }
+  CHECK(toks[a].size() == 3);
+  CHECK(stop[a] == StopReason::n_predict);
+  CHECK(toks[b].size() == 32 - 6 + 1);  // positions 6..31 fed, and the last sampled token
+  CHECK(stop[b] == StopReason::context_full);
+  CHECK(toks[c].empty());
+  CHECK(stop[c] == StopReason::n_predict);
+  CHECK(toks[d].empty());
+  CHECK(stop[d] == StopReason::callback);
+  CHECK(order.front() == d);  // cancelled before it ran
+  CHECK(s.kv().n_free() == 2);
+
+  // Bad requests: named errors, nothing queued.
+  for (auto bad : {BatchRequest{}, req(32, 1, 0)}) CHECK_THROWS_AS(loop.submit(bad), Error);
+  BatchRequest oov = req(3, 1, 0);
+  oov.prompt[1] = n_vocab;
+  try {
+    loop.submit(oov);
+    FAIL("an id outside the vocabulary must be refused");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::invalid_argument);
+    CHECK(std::string(e.what()).find(std::to_string(n_vocab)) != std::string::npos);
+  }
+  BatchRequest bad_temp = req(3, 1, 0);
+  bad_temp.sampling.top_p = 2;
+  CHECK_THROWS_AS(loop.submit(bad_temp), Error);
+  CHECK(loop.idle());
+}
+
+TEST_CASE("batch: eval_step refuses positions that break a sequence") {
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  Session s(*model, params(*model, {}, 2, 16, 8));
+  const std::vector<int32_t> t = {5, 6, 7};
+  auto expect_invalid = [&](const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                            int32_t n_out,
+                            const char* what) {
+    const std::string w = what;
+    CAPTURE(w);
+    try {
+      s.eval_step(t, pos, seq, n_out);
+      FAIL("must throw");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::invalid_argument);
+    }
+  };
+  expect_invalid({0, 2, 3}, {0, 0, 0}, 1, "a gap");
+  expect_invalid({0, 1, 2}, {0, 0, 2}, 1, "a sequence outside the cache");
+  expect_invalid({14, 15, 16}, {1, 1, 1}, 1, "a position outside the context");
+  expect_invalid({0, 1, 0}, {0, 0, 1}, 4, "more output rows than tokens");
+  expect_invalid({0, 1}, {0, 0, 1}, 1, "fewer positions than tokens");
+  expect_invalid({3, 0, 5}, {0, 1, 0}, 1, "a gap between a sequence's tokens");
+  // Interleaved sequences with consecutive positions each are fine.
+  const std::vector<int32_t> pos = {0, 0, 1}, seq = {0, 1, 0};
+  const std::span<const float> out = s.eval_step(t, pos, seq, 2);
+  CHECK(out.size() == static_cast<size_t>(2 * model->hparams().n_vocab));
+}
