@@ -246,7 +246,19 @@ TEST_CASE("batch: a sequence's tokens and logits do not depend on its neighbours
   SUBCASE("CPU") { check_invariance(*model, {}); }
   SUBCASE("device, every layer") {
     auto dev = test_device();
-    if (use_cuda()) return;  // the CUDA backend's attention serves one sequence per step
+    if (use_cuda()) {
+      // The CUDA backend's attention serves one sequence per step: a multi-sequence KV cache
+      // with layers there is refused at load, naming the layer.
+      const Placement all{dev.get(), [](int) { return true; }, true};
+      try {
+        Session s(*model, params(*model, all, 2, 64, 16));
+        FAIL("a multi-sequence KV cache on CUDA must be refused");
+      } catch (const Error& e) {
+        CHECK(e.category() == ErrorCategory::unsupported);
+        CHECK(std::string(e.what()).find("layer 0") != std::string::npos);
+      }
+      return;
+    }
     check_invariance(*model, {dev.get(), [](int) { return true; }, true});
   }
   SUBCASE("device, last 3 layers") {
