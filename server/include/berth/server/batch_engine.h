@@ -1,14 +1,15 @@
-// SlotEngine: the simple engine behind `berth serve` until the batching loop exists (several
-// sequences in one step). Each of the `-np` slots is a runtime Session of its own (its own KV
-// cache of n_ctx / n_slots positions and, because Session owns one, its own worker pool) over the
-// one loaded Model. One engine thread advances every busy slot by one step in turn: a prefill
-// chunk of at most n_ubatch prompt tokens, or one decode token. So each request makes progress
-// every round, and a cancelled request (a vanished client) leaves its slot within one step.
+// BatchEngine: the engine behind `berth serve`. The `-np` slots are the sequences of one runtime
+// Session's KV cache (slot i is KV sequence i, for the engine's life), over the one loaded Model
+// and one worker pool. One engine thread runs the batching loop: each step packs one decode token
+// of every generating slot, then chunks of the prompts of slots still prefilling, up to -ub
+// tokens (runtime StepPacker: continuous batching with chunked prefill), evaluates them in one
+// forward pass (Session::eval_step), and samples each slot's row with the slot's own settings.
+// A slot's tokens do not depend on what shares its steps (the invariance of eval_step), so a
+// greedy request gives the same tokens alone or beside others. A cancelled request (a vanished
+// client, a stop string) leaves its slot before the next step.
 //
-// Limits (until the batching loop replaces it): slots never share a forward pass, so aggregate
-// throughput is that of one sequence; with a device each Session would upload its own copy of
-// the weights, so more than one slot is refused on a CUDA device (allowed on the CPU and on
-// BERTH_SIM_DEVICE, whose tests need it).
+// Each slot keeps the tokens its KV sequence holds (SlotCache over a KvSequenceState): a request
+// reuses the longest common prefix with its prompt (cache_prompt) and evaluates only the rest.
 #pragma once
 
 #include <chrono>
@@ -23,6 +24,7 @@
 
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
+#include "berth/runtime/batch.h"
 #include "berth/runtime/sampler.h"
 #include "berth/runtime/session.h"
 #include "berth/server/engine.h"
@@ -30,26 +32,27 @@
 
 namespace berth::server {
 
-struct SlotEngineOptions {
-  int32_t n_slots = 1;       ///< -np
+struct BatchEngineOptions {
+  int32_t n_slots = 1;       ///< -np: KV sequences of the Session
   int64_t n_ctx = 0;         ///< -c: the total context; each slot gets n_ctx / n_slots tokens
   int32_t queue_limit = 64;  ///< --queue: requests that may wait when every slot is busy
-  /// -t, -ub and the placement (device, weight_home, kv_home) of every slot's Session;
-  /// session.n_ctx is ignored (set per slot).
+  /// -t, -ub and the placement (device, weight_home, kv_home) of the Session; session.n_ctx and
+  /// session.n_seq are ignored (set from the slots).
   SessionParams session;
 };
 
-class SlotEngine : public Engine {
+class BatchEngine : public Engine {
  public:
-  /// Builds the slots' Sessions and starts the engine thread. `model` and `tok` must outlive
-  /// the engine. Throws Error(invalid_argument) for n_slots < 1, queue_limit < 0 or a per-slot
-  /// context below 2 tokens (naming -c and -np); Error(unsupported) for n_slots > 1 with a
-  /// device other than the simulated one; what Session's constructor throws.
-  SlotEngine(const Model& model, const Tokenizer& tok, SlotEngineOptions options);
+  /// Builds the Session (n_seq = n_slots sequences of n_ctx / n_slots positions), takes every
+  /// sequence for its slot and starts the engine thread. `model` and `tok` must outlive the
+  /// engine. Throws Error(invalid_argument) for n_slots < 1, queue_limit < 0 or a per-slot context
+  /// below 2 tokens (naming -c and -np); what Session's constructor throws (Error(unsupported)
+  /// for several slots with KV layers on a device whose attention serves one sequence).
+  BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOptions options);
   /// Cancels every request (each ends with FinishReason::cancelled) and joins the thread.
-  ~SlotEngine() override;
-  SlotEngine(const SlotEngine&) = delete;
-  SlotEngine& operator=(const SlotEngine&) = delete;
+  ~BatchEngine() override;
+  BatchEngine(const BatchEngine&) = delete;
+  BatchEngine& operator=(const BatchEngine&) = delete;
 
   std::shared_ptr<Generation> submit(GenerationRequest request) override;
   int32_t n_slots() const override { return static_cast<int32_t>(slots_.size()); }
@@ -61,8 +64,8 @@ class SlotEngine : public Engine {
   int64_t n_in_flight() const override;
   void cancel_all() override;
 
-  /// Worker threads of each slot's pool.
-  int n_threads() const;
+  /// Worker threads of the Session's pool.
+  int n_threads() const { return session_->pool().n_threads(); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -73,11 +76,11 @@ class SlotEngine : public Engine {
     Clock::time_point submitted;
   };
   struct Slot {
-    int32_t id = 0;
-    std::unique_ptr<Session> session;
-    std::unique_ptr<SessionSequenceState> state;
+    int32_t id = 0;  // == its KV sequence
+    std::unique_ptr<KvSequenceState> state;
     std::unique_ptr<SlotCache> cache;
     uint64_t last_used = 0;
+    uint64_t admitted = 0;  // when it took its request: packing order
     // The request it runs (gen null: idle).
     std::shared_ptr<Generation> gen;
     GenerationRequest req;
@@ -91,7 +94,7 @@ class SlotEngine : public Engine {
 
   void loop();
   void assign_locked();
-  void step(Slot& s);
+  void step();
   void sample(Slot& s, std::span<const float> logits);
   void end(Slot& s, FinishReason reason);
   void fail(Slot& s, const std::string& message);
@@ -99,9 +102,14 @@ class SlotEngine : public Engine {
 
   const Model& model_;
   const Tokenizer& tok_;
-  SlotEngineOptions options_;
+  BatchEngineOptions options_;
   int64_t n_ctx_slot_ = 0;
+  std::unique_ptr<Session> session_;
   std::vector<Slot> slots_;
+  // The engine thread's step buffers.
+  std::vector<Slot*> busy_;
+  std::vector<StepInput> inputs_;
+  StepPacker packer_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
