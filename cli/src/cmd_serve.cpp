@@ -185,9 +185,10 @@ class RunningServer {
     http_->set_ready(mc, *engine_);
     std::fprintf(stderr,
                  "berth: ready: %s on http://%s:%d, %d slot%s of %lld tokens batched in each step, "
-                 "%d threads, chat format %s\n",
+                 "%d thread%s, chat format %s\n",
                  mc.alias.c_str(), o.http.host.c_str(), port_, o.n_slots, o.n_slots == 1 ? "" : "s",
                  static_cast<long long>(engine_->n_ctx_per_slot()), engine_->n_threads(),
+                 engine_->n_threads() == 1 ? "" : "s",
                  std::string(chat_format_name(mc.chat_format)).c_str());
   }
   ~RunningServer() { http_.reset(); }  // the server goes before the engine it calls

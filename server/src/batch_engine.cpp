@@ -178,13 +178,21 @@ void BatchEngine::cancel_all() {
   cv_.notify_all();
 }
 
+void BatchEngine::hold_queue(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = on;
+  }
+  cv_.notify_all();
+}
+
 void BatchEngine::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    assign_locked();
+    if (!held_ || stopping_) assign_locked();
     if (n_busy_ == 0) {
       if (stopping_ && waiting_.empty()) break;
-      cv_.wait(lock, [this] { return stopping_ || !waiting_.empty(); });
+      cv_.wait(lock, [this] { return stopping_ || (!waiting_.empty() && !held_); });
       continue;
     }
     lock.unlock();

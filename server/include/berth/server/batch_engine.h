@@ -64,6 +64,11 @@ class BatchEngine : public Engine {
   int64_t n_in_flight() const override;
   void cancel_all() override;
 
+  /// While `on`, waiting requests stay in the queue (slots already busy go on); off, they take
+  /// their slots before the next step. For tests: requests submitted while held start in the
+  /// same step.
+  void hold_queue(bool on);
+
   /// Worker threads of the Session's pool.
   int n_threads() const { return session_->pool().n_threads(); }
 
@@ -121,6 +126,7 @@ class BatchEngine : public Engine {
   int64_t n_busy_ = 0;
   bool closed_ = false;
   bool stopping_ = false;
+  bool held_ = false;
   std::thread thread_;
 };
 
