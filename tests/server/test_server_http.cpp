@@ -388,6 +388,8 @@ TEST_CASE("/slots shows every slot busy when requests exceed slots") {
     CHECK(s.status == 200);
     CHECK(s.events().back()["tokens_predicted"] == 120);
   }
+  // Both slots were busy at once, so steps carried both.
+  CHECK(get(srv.port, "/metrics").body.find("berth:step_slots_max 2\n") != std::string::npos);
   Reply s = get(srv.port, "/slots");
   CHECK(s.j[0]["is_processing"] == false);
   CHECK(s.j[1]["is_processing"] == false);
