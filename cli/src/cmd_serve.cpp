@@ -20,9 +20,9 @@
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/runtime/placed.h"
+#include "berth/server/batch_engine.h"
 #include "berth/server/bench_serve.h"
 #include "berth/server/server.h"
-#include "berth/server/slot_engine.h"
 #include "commands.h"
 #include "placement_flags.h"
 
@@ -152,12 +152,15 @@ class RunningServer {
     for (const std::string& note :
          device_option_notes(*model_, params, false, o.warm_workers_us != kAutoWarmWorkersUs))
       log::warn("{}", note);
-    if (o.n_slots > 1 && params.device && params.device->name().rfind("SIM", 0) != 0)
-      throw Error(ErrorCategory::unsupported,
-                  fmt::format("-np {} with {}: each slot would upload its own copy of the "
-                              "weights until the batching loop exists; use -np 1 on a GPU, or "
-                              "-ngl 0 for several slots on the CPU",
-                              o.n_slots, params.device->name()));
+    if (o.n_slots > 1 && params.device && !params.device->info().multi_seq)
+      for (const placement::Home h : params.kv_home)
+        if (h == placement::Home::gpu)
+          throw Error(ErrorCategory::unsupported,
+                      fmt::format("-np {} with {}: its attention runs one sequence per step for "
+                                  "now, so several slots need the attention and the KV cache on "
+                                  "the CPU: use -np 1, or keep the attention on the CPU "
+                                  "(-ot \"attn=CPU\" beside -ngl, or -ngl 0)",
+                                  o.n_slots, params.device->name()));
     log::info("{}", placed_.summary());
 
     // Listen first (health answers 503 while the slots are built: KV caches, uploads).
@@ -169,22 +172,23 @@ class RunningServer {
     std::fprintf(stderr, "berth: listening on http://%s:%d (loading the model)\n",
                  o.http.host.c_str(), port_);
     try {
-      server::SlotEngineOptions eo;
+      server::BatchEngineOptions eo;
       eo.n_slots = o.n_slots;
       eo.n_ctx = n_ctx;
       eo.queue_limit = o.queue;
       eo.session = params;
-      engine_ = std::make_unique<server::SlotEngine>(*model_, *tok_, eo);
+      engine_ = std::make_unique<server::BatchEngine>(*model_, *tok_, eo);
     } catch (...) {
       http_->stop();
       throw;
     }
     http_->set_ready(mc, *engine_);
     std::fprintf(stderr,
-                 "berth: ready: %s on http://%s:%d, %d slot%s of %lld tokens, %d threads each, "
-                 "chat format %s\n",
+                 "berth: ready: %s on http://%s:%d, %d slot%s of %lld tokens batched in each step, "
+                 "%d thread%s, chat format %s\n",
                  mc.alias.c_str(), o.http.host.c_str(), port_, o.n_slots, o.n_slots == 1 ? "" : "s",
                  static_cast<long long>(engine_->n_ctx_per_slot()), engine_->n_threads(),
+                 engine_->n_threads() == 1 ? "" : "s",
                  std::string(chat_format_name(mc.chat_format)).c_str());
   }
   ~RunningServer() { http_.reset(); }  // the server goes before the engine it calls
@@ -192,14 +196,14 @@ class RunningServer {
   int port() const { return port_; }
   int64_t n_vocab() const { return model_->hparams().n_vocab; }
   server::HttpServer& http() { return *http_; }
-  server::SlotEngine& engine() { return *engine_; }
+  server::BatchEngine& engine() { return *engine_; }
 
  private:
   gguf::File file_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tok_;
   PlacementSetup placed_;
-  std::unique_ptr<server::SlotEngine> engine_;
+  std::unique_ptr<server::BatchEngine> engine_;
   std::unique_ptr<server::HttpServer> http_;
   int port_ = 0;
 };
@@ -243,7 +247,7 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o.session.n_ubatch,
-                  "-ub: prompt tokens per prefill step (a slot's turn)")
+                  "-ub: tokens per step (decode tokens of the busy slots plus prompt chunks)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
   sub->add_option("-t,--threads", o.session.n_threads, "CPU threads (0: all physical cores)")

@@ -9,6 +9,54 @@
 
 namespace berth {
 
+void StepPacker::pack(std::span<const StepInput> in, int64_t budget) {
+  const size_t n = in.size();
+  taken_.assign(n, 0);
+  out_row_.assign(n, -1);
+  tokens_.clear();
+  positions_.clear();
+  seqs_.clear();
+  tail_tok_.clear();
+  tail_pos_.clear();
+  tail_seq_.clear();
+  n_wanted_ = n_decode_ = n_prompt_ = n_seqs_ = 0;
+  int64_t used = 0;
+  for (size_t i = 0; i < n && used < budget; ++i)
+    if (in[i].decode) {
+      taken_[i] = 1;
+      ++used;
+    }
+  for (size_t i = 0; i < n && used < budget; ++i)
+    if (!in[i].decode) {
+      taken_[i] = std::min<int64_t>(budget - used, static_cast<int64_t>(in[i].tokens.size()));
+      used += taken_[i];
+    }
+  for (size_t i = 0; i < n; ++i) {
+    const StepInput& s = in[i];
+    const int64_t k = taken_[i];
+    if (k == 0) continue;
+    ++n_seqs_;
+    (s.decode ? n_decode_ : n_prompt_) += static_cast<int32_t>(k);
+    // A decode token, or a chunk that reaches the prompt's end, has its last row among outputs.
+    const bool wanted = s.decode || k == static_cast<int64_t>(s.tokens.size());
+    const int64_t body = wanted ? k - 1 : k;
+    for (int64_t j = 0; j < body; ++j) {
+      tokens_.push_back(s.tokens[static_cast<size_t>(j)]);
+      positions_.push_back(static_cast<int32_t>(s.n_past + j));
+      seqs_.push_back(s.kv_seq);
+    }
+    if (wanted) {
+      tail_tok_.push_back(s.tokens[static_cast<size_t>(body)]);
+      tail_pos_.push_back(static_cast<int32_t>(s.n_past + body));
+      tail_seq_.push_back(s.kv_seq);
+      out_row_[i] = n_wanted_++;
+    }
+  }
+  tokens_.insert(tokens_.end(), tail_tok_.begin(), tail_tok_.end());
+  positions_.insert(positions_.end(), tail_pos_.begin(), tail_pos_.end());
+  seqs_.insert(seqs_.end(), tail_seq_.begin(), tail_seq_.end());
+}
+
 struct BatchLoop::Seq {
   int64_t id = 0;
   BatchRequest req;
@@ -92,91 +140,50 @@ const std::vector<BatchEvent>& BatchLoop::step() {
   admit();
   if (running_.empty()) return events_;
 
-  // Pack: one token per generating sequence, then prompt chunks, up to n_ubatch tokens. Rows
-  // whose logits are wanted (decode tokens, the last token of a prompt) go at the end, in the
-  // order of admission; a prompt chunk's other tokens go first.
-  const auto budget = static_cast<int64_t>(session_.params().n_ubatch);
-  int64_t used = 0;
-  struct Out {
-    size_t seq;  // index in running_
-  };
-  std::vector<Out> outs;
-  std::vector<int32_t> tail_tok, tail_pos, tail_seq;
-  std::vector<int64_t> chunk(running_.size(), 0);  // prompt tokens this step, per sequence
-  tokens_.clear();
-  positions_.clear();
-  seqs_.clear();
-  for (size_t i = 0; i < running_.size() && used < budget; ++i) {
-    Seq& s = *running_[i];
-    if (s.prefilling()) continue;
-    chunk[i] = -1;  // a decode token
-    ++used;
+  inputs_.clear();
+  for (const auto& sp : running_) {
+    const Seq& s = *sp;
+    StepInput in;
+    in.kv_seq = s.kv_seq;
+    in.n_past = s.n_past;
+    in.decode = !s.prefilling();
+    in.tokens = in.decode
+                    ? std::span<const int32_t>(&s.next, 1)
+                    : std::span<const int32_t>(s.req.prompt).subspan(static_cast<size_t>(s.n_past));
+    inputs_.push_back(in);
   }
-  for (size_t i = 0; i < running_.size() && used < budget; ++i) {
-    Seq& s = *running_[i];
-    if (!s.prefilling()) continue;
-    chunk[i] = std::min<int64_t>(budget - used, static_cast<int64_t>(s.req.prompt.size()) - s.n_past);
-    used += chunk[i];
-  }
-  for (size_t i = 0; i < running_.size(); ++i) {
-    Seq& s = *running_[i];
-    if (chunk[i] == 0) continue;
-    if (chunk[i] < 0) {
-      tail_tok.push_back(s.next);
-      tail_pos.push_back(static_cast<int32_t>(s.n_past));
-      tail_seq.push_back(s.kv_seq);
-      outs.push_back({i});
-      ++last_.n_decode;
-      continue;
-    }
-    const bool finishes = s.n_past + chunk[i] == static_cast<int64_t>(s.req.prompt.size());
-    const int64_t body = finishes ? chunk[i] - 1 : chunk[i];
-    for (int64_t j = 0; j < body; ++j) {
-      tokens_.push_back(s.req.prompt[static_cast<size_t>(s.n_past + j)]);
-      positions_.push_back(static_cast<int32_t>(s.n_past + j));
-      seqs_.push_back(s.kv_seq);
-    }
-    if (finishes) {
-      tail_tok.push_back(s.req.prompt.back());
-      tail_pos.push_back(static_cast<int32_t>(s.n_past + body));
-      tail_seq.push_back(s.kv_seq);
-      outs.push_back({i});
-    }
-    last_.n_prompt += static_cast<int32_t>(chunk[i]);
-  }
-  tokens_.insert(tokens_.end(), tail_tok.begin(), tail_tok.end());
-  positions_.insert(positions_.end(), tail_pos.begin(), tail_pos.end());
-  seqs_.insert(seqs_.end(), tail_seq.begin(), tail_seq.end());
-  for (size_t i = 0; i < running_.size(); ++i) last_.n_seqs += chunk[i] != 0;
-  // A step without a row to sample (prompt chunks only) still makes one output row.
-  const auto n_out = static_cast<int32_t>(std::max<size_t>(outs.size(), 1));
+  packer_.pack(inputs_, session_.params().n_ubatch);
+  last_.n_decode = packer_.n_decode();
+  last_.n_prompt = packer_.n_prompt();
+  last_.n_seqs = packer_.n_seqs();
 
   const auto t0 = std::chrono::steady_clock::now();
   std::span<const float> logits;
   try {
-    logits = session_.eval_step(tokens_, positions_, seqs_, n_out);
+    logits =
+        session_.eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(), packer_.n_out());
   } catch (...) {
     for (size_t i = running_.size(); i-- > 0;)
-      if (chunk[i] != 0) finish(i, StopReason::callback);
+      if (packer_.taken(i) != 0) finish(i, StopReason::callback);
     throw;
   }
   last_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const int64_t n_vocab = session_.n_vocab();
-  for (size_t i = 0; i < running_.size(); ++i)
-    if (chunk[i] != 0) running_[i]->n_past += chunk[i] < 0 ? 1 : chunk[i];
+  for (size_t i = 0; i < running_.size(); ++i) running_[i]->n_past += packer_.taken(i);
   std::vector<uint8_t> ended(running_.size(), 0);
   std::vector<StopReason> why(running_.size(), StopReason::n_predict);
   std::vector<int64_t> event_of(running_.size(), -1);  // this step's token event, per sequence
-  for (size_t r = 0; r < outs.size(); ++r) {
-    const size_t i = outs[r].seq;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const int32_t r = packer_.out_row(i);
+    if (r < 0) continue;
     Seq& s = *running_[i];
     if (s.req.n_predict >= 0 && s.n_generated >= s.req.n_predict) {
       ended[i] = 1;  // n_predict 0: the prompt only
       continue;
     }
-    const std::span<const float> row = logits.subspan(r * static_cast<size_t>(n_vocab),
-                                                      static_cast<size_t>(n_vocab));
+    const std::span<const float> row = logits.subspan(
+        static_cast<size_t>(r) * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
     if (on_logits) on_logits(s.id, row);
     const int32_t id = s.sampler.sample(row);
     s.sampler.accept(id);

@@ -268,6 +268,11 @@ void HttpServer::Impl::routes() {
            m.tokens_predicted_seconds_total);
     metric("n_decode_total", "counter", "Forward steps (prefill chunks and decode steps).",
            static_cast<double>(m.n_decode_total));
+    metric("step_slots_total", "counter",
+           "Slots carried by forward steps, summed (/ n_decode_total: the mean batch).",
+           static_cast<double>(m.n_step_seqs_total));
+    metric("step_slots_max", "gauge", "The most slots one forward step carried.",
+           static_cast<double>(m.max_step_seqs));
     metric("requests_processing", "gauge", "Requests in a slot.",
            static_cast<double>(m.requests_processing));
     metric("requests_deferred", "gauge", "Requests waiting for a slot.",

@@ -5,22 +5,30 @@
 #include <algorithm>
 
 #include "berth/core/error.h"
-#include "berth/runtime/session.h"
 
 namespace berth::server {
 
-int64_t SessionSequenceState::n_past() const { return session_.n_past(); }
+void KvSequenceState::truncate_to(int64_t n) {
+  if (n < 0 || n > n_past_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("truncate_to({}) outside 0..{}", n, n_past_));
+  n_past_ = n;
+}
 
-void SessionSequenceState::truncate_to(int64_t n) { session_.truncate(n); }
-
-Checkpoint SessionSequenceState::save() { return Checkpoint{session_.n_past(), 0}; }
-
-void SessionSequenceState::restore(const Checkpoint& cp) {
-  if (cp.n_past > session_.n_past())
+void KvSequenceState::restore(const Checkpoint& cp) {
+  if (cp.n_past < 0 || cp.n_past > n_past_)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("cannot restore a checkpoint at position {}: the KV cache holds {}",
-                            cp.n_past, session_.n_past()));
-  session_.truncate(cp.n_past);
+                            cp.n_past, n_past_));
+  n_past_ = cp.n_past;
+}
+
+void KvSequenceState::advance(int64_t n) {
+  if (n < 0 || n_past_ + n > n_ctx_)
+    throw Error(
+        ErrorCategory::invalid_argument,
+        fmt::format("{} tokens after {} exceed the sequence's context of {}", n, n_past_, n_ctx_));
+  n_past_ += n;
 }
 
 SlotCache::SlotCache(SequenceState& state, int max_checkpoints)

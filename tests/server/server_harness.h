@@ -23,7 +23,7 @@
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
 #include "berth/server/server.h"
-#include "berth/server/slot_engine.h"
+#include "berth/server/batch_engine.h"
 #include "berth/tools/synth.h"
 #include "test_util.h"
 
@@ -67,13 +67,13 @@ struct ServerConfig {
 class TestServer {
  public:
   TestServer(const LoadedModel& m, const ServerConfig& c) {
-    server::SlotEngineOptions eo;
+    server::BatchEngineOptions eo;
     eo.n_slots = c.n_slots;
     eo.n_ctx = c.n_ctx;
     eo.queue_limit = c.queue;
     eo.session.n_threads = 1;
     eo.session.n_ubatch = c.n_ubatch;
-    engine = std::make_unique<server::SlotEngine>(*m.model, *m.tok, eo);
+    engine = std::make_unique<server::BatchEngine>(*m.model, *m.tok, eo);
     server::ServerOptions so;
     so.host = "127.0.0.1";
     so.port = 0;
@@ -91,7 +91,7 @@ class TestServer {
     http.reset();
     engine.reset();
   }
-  std::unique_ptr<server::SlotEngine> engine;
+  std::unique_ptr<server::BatchEngine> engine;
   std::unique_ptr<server::HttpServer> http;
   int port = 0;
 };

@@ -388,6 +388,8 @@ TEST_CASE("/slots shows every slot busy when requests exceed slots") {
     CHECK(s.status == 200);
     CHECK(s.events().back()["tokens_predicted"] == 120);
   }
+  // Both slots were busy at once, so steps carried both.
+  CHECK(get(srv.port, "/metrics").body.find("berth:step_slots_max 2\n") != std::string::npos);
   Reply s = get(srv.port, "/slots");
   CHECK(s.j[0]["is_processing"] == false);
   CHECK(s.j[1]["is_processing"] == false);
@@ -522,10 +524,10 @@ TEST_CASE("/health is 503 while loading, then 200; --metrics serves Prometheus t
   CHECK(r.j["error"]["message"] == "Loading model");
   check_error(get(port, "/v1/models"), 503, "unavailable_error");
   check_error(post(port, "/v1/completions", completion_body("a", 1)), 503, "unavailable_error");
-  server::SlotEngineOptions eo;
+  server::BatchEngineOptions eo;
   eo.n_ctx = 256;
   eo.session.n_threads = 1;
-  server::SlotEngine engine(*stories().model, *stories().tok, eo);
+  server::BatchEngine engine(*stories().model, *stories().tok, eo);
   http.set_ready(stories().ctx, engine);
   CHECK(get(port, "/health").status == 200);
   CHECK(post(port, "/v1/completions", completion_body(kOnce, 6)).status == 200);

@@ -11,6 +11,7 @@
 // it would alone (CpuExecutor::run), and a prompt's chunk boundaries change no bits.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -23,6 +24,50 @@
 #include "berth/runtime/session.h"
 
 namespace berth {
+
+/// One sequence's offer to a step (StepPacker::pack): `tokens` continue KV sequence `kv_seq` at
+/// position `n_past`: the rest of its prompt while it prefills, or the one token it sampled last.
+struct StepInput {
+  int32_t kv_seq = 0;
+  int64_t n_past = 0;
+  std::span<const int32_t> tokens;  ///< at least one
+  bool decode = false;              ///< a generating sequence's token (exactly one)
+};
+
+/// Packs one step of several sequences (continuous batching with chunked prefill): the decode
+/// token of every generating input first, then chunks of the prompts, in input order, up to a
+/// budget of tokens (-ub). Rows whose logits are wanted (decode tokens, the last token of a
+/// prompt) go at the end of the step, in input order, so that Session::eval_step returns them as
+/// its last rows; a chunk's other tokens go first. BatchLoop and the server's engine pack with it.
+class StepPacker {
+ public:
+  /// Packs a step from `in` (inputs of distinct sequences) of at most `budget` tokens.
+  void pack(std::span<const StepInput> in, int64_t budget);
+
+  /// The step, for Session::eval_step (valid until the next pack()).
+  std::span<const int32_t> tokens() const { return tokens_; }
+  std::span<const int32_t> positions() const { return positions_; }
+  std::span<const int32_t> seqs() const { return seqs_; }
+  bool empty() const { return tokens_.empty(); }
+  /// Tokens of input i in the step (0: none; a decode input: 0 or 1).
+  int64_t taken(size_t i) const { return taken_[i]; }
+  /// The row, among the step's outputs, of input i's last token when its logits are wanted (a
+  /// decode token, a chunk that ends a prompt), else -1.
+  int32_t out_row(size_t i) const { return out_row_[i]; }
+  /// Output rows to ask eval_step for: the wanted ones, at least 1 (a step of prompt chunks only
+  /// still makes one row, unused).
+  int32_t n_out() const { return std::max(n_wanted_, 1); }
+  int32_t n_decode() const { return n_decode_; }  ///< decode tokens in the step
+  int32_t n_prompt() const { return n_prompt_; }  ///< prompt tokens in the step
+  int32_t n_seqs() const { return n_seqs_; }      ///< inputs with tokens in the step
+
+ private:
+  std::vector<int32_t> tokens_, positions_, seqs_;
+  std::vector<int32_t> tail_tok_, tail_pos_, tail_seq_;
+  std::vector<int64_t> taken_;
+  std::vector<int32_t> out_row_;
+  int32_t n_wanted_ = 0, n_decode_ = 0, n_prompt_ = 0, n_seqs_ = 0;
+};
 
 struct BatchRequest {
   std::vector<int32_t> prompt;  ///< token ids (at least one, fewer than the per-sequence n_ctx)
@@ -88,7 +133,8 @@ class BatchLoop {
   std::deque<std::unique_ptr<Seq>> queue_;
   std::vector<std::unique_ptr<Seq>> running_;
   std::vector<BatchEvent> events_;
-  std::vector<int32_t> tokens_, positions_, seqs_;
+  std::vector<StepInput> inputs_;
+  StepPacker packer_;
   StepStats last_;
 };
 

@@ -6,9 +6,8 @@
 // slots (llama-server's `-np`): each holds one sequence's state (its KV cache) and runs one
 // request at a time; requests wait in a bounded queue when every slot is busy.
 //
-// Two engines are planned: SlotEngine (slot_engine.h: one runtime Session per slot, stepped in
-// turn by one thread; until the batching loop exists) and the batching loop itself (several
-// sequences in one step). Both sit behind this interface.
+// The engine is BatchEngine (batch_engine.h: the slots are the sequences of one Session, and
+// each step carries tokens of every busy slot).
 #pragma once
 
 #include <atomic>
@@ -169,8 +168,11 @@ struct EngineMetrics {
   double prompt_seconds_total = 0;
   int64_t tokens_predicted_total = 0;  ///< tokens sampled
   double tokens_predicted_seconds_total = 0;
-  int64_t n_decode_total = 0;       ///< forward steps (prefill chunks and decode steps)
-  int64_t n_cached_total = 0;       ///< prompt tokens reused from slot caches
+  int64_t n_decode_total = 0;  ///< forward steps (prefill chunks and decode steps)
+  int64_t n_cached_total = 0;  ///< prompt tokens reused from slot caches
+  /// Sum over forward steps of the slots each carried (/ n_decode_total: the mean batch).
+  int64_t n_step_seqs_total = 0;
+  int32_t max_step_seqs = 0;        ///< the most slots one forward step carried
   int64_t requests_processing = 0;  ///< now: requests in a slot
   int64_t requests_deferred = 0;    ///< now: requests waiting for a slot
 };

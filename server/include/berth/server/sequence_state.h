@@ -8,10 +8,6 @@
 #include <span>
 #include <vector>
 
-namespace berth {
-class Session;
-}
-
 namespace berth::server {
 
 /// A position a SequenceState can return to: the state after its first `n_past` tokens.
@@ -47,20 +43,26 @@ class SequenceState {
   virtual void drop(const Checkpoint& cp) = 0;
 };
 
-/// The SequenceState of a runtime Session whose model has attention layers only (its KV cache
-/// truncates anywhere): checkpoints are positions.
-class SessionSequenceState : public SequenceState {
+/// One sequence of a KV cache of attention layers only, stepped by Session::eval_step (which
+/// takes each token's position, so the sequence's length is this object's bookkeeping): it
+/// truncates anywhere (later steps overwrite the rows past the end), checkpoints are positions.
+/// The engine calls advance() for the tokens each step evaluated.
+class KvSequenceState : public SequenceState {
  public:
-  explicit SessionSequenceState(Session& session) : session_(session) {}
-  int64_t n_past() const override;
+  explicit KvSequenceState(int64_t n_ctx) : n_ctx_(n_ctx) {}
+  int64_t n_past() const override { return n_past_; }
   bool can_truncate() const override { return true; }
   void truncate_to(int64_t n) override;
-  Checkpoint save() override;
+  Checkpoint save() override { return Checkpoint{n_past_, 0}; }
   void restore(const Checkpoint& cp) override;
   void drop(const Checkpoint&) override {}
+  /// Records `n` tokens evaluated at positions n_past() .. n_past() + n - 1. Throws
+  /// Error(invalid_argument) past the sequence's n_ctx.
+  void advance(int64_t n);
 
  private:
-  Session& session_;
+  int64_t n_ctx_;
+  int64_t n_past_ = 0;
 };
 
 /// What one slot's state holds (its token ids) and how much of a new prompt it can reuse: the

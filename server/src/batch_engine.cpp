@@ -1,4 +1,4 @@
-#include "berth/server/slot_engine.h"
+#include "berth/server/batch_engine.h"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,6 @@
 #include <numeric>
 #include <unordered_map>
 
-#include "berth/backends/device.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 
@@ -48,7 +47,7 @@ void fill_logprobs(std::span<const float> logits, int32_t id, int32_t n_top, Gen
 
 }  // namespace
 
-SlotEngine::SlotEngine(const Model& model, const Tokenizer& tok, SlotEngineOptions options)
+BatchEngine::BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOptions options)
     : model_(model), tok_(tok), options_(std::move(options)) {
   const int32_t np = options_.n_slots;
   if (np < 1)
@@ -63,28 +62,26 @@ SlotEngine::SlotEngine(const Model& model, const Tokenizer& tok, SlotEngineOptio
                 fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs at "
                             "least 2 (raise -c or lower -np)",
                             n_ctx, np, n_ctx_slot_));
-  if (np > 1 && options_.session.device && options_.session.device->name().rfind("SIM", 0) != 0)
-    throw Error(ErrorCategory::unsupported,
-                fmt::format("-np {} with {}: each slot would upload its own copy of the weights "
-                            "until the batching loop exists; use -np 1 on a GPU, or -ngl 0 for "
-                            "several slots on the CPU",
-                            np, options_.session.device->name()));
-  slots_.reserve(static_cast<size_t>(np));
+  SessionParams sp = options_.session;
+  sp.n_ctx = n_ctx_slot_;
+  sp.n_seq = np;
+  session_ = std::make_unique<Session>(model, sp);
+  slots_.resize(static_cast<size_t>(np));
   info_.resize(static_cast<size_t>(np));
   for (int32_t i = 0; i < np; ++i) {
-    SessionParams sp = options_.session;
-    sp.n_ctx = n_ctx_slot_;
-    Slot& s = slots_.emplace_back();
-    s.id = i;
-    s.session = std::make_unique<Session>(model, sp);
-    s.state = std::make_unique<SessionSequenceState>(*s.session);
+    Slot& s = slots_[static_cast<size_t>(i)];
+    s.id = session_->kv().acquire();  // the lowest free one: i
+    BERTH_CHECK(s.id == i, fmt::format("BatchEngine: slot {} got KV sequence {}", i, s.id));
+    s.state = std::make_unique<KvSequenceState>(n_ctx_slot_);
     s.cache = std::make_unique<SlotCache>(*s.state);
     info_[static_cast<size_t>(i)] = SlotInfo{i, n_ctx_slot_, false, 0, 0};
   }
+  busy_.reserve(slots_.size());
+  inputs_.reserve(slots_.size());
   thread_ = std::thread([this] { loop(); });
 }
 
-SlotEngine::~SlotEngine() {
+BatchEngine::~BatchEngine() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
@@ -97,11 +94,7 @@ SlotEngine::~SlotEngine() {
   if (thread_.joinable()) thread_.join();
 }
 
-int SlotEngine::n_threads() const {
-  return slots_.empty() ? 0 : slots_.front().session->pool().n_threads();
-}
-
-std::shared_ptr<Generation> SlotEngine::submit(GenerationRequest req) {
+std::shared_ptr<Generation> BatchEngine::submit(GenerationRequest req) {
   using R = Rejected::Reason;
   const int64_t n_prompt = static_cast<int64_t>(req.prompt.size());
   if (n_prompt == 0) throw Rejected(R::invalid, "the prompt has no tokens");
@@ -152,12 +145,12 @@ std::shared_ptr<Generation> SlotEngine::submit(GenerationRequest req) {
   return gen;
 }
 
-std::vector<SlotInfo> SlotEngine::slots() const {
+std::vector<SlotInfo> BatchEngine::slots() const {
   std::lock_guard<std::mutex> lock(mu_);
   return info_;
 }
 
-EngineMetrics SlotEngine::metrics() const {
+EngineMetrics BatchEngine::metrics() const {
   std::lock_guard<std::mutex> lock(mu_);
   EngineMetrics m = metrics_;
   m.requests_processing = n_busy_;
@@ -165,17 +158,17 @@ EngineMetrics SlotEngine::metrics() const {
   return m;
 }
 
-void SlotEngine::close() {
+void BatchEngine::close() {
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;
 }
 
-int64_t SlotEngine::n_in_flight() const {
+int64_t BatchEngine::n_in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
   return n_busy_ + static_cast<int64_t>(waiting_.size());
 }
 
-void SlotEngine::cancel_all() {
+void BatchEngine::cancel_all() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (Waiting& w : waiting_) w.gen->cancel();
@@ -185,18 +178,25 @@ void SlotEngine::cancel_all() {
   cv_.notify_all();
 }
 
-void SlotEngine::loop() {
+void BatchEngine::hold_queue(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = on;
+  }
+  cv_.notify_all();
+}
+
+void BatchEngine::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    assign_locked();
+    if (!held_ || stopping_) assign_locked();
     if (n_busy_ == 0) {
       if (stopping_ && waiting_.empty()) break;
-      cv_.wait(lock, [this] { return stopping_ || !waiting_.empty(); });
+      cv_.wait(lock, [this] { return stopping_ || (!waiting_.empty() && !held_); });
       continue;
     }
     lock.unlock();
-    for (Slot& s : slots_)
-      if (s.gen) step(s);
+    step();
     lock.lock();
   }
 }
@@ -206,7 +206,7 @@ void SlotEngine::loop() {
 // least kMinSimilarity of the prompt (with cache_prompt; llama-server's slot_prompt_similarity),
 // else the least recently used idle slot, so that a slot's cache is not spent on a request that
 // shares little with it.
-void SlotEngine::assign_locked() {
+void BatchEngine::assign_locked() {
   constexpr double kMinSimilarity = 0.5;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Waiting& w = *it;
@@ -247,6 +247,7 @@ void SlotEngine::assign_locked() {
     s.t.queued_ms = ms_since(w.submitted);
     s.pending = -1;
     s.recent.clear();
+    s.admitted = ++use_counter_;
     it = waiting_.erase(it);
     ++n_busy_;
     int64_t n_cached = 0;
@@ -273,66 +274,100 @@ void SlotEngine::assign_locked() {
   }
 }
 
-void SlotEngine::note_recent(Slot& s, int32_t id) {
+void BatchEngine::note_recent(Slot& s, int32_t id) {
   const int32_t window = s.sampler->params().repeat_last_n;
   if (window <= 0) return;
   s.recent.push_back(id);
   while (static_cast<int32_t>(s.recent.size()) > window) s.recent.pop_front();
 }
 
-void SlotEngine::step(Slot& s) {
-  if (s.gen->cancelled()) {
-    end(s, FinishReason::cancelled);
+// One forward step over every busy slot: the decode token of each generating slot, then prompt
+// chunks of prefilling slots in order of admission, up to -ub tokens (StepPacker).
+void BatchEngine::step() {
+  busy_.clear();
+  for (Slot& s : slots_) {
+    if (!s.gen) continue;
+    if (s.gen->cancelled())
+      end(s, FinishReason::cancelled);
+    else
+      busy_.push_back(&s);
+  }
+  if (busy_.empty()) return;
+  std::sort(busy_.begin(), busy_.end(),
+            [](const Slot* a, const Slot* b) { return a->admitted < b->admitted; });
+  inputs_.clear();
+  for (const Slot* s : busy_) {
+    StepInput in;
+    in.kv_seq = s->id;
+    in.n_past = s->state->n_past();
+    in.decode = s->n_prompt_done == static_cast<int64_t>(s->req.prompt.size());
+    in.tokens = in.decode ? std::span<const int32_t>(&s->pending, 1)
+                          : std::span<const int32_t>(s->req.prompt)
+                                .subspan(static_cast<size_t>(s->n_prompt_done));
+    inputs_.push_back(in);
+  }
+  packer_.pack(inputs_, options_.session.n_ubatch);
+
+  const auto t0 = Clock::now();
+  std::span<const float> logits;
+  try {
+    logits =
+        session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(), packer_.n_out());
+  } catch (const std::exception& e) {
+    for (size_t i = 0; i < busy_.size(); ++i)
+      if (packer_.taken(i) > 0) fail(*busy_[i], e.what());
     return;
   }
-  try {
-    const auto t0 = Clock::now();
-    const std::span<const int32_t> prompt(s.req.prompt);
-    const int64_t n_prompt = static_cast<int64_t>(prompt.size());
-    if (s.n_prompt_done < n_prompt) {
-      const int64_t n = std::min<int64_t>(options_.session.n_ubatch, n_prompt - s.n_prompt_done);
-      const auto chunk =
-          prompt.subspan(static_cast<size_t>(s.n_prompt_done), static_cast<size_t>(n));
-      std::span<const float> logits = s.session->eval(chunk);
-      s.cache->append(chunk);
+  const double ms = ms_since(t0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++metrics_.n_decode_total;
+    metrics_.n_step_seqs_total += packer_.n_seqs();
+    metrics_.max_step_seqs = std::max(metrics_.max_step_seqs, packer_.n_seqs());
+  }
+  const auto n_vocab = static_cast<size_t>(session_->n_vocab());
+  for (size_t i = 0; i < busy_.size(); ++i) {
+    const int64_t n = packer_.taken(i);
+    if (n == 0) continue;
+    Slot& s = *busy_[i];
+    const int32_t r = packer_.out_row(i);
+    const std::span<const float> row =
+        r < 0 ? std::span<const float>()
+              : logits.subspan(static_cast<size_t>(r) * n_vocab, n_vocab);
+    try {
+      s.state->advance(n);
+      s.cache->append(inputs_[i].tokens.first(static_cast<size_t>(n)));
+      if (inputs_[i].decode) {
+        const auto t1 = Clock::now();
+        sample(s, row);
+        s.t.predicted_ms += ms + ms_since(t1);
+        continue;
+      }
       s.n_prompt_done += n;
-      const double ms = ms_since(t0);
       s.t.n_evaluated += n;
       s.t.prompt_ms += ms;
       {
         std::lock_guard<std::mutex> lock(mu_);
         metrics_.prompt_tokens_total += n;
         metrics_.prompt_seconds_total += ms / 1e3;
-        ++metrics_.n_decode_total;
       }
       s.gen->progress(s.n_prompt_done);
-      if (s.n_prompt_done < n_prompt) return;
+      if (r < 0) continue;  // more of the prompt to come
       s.cache->checkpoint();
       if (s.req.max_tokens == 0) {
         end(s, FinishReason::length);
-        return;
+        continue;
       }
       const auto t1 = Clock::now();
-      sample(s, logits);
+      sample(s, row);
       s.t.predicted_ms += ms_since(t1);
-      return;
+    } catch (const std::exception& e) {
+      if (s.gen) fail(s, e.what());
     }
-    // Decode: evaluate the token sampled last turn, then sample the next.
-    const int32_t one[1] = {s.pending};
-    std::span<const float> logits = s.session->eval(one);
-    s.cache->append(one);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++metrics_.n_decode_total;
-    }
-    sample(s, logits);
-    s.t.predicted_ms += ms_since(t0);
-  } catch (const std::exception& e) {
-    fail(s, e.what());
   }
 }
 
-void SlotEngine::sample(Slot& s, std::span<const float> logits) {
+void BatchEngine::sample(Slot& s, std::span<const float> logits) {
   const SamplingSettings& ss = s.req.sampling;
   std::span<const float> use = logits;
   if (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f) {
@@ -363,14 +398,14 @@ void SlotEngine::sample(Slot& s, std::span<const float> logits) {
   s.gen->push(std::move(out));
   if (s.req.max_tokens >= 0 && s.t.n_predicted >= s.req.max_tokens) {
     end(s, FinishReason::length);
-  } else if (s.session->n_past() >= s.session->n_ctx()) {
+  } else if (s.state->n_past() >= n_ctx_slot_) {
     end(s, FinishReason::context);
   } else {
     s.pending = id;
   }
 }
 
-void SlotEngine::end(Slot& s, FinishReason reason) {
+void BatchEngine::end(Slot& s, FinishReason reason) {
   std::shared_ptr<Generation> gen;
   s.sampler.reset();
   s.pending = -1;
@@ -388,7 +423,7 @@ void SlotEngine::end(Slot& s, FinishReason reason) {
   gen->finish(reason, s.t);
 }
 
-void SlotEngine::fail(Slot& s, const std::string& message) {
+void BatchEngine::fail(Slot& s, const std::string& message) {
   log::error("slot {}: request {} failed: {}", s.id, s.gen->id(), message);
   std::shared_ptr<Generation> gen;
   s.sampler.reset();

@@ -1,0 +1,247 @@
+// BatchEngine without HTTP: the slots share each forward step, a request's tokens are those it
+// gets alone whatever shares its steps, cancellation frees a slot in prefill and in decode, the
+// queue limit, and the prefix cache's reuse giving the same tokens as a full prefill.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server_harness.h"
+
+using namespace berth;
+using namespace berth::test;
+using server::BatchEngine;
+using server::BatchEngineOptions;
+using server::FinishReason;
+using server::GenerationRequest;
+
+namespace {
+
+const LoadedModel& stories() {
+  static LoadedModel m(stories260k().string());
+  return m;
+}
+
+std::unique_ptr<BatchEngine> make_engine(const LoadedModel& m, int32_t n_slots, int64_t n_ctx,
+                                         int32_t n_ubatch = 512, int32_t queue = 64) {
+  BatchEngineOptions o;
+  o.n_slots = n_slots;
+  o.n_ctx = n_ctx;
+  o.queue_limit = queue;
+  o.session.n_threads = 1;
+  o.session.n_ubatch = n_ubatch;
+  return std::make_unique<BatchEngine>(*m.model, *m.tok, o);
+}
+
+GenerationRequest greedy(const LoadedModel& m, const std::string& text, int64_t max_tokens) {
+  GenerationRequest r;
+  r.prompt = m.tok->encode(text, true);
+  r.sampling.sampler.temp = 0;
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+// What a Generation produced, read to its end.
+struct Result {
+  std::vector<server::GeneratedToken> tokens;
+  FinishReason finish = FinishReason::length;
+  std::optional<std::string> error;
+  server::GenerationTimings timings;
+  int32_t slot = -1;
+  std::vector<int32_t> ids() const {
+    std::vector<int32_t> out;
+    for (const auto& t : tokens) out.push_back(t.id);
+    return out;
+  }
+};
+
+Result drain(server::Generation& g) {
+  Result r;
+  while (true) {
+    server::GenerationUpdate u = g.wait(std::chrono::milliseconds(1000));
+    for (auto& t : u.tokens) r.tokens.push_back(std::move(t));
+    if (u.started) r.slot = u.slot;
+    if (u.done) {
+      r.finish = u.finish;
+      r.error = u.error;
+      r.timings = u.timings;
+      return r;
+    }
+  }
+}
+
+Result run_alone(const LoadedModel& m, const GenerationRequest& req) {
+  auto e = make_engine(m, 1, 512);
+  return drain(*e->submit(req));
+}
+
+const std::vector<std::string> kPrompts = {"Once upon a time", "Lily and Tom went to the park",
+                                           "The little dog", "One day, a bird sang"};
+
+}  // namespace
+
+TEST_CASE("BatchEngine: four requests share each step and each gets its tokens alone") {
+  const LoadedModel& m = stories();
+  std::vector<GenerationRequest> reqs;
+  for (const std::string& p : kPrompts) reqs.push_back(greedy(m, p, 40));
+  // A sampled request with penalties and logprobs: its own sampler and seed, the same draws.
+  GenerationRequest sampled = greedy(m, "Sam had a big red", 40);
+  sampled.sampling.sampler.temp = 0.9f;
+  sampled.sampling.sampler.seed = 1234;
+  sampled.sampling.presence_penalty = 0.4f;
+  sampled.sampling.frequency_penalty = 0.3f;
+  sampled.sampling.logprobs = true;
+  sampled.sampling.n_top_logprobs = 3;
+  reqs.push_back(sampled);
+  std::vector<Result> alone;
+  for (const GenerationRequest& r : reqs) alone.push_back(run_alone(m, r));
+
+  for (const int32_t n_ubatch : {512, 3}) {  // 3: prompt chunks beside other slots' decodes
+    CAPTURE(n_ubatch);
+    auto e = make_engine(m, 4, 4 * 256, n_ubatch);
+    e->hold_queue(true);  // all start in the same step (the fifth waits for a slot)
+    std::vector<std::shared_ptr<server::Generation>> gens;
+    for (const GenerationRequest& r : reqs) gens.push_back(e->submit(r));
+    CHECK(e->metrics().requests_deferred == 5);
+    e->hold_queue(false);
+    for (size_t i = 0; i < gens.size(); ++i) {
+      CAPTURE(i);
+      const Result got = drain(*gens[i]);
+      REQUIRE_FALSE(got.error);
+      CHECK(got.ids() == alone[i].ids());
+      CHECK(got.finish == alone[i].finish);
+      CHECK(got.timings.n_predicted == alone[i].timings.n_predicted);
+      REQUIRE(got.tokens.size() == alone[i].tokens.size());
+      for (size_t t = 0; t < got.tokens.size(); ++t) {
+        CHECK(got.tokens[t].logprob == alone[i].tokens[t].logprob);
+        CHECK(got.tokens[t].top == alone[i].tokens[t].top);
+      }
+    }
+    CHECK(alone.back().tokens.front().top.size() == 3);
+    const server::EngineMetrics mt = e->metrics();
+    // -ub 512: the first step carried the four prompts; -ub 3: three slots' decode tokens.
+    CHECK(mt.max_step_seqs == std::min(4, n_ubatch));
+    CHECK(mt.n_step_seqs_total > mt.n_decode_total);
+    CHECK(mt.requests_processing == 0);
+    CHECK(e->n_in_flight() == 0);
+    for (const server::SlotInfo& s : e->slots()) CHECK_FALSE(s.is_processing);
+  }
+}
+
+TEST_CASE("BatchEngine: cancel frees the slot in prefill and in decode; the other slot goes on") {
+  static LoadedModel slow(synth_model("slow-llama"));
+  GenerationRequest other;
+  other.prompt = {1, 5, 9};
+  other.sampling.sampler.temp = 0;
+  other.max_tokens = 60;
+  other.ignore_eos = true;
+  const Result other_alone = run_alone(slow, other);
+
+  // -ub 2: a prompt of 400 tokens takes 200 steps.
+  auto e = make_engine(slow, 2, 2 * 512, 2);
+  auto bystander = e->submit(other);
+  {  // In prefill: cancel after the first chunk.
+    GenerationRequest r;
+    r.prompt.assign(400, 7);
+    r.prompt[0] = 1;
+    r.max_tokens = 4;
+    auto g = e->submit(r);
+    while (true) {
+      const server::GenerationUpdate u = g->wait(std::chrono::milliseconds(1000));
+      if (u.n_prompt_done > 0 || u.done) break;
+    }
+    g->cancel();
+    const Result got = drain(*g);
+    CHECK(got.finish == FinishReason::cancelled);
+    CHECK(got.tokens.empty());
+    CHECK(got.timings.n_evaluated < 400);
+    CHECK_FALSE(e->slots()[static_cast<size_t>(got.slot)].is_processing);
+  }
+  {  // In decode: cancel after the first token.
+    GenerationRequest r;
+    r.prompt = {1, 20};
+    r.max_tokens = 400;
+    r.ignore_eos = true;
+    auto g = e->submit(r);
+    size_t n = 0;
+    while (n == 0) {
+      const server::GenerationUpdate u = g->wait(std::chrono::milliseconds(1000));
+      n += u.tokens.size();
+      if (u.done) break;
+    }
+    g->cancel();
+    const Result got = drain(*g);
+    CHECK(got.finish == FinishReason::cancelled);
+    CHECK(got.timings.n_predicted < 400);
+    CHECK_FALSE(e->slots()[static_cast<size_t>(got.slot)].is_processing);
+  }
+  const Result b = drain(*bystander);
+  CHECK(b.ids() == other_alone.ids());
+  CHECK(e->n_in_flight() == 0);
+  // Both slots take requests again.
+  auto g1 = e->submit(other);
+  auto g2 = e->submit(other);
+  CHECK(drain(*g1).ids() == other_alone.ids());
+  CHECK(drain(*g2).ids() == other_alone.ids());
+}
+
+TEST_CASE("BatchEngine: queue_full beyond the slots and --queue; a cancelled waiter leaves") {
+  const LoadedModel& m = stories();
+  auto e = make_engine(m, 2, 2 * 256, 512, 1);
+  e->hold_queue(true);
+  auto a = e->submit(greedy(m, "Once upon a time", 8));
+  auto b = e->submit(greedy(m, "The little dog", 8));
+  auto c = e->submit(greedy(m, "Mom said", 8));
+  try {
+    e->submit(greedy(m, "There was a tree", 8));
+    FAIL("a fourth request was accepted by 2 slots and a queue of 1");
+  } catch (const server::Rejected& r) {
+    CHECK(r.reason() == server::Rejected::Reason::queue_full);
+  }
+  c->cancel();  // leaves the queue without taking a slot
+  e->hold_queue(false);
+  CHECK(drain(*a).finish == FinishReason::length);
+  CHECK(drain(*b).finish == FinishReason::length);
+  const Result rc = drain(*c);
+  CHECK(rc.finish == FinishReason::cancelled);
+  CHECK(rc.slot == -1);
+  CHECK(drain(*e->submit(greedy(m, "There was a tree", 8))).tokens.size() == 8);
+  e->close();
+  CHECK_THROWS_AS(e->submit(greedy(m, "a", 1)), server::Rejected);
+}
+
+TEST_CASE("BatchEngine: a prompt sharing a prefix reuses the slot's cache, with the same tokens") {
+  const LoadedModel& m = stories();
+  auto e = make_engine(m, 2, 2 * 512, 4);  // -ub 4: the rest of the prompt in several chunks
+  const GenerationRequest first = greedy(m, "Once upon a time, there was a little girl", 24);
+  const Result r1 = drain(*e->submit(first));
+  // Something unrelated takes the other slot (it shares less than half with the first).
+  const Result r_other = drain(*e->submit(greedy(m, "Why is the sky blue?", 8)));
+  CHECK(r_other.slot != r1.slot);
+  // The next turn: the first prompt, its reply, and more.
+  GenerationRequest next = first;
+  for (int32_t id : r1.ids()) next.prompt.push_back(id);
+  for (int32_t id : m.tok->encode(" Then she went home.", false)) next.prompt.push_back(id);
+  next.max_tokens = 24;
+  const Result r2 = drain(*e->submit(next));
+  CHECK(r2.slot == r1.slot);
+  CHECK(r2.timings.n_cached >= static_cast<int64_t>(first.prompt.size()));
+  CHECK(r2.timings.n_cached + r2.timings.n_evaluated == static_cast<int64_t>(next.prompt.size()));
+  CHECK(e->metrics().n_cached_total >= r2.timings.n_cached);
+  // Without reuse, on this engine and alone: the same tokens.
+  GenerationRequest no_cache = next;
+  no_cache.cache_prompt = false;
+  const Result r3 = drain(*e->submit(no_cache));
+  CHECK(r3.timings.n_cached == 0);
+  CHECK(r3.ids() == r2.ids());
+  CHECK(run_alone(m, no_cache).ids() == r2.ids());
+  // A pinned slot is honoured.
+  GenerationRequest pinned = next;
+  pinned.slot = 1 - r3.slot;
+  const Result r4 = drain(*e->submit(pinned));
+  CHECK(r4.slot == pinned.slot);
+  CHECK(r4.ids() == r2.ids());
+}
