@@ -21,11 +21,25 @@ void StepPacker::pack(std::span<const StepInput> in, int64_t budget) {
   tail_seq_.clear();
   n_wanted_ = n_decode_ = n_prompt_ = n_seqs_ = 0;
   int64_t used = 0;
-  for (size_t i = 0; i < n && used < budget; ++i)
-    if (in[i].decode) {
-      taken_[i] = 1;
-      ++used;
-    }
+  // Decode tokens first. When more sequences generate than the budget holds, they take turns:
+  // this step starts after the sequence served last (by KV sequence id, cyclically), so none
+  // waits more than ceil(generating / budget) steps.
+  order_.clear();
+  for (size_t i = 0; i < n; ++i)
+    if (in[i].decode) order_.push_back(i);
+  if (static_cast<int64_t>(order_.size()) > budget) {
+    std::sort(order_.begin(), order_.end(),
+              [&](size_t a, size_t b) { return in[a].kv_seq < in[b].kv_seq; });
+    const auto next = std::find_if(order_.begin(), order_.end(),
+                                   [&](size_t i) { return in[i].kv_seq > last_decode_seq_; });
+    std::rotate(order_.begin(), next, order_.end());
+    order_.resize(static_cast<size_t>(budget));
+    last_decode_seq_ = in[order_.back()].kv_seq;
+  }
+  for (size_t i : order_) {
+    taken_[i] = 1;
+    ++used;
+  }
   for (size_t i = 0; i < n && used < budget; ++i)
     if (!in[i].decode) {
       taken_[i] = std::min<int64_t>(budget - used, static_cast<int64_t>(in[i].tokens.size()));

@@ -486,3 +486,33 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   const std::span<const float> out = s.eval_step(t, pos, seq, 2);
   CHECK(out.size() == static_cast<size_t>(2 * model->hparams().n_vocab));
 }
+
+TEST_CASE("batch: more generating sequences than -ub take turns") {
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  const auto n_vocab = static_cast<int32_t>(model->hparams().n_vocab);
+  Session s(*model, params(*model, {}, 5, 64, 2));  // 5 sequences, 2 tokens per step
+  BatchLoop loop(s);
+  std::map<int64_t, std::vector<int>> steps_with_token;  // per request: the steps it got a token
+  std::vector<int64_t> ids;
+  for (int q = 0; q < 5; ++q) {
+    BatchRequest r;
+    r.prompt = prompt_of(2, q, n_vocab);
+    r.sampling.temp = 0;
+    r.n_predict = 8;
+    ids.push_back(loop.submit(r));
+  }
+  for (int step = 0; !loop.idle(); ++step) {
+    REQUIRE(step < 500);
+    for (const BatchEvent& e : loop.step())
+      if (e.token >= 0) steps_with_token[e.id].push_back(step);
+    CHECK(loop.last_step().n_decode + loop.last_step().n_prompt <= 2);
+  }
+  for (int64_t id : ids) {
+    CAPTURE(id);
+    const std::vector<int>& st = steps_with_token[id];
+    REQUIRE(st.size() == 8);
+    // Five generating sequences, two decode tokens per step: a turn every third step at most.
+    for (size_t i = 1; i < st.size(); ++i) CHECK(st[i] - st[i - 1] <= 3);
+  }
+}
