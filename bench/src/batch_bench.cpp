@@ -66,11 +66,15 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   const Hparams& hp = model->hparams();
   r.arch = hp.arch;
   r.model_name = file.get_string_opt("general.name").value_or("");
-  const int64_t n_ctx = int64_t{options.n_prompt} + options.n_gen + 1;
+  const int64_t n_ctx = int64_t{options.n_prompt} + options.n_gen;
   if (n_ctx > hp.n_ctx_train)
     throw Error(ErrorCategory::invalid_argument,
-                fmt::format("bench model: {} tokens exceed the model's context_length {}", n_ctx,
-                            hp.n_ctx_train));
+                fmt::format("bench model --parallel: -p {} + -n {} = {} tokens per sequence exceed "
+                            "the model's context_length {}",
+                            options.n_prompt, options.n_gen, n_ctx, hp.n_ctx_train));
+  if (options.n_ubatch < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bench model --parallel: -ub {} (need >= 1)", options.n_ubatch));
   r.n_threads = o.n_threads > 0 ? o.n_threads : physical_core_count();
   const size_t dram_bytes = o.dram_bytes > 0 ? o.dram_bytes : size_t{1} << 30;
   r.dram_gbps = measure_dram_bandwidth(r.n_threads, dram_bytes, 3).gbps.median;
@@ -90,9 +94,18 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     sp.n_threads = r.n_threads;
     sp.n_ctx = n_ctx;
     sp.n_seq = n_seq;
-    sp.n_ubatch = options.n_prompt;
+    sp.n_ubatch = options.n_ubatch;
     sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
+    sp.hybrid.host_expert_share = o.host_expert_share;
     PlacementSetup placed = place(*model, o.placement, sp, false);
+    if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
+    if (o.handoff == "flags")
+      sp.hybrid.handoff = Handoff::flags;
+    else if (o.handoff == "callback")
+      sp.hybrid.handoff = Handoff::callback;
+    else if (o.handoff != "auto")
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
     r.placement = placed.plan.how;
     Session session(*model, sp);
     Device* dev = session.device();
@@ -141,11 +154,14 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     int64_t cpu_experts = 0, cpu_calls = 0, cpu_bytes = 0, dev_reads = 0, dev_bytes = 0;
     bool dev_counts = false;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
-      for (int q = 0; q < n_seq; ++q) {
+      for (int q = 0; q < n_seq; ++q) {  // each prompt in steps of at most -ub tokens
         const std::vector<int32_t> p = random_tokens(static_cast<size_t>(options.n_prompt));
-        std::vector<int32_t> pos(p.size()), sq(p.size(), seqs[static_cast<size_t>(q)]);
-        for (size_t i = 0; i < p.size(); ++i) pos[i] = static_cast<int32_t>(i);
-        session.eval_step(p, pos, sq, 1);
+        for (size_t i0 = 0; i0 < p.size(); i0 += static_cast<size_t>(options.n_ubatch)) {
+          const size_t n = std::min(p.size() - i0, static_cast<size_t>(options.n_ubatch));
+          std::vector<int32_t> pos(n), sq(n, seqs[static_cast<size_t>(q)]);
+          for (size_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(i0 + i);
+          session.eval_step(std::span<const int32_t>(p).subspan(i0, n), pos, sq, 1);
+        }
       }
       session.executor().reset_moe_reads();
       const DeviceInfo before = dev ? dev->info() : DeviceInfo{};
@@ -249,8 +265,10 @@ std::string format_text(const BatchBenchResult& r) {
                    "tok/s/seq", "experts/layer", "host MB", "device MB", "bound tok/s",
                    "of bound");
   for (const BatchRow& x : r.rows)
-    s += fmt::format("{:>4} {:>12.1f} {:>12.1f} {:>13.1f}{} {:>12.1f} {:>12.1f} {:>12.1f} {:>8.0f}%\n",
-                     x.n_seq, x.agg_tok_s.median, x.seq_tok_s, x.experts_per_layer,
+    s += fmt::format("{:>4} {:>12.1f} {:>12.1f} {:>13}{} {:>12.1f} {:>12.1f} {:>12.1f} {:>8.0f}%\n",
+                     x.n_seq, x.agg_tok_s.median, x.seq_tok_s,
+                     x.experts_per_layer > 0 ? fmt::format("{:.1f}", x.experts_per_layer)
+                                             : std::string("-"),  // a dense model
                      x.experts_exact ? " " : "*", x.host_bytes / 1e6, x.device_bytes / 1e6,
                      x.bound_tok_s, 100 * x.fraction);
   if (std::any_of(r.rows.begin(), r.rows.end(), [](const BatchRow& x) { return !x.experts_exact; }))

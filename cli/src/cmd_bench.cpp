@@ -110,6 +110,13 @@ void parse_model_lists(BenchOptions& o) {
   } catch (const Error& e) {
     throw CLI::ValidationError(e.what());
   }
+  // --parallel: one prompt length, one decode length, one ubatch; the other lists do not apply.
+  if (!o.parallel.empty() &&
+      (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_ubatch.size() != 1 ||
+       l.n_depth != std::vector<int>{0} || l.n_batch != std::vector<int>{bench::kDefaultBatch} ||
+       !l.pg.empty() || o.output != "md" || o.m.profile))
+    throw CLI::ValidationError(
+        "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o or --profile");
   if (o.json_path == "-" && o.format != bench::OutputFormat::md)
     throw CLI::ValidationError(fmt::format(
         "--json - and -o {} both write to standard output (give --json a file)", o.output));
@@ -123,15 +130,11 @@ int bench_model(BenchOptions& o) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
   if (!o.parallel.empty()) {
-    // One prompt length and one decode length; the llama-bench lists do not apply.
     const bench::TestLists& l = o.m.tests;
-    if (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_depth != std::vector<int>{0} ||
-        !l.pg.empty() || o.format != bench::OutputFormat::md)
-      throw Error(ErrorCategory::invalid_argument,
-                  "bench model --parallel takes one -p and one -n value, and no -d, -pg or -o");
     bench::BatchBenchOptions b{o.m, o.parallel};
     b.n_prompt = l.n_prompt[0];
     b.n_gen = l.n_gen[0];
+    b.n_ubatch = l.n_ubatch[0];
     const bench::BatchBenchResult r = bench::run_batch_bench(b);
     json_out.write(bench::to_json(r));
     json_out.text(bench::format_text(r));

@@ -102,6 +102,13 @@ json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
 
 void HttpServer::Impl::routes() {
   httplib::Server& s = *svr;
+  // cpp-httplib 0.11's default sets SO_REUSEPORT: a second server on a port in use would bind
+  // too and share the traffic. SO_REUSEADDR alone lets a restart reuse a port in TIME_WAIT and
+  // makes a port that another process listens on fail to bind, as llama-server does.
+  s.set_socket_options([](auto sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   s.set_payload_max_length(opt.max_body_bytes);
   const int n_threads = opt.n_http_threads > 0
                             ? opt.n_http_threads

@@ -652,3 +652,21 @@ TEST_CASE("prefix cache: a chat's next turn prefills only what is new; slots cho
   CHECK(post(fresh.port, "/v1/chat/completions", turn).j["choices"][0]["message"]["content"] ==
         r2.j["choices"][0]["message"]["content"]);
 }
+
+TEST_CASE("a port another server listens on is refused") {
+  server::ServerOptions so;
+  so.port = 0;
+  server::HttpServer first(so);
+  const int port = first.bind();
+  REQUIRE(port > 0);
+  server::ServerOptions so2;
+  so2.port = port;
+  server::HttpServer second(so2);
+  try {
+    second.bind();
+    FAIL("a second server must not bind a port in use");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::io);
+    CHECK(std::string(e.what()).find(std::to_string(port)) != std::string::npos);
+  }
+}

@@ -27,12 +27,13 @@
 namespace berth::bench {
 
 struct BatchBenchOptions {
-  /// Model, threads, -r, DRAM buffer, seed, placement flags, --stream-experts; the other fields
-  /// of ModelBenchOptions (its test lists) are ignored.
+  /// Model, threads, -r, DRAM buffer, seed, placement flags, --stream-experts,
+  /// --host-expert-share, --warm-workers, --handoff; its test lists and --profile are not used.
   ModelBenchOptions model;
   std::vector<int> parallel;  ///< N values, each >= 1
   int n_prompt = 512;         ///< -p: prompt tokens per sequence (>= 1)
   int n_gen = 128;            ///< -n: decode steps (>= 1)
+  int n_ubatch = 512;         ///< -ub: tokens per prefill step of each prompt (>= 1)
 };
 
 struct BatchRow {
