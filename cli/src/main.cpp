@@ -86,6 +86,12 @@ int main(int argc, char** argv) {
     // "A subcommand is required" after an unknown word: name the word and the choices.
     CLI::App* at = &app;
     while (!at->get_subcommands().empty()) at = at->get_subcommands().front();
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      // CLI11 lists the extras of the reversed vector it parsed; name them as they were typed.
+      std::string typed;
+      for (const std::string& a : app.remaining(true)) typed += (typed.empty() ? "" : " ") + a;
+      if (!typed.empty()) what = "The following arguments were not expected: " + typed;
+    }
     const std::vector<std::string> extra = at->remaining();
     if (!extra.empty() && !extra.front().empty() && extra.front()[0] != '-' &&
         !at->get_subcommands([](CLI::App*) { return true; }).empty()) {

@@ -325,3 +325,10 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("nothing to measure") != std::string::npos);
 }
+
+TEST_CASE("unexpected arguments are named in the order they were typed") {
+  const std::string m = shell_quote(berth::test::stories260k().string());
+  const CommandResult r = run_command(berth::test::berth_bin() + " run -m " + m + " -x 3 extra");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("not expected: -x 3 extra") != std::string::npos);
+}
