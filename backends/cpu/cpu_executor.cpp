@@ -46,9 +46,9 @@ void CpuExecutor::check_ubatch(const graph::Graph& g, std::span<const int32_t> t
                               "{} sequences",
                               i, s, kv_.n_seq));
     if (positions[i] < 0 || positions[i] >= kv_.n_ctx)
-      throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("position {} is outside the context of {} tokens", positions[i],
-                              kv_.n_ctx));
+      throw Error(
+          ErrorCategory::invalid_argument,
+          fmt::format("position {} is outside the context of {} tokens", positions[i], kv_.n_ctx));
     int64_t& nx = next[static_cast<size_t>(s)];
     if (nx >= 0 && positions[i] != nx)
       throw Error(ErrorCategory::invalid_argument,
@@ -343,8 +343,8 @@ void CpuExecutor::attention(const Op& op, const float* q, const float* k, const 
   task_first_.push_back(n_tasks);
   pool_.parallel_for(n_tasks, 1, [&](int64_t i0, int64_t i1) {
     float* scratch = worker_scratch(static_cast<size_t>(kv_.n_ctx));
-    size_t ri = static_cast<size_t>(
-        std::upper_bound(task_first_.begin(), task_first_.end(), i0) - task_first_.begin() - 1);
+    size_t ri = static_cast<size_t>(std::upper_bound(task_first_.begin(), task_first_.end(), i0) -
+                                    task_first_.begin() - 1);
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= task_first_[ri + 1]) ++ri;
       const Run& r = runs_[ri];
@@ -353,11 +353,10 @@ void CpuExecutor::attention(const Op& op, const float* q, const float* k, const 
       const int64_t t0 = r.t0 + (li / p.n_head) * kQueryBlock;
       const int64_t nq = std::min(kQueryBlock, r.t0 + r.n - t0);
       const int64_t hk = h / group;
-      cpu::attention_causal_tile(q + t0 * cols + h * hd, cols, nq,
-                                 positions[static_cast<size_t>(t0)],
-                                 kc + r.base * kl.k_dim + hk * hd, kl.k_dim,
-                                 vc + r.base * kl.v_dim + hk * hd, kl.v_dim, p.head_dim, p.scale,
-                                 out + t0 * cols + h * hd, cols, scratch);
+      cpu::attention_causal_tile(
+          q + t0 * cols + h * hd, cols, nq, positions[static_cast<size_t>(t0)],
+          kc + r.base * kl.k_dim + hk * hd, kl.k_dim, vc + r.base * kl.v_dim + hk * hd, kl.v_dim,
+          p.head_dim, p.scale, out + t0 * cols + h * hd, cols, scratch);
     }
   });
 }
@@ -416,8 +415,8 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     int64_t distinct = 0;
     for (int32_t e = 0; e < p.n_expert; ++e)
       distinct += moe_first_[static_cast<size_t>(e) + 1] > moe_first_[static_cast<size_t>(e)];
-    const int64_t expert_bytes = static_cast<int64_t>(wg.row_bytes() * n_ff + wu.row_bytes() * n_ff +
-                                                      wd.row_bytes() * n_embd);
+    const int64_t expert_bytes = static_cast<int64_t>(
+        wg.row_bytes() * n_ff + wu.row_bytes() * n_ff + wd.row_bytes() * n_embd);
     ++moe_reads_.calls;
     moe_reads_.experts += distinct;
     moe_reads_.pairs += n_pairs;

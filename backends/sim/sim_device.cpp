@@ -384,8 +384,8 @@ class SimDevice final : public backend_detail::StreamDevice {
         }
       }
       moe_reads_ += distinct;
-      moe_bytes_ += distinct * static_cast<int64_t>(w.n_ff * gate_row + w.n_ff * up_row +
-                                                    w.n_embd * down_row);
+      moe_bytes_ += distinct *
+                    static_cast<int64_t>(w.n_ff * gate_row + w.n_ff * up_row + w.n_embd * down_row);
       for (int64_t t = 0; t < n_tok; ++t) {
         float* o = out + t * w.n_embd;
         std::fill(o, o + w.n_embd, 0.0f);
@@ -491,8 +491,8 @@ class SimDevice final : public backend_detail::StreamDevice {
         const graph::AttentionParams& p = op.attn;
         const auto l = static_cast<size_t>(p.layer);
         attention(kMain, in(0), in(1), in(2), rows, b.positions, b.seqs, b.k_cache.at(l),
-                  b.v_cache.at(l),
-                  b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim, p.scale, out, b.ws);
+                  b.v_cache.at(l), b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim, p.scale, out,
+                  b.ws);
         return;
       }
       case OpKind::take_last_rows: {

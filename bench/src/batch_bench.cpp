@@ -20,24 +20,18 @@ namespace {
 
 using placement::Home;
 
-// Device-to-device copy GB/s (bytes read + written), median of 5 after a warm-up.
+// Device-to-device copy GB/s (bytes read + written): 1 GiB each way, or a quarter of what the
+// device has free when that is less.
 double hbm_gbps(Device& dev) {
-  // 1 GiB each way, or a quarter of what the device has free when that is less.
-  const size_t n = std::min(size_t{1} << 30, dev.free_bytes() / 4 / (size_t{1} << 20) * (size_t{1} << 20));
+  const size_t mib = size_t{1} << 20;
+  const size_t n = std::min(size_t{1} << 30, dev.free_bytes() / 4 / mib * mib);
   void* a = dev.alloc(n, "bandwidth test");
   void* b = dev.alloc(n, "bandwidth test");
-  std::vector<double> secs;
-  for (int i = 0; i < 6; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    dev.copy(kMain, b, a, n);
-    dev.synchronize();
-    if (i > 0)
-      secs.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  const double gbps = copy_gbps(
+      dev, [&] { dev.copy(kMain, b, a, n); }, 2.0 * static_cast<double>(n));
   dev.dealloc(a);
   dev.dealloc(b);
-  return 2.0 * static_cast<double>(n) / median_of(secs) / 1e9;
+  return gbps;
 }
 
 }  // namespace
@@ -98,14 +92,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
     sp.hybrid.host_expert_share = o.host_expert_share;
     PlacementSetup placed = place(*model, o.placement, sp, false);
-    if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
-    if (o.handoff == "flags")
-      sp.hybrid.handoff = Handoff::flags;
-    else if (o.handoff == "callback")
-      sp.hybrid.handoff = Handoff::callback;
-    else if (o.handoff != "auto")
-      throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
+    set_step_options(o, sp);
     r.placement = placed.plan.how;
     Session session(*model, sp);
     Device* dev = session.device();
@@ -133,10 +120,10 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
         continue;
       }
       if (op.weight == graph::kNoWeight) continue;
-      const double b = op.kind == graph::OpKind::embed
-                           ? static_cast<double>(row_bytes(w[op.weight].type, w[op.weight].ne[0])) *
-                                 n_seq
-                           : static_cast<double>(w[op.weight].n_bytes);
+      const double b =
+          op.kind == graph::OpKind::embed
+              ? static_cast<double>(row_bytes(w[op.weight].type, w[op.weight].ne[0])) * n_seq
+              : static_cast<double>(w[op.weight].n_bytes);
       bytes[side_of(op.weight) == Home::gpu ? 1 : 0] += b;
     }
     const double avg_pos = options.n_prompt + options.n_gen / 2.0;
@@ -144,14 +131,14 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     for (int32_t l = 0; l < hp.n_layer; ++l) {
       const KvLayer& kl = kv_layers[static_cast<size_t>(l)];
       const bool on_dev = dev && sp.kv_home[static_cast<size_t>(l)] == Home::gpu;
-      bytes[on_dev ? 1 : 0] += avg_pos * static_cast<double>(kl.k_dim + kl.v_dim) *
-                               (on_dev ? 2.0 : 4.0) * n_seq;
+      bytes[on_dev ? 1 : 0] +=
+          avg_pos * static_cast<double>(kl.k_dim + kl.v_dim) * (on_dev ? 2.0 : 4.0) * n_seq;
     }
 
     std::vector<int32_t> seqs(static_cast<size_t>(n_seq));
     for (int q = 0; q < n_seq; ++q) seqs[static_cast<size_t>(q)] = session.kv().acquire();
     std::vector<double> secs;
-    int64_t cpu_experts = 0, cpu_calls = 0, cpu_bytes = 0, dev_reads = 0, dev_bytes = 0;
+    int64_t cpu_experts = 0, cpu_bytes = 0, dev_reads = 0, dev_bytes = 0;
     bool dev_counts = false;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       for (int q = 0; q < n_seq; ++q) {  // each prompt in steps of at most -ub tokens
@@ -177,7 +164,6 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
       secs.push_back(s);
       const CpuExecutor::MoeReads& m = session.executor().moe_reads();
       cpu_experts += m.experts;
-      cpu_calls += m.calls;
       cpu_bytes += m.bytes;
       if (dev) {
         const DeviceInfo after = dev->info();
@@ -208,20 +194,20 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
         row.experts_exact = false;
       }
     }
-    (void)cpu_calls;
-    row.experts_per_layer = moe_layers > 0 ? experts / (static_cast<double>(moe_layers) * steps) : 0;
+    row.experts_per_layer =
+        moe_layers > 0 ? experts / (static_cast<double>(moe_layers) * steps) : 0;
     row.host_bytes = bytes[0] + expert_bytes_host;
     row.device_bytes = bytes[1] + expert_bytes_dev;
-    const double t = row.host_bytes / (r.dram_gbps * 1e9) +
-                     (row.device_bytes > 0 && r.hbm_gbps > 0 ? row.device_bytes / (r.hbm_gbps * 1e9)
-                                                             : 0.0);
+    const double t =
+        row.host_bytes / (r.dram_gbps * 1e9) +
+        (row.device_bytes > 0 && r.hbm_gbps > 0 ? row.device_bytes / (r.hbm_gbps * 1e9) : 0.0);
     row.bound_tok_s = t > 0 ? n_seq / t : 0;
     row.fraction = row.bound_tok_s > 0 ? row.agg_tok_s.median / row.bound_tok_s : 0;
-    say(fmt::format("N={:<3} {:8.1f} tok/s ({:.1f} per sequence), {:.1f} experts/layer/step{}, "
-                    "bound {:.1f} tok/s ({:.0f}%)",
-                    n_seq, row.agg_tok_s.median, row.seq_tok_s, row.experts_per_layer,
-                    row.experts_exact ? "" : " (upper bound)", row.bound_tok_s,
-                    100 * row.fraction));
+    say(fmt::format(
+        "N={:<3} {:8.1f} tok/s ({:.1f} per sequence), {:.1f} experts/layer/step{}, "
+        "bound {:.1f} tok/s ({:.0f}%)",
+        n_seq, row.agg_tok_s.median, row.seq_tok_s, row.experts_per_layer,
+        row.experts_exact ? "" : " (upper bound)", row.bound_tok_s, 100 * row.fraction));
     r.rows.push_back(row);
   }
   return r;
@@ -240,18 +226,12 @@ nlohmann::json to_json(const BatchBenchResult& r) {
                     {"device_bytes_per_step", x.device_bytes},
                     {"bound_tok_s", x.bound_tok_s},
                     {"fraction_of_bound", x.fraction}});
-  return {{"machine", to_json(r.machine)},
-          {"arch", r.arch},
-          {"model", r.model_name},
-          {"device", r.device},
-          {"placement", r.placement},
-          {"n_threads", r.n_threads},
-          {"n_prompt", r.n_prompt},
-          {"n_gen", r.n_gen},
-          {"repetitions", r.repetitions},
-          {"dram_gbps", r.dram_gbps},
-          {"hbm_gbps", r.hbm_gbps},
-          {"parallel", rows}};
+  return {{"machine", to_json(r.machine)}, {"arch", r.arch},
+          {"model", r.model_name},         {"device", r.device},
+          {"placement", r.placement},      {"n_threads", r.n_threads},
+          {"n_prompt", r.n_prompt},        {"n_gen", r.n_gen},
+          {"repetitions", r.repetitions},  {"dram_gbps", r.dram_gbps},
+          {"hbm_gbps", r.hbm_gbps},        {"parallel", rows}};
 }
 
 std::string format_text(const BatchBenchResult& r) {
@@ -262,8 +242,7 @@ std::string format_text(const BatchBenchResult& r) {
       r.placement.empty() ? "" : ", " + r.placement, r.n_prompt, r.n_gen, r.repetitions,
       r.dram_gbps, r.hbm_gbps > 0 ? fmt::format(", device {:.0f} GB/s", r.hbm_gbps) : "");
   s += fmt::format("{:>4} {:>12} {:>12} {:>14} {:>12} {:>12} {:>12} {:>9}\n", "N", "tok/s",
-                   "tok/s/seq", "experts/layer", "host MB", "device MB", "bound tok/s",
-                   "of bound");
+                   "tok/s/seq", "experts/layer", "host MB", "device MB", "bound tok/s", "of bound");
   for (const BatchRow& x : r.rows)
     s += fmt::format("{:>4} {:>12.1f} {:>12.1f} {:>13}{} {:>12.1f} {:>12.1f} {:>12.1f} {:>8.0f}%\n",
                      x.n_seq, x.agg_tok_s.median, x.seq_tok_s,

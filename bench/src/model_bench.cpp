@@ -134,6 +134,17 @@ uint64_t decode_share_bytes(const Model& m, const std::vector<placement::Home>& 
   return bytes;
 }
 
+std::vector<OpShare> shares(const std::vector<CpuExecutor::OpTime>& prof, int runs) {
+  double total = 0;
+  for (const auto& p : prof) total += p.seconds;
+  std::vector<OpShare> out;
+  for (const auto& p : prof)
+    out.push_back({p.kind, p.seconds / runs, total > 0 ? p.seconds / total : 0});
+  return out;
+}
+
+}  // namespace
+
 // GB/s of `bytes` moved by `copy` (median of 5 after a warm-up); `count` bytes per copy.
 double copy_gbps(Device& dev, const std::function<void()>& copy, double count) {
   std::vector<double> secs;
@@ -148,16 +159,16 @@ double copy_gbps(Device& dev, const std::function<void()>& copy, double count) {
   return count / secs[secs.size() / 2] / 1e9;
 }
 
-std::vector<OpShare> shares(const std::vector<CpuExecutor::OpTime>& prof, int runs) {
-  double total = 0;
-  for (const auto& p : prof) total += p.seconds;
-  std::vector<OpShare> out;
-  for (const auto& p : prof)
-    out.push_back({p.kind, p.seconds / runs, total > 0 ? p.seconds / total : 0});
-  return out;
+void set_step_options(const ModelBenchOptions& o, SessionParams& sp) {
+  if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
+  if (o.handoff == "flags")
+    sp.hybrid.handoff = Handoff::flags;
+  else if (o.handoff == "callback")
+    sp.hybrid.handoff = Handoff::callback;
+  else if (o.handoff != "auto")
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
 }
-
-}  // namespace
 
 ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   ModelBenchOptions o = options;
@@ -233,14 +244,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
-  if (o.warm_workers_us >= 0) sp.hybrid.warm_workers_us = o.warm_workers_us;
-  if (o.handoff == "flags")
-    sp.hybrid.handoff = Handoff::flags;
-  else if (o.handoff == "callback")
-    sp.hybrid.handoff = Handoff::callback;
-  else if (o.handoff != "auto")
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("--handoff must be auto, flags or callback, got '{}'", o.handoff));
+  set_step_options(o, sp);
   for (const std::string& note :
        device_option_notes(*model, sp, o.handoff != "auto", o.warm_workers_us >= 0))
     log::warn("{}", note);

@@ -9,10 +9,10 @@
 #include <string>
 #include <utility>
 
+#include "berth/bench/batch_bench.h"
 #include "berth/bench/disk_bench.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
-#include "berth/bench/batch_bench.h"
 #include "berth/core/error.h"
 #include "commands.h"
 #include "placement_flags.h"

@@ -116,9 +116,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (auto_stream) stream = kStreamExpertsAutoTokens;
   const auto make = [&] {
     // The KV cache holds n_seq sequences of n_ctx positions: plan for all of its rows.
-    s.request = plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags,
-                             device_name, free_bytes,
-                             has_device, stream, params.hybrid.host_expert_share);
+    s.request =
+        plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags, device_name,
+                     free_bytes, has_device, stream, params.hybrid.host_expert_share);
     s.plan = placement::make_plan(s.request);
   };
   const auto info = [&](std::string line) {

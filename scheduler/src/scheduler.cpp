@@ -397,8 +397,7 @@ std::span<const float> Scheduler::run(const graph::Graph& g, std::span<const int
 }
 
 int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
-                              std::span<const int32_t> positions,
-                              std::span<const int32_t> seqs) {
+                              std::span<const int32_t> positions, std::span<const int32_t> seqs) {
   const float* last = nullptr;
   int64_t n_vocab = 0;
   if (!dev_) {
@@ -420,8 +419,8 @@ int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> to
 }
 
 Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t> tokens,
-                                 std::span<const int32_t> positions,
-                                 std::span<const int32_t> seqs, bool select) {
+                                 std::span<const int32_t> positions, std::span<const int32_t> seqs,
+                                 bool select) {
   cpu_.check_ubatch(g, tokens, positions, seqs);
   for (const Op& op : g.ops)
     if (op.kind == OpKind::embed)

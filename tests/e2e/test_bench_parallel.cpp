@@ -34,10 +34,10 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
   for (const std::string env : {"", "BERTH_SIM_DEVICE=1G"}) {
     CAPTURE(env);
     const auto out = dir / "p.json";
-    const CommandResult r = run_command(
-        env + " " + berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
-        " -p 8 -n 6 -r 1 -t 2 -q --parallel 1,3,8 " + (env.empty() ? "-ngl 0" : "-ngl 99") +
-        " --json " + shell_quote(out.string()));
+    const CommandResult r =
+        run_command(env + " " + berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                    " -p 8 -n 6 -r 1 -t 2 -q --parallel 1,3,8 " +
+                    (env.empty() ? "-ngl 0" : "-ngl 99") + " --json " + shell_quote(out.string()));
     CAPTURE(r.err);
     REQUIRE(r.exit_code == 0);
     std::ifstream in(out);

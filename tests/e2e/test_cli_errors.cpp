@@ -246,7 +246,8 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   // An unknown subcommand is named, with the choices.
   r = run_command(bin + " bench foo");
   CHECK(r.exit_code == 2);
-  CHECK(r.err.find("'foo' is not a subcommand of 'berth bench' (one of: kernels, model, disk, serve)") !=
+  CHECK(r.err.find(
+            "'foo' is not a subcommand of 'berth bench' (one of: kernels, model, disk, serve)") !=
         std::string::npos);
   // A budget under 1 MiB is printed in KiB, not as "0.0 MiB".
   r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model +

@@ -99,8 +99,8 @@ struct Others {
 
 /// Runs sequence A (`prompt`, greedy, `n_gen` tokens) in a BatchLoop beside `o`; returns A's
 /// trace. Checks every sequence ends.
-Trace run_beside(const Model& m, const Placement& pl, const std::vector<int32_t>& prompt,
-                 int n_gen, const Others& o, int32_t n_ubatch, int64_t n_ctx = 128) {
+Trace run_beside(const Model& m, const Placement& pl, const std::vector<int32_t>& prompt, int n_gen,
+                 const Others& o, int32_t n_ubatch, int64_t n_ctx = 128) {
   Session s(m, params(m, pl, 8, n_ctx, n_ubatch));
   BatchLoop loop(s);
   const auto n_vocab = static_cast<int32_t>(m.hparams().n_vocab);
@@ -464,8 +464,7 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   Session s(*model, params(*model, {}, 2, 16, 8));
   const std::vector<int32_t> t = {5, 6, 7};
   auto expect_invalid = [&](const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
-                            int32_t n_out,
-                            const char* what) {
+                            int32_t n_out, const char* what) {
     const std::string w = what;
     CAPTURE(w);
     try {

@@ -22,8 +22,8 @@
 #include "berth/models/chat.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
-#include "berth/server/server.h"
 #include "berth/server/batch_engine.h"
+#include "berth/server/server.h"
 #include "berth/tools/synth.h"
 #include "test_util.h"
 

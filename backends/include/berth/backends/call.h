@@ -106,7 +106,7 @@ struct StepBindings {
   /// Device copy of their sequence ids (DeviceInfo::multi_seq devices read it): token t's KV row
   /// is seqs[t] * view.n_ctx + positions[t]. Null: every token is sequence 0.
   const int32_t* seqs = nullptr;
-  void* ws = nullptr;                  ///< workspace, ws_bytes long
+  void* ws = nullptr;  ///< workspace, ws_bytes long
   size_t ws_bytes = 0;
   /// Flag hand-off: per CPU segment two words of page-locked host memory (ready, done).
   uint32_t* flags = nullptr;

@@ -106,8 +106,8 @@ class CpuExecutor {
   void run_op(const graph::Graph& g, const graph::Op& op, std::span<const int32_t> tokens,
               std::span<const int32_t> positions, std::span<const int32_t> seqs);
   /// The attention op over the step's tokens (see run()).
-  void attention(const graph::Op& op, const float* q, const float* k, const float* v,
-                 int64_t n_tok, int64_t cols, float* out, std::span<const int32_t> positions,
+  void attention(const graph::Op& op, const float* q, const float* k, const float* v, int64_t n_tok,
+                 int64_t cols, float* out, std::span<const int32_t> positions,
                  std::span<const int32_t> seqs);
   float* buf(graph::ValueId v) { return ptrs_[static_cast<size_t>(v)]; }
   float* worker_scratch(size_t floats);

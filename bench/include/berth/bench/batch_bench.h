@@ -38,10 +38,10 @@ struct BatchBenchOptions {
 
 struct BatchRow {
   int n_seq = 0;
-  Rate agg_tok_s;             ///< N tokens per step
-  double seq_tok_s = 0;       ///< per sequence, at the median
+  Rate agg_tok_s;                ///< N tokens per step
+  double seq_tok_s = 0;          ///< per sequence, at the median
   double experts_per_layer = 0;  ///< distinct routed experts per MoE layer per step (0: dense)
-  bool experts_exact = true;  ///< false: some layers' count is the upper bound
+  bool experts_exact = true;     ///< false: some layers' count is the upper bound
   double host_bytes = 0, device_bytes = 0;  ///< per step
   double bound_tok_s = 0;                   ///< aggregate
   double fraction = 0;                      ///< agg_tok_s.median / bound_tok_s

@@ -34,6 +34,11 @@
 #include "berth/bench/kernel_bench.h"
 #include "berth/placement/plan.h"
 
+namespace berth {
+class Device;
+struct SessionParams;
+}  // namespace berth
+
 namespace berth::bench {
 
 struct ModelBenchResult;
@@ -158,6 +163,14 @@ struct ModelBenchResult {
 /// test needing more context than the model's context_length (naming -d, -p, -n or -pg),
 /// Error(out_of_memory) when the KV cache or the DRAM buffer does not fit.
 ModelBenchResult run_model_bench(const ModelBenchOptions& options);
+
+/// Sets params.hybrid's warm_workers_us and handoff from `o` (after place(), which plans with
+/// the defaults). Throws Error(invalid_argument) for a handoff other than auto, flags, callback.
+void set_step_options(const ModelBenchOptions& o, SessionParams& params);
+
+/// GB/s moved by `copy` on `dev` (enqueued, then synchronized): `count` bytes per call, the
+/// median of 5 timed calls after a warm-up.
+double copy_gbps(Device& dev, const std::function<void()>& copy, double count);
 
 /// Every number as JSON (`--json FILE`): the first pp and tg tests' analysis as before the test
 /// lists, plus "tests", the records of all tests.

@@ -36,9 +36,10 @@ struct StepInput {
 
 /// Packs one step of several sequences (continuous batching with chunked prefill): the decode
 /// token of every generating input first (more of them than the budget: they take turns, by KV
-/// sequence id), then chunks of the prompts, in input order, up to a budget of tokens (-ub). Rows whose logits are wanted (decode tokens, the last token of a
-/// prompt) go at the end of the step, in input order, so that Session::eval_step returns them as
-/// its last rows; a chunk's other tokens go first. BatchLoop and the server's engine pack with it.
+/// sequence id), then chunks of the prompts, in input order, up to a budget of tokens (-ub). Rows
+/// whose logits are wanted (decode tokens, the last token of a prompt) go at the end of the step,
+/// in input order, so that Session::eval_step returns them as its last rows; a chunk's other tokens
+/// go first. BatchLoop and the server's engine pack with it.
 class StepPacker {
  public:
   /// Packs a step from `in` (inputs of distinct sequences) of at most `budget` tokens.
@@ -66,8 +67,8 @@ class StepPacker {
   std::vector<int32_t> tail_tok_, tail_pos_, tail_seq_;
   std::vector<int64_t> taken_;
   std::vector<int32_t> out_row_;
-  std::vector<size_t> order_;       // the decode inputs this step takes
-  int32_t last_decode_seq_ = -1;    // the KV sequence whose decode token was taken last in a turn
+  std::vector<size_t> order_;     // the decode inputs this step takes
+  int32_t last_decode_seq_ = -1;  // the KV sequence whose decode token was taken last in a turn
   int32_t n_wanted_ = 0, n_decode_ = 0, n_prompt_ = 0, n_seqs_ = 0;
 };
 
