@@ -35,7 +35,8 @@ struct BenchOptions {
   std::vector<std::string> n_prompt, n_gen, n_depth, n_batch, n_ubatch, pg;
   std::string output = "md";
   bench::OutputFormat format = bench::OutputFormat::md;
-  std::vector<int> parallel;  // --parallel: the batch measurement instead of pp/tg
+  std::vector<std::string> parallel;  // --parallel lists as typed (the batch measurement)
+  std::vector<int> n_parallel;        // ... parsed
   // bench disk
   CLI::App* disk = nullptr;
   bench::DiskBenchOptions d;
@@ -104,6 +105,7 @@ void parse_model_lists(BenchOptions& o) {
     l.n_depth = bench::parse_int_lists(o.n_depth, "-d", 0, kMaxDepth, {0});
     l.n_batch = bench::parse_int_lists(o.n_batch, "-b", 1, kMaxTokens, {bench::kDefaultBatch});
     l.n_ubatch = bench::parse_int_lists(o.n_ubatch, "-ub", 1, kMaxTokens, {bench::kDefaultUbatch});
+    o.n_parallel = bench::parse_int_lists(o.parallel, "--parallel", 1, 4096, {});
     l.pg.clear();
     for (const std::string& s : o.pg) l.pg.push_back(bench::parse_pg(s, kMaxTokens));
     o.format = bench::parse_output_format(o.output);
@@ -111,7 +113,7 @@ void parse_model_lists(BenchOptions& o) {
     throw CLI::ValidationError(e.what());
   }
   // --parallel: one prompt length, one decode length, one ubatch; the other lists do not apply.
-  if (!o.parallel.empty() &&
+  if (!o.n_parallel.empty() &&
       (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_ubatch.size() != 1 ||
        l.n_depth != std::vector<int>{0} || l.n_batch != std::vector<int>{bench::kDefaultBatch} ||
        !l.pg.empty() || o.output != "md" || o.m.profile))
@@ -129,9 +131,9 @@ int bench_model(BenchOptions& o) {
     o.m.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
-  if (!o.parallel.empty()) {
+  if (!o.n_parallel.empty()) {
     const bench::TestLists& l = o.m.tests;
-    bench::BatchBenchOptions b{o.m, o.parallel};
+    bench::BatchBenchOptions b{o.m, o.n_parallel};
     b.n_prompt = l.n_prompt[0];
     b.n_gen = l.n_gen[0];
     b.n_ubatch = l.n_ubatch[0];
@@ -269,9 +271,11 @@ Runner add_bench(CLI::App& app) {
   m->add_option("--parallel", o->parallel,
                 "N[,N...]: instead of pp/tg, N sequences decoding together after -p prompt "
                 "tokens each (-n steps of N tokens): aggregate and per-sequence tok/s, distinct "
-                "routed experts per layer per step, and the bound from the bytes a step reads")
-      ->delimiter(',')
-      ->check(CLI::Range(1, 4096));
+                "routed experts per layer per step, and the bound from the bytes a step reads "
+                "(1..4096; lists and ranges as -p takes them)")
+      ->type_name("LIST")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
   add_handoff(*m, o->m.handoff);

@@ -11,6 +11,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "test_util.h"
 
@@ -69,7 +71,28 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
                  x["agg_tok_s"].get<double>() / x["bound_tok_s"].get<double>()));
     }
   }
-  for (const std::string bad : {"--parallel 0", "--parallel 2,x", "--parallel 2 -n 0"}) {
+  // Usage errors (exit 2) name the flag and the item, as -p's list parser does.
+  for (const auto& [bad, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--parallel 0", "--parallel: 0 in '0' is below the minimum 1"},
+           {"--parallel 2,x", "--parallel: 'x' is not a whole number or a range"},
+           {"--parallel 1,,2", "--parallel: an empty item in '1,,2'"},
+           {"--parallel 4097", "--parallel: 4097 in '4097' is above the maximum 4096"}}) {
+    CAPTURE(bad);
+    const CommandResult r = run_command(berth::test::berth_bin() + " bench model -m " +
+                                        shell_quote(model) + " -p 4 -q " + bad);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(says) != std::string::npos);
+  }
+  {  // A range as -p takes it: 1-4*2 is N = 1, 2, 4.
+    const CommandResult r =
+        run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                    " -p 4 -n 2 -r 1 -t 2 -q -ngl 0 --parallel 1-4*2 --json -");
+    REQUIRE(r.exit_code == 0);
+    const auto j = nlohmann::json::parse(r.out);
+    REQUIRE(j["parallel"].size() == 3);
+    CHECK(j["parallel"][2]["n_seq"].get<int>() == 4);
+  }
+  for (const std::string bad : {"--parallel 2 -n 0"}) {
     CAPTURE(bad);
     const CommandResult r = run_command(berth::test::berth_bin() + " bench model -m " +
                                         shell_quote(model) + " -p 4 -q " + bad);
