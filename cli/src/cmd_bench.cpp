@@ -219,12 +219,12 @@ Runner add_bench(CLI::App& app) {
                 "standard error)");
   k->add_flag("--quick", o->quick, "small sizes: a smoke test, numbers not meaningful");
   k->add_option("--reps", o->repetitions, "timed runs per measurement after a warm-up (default 5)")
-      ->check(CLI::Range(1, 1000));
+      ->check(range(1, 1000));
   k->add_option("--gemv-mib", o->gemv_mib, "MiB of weights in the decode GEMV (default 1024)")
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+      ->check(range(size_t{1}, size_t{1} << 20));
   k->add_option("--dram-mib", o->dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))")
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+      ->check(range(size_t{1}, size_t{1} << 20));
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   CLI::App* m = sub->add_subcommand(
       "model",
@@ -233,7 +233,7 @@ Runner add_bench(CLI::App& app) {
   o->model = m;
   m->add_option("-m,--model", o->m.model_path, "GGUF model file")->required();
   m->add_option("-t,--threads", o->m.n_threads, "worker threads (default: physical cores)")
-      ->check(CLI::Range(0, 4096));
+      ->check(range(0, 4096));
   // llama-bench's lists: comma-separated, ranges FIRST-LAST[+STEP|*MULT], the option repeated
   // adds to the list; every combination is a test.
   auto list = [&](const std::string& names, std::vector<std::string>& to, const std::string& what) {
@@ -261,10 +261,10 @@ Runner add_bench(CLI::App& app) {
                 "the tests' records on standard output: md (a table, then the analysis), csv, "
                 "json or jsonl (the analysis then on standard error)");
   m->add_option("-r,--repetitions", o->m.repetitions, "timed runs after a warm-up (default 3)")
-      ->check(CLI::Range(1, 1000));
+      ->check(range(1, 1000));
   m->add_option("--dram-mib", o->model_dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))")
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+      ->check(range(size_t{1}, size_t{1} << 20));
   m->add_flag("--profile", o->m.profile,
               "also report time per op kind (with a device: decode steps run without graph "
               "replay, each device op timed)");
@@ -295,16 +295,16 @@ Runner add_bench(CLI::App& app) {
   d->add_option("-m,--model", o->d.path, "the file to read (a GGUF model or any large file)")
       ->required();
   d->add_option("--qd", o->d.queue_depth, "io_uring queue depth and pread threads (default 32)")
-      ->check(CLI::Range(1u, 1024u));
+      ->check(range(1u, 1024u));
   d->add_option("--block-kib", o->block_kib,
                 "KiB per read, a multiple of 4 (default: 3072 and 1024; 3 MiB is one qwen3-30b-a3b "
                 "Q4_K expert's gate + up + down)")
-      ->check(CLI::Range(size_t{4}, size_t{1} << 20));
+      ->check(range(size_t{4}, size_t{1} << 20));
   d->add_option("--seconds", o->d.seconds, "seconds per run (default 10)")
-      ->check(CLI::Range(0.001, 3600.0));
+      ->check(range(0.001, 3600.0));
   d->add_option("--reps", o->d.repetitions,
                 "runs per method, interleaved; the table then adds median, min and max (default 1)")
-      ->check(CLI::Range(1, 1000));
+      ->check(range(1, 1000));
   d->add_option("--json", o->json_path,
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");

@@ -83,11 +83,11 @@ Runner add_inspect(CLI::App& app) {
   sub->add_option("file", o->file, "GGUF file")->required();
   sub->add_option("--max-array-items", o->max_array_items, "array elements shown per key")
       ->capture_default_str()
-      ->check(CLI::Range(size_t{0}, size_t{1} << 40));
+      ->check(range(size_t{0}, size_t{1} << 40));
   sub->add_option("--max-value-chars", o->max_value_chars,
                   "characters shown per metadata value (0: all)")
       ->capture_default_str()
-      ->check(CLI::Range(size_t{0}, size_t{1} << 40));
+      ->check(range(size_t{0}, size_t{1} << 40));
   return [o] { return inspect(*o); };
 }
 

@@ -89,10 +89,10 @@ Runner add_plan(CLI::App& app) {
   sub->add_option("-m,--model", o->model, "GGUF model file")->required();
   sub->add_option("-c,--ctx-size", o->n_ctx, "context size in tokens (0: min(4096, model's))")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+      ->check(range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o->n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 16));
+      ->check(range(1, 1 << 16));
   add_placement_flags(*sub, o->flags);
   add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);

@@ -60,7 +60,7 @@ Runner add_quantize(CLI::App& app) {
   sub->add_option("output", o->out, "GGUF file to write")->required();
   sub->add_option("type", o->type, "target type, e.g. q8_0 or q4_K")->required();
   sub->add_option("-t,--threads", o->n_threads, "worker threads (0: all physical cores)")
-      ->check(CLI::Range(0, 4096))
+      ->check(range(0, 4096))
       ->capture_default_str();
   return [o] { return quantize(*o); };
 }

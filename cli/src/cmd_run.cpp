@@ -240,14 +240,14 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("-t,--threads", o->session.n_threads, "CPU threads (0: all physical cores)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(range(0, 4096));
   sub->add_option("-c,--ctx-size", o->session.n_ctx,
                   "context size in tokens (0: min(4096, model's))")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+      ->check(range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 16));
+      ->check(range(1, 1 << 16));
   add_placement_flags(*sub, o->placement);
   add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);
@@ -255,7 +255,7 @@ Runner add_run(CLI::App& app) {
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 1 << 30));
+      ->check(range(0, 1 << 30));
   sub->add_option("--top-p", o->sampling.top_p, "top-p sampling (1: off)")->capture_default_str();
   sub->add_option("--min-p", o->sampling.min_p, "min-p sampling (0: off)")->capture_default_str();
   sub->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repetition penalty (1: off)")
@@ -265,7 +265,7 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("-s,--seed", o->seed, "RNG seed (-1 or 4294967295: random)")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{-1}, int64_t{0xFFFFFFFF}));
+      ->check(range(int64_t{-1}, int64_t{0xFFFFFFFF}));
   sub->add_flag("--display-prompt", o->display_prompt,
                 "print the prompt before the generated text");
   sub->add_flag("--no-bos", o->no_bos, "do not prepend the BOS token");

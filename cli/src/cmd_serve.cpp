@@ -236,23 +236,23 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
   sub->add_option("--host", o.http.host, "address to listen on")->capture_default_str();
   sub->add_option("--port", o.http.port, "port to listen on (0: any free port)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 65535));
+      ->check(range(0, 65535));
   sub->add_option("--parallel", o.n_slots,
                   "-np: slots, each serving one request at a time with -c / -np tokens of context")
       ->capture_default_str()
-      ->check(CLI::Range(1, 256));
+      ->check(range(1, 256));
   sub->add_option("-c,--ctx-size", o.n_ctx,
                   "total context in tokens, split evenly over the slots (0: the model's "
                   "context_length, lowered to what memory holds)")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+      ->check(range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o.session.n_ubatch,
                   "-ub: tokens per step (decode tokens of the busy slots plus prompt chunks)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 16));
+      ->check(range(1, 1 << 16));
   sub->add_option("-t,--threads", o.session.n_threads, "CPU threads (0: all physical cores)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(range(0, 4096));
   sub->add_option("--api-key", o.http.api_key,
                   "require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every route "
                   "but /health and /v1/models");
@@ -261,14 +261,14 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
   sub->add_option("--queue", o.queue,
                   "requests that may wait when every slot is busy; more get 503 with Retry-After")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(range(0, 4096));
   sub->add_option("--chat-template", o.chat_template,
                   "chat format: " + chat_format_names() +
                       " (default: detected from tokenizer.chat_template, else chatml)");
   sub->add_option("--shutdown-grace", o.shutdown_grace_s,
                   "seconds SIGTERM lets requests in flight finish before cancelling them")
       ->capture_default_str()
-      ->check(CLI::Range(0.0, 3600.0));
+      ->check(range(0.0, 3600.0));
   add_placement_flags(*sub, o.placement);
   add_stream_experts(*sub, o.stream_min);
   add_host_expert_share(*sub, o.host_expert_share);
@@ -357,16 +357,16 @@ Runner add_bench_serve(CLI::App& bench) {
   add_serve_flags(sub, o->serve);
   sub->add_option("--clients", o->bench.n_clients, "concurrent streaming clients")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
+      ->check(range(1, 1024));
   sub->add_option("--requests", o->bench.n_requests, "requests per client, one after another")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100000));
+      ->check(range(1, 100000));
   sub->add_option("-p,--n-prompt", o->bench.n_prompt, "prompt tokens per request")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(range(1, 1 << 20));
   sub->add_option("-n,--n-predict", o->bench.n_predict, "tokens generated per request")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(range(1, 1 << 20));
   sub->add_option("--json", o->json_path, "also write the numbers as JSON to this file");
   sub->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] { return bench_serve(*o); };

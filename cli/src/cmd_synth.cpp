@@ -156,10 +156,10 @@ Runner add_synth(CLI::App& app) {
                   "Hugging Face tokenizer.json to use instead of the synthetic vocabulary");
   sub->add_option("--router-skew", o->router_skew,
                   "Zipf exponent A of expert popularity, p(rank r) ~ 1/r^A (0: uniform)")
-      ->check(CLI::Range(0.0, 100.0))
+      ->check(range(0.0, 100.0))
       ->capture_default_str();
   sub->add_option("-t,--threads", o->n_threads, "worker threads (0: all physical cores)")
-      ->check(CLI::Range(0, 4096))
+      ->check(range(0, 4096))
       ->capture_default_str();
   sub->add_option("--n-layer", o->n_layer, "block_count (overrides the preset's)");
   sub->add_option("--n-embd", o->n_embd, "embedding_length");

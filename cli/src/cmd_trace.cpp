@@ -153,16 +153,16 @@ Runner add_trace(CLI::App& app) {
   st->add_option("file", o->file, "trace file")->required();
   st->add_option("--half-life", o->half_life, "half-life of the LFU policy's counts, in tokens")
       ->capture_default_str()
-      ->check(CLI::Range(1e-3, 1e12));
+      ->check(range(1e-3, 1e12));
 
   CLI::App* d = sub->add_subcommand(
       "dump", "print a trace as text: one line per (token, layer) with the expert ids");
   o->dump = d;
   d->add_option("file", o->file, "trace file")->required();
   d->add_option("--first", o->first, "first token (default 0)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+      ->check(range(int64_t{0}, INT64_MAX));
   d->add_option("--count", o->count, "tokens to print (default: all)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+      ->check(range(int64_t{0}, INT64_MAX));
 
   return [o] {
     if (o->gen->parsed()) return trace_gen(*o);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "berth/models/model.h"
+#include "validators.h"
 
 namespace berth::cli {
 

@@ -7,6 +7,7 @@
 
 #include "berth/core/error.h"
 #include "berth/runtime/placed.h"
+#include "validators.h"
 
 namespace berth::cli {
 
@@ -15,7 +16,7 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
                  "-ngl: the last N layers on the GPU (more than the model has, e.g. 99: all, "
                  "with the output layer); -1: the automatic plan")
       ->capture_default_str()
-      ->check(CLI::Range(-1, std::numeric_limits<int32_t>::max()));
+      ->check(range(-1, std::numeric_limits<int32_t>::max()));
   cmd.add_option_function<std::vector<std::string>>(
          "--override-tensor",
          [&f](const std::vector<std::string>& rules) {
@@ -43,7 +44,7 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
   cmd.add_option("--n-cpu-moe", f.n_cpu_moe,
                  "-ncmoe: the routed experts of the first N layers on the CPU")
       ->capture_default_str()
-      ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
+      ->check(range(0, std::numeric_limits<int32_t>::max()));
   cmd.add_option_function<std::string>(
          "--vram-budget",
          [&f](const std::string& s) { f.vram_budget = placement::parse_size(s, "--vram-budget"); },
@@ -90,7 +91,7 @@ void add_warm_workers(CLI::App& cmd, int64_t& us) {
                  "flag hand-off: the CPU workers spin with the calling thread for up to US "
                  "microseconds while it waits for the GPU, instead of sleeping (0: off; default: "
                  "1000 in decode steps replayed on a CUDA device, off otherwise)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
+      ->check(range(int64_t{0}, int64_t{1000000}));
 }
 
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {

@@ -85,6 +85,16 @@ TEST_CASE("bad flags are usage errors with exit code 2") {
   CHECK(r.exit_code == 2);
   r = run_command(berth::test::berth_bin());
   CHECK(r.exit_code == 2);
+  // Numeric options say whether the value is not a number or outside the range, and name both.
+  r = run_command(berth::test::berth_bin() + " serve -m " + model + " -np x");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--parallel: 'x' is not a whole number in 1..256") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " serve -m " + model + " --port 70000");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--port: 70000 is outside 0..65535") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi --n-cpu-moe -1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--n-cpu-moe: -1 is outside 0..") != std::string::npos);
 }
 
 TEST_CASE("bad values fail with one clear line") {
