@@ -92,6 +92,16 @@ int32_t Sampler::sample(std::span<const float> logits) {
                             n_vocab_));
   }
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (params_.temp <= 0.0f && (params_.repeat_penalty == 1.0f || recent_.empty())) {
+    // Greedy without a penalty: one pass over the logits, no candidate list (the pass below
+    // writes n_vocab pairs first: about 0.2 ms per token at 151,936). Same choice: NaN counts
+    // as -inf, ties go to the lower id.
+    size_t best = 0;
+    float best_v = std::isnan(logits[0]) ? kNegInf : logits[0];
+    for (size_t i = 1; i < logits.size(); ++i)
+      if (logits[i] > best_v) best_v = logits[i], best = i;
+    return static_cast<int32_t>(best);
+  }
   cand_.resize(logits.size());
   for (size_t i = 0; i < logits.size(); ++i) {
     const float l = logits[i];

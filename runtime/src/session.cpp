@@ -86,9 +86,8 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
   return logits_;
 }
 
-std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
-                                          std::span<const int32_t> positions,
-                                          std::span<const int32_t> seqs, int32_t n_out) {
+void Session::check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                         std::span<const int32_t> seqs, int32_t n_out) const {
   const auto n = static_cast<int64_t>(tokens.size());
   if (n == 0 || positions.size() != tokens.size() || seqs.size() != tokens.size())
     throw Error(ErrorCategory::invalid_argument,
@@ -103,8 +102,22 @@ std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
     if (id < 0 || id >= n_vocab)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("token id {} is outside the vocabulary of {} tokens", id, n_vocab));
-  const graph::Graph& g = graph_for(static_cast<int32_t>(n), n_out);
+}
+
+std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
+                                          std::span<const int32_t> positions,
+                                          std::span<const int32_t> seqs, int32_t n_out) {
+  check_step(tokens, positions, seqs, n_out);
+  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), n_out);
   return scheduler_->run(g, tokens, positions, seqs);
+}
+
+int32_t Session::eval_step_argmax(std::span<const int32_t> tokens,
+                                  std::span<const int32_t> positions,
+                                  std::span<const int32_t> seqs) {
+  check_step(tokens, positions, seqs, 1);
+  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), 1);
+  return scheduler_->run_argmax(g, tokens, positions, seqs);
 }
 
 int32_t Session::eval_argmax(int32_t token) {

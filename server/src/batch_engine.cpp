@@ -308,11 +308,26 @@ void BatchEngine::step() {
   }
   packer_.pack(inputs_, options_.session.n_ubatch);
 
+  // A step with one output row whose slot samples greedily without penalties or logprobs (one
+  // slot generating, -np 1): the device picks the token and only its id comes back, instead of
+  // n_vocab logits to the host and a pass over them (the same choice: ties to the lower id).
+  int32_t picked = -1;
+  bool device_pick = false;
+  if (session_->device() != nullptr && packer_.n_out() == 1)
+    for (size_t i = 0; i < busy_.size(); ++i)
+      if (packer_.taken(i) > 0 && packer_.out_row(i) == 0) {
+        const SamplingSettings& ss = busy_[i]->req.sampling;
+        device_pick = ss.sampler.temp <= 0.0f && ss.sampler.repeat_penalty == 1.0f &&
+                      ss.presence_penalty == 0.0f && ss.frequency_penalty == 0.0f && !ss.logprobs;
+      }
   const auto t0 = Clock::now();
   std::span<const float> logits;
   try {
-    logits =
-        session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(), packer_.n_out());
+    if (device_pick)
+      picked = session_->eval_step_argmax(packer_.tokens(), packer_.positions(), packer_.seqs());
+    else
+      logits = session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(),
+                                   packer_.n_out());
   } catch (const std::exception& e) {
     for (size_t i = 0; i < busy_.size(); ++i)
       if (packer_.taken(i) > 0) fail(*busy_[i], e.what());
@@ -324,6 +339,7 @@ void BatchEngine::step() {
     ++metrics_.n_decode_total;
     metrics_.n_step_seqs_total += packer_.n_seqs();
     metrics_.max_step_seqs = std::max(metrics_.max_step_seqs, packer_.n_seqs());
+    metrics_.tokens_device_picked_total += device_pick ? 1 : 0;
   }
   const auto n_vocab = static_cast<size_t>(session_->n_vocab());
   for (size_t i = 0; i < busy_.size(); ++i) {
@@ -332,14 +348,15 @@ void BatchEngine::step() {
     Slot& s = *busy_[i];
     const int32_t r = packer_.out_row(i);
     const std::span<const float> row =
-        r < 0 ? std::span<const float>()
-              : logits.subspan(static_cast<size_t>(r) * n_vocab, n_vocab);
+        r < 0 || device_pick ? std::span<const float>()
+                             : logits.subspan(static_cast<size_t>(r) * n_vocab, n_vocab);
+    const int32_t pick = r < 0 ? -1 : picked;
     try {
       s.state->advance(n);
       s.cache->append(inputs_[i].tokens.first(static_cast<size_t>(n)));
       if (inputs_[i].decode) {
         const auto t1 = Clock::now();
-        sample(s, row);
+        sample(s, row, pick);
         s.t.predicted_ms += ms + ms_since(t1);
         continue;
       }
@@ -359,7 +376,7 @@ void BatchEngine::step() {
         continue;
       }
       const auto t1 = Clock::now();
-      sample(s, row);
+      sample(s, row, pick);
       s.t.predicted_ms += ms_since(t1);
     } catch (const std::exception& e) {
       if (s.gen) fail(s, e.what());
@@ -367,10 +384,10 @@ void BatchEngine::step() {
   }
 }
 
-void BatchEngine::sample(Slot& s, std::span<const float> logits) {
+void BatchEngine::sample(Slot& s, std::span<const float> logits, int32_t picked) {
   const SamplingSettings& ss = s.req.sampling;
   std::span<const float> use = logits;
-  if (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f) {
+  if (picked < 0 && (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f)) {
     s.scratch.assign(logits.begin(), logits.end());
     std::unordered_map<int32_t, int32_t> counts;
     for (int32_t t : s.recent) ++counts[t];
@@ -379,7 +396,7 @@ void BatchEngine::sample(Slot& s, std::span<const float> logits) {
           static_cast<float>(c) * ss.frequency_penalty + ss.presence_penalty;
     use = s.scratch;
   }
-  const int32_t id = s.sampler->sample(use);
+  const int32_t id = picked >= 0 ? picked : s.sampler->sample(use);
   s.sampler->accept(id);
   note_recent(s, id);
   ++s.t.n_predicted;

@@ -92,7 +92,11 @@ TEST_CASE("sampler: greedy picks the highest logit, ties to the lowest id") {
   CHECK(s.sample(std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f, 9.0f}) == 4);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   CHECK(s.sample(std::vector<float>{nan, -1.0f, nan, 2.0f, nan}) == 3);  // NaN never wins
-  p.temp = -1.0f;                                                        // negative is greedy too
+  const float inf = std::numeric_limits<float>::infinity();
+  CHECK(s.sample(std::vector<float>{nan, nan, nan, nan, nan}) == 0);     // NaN counts as -inf
+  CHECK(s.sample(std::vector<float>{nan, -inf, -inf, nan, -inf}) == 0);  // ... so ties with it
+  CHECK(s.sample(std::vector<float>{-inf, nan, inf, inf, 1.0f}) == 2);
+  p.temp = -1.0f;  // negative is greedy too
   Sampler neg(p, 3);
   CHECK(neg.sample(std::vector<float>{0.5f, 0.7f, 0.7f}) == 1);
 }

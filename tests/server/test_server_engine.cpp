@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "berth/backends/device.h"
 #include "server_harness.h"
 
 using namespace berth;
@@ -26,8 +27,14 @@ const LoadedModel& stories() {
 }
 
 std::unique_ptr<BatchEngine> make_engine(const LoadedModel& m, int32_t n_slots, int64_t n_ctx,
-                                         int32_t n_ubatch = 512, int32_t queue = 64) {
+                                         int32_t n_ubatch = 512, int32_t queue = 64,
+                                         Device* device = nullptr) {
   BatchEngineOptions o;
+  if (device != nullptr) {  // everything on the device
+    o.session.device = device;
+    o.session.weight_home.assign(m.model->weights().size(), placement::Home::gpu);
+    o.session.kv_home.assign(static_cast<size_t>(m.model->hparams().n_layer), placement::Home::gpu);
+  }
   o.n_slots = n_slots;
   o.n_ctx = n_ctx;
   o.queue_limit = queue;
@@ -129,6 +136,35 @@ TEST_CASE("BatchEngine: four requests share each step and each gets its tokens a
     CHECK(e->n_in_flight() == 0);
     for (const server::SlotInfo& s : e->slots()) CHECK_FALSE(s.is_processing);
   }
+}
+
+TEST_CASE(
+    "BatchEngine on a device: greedy alone is picked on the device, the same tokens as beside "
+    "others") {
+  // Alone (one output row, greedy, no penalties or logprobs) the device picks the token and only
+  // its id comes back; beside other slots the logits come back and the sampler picks: the same.
+  const LoadedModel& m = stories();
+  std::unique_ptr<Device> dev = make_sim_device(size_t{1} << 30);
+  std::vector<std::vector<int32_t>> alone;
+  for (const std::string& p : kPrompts) {
+    auto e = make_engine(m, 1, 512, 512, 64, dev.get());
+    alone.push_back(drain(*e->submit(greedy(m, p, 24))).ids());
+    CHECK(e->metrics().tokens_device_picked_total == 24);
+    CHECK(alone.back().size() == 24);
+  }
+  auto e = make_engine(m, 4, 4 * 256, 512, 64, dev.get());
+  e->hold_queue(true);
+  std::vector<std::shared_ptr<server::Generation>> gens;
+  for (const std::string& p : kPrompts) gens.push_back(e->submit(greedy(m, p, 24)));
+  e->hold_queue(false);
+  for (size_t i = 0; i < gens.size(); ++i) CHECK(drain(*gens[i]).ids() == alone[i]);
+  // A logprobs request alone still takes the logits (its top tokens need them).
+  auto lp = make_engine(m, 1, 512, 512, 64, dev.get());
+  GenerationRequest r = greedy(m, kPrompts[0], 8);
+  r.sampling.logprobs = true;
+  const Result got = drain(*lp->submit(r));
+  CHECK(got.ids() == std::vector<int32_t>(alone[0].begin(), alone[0].begin() + 8));
+  CHECK(lp->metrics().tokens_device_picked_total == 0);
 }
 
 TEST_CASE("BatchEngine: cancel frees the slot in prefill and in decode; the other slot goes on") {

@@ -72,6 +72,13 @@ class Session {
                                    std::span<const int32_t> positions,
                                    std::span<const int32_t> seqs, int32_t n_out);
 
+  /// eval_step with one output row, the last token's, reduced to its argmax (ties: lowest id),
+  /// as greedy sampling picks it: on a device that makes the logits the selection runs there
+  /// and only the id comes back (Scheduler::run_argmax); else the argmax of eval_step's row.
+  /// Same errors as eval_step.
+  int32_t eval_step_argmax(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                           std::span<const int32_t> seqs);
+
   /// The KV cache: its pool of sequences (acquire, release, copy).
   KvCache& kv() { return kv_; }
 
@@ -102,6 +109,9 @@ class Session {
 
  private:
   const graph::Graph& graph_for(int32_t n_tokens, int32_t n_outputs);
+  /// eval_step's argument checks (its errors).
+  void check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                  std::span<const int32_t> seqs, int32_t n_out) const;
 
   const Model& model_;
   SessionParams params_;

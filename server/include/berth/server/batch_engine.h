@@ -100,7 +100,9 @@ class BatchEngine : public Engine {
   void loop();
   void assign_locked();
   void step();
-  void sample(Slot& s, std::span<const float> logits);
+  /// Samples the slot's next token from `logits` (its row), or takes `picked` (>= 0: the
+  /// device's greedy choice; `logits` then empty), and passes it on or ends the generation.
+  void sample(Slot& s, std::span<const float> logits, int32_t picked);
   void end(Slot& s, FinishReason reason);
   void fail(Slot& s, const std::string& message);
   void note_recent(Slot& s, int32_t id);

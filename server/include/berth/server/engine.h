@@ -172,7 +172,9 @@ struct EngineMetrics {
   int64_t n_cached_total = 0;  ///< prompt tokens reused from slot caches
   /// Sum over forward steps of the slots each carried (/ n_decode_total: the mean batch).
   int64_t n_step_seqs_total = 0;
-  int32_t max_step_seqs = 0;        ///< the most slots one forward step carried
+  int32_t max_step_seqs = 0;  ///< the most slots one forward step carried
+  /// Tokens the device picked (greedy, one output row in the step: only the id came back).
+  int64_t tokens_device_picked_total = 0;
   int64_t requests_processing = 0;  ///< now: requests in a slot
   int64_t requests_deferred = 0;    ///< now: requests waiting for a slot
 };
