@@ -27,7 +27,10 @@
 // integers are reduced to scalars first and enter one FMA chain per output (d term) plus one for
 // the min term, so the GEMM runs vpdpbusd across 16 tokens per vector (activations transposed
 // once per tile, weights unpacked to bytes once per 64-row block) and does one float step per
-// block, row and 16 tokens.
+// block, row and 16 tokens. For 2..11 tokens (several sequences decoding: each routed expert
+// gets a few) AVX3_DL runs FewTokDL instead: the GEMV's row streaming with each block decoded
+// once into registers for up to 8 tokens, 4 tokens' integers reduced together and finished by
+// one FMA per block and 4 tokens in the same float order.
 // Other targets (NEON, SVE, EMU128, SCALAR): q * sc pre-multiplied into int16
 // (|q * sc| <= 63 * 128), ReorderWidenMulAccumulate against the widened activations, the block
 // integer reduced exactly and the float part computed as in the reference (bit-identical to

@@ -6,6 +6,8 @@
 //  - dot_tile on the same quantized activations: NMSE against ref::dot_tile within the
 //    tolerance below; outputs poisoned; out_stride > n_rows leaves the gaps untouched; any
 //    split into sub-tiles (rows, tokens, single tokens) gives the same bits as one tile.
+//  - 2..9, 15 and 17 tokens (the few-token kernels) give the one-token GEMV's bits, through
+//    dot_tile and gemm_rows, at odd row counts.
 //  - End to end (SIMD quantization + SIMD dot) against the double-precision product of the
 //    dequantized weights and the float activations: NMSE below the Q8_K activation error.
 // Weights come from ref::quantize_row of seeded random floats (realistic scales), with a few
