@@ -1094,6 +1094,46 @@ HWY_INLINE void DecodeFew(const BlockQ4_K* HWY_RESTRICT b, FewDec& o) {
   o.off = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
 }
 
+// vpermw indices of Q6_K's pair scales: lanes 8k..8k+7 take group 4c + k.
+alignas(64) constexpr int16_t kQ6PairIdx[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5,
+     6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8,  8,  8,  8,  8,  8,  8,  8,  9,  9,  9,  9,  9,  9,  9,  9,
+     10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+     14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+// Q6_K straight into 512-bit vectors (the same bytes as DecodeX86's q[2c], q[2c + 1]): half h
+// of the block is 64 bytes of low nibbles ql[64h..64h+63] and 32 bytes of high pairs qh[32h..];
+// vector 2h takes the low nibbles with qh bits 0-1 (lower 256 bits) and 2-3 (upper), vector
+// 2h + 1 the high nibbles with qh bits 4-5 and 6-7, each pair moved to bits 4-5 by 16-bit shifts
+// that keep it inside its byte.
+HWY_INLINE void DecodeFew(const BlockQ6_K* HWY_RESTRICT b, FewDec& o) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i m30 = _mm512_set1_epi8(0x30);
+  constexpr __mmask32 kLo = 0x0000FFFFu, kHi = 0xFFFF0000u;
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(b->ql + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(LoadU256(b->qh + 32 * h));
+    __m512i h0 = _mm512_slli_epi16(qh, 2);
+    h0 = _mm512_mask_slli_epi16(h0, kLo, h0, 2);                // lower half << 4, upper << 2
+    const __m512i h1 = _mm512_mask_srli_epi16(qh, kHi, qh, 2);  // lower half >> 0, upper >> 2
+    o.q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(h0, m30));
+    o.q[2 * h + 1] =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_and_si512(h1, m30));
+  }
+  const __m256i sc16 =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c)
+    o.s[c] =
+        _mm512_permutexvar_epi16(_mm512_load_si512(kQ6PairIdx[c]), _mm512_castsi256_si512(sc16));
+  o.off = _mm256_slli_epi16(sc16, 5);  // bias 32 * scale
+}
+
 // NT (<= 4) tokens a[t] + ib against one decoded block: acc lane t (the d chain of token t)
 // += float(isum_b - [bias] o_b) * (d * da_t) and, not kBias, lane 8 + t (its dmin chain)
 // += float(o_b) * (dmin * da_t). da4: the 4 tokens' activation scales of block ib; w: the
