@@ -27,6 +27,7 @@ struct BenchOptions {
   int repetitions = 0;
   size_t gemv_mib = 0, dram_mib = 0;
   std::vector<std::string> few_tokens;  // --few-tokens lists as typed
+  std::vector<int> few_token_counts;    // ... parsed
   bool quiet = false;
   CLI::App* kernels = nullptr;
   // bench model
@@ -188,9 +189,7 @@ int bench_kernels(const BenchOptions& o) {
   k.repetitions = o.repetitions;
   k.gemv_bytes = o.gemv_mib * 1024 * 1024;
   k.dram_bytes = o.dram_mib * 1024 * 1024;
-  if (!o.few_tokens.empty())
-    for (int v : bench::parse_int_lists(o.few_tokens, "--few-tokens", 1, 4096, {}))
-      k.few_tokens.push_back(v);
+  k.few_tokens.assign(o.few_token_counts.begin(), o.few_token_counts.end());
   JsonOut json_out(o.json_path);
   if (!o.quiet)
     k.progress = [](std::string_view line) {
@@ -234,6 +233,14 @@ Runner add_bench(CLI::App& app) {
                 "token counts of the few-token GEMM (routed experts), a list such as 2,3,4 or 1-16 "
                 "(default 1,2,3,4,6,8; 1 always runs)");
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  // --few-tokens, checked once parsing is done (a usage error, exit 2, naming the flag).
+  k->callback([o] {
+    try {
+      o->few_token_counts = bench::parse_int_lists(o->few_tokens, "--few-tokens", 1, 4096, {});
+    } catch (const Error& e) {
+      throw CLI::ValidationError(e.what());
+    }
+  });
   CLI::App* m = sub->add_subcommand(
       "model",
       "a model, on the CPU or placed on a GPU by the placement flags: prefill (pp) and decode "

@@ -925,7 +925,7 @@ HWY_INLINE void MicroKDL(const KWBlock* const* w, const KTBlock* const* x, __m51
 // Measured on the Zen 4 dev machine (one pinned thread, 768 x 2048 experts beyond the LLC,
 // docs/performance.md): FewTokDL runs 1.5-3x the per-token GEMV's rate from 2 tokens on, and
 // beats GemmKDL up to 12 tokens for every K type (Q4_K: 4.4 against 2.9 GB/s at 8 tokens, 3.3
-// against 2.8 at 12; Q2_K/Q3_K even at 12, GemmKDL ahead at 16).
+// against 2.7 at 12; Q2_K/Q3_K even at 12, GemmKDL ahead at 16 for Q3_K and Q6_K).
 constexpr int64_t kKFewTokMin = 2;
 constexpr int64_t kKGemmMinTok = 12;
 constexpr int64_t kKGemmRowBlock = 64;  // rows decoded at once (weights in L2)
