@@ -7,14 +7,17 @@
 //     "timing": {statistic, warmup_runs, repetitions},
 //     "config": {types[], threads[] (asked), threads_run[] (pools made), quick, dram_bytes,
 //                gemv_bytes, gemv_cols, gemm_rows,
-//                gemm_cols, ubatches[], gemv_tokens, gemm_row_tile, gemm_tok_tile, l2_min_seconds},
+//                gemm_cols, ubatches[], gemv_tokens, gemm_row_tile, gemm_tok_tile, l2_min_seconds,
+//                few_tokens[], few_rows, few_cols},
 //     "dram":  [{threads, gbps, gbps_best}],
 //     "wake":  [{threads, idle_us, median_us, p90_us}],
 //     "gemv":  [{type, threads, rows, cols, weight_bytes, gbps, gbps_best, ratio_to_dram,
 //                dram_paired_gbps, pair_ratios}],
 //     "gemm":  [{type, threads, ubatch, rows, cols, tok_s, tok_s_best, gflops, gemv_tok_s,
 //                speedup_vs_gemv, decode_tok_s, speedup_vs_decode, matches_gemv}],
-//     "l2_gemv": [{type, threads: 1, rows, cols, weight_bytes, gflops, gflops_best}] }
+//     "l2_gemv": [{type, threads: 1, rows, cols, weight_bytes, gflops, gflops_best}],
+//     "few_tok": [{type, threads, n_tok, rows, cols, experts, weight_bytes, gbps, gbps_best,
+//                  ratio_to_one, gemv_gbps, speedup_vs_gemv, matches_gemv}] }
 // Rates: GB/s are 1e9 bytes per second; GFLOP/s count 2 flops per weight per token.
 #include "berth/bench/kernel_bench.h"
 
@@ -38,11 +41,11 @@
 #include <sstream>
 #include <thread>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
-#include "berth/backends/thread_pool.h"
 
 namespace berth::bench {
 namespace {
@@ -302,6 +305,9 @@ KernelBenchOptions resolve(const KernelBenchOptions& in, const MachineInfo& m) {
   if (o.ubatches.empty()) o.ubatches = {32, 128, 512};
   if (o.gemv_tokens <= 0) o.gemv_tokens = q ? 4 : 32;
   if (o.l2_min_seconds <= 0) o.l2_min_seconds = q ? 0.002 : 0.05;
+  if (o.few_tokens.empty()) o.few_tokens = {1, 2, 3, 4, 6, 8};
+  if (o.few_rows == 0) o.few_rows = 768;
+  if (o.few_cols == 0) o.few_cols = 2048;
 
   // Buffers that fit in the last-level cache measure the cache, not DRAM: said, not refused.
   if (!q && m.llc_bytes > 0)
@@ -321,8 +327,23 @@ KernelBenchOptions resolve(const KernelBenchOptions& in, const MachineInfo& m) {
     if (u < 1)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("bench: ubatch sizes must be >= 1, got {}", u));
-  for (auto [name, cols] :
-       {std::pair<const char*, int64_t>{"gemv_cols", o.gemv_cols}, {"gemm_cols", o.gemm_cols}})
+  for (int64_t k : o.few_tokens)
+    if (k < 1 || k > 4096)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("bench: few-token counts must be in 1..4096, got {}", k));
+  // 1 first (the ratios' base), then the others in the order given, once each.
+  {
+    std::vector<int64_t> toks = {1};
+    for (int64_t k : o.few_tokens)
+      if (std::find(toks.begin(), toks.end(), k) == toks.end()) toks.push_back(k);
+    o.few_tokens = std::move(toks);
+  }
+  if (o.few_rows <= 0)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bench: few_rows must be positive, got {}", o.few_rows));
+  for (auto [name, cols] : {std::pair<const char*, int64_t>{"gemv_cols", o.gemv_cols},
+                            {"gemm_cols", o.gemm_cols},
+                            {"few_cols", o.few_cols}})
     if (cols <= 0 || cols % kQK_K != 0)
       throw Error(
           ErrorCategory::invalid_argument,
@@ -384,6 +405,85 @@ std::vector<DramResult> measure_dram(const KernelBenchOptions& o,
       o.progress(fmt::format("dram   threads {:>3}  {:8.2f} GB/s", r.n_threads, r.gbps.median));
   }
   return out;
+}
+
+// Few-token GEMM (measurement 5 of kernel_bench.h) on the largest pool: expert matrices of
+// few_rows x few_cols filling about gemv_bytes, each one task (one cpu::gemm_rows call with all
+// its rows and n_tok tokens), against one GEMV per token on the same experts.
+void measure_few(const KernelBenchOptions& o, GgmlType t, ThreadPool& pool,
+                 KernelBenchResult& res) {
+  const std::string tn(type_name(t));
+  const int64_t rows = o.few_rows, n = o.few_cols;
+  const size_t rb = row_bytes(t, n), eb = rb * static_cast<size_t>(rows);
+  const int64_t experts = std::max<int64_t>(static_cast<int64_t>(o.gemv_bytes / eb),
+                                            2 * static_cast<int64_t>(pool.n_threads()));
+  Buffer w(static_cast<size_t>(experts) * eb, fmt::format("{} few-token experts", tn));
+  fill_weights(pool, t, n, experts * rows, w.data());
+  const int64_t max_tok = *std::max_element(o.few_tokens.begin(), o.few_tokens.end());
+  std::vector<uint8_t> act;
+  const size_t arb = fill_activations(t, n, max_tok, act);
+  // Each task writes its expert's outputs into its own slot of a per-thread sized buffer:
+  // out[(e % slots) * max_tok * rows ...]; slots >= threads, so no two running tasks share one.
+  const int64_t slots = 2 * static_cast<int64_t>(pool.n_threads());
+  std::vector<float> y(static_cast<size_t>(slots * max_tok * rows));
+  auto run = [&](int64_t n_tok, bool per_token) {
+    pool.parallel_for(experts, 1, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) {
+        const uint8_t* we = w.data() + static_cast<size_t>(e) * eb;
+        float* out = y.data() + (e % slots) * max_tok * rows;
+        if (!per_token) {
+          cpu::gemm_rows(t, we, rows, act.data(), arb, n_tok, n, out, rows);
+        } else {
+          for (int64_t k = 0; k < n_tok; ++k)
+            cpu::gemm_rows(t, we, rows, act.data() + static_cast<size_t>(k) * arb, arb, 1, n,
+                           out + k * rows, rows);
+        }
+      }
+    });
+  };
+  double one_gbps = 0;
+  for (const int64_t n_tok : o.few_tokens) {
+    FewTokResult f;
+    f.type = t;
+    f.n_threads = pool.n_threads();
+    f.n_tok = n_tok;
+    f.rows = rows;
+    f.cols = n;
+    f.experts = experts;
+    f.weight_bytes = w.size();
+    const double gb = static_cast<double>(w.size()) / 1e9;
+    // The two variants alternate run by run, so a drift of the host's rate hits both alike.
+    std::vector<double> gemm_s, gemv_s;
+    run(n_tok, false);  // warm-up
+    run(n_tok, true);
+    for (int i = 0; i < o.repetitions; ++i)
+      for (const bool per_token : {i % 2 == 1, i % 2 == 0}) {
+        const double t0 = now_seconds();
+        run(n_tok, per_token);
+        (per_token ? gemv_s : gemm_s).push_back(now_seconds() - t0);
+      }
+    f.gbps = rate_of(gemm_s, gb);
+    f.gemv_gbps = rate_of(gemv_s, gb).median;
+    f.speedup_vs_gemv = f.gemv_gbps > 0 ? f.gbps.median / f.gemv_gbps : 0;
+    if (n_tok == 1) one_gbps = f.gbps.median;
+    f.ratio_to_one = one_gbps > 0 ? f.gbps.median / one_gbps : 0;
+    // Bits: expert 0 through gemm_rows and through one GEMV per token.
+    {
+      std::vector<float> a(static_cast<size_t>(n_tok * rows)), b(a.size());
+      cpu::gemm_rows(t, w.data(), rows, act.data(), arb, n_tok, n, a.data(), rows);
+      for (int64_t k = 0; k < n_tok; ++k)
+        cpu::gemm_rows(t, w.data(), rows, act.data() + static_cast<size_t>(k) * arb, arb, 1, n,
+                       b.data() + k * rows, rows);
+      f.matches_gemv = std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    }
+    res.few.push_back(f);
+    if (o.progress)
+      o.progress(fmt::format(
+          "few    {:<5} threads {:>3}  tokens {:>3}  {:8.2f} GB/s  x{:.2f} of 1 token  x{:.2f} vs "
+          "GEMV/token{}",
+          tn, f.n_threads, n_tok, f.gbps.median, f.ratio_to_one, f.speedup_vs_gemv,
+          f.matches_gemv ? "" : "  OUTPUTS DIFFER"));
+  }
 }
 
 void measure_type(const KernelBenchOptions& o, GgmlType t,
@@ -504,6 +604,8 @@ void measure_type(const KernelBenchOptions& o, GgmlType t,
       }
     }
   }
+
+  measure_few(o, t, fill_pool, res);
 
   // Single-thread GEMV on a matrix that fits in L2.
   {
@@ -713,7 +815,10 @@ nlohmann::json to_json(const KernelBenchResult& r) {
                  {"gemv_tokens", o.gemv_tokens},
                  {"gemm_row_tile", cpu::kGemmRowTile},
                  {"gemm_tok_tile", cpu::kGemmTokTile},
-                 {"l2_min_seconds", o.l2_min_seconds}};
+                 {"l2_min_seconds", o.l2_min_seconds},
+                 {"few_tokens", o.few_tokens},
+                 {"few_rows", o.few_rows},
+                 {"few_cols", o.few_cols}};
   j["wake"] = json::array();
   for (const WakeResult& w : r.wake)
     j["wake"].push_back({{"threads", w.n_threads},
@@ -760,6 +865,21 @@ nlohmann::json to_json(const KernelBenchResult& r) {
                             {"weight_bytes", l.weight_bytes},
                             {"gflops", l.gflops.median},
                             {"gflops_best", l.gflops.best}});
+  j["few_tok"] = json::array();
+  for (const FewTokResult& f : r.few)
+    j["few_tok"].push_back({{"type", type_name(f.type)},
+                            {"threads", f.n_threads},
+                            {"n_tok", f.n_tok},
+                            {"rows", f.rows},
+                            {"cols", f.cols},
+                            {"experts", f.experts},
+                            {"weight_bytes", f.weight_bytes},
+                            {"gbps", f.gbps.median},
+                            {"gbps_best", f.gbps.best},
+                            {"ratio_to_one", f.ratio_to_one},
+                            {"gemv_gbps", f.gemv_gbps},
+                            {"speedup_vs_gemv", f.speedup_vs_gemv},
+                            {"matches_gemv", f.matches_gemv}});
   return j;
 }
 
@@ -826,6 +946,21 @@ std::string format_text(const KernelBenchResult& r) {
       s +=
           fmt::format("  {:<5}  {:>11}  {:>7}  {:>8.2f}\n", type_name(l.type),
                       fmt::format("{}x{}", l.cols, l.rows), l.weight_bytes / kKiB, l.gflops.median);
+  }
+
+  if (!r.few.empty()) {
+    const FewTokResult& f0 = r.few.front();
+    s += fmt::format(
+        "\nFew-token GEMM (routed experts: {} matrices of {} x {}, ~{} MiB per type, each one "
+        "cpu::gemm_rows with n tokens, {} threads); GB/s of weights read once per run, the ratio "
+        "to 1 token, and the speedup over one GEMV per token on the same experts\n",
+        f0.experts, f0.rows, f0.cols, f0.weight_bytes / kMiB, f0.n_threads);
+    s += fmt::format("  {:<5}  {:>6}  {:>8}  {:>9}  {:>10}  {:>8}\n", "type", "tokens", "GB/s",
+                     "x 1 token", "x GEMV/tok", "same bits");
+    for (const FewTokResult& f : r.few)
+      s += fmt::format("  {:<5}  {:>6}  {:>8.2f}  {:>8.2f}x  {:>9.2f}x  {:>8}\n", type_name(f.type),
+                       f.n_tok, f.gbps.median, f.ratio_to_one, f.speedup_vs_gemv,
+                       f.matches_gemv ? "yes" : "NO");
   }
   return s;
 }

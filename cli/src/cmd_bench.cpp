@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "berth/bench/batch_bench.h"
+#include "berth/bench/bench_tests.h"
 #include "berth/bench/disk_bench.h"
 #include "berth/bench/kernel_bench.h"
 #include "berth/bench/model_bench.h"
@@ -25,6 +26,8 @@ struct BenchOptions {
   bool quick = false;
   int repetitions = 0;
   size_t gemv_mib = 0, dram_mib = 0;
+  std::vector<std::string> few_tokens;  // --few-tokens lists as typed
+  std::vector<int> few_token_counts;    // ... parsed
   bool quiet = false;
   CLI::App* kernels = nullptr;
   // bench model
@@ -186,6 +189,7 @@ int bench_kernels(const BenchOptions& o) {
   k.repetitions = o.repetitions;
   k.gemv_bytes = o.gemv_mib * 1024 * 1024;
   k.dram_bytes = o.dram_mib * 1024 * 1024;
+  k.few_tokens.assign(o.few_token_counts.begin(), o.few_token_counts.end());
   JsonOut json_out(o.json_path);
   if (!o.quiet)
     k.progress = [](std::string_view line) {
@@ -207,7 +211,7 @@ Runner add_bench(CLI::App& app) {
   CLI::App* k = sub->add_subcommand(
       "kernels",
       "CPU kernels: DRAM read bandwidth, decode GEMV GB/s per weight type, GEMM tok/s at ubatch "
-      "32/128/512, single-thread GFLOP/s in L2");
+      "32/128/512, single-thread GFLOP/s in L2, few-token GEMM GB/s on expert-sized matrices");
   o->kernels = k;
   k->add_option("--types", o->types,
                 "comma-separated weight types (default: q4_0,q4_1,q5_0,q5_1,q8_0,q2_K,q3_K,q4_K,"
@@ -225,7 +229,18 @@ Runner add_bench(CLI::App& app) {
   k->add_option("--dram-mib", o->dram_mib,
                 "MiB streamed for the DRAM bandwidth (default max(1024, 8 x LLC))")
       ->check(range(size_t{1}, size_t{1} << 20));
+  k->add_option("--few-tokens", o->few_tokens,
+                "token counts of the few-token GEMM (routed experts), a list such as 2,3,4 or 1-16 "
+                "(default 1,2,3,4,6,8; 1 always runs)");
   k->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
+  // --few-tokens, checked once parsing is done (a usage error, exit 2, naming the flag).
+  k->callback([o] {
+    try {
+      o->few_token_counts = bench::parse_int_lists(o->few_tokens, "--few-tokens", 1, 4096, {});
+    } catch (const Error& e) {
+      throw CLI::ValidationError(e.what());
+    }
+  });
   CLI::App* m = sub->add_subcommand(
       "model",
       "a model, on the CPU or placed on a GPU by the placement flags: prefill (pp) and decode "

@@ -6,6 +6,8 @@
 //  - dot_tile on the same quantized activations: NMSE against ref::dot_tile within the
 //    tolerance below; outputs poisoned; out_stride > n_rows leaves the gaps untouched; any
 //    split into sub-tiles (rows, tokens, single tokens) gives the same bits as one tile.
+//  - 2..9, 15 and 17 tokens (the few-token kernels) give the one-token GEMV's bits, through
+//    dot_tile and gemm_rows, at odd row counts.
 //  - End to end (SIMD quantization + SIMD dot) against the double-precision product of the
 //    dequantized weights and the float activations: NMSE below the Q8_K activation error.
 // Weights come from ref::quantize_row of seeded random floats (realistic scales), with a few
@@ -327,6 +329,69 @@ TEST_CASE("oracle K-quants: dot_tile against the scalar twin, tiling, strides, e
     const double vs_ref = vs_num / vs_den;
     CAPTURE(vs_ref);
     CHECK(vs_ref <= kTolVsRefPooled);
+  }
+}
+
+// The few-token kernels (2..8 tokens per pass over the rows; AVX3_DL's FewTokDL, which reduces
+// 4 tokens' block integers together) against the one-token GEMV, bit for bit, through both
+// entry points: every K type, row lengths of 1, 8 and 17 super-blocks (prefetch and slice
+// edges), odd row counts (one over 64: row blocks of several slices), 2..9 tokens plus 15 and 17
+// (whole 8-token slices and a remainder), tokens with very different scales (every third one +-1),
+// output gaps left untouched.
+TEST_CASE("oracle K-quants: 2..17 tokens give the one-token GEMV's bits, per token") {
+  for (const GgmlType t : kTypes) {
+    CAPTURE(type_name(t));
+    uint64_t seed = 7000 + 100 * static_cast<uint64_t>(t);
+    for (const int64_t n : {256, 2048, 4352})
+      for (const int64_t rows : {1, 5, 67}) {  // 67: two 64-row blocks, odd
+        CAPTURE(n);
+        CAPTURE(rows);
+        ++seed;
+        constexpr int64_t kMaxTok = 17;
+        const std::vector<uint8_t> w = make_weights(t, rows, n, seed);
+        const std::vector<float> x = make_activations(kMaxTok, n, seed + 1);
+        const size_t arb = cpu::activation_row_bytes(t, n);
+        std::vector<uint8_t> act(arb * static_cast<size_t>(kMaxTok));
+        for (int64_t k = 0; k < kMaxTok; ++k)
+          cpu::quantize_activation(t, x.data() + k * n, act.data() + static_cast<size_t>(k) * arb,
+                                   n);
+        for_each_simd_target([&](const std::string&) {
+          // The one-token GEMV of each token, dense.
+          std::vector<float> one(static_cast<size_t>(kMaxTok * rows));
+          poison(one);
+          for (int64_t k = 0; k < kMaxTok; ++k)
+            cpu::dot_tile(t, w.data(), rows, act.data() + static_cast<size_t>(k) * arb, arb, 1, n,
+                          one.data() + k * rows, rows);
+          bool finite = true;
+          for (const float v : one) finite = finite && std::isfinite(v);
+          CHECK(finite);
+          const int64_t os = rows + 2;  // a 2-float gap after each token's outputs
+          const float kGap = -5555.0f;
+          for (const int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 15, 17}) {
+            CAPTURE(n_tok);
+            for (const bool via_gemm_rows : {false, true}) {
+              CAPTURE(via_gemm_rows);
+              std::vector<float> got(static_cast<size_t>(n_tok * os), kGap);
+              for (int64_t k = 0; k < n_tok; ++k)
+                for (int64_t r = 0; r < rows; ++r)
+                  got[static_cast<size_t>(k * os + r)] = std::numeric_limits<float>::quiet_NaN();
+              if (via_gemm_rows)
+                cpu::gemm_rows(t, w.data(), rows, act.data(), arb, n_tok, n, got.data(), os);
+              else
+                cpu::dot_tile(t, w.data(), rows, act.data(), arb, n_tok, n, got.data(), os);
+              bool same = true, gaps = true;
+              for (int64_t k = 0; k < n_tok; ++k) {
+                same = same && same_bits(got.data() + k * os, one.data() + k * rows,
+                                         static_cast<size_t>(rows));
+                gaps = gaps && got[static_cast<size_t>(k * os + rows)] == kGap &&
+                       got[static_cast<size_t>(k * os + rows + 1)] == kGap;
+              }
+              CHECK(same);
+              CHECK(gaps);
+            }
+          }
+        });
+      }
   }
 }
 

@@ -265,7 +265,8 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("the budget is 1.0 KiB") != std::string::npos);
   // Bad bench kernels arguments are refused, not replaced by defaults.
-  for (const char* a : {"--reps 0", "--reps -3", "--gemv-mib 0", "--dram-mib 0"}) {
+  for (const char* a : {"--reps 0", "--reps -3", "--gemv-mib 0", "--dram-mib 0", "--few-tokens 0",
+                        "--few-tokens 2,,3", "--few-tokens two"}) {
     CAPTURE(a);
     r = run_command(bin + " bench kernels --quick -q " + a);
     CHECK(r.exit_code == 2);

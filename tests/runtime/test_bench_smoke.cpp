@@ -27,6 +27,7 @@ TEST_CASE("bench kernels --quick on q4_0 fills every JSON field with positive nu
   o.dram_bytes = 4 << 20;  // smaller than --quick: the suite also runs under ASan
   o.gemv_bytes = 2 << 20;
   o.ubatches = {1, 7, 32};
+  o.few_tokens = {3, 2, 3};  // resolved to 1, 3, 2: 1 first, each count once
   int progress_lines = 0;
   o.progress = [&](std::string_view) { ++progress_lines; };
   bench::KernelBenchResult r = bench::run_kernel_bench(o);
@@ -91,11 +92,35 @@ TEST_CASE("bench kernels --quick on q4_0 fills every JSON field with positive nu
   CHECK(j["l2_gemv"][0]["rows"] == 64);  // 64 rows of 2304 bytes fit the 256 KiB budget
   CHECK(positive(j["l2_gemv"][0]["gflops"]));
 
-  // One progress line per measurement: dram, gemv, 3 gemm, l2.
-  CHECK(progress_lines == 6);
+  // Few-token GEMM: 768 x 2048 experts (2 of them: the 2 MiB budget holds 2, and at least 2 per
+  // thread), tokens 1, 3, 2, the per-token GEMV's bits.
+  REQUIRE(j["few_tok"].size() == 3);
+  CHECK(j["config"]["few_tokens"] == nlohmann::json::array({1, 3, 2}));
+  const int64_t few_tok[3] = {1, 3, 2};
+  for (size_t i = 0; i < 3; ++i) {
+    const auto& f = j["few_tok"][i];
+    CAPTURE(i);
+    CHECK(f["type"] == "q4_0");
+    CHECK(f["n_tok"] == few_tok[i]);
+    CHECK(f["rows"] == 768);
+    CHECK(f["cols"] == 2048);
+    CHECK(f["experts"] == 2);
+    // 2048 q4_0 elements are 64 blocks of 18 bytes.
+    CHECK(f["weight_bytes"].get<int64_t>() == 2 * 768 * 64 * 18);
+    for (const char* k : {"gbps", "gbps_best", "ratio_to_one", "gemv_gbps", "speedup_vs_gemv"}) {
+      CAPTURE(k);
+      CHECK(positive(f[k]));
+    }
+    CHECK(f["matches_gemv"] == true);
+  }
+  CHECK(j["few_tok"][0]["ratio_to_one"].get<double>() == 1.0);
+
+  // One progress line per measurement: dram, gemv, 3 gemm, 3 few-token, l2.
+  CHECK(progress_lines == 9);
   const std::string text = bench::format_text(r);
   CHECK(text.find("DRAM read bandwidth") != std::string::npos);
   CHECK(text.find("q4_0") != std::string::npos);
+  CHECK(text.find("Few-token GEMM") != std::string::npos);
 }
 
 TEST_CASE("bench kernels option lists reject bad input with the right category") {
@@ -120,5 +145,11 @@ TEST_CASE("bench kernels option lists reject bad input with the right category")
   o.types = {GgmlType::Q8_0};
   o.threads = {1};
   o.gemm_cols = 100;  // not a multiple of 256
+  CHECK(category([&] { bench::run_kernel_bench(o); }) == ErrorCategory::invalid_argument);
+  o.gemm_cols = 0;
+  o.few_cols = 1000;  // not a multiple of 256
+  CHECK(category([&] { bench::run_kernel_bench(o); }) == ErrorCategory::invalid_argument);
+  o.few_cols = 0;
+  o.few_tokens = {2, 0};
   CHECK(category([&] { bench::run_kernel_bench(o); }) == ErrorCategory::invalid_argument);
 }

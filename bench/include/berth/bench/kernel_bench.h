@@ -21,6 +21,13 @@
 //      GB/s (what prefilling token by token would cost on a real model).
 //   4. Single-thread GEMV GFLOP/s on a matrix that fits in L2 (at most 64 rows and 256 KiB),
 //      repeated: 2 flops per weight.
+//   5. Few-token GEMM per weight type and token count (several sequences decoding together with
+//      routed experts: each distinct expert gets 1..8 tokens per step): expert-sized matrices
+//      (few_rows x few_cols) filling about gemv_bytes, so far beyond the LLC, each expert one
+//      cpu::gemm_rows call with n_tok tokens, the experts shared out over the largest pool. GB/s
+//      counts weight bytes read once per run (the bound is reading each expert once from DRAM);
+//      the ratio is to the same run with 1 token, and the speedup is over running the GEMV once
+//      per token on the same experts (what the kernels did for 2..3 K-quant tokens before).
 // Weights are real quantized data (a few rows quantized with ref::quantize_row from a seeded
 // Gaussian, then repeated to fill the matrix), so no kernel meets NaNs or subnormal scales.
 // Activation quantization is done before timing and not counted.
@@ -58,6 +65,11 @@ struct KernelBenchOptions {
   int64_t gemv_tokens = 0;
   /// Minimum seconds per L2 GEMV sample (calls are repeated until it is reached); 0: 0.05 [0.002].
   double l2_min_seconds = 0;
+  /// Token counts of the few-token GEMM (1 is always run first: the ratios' base);
+  /// default 1, 2, 3, 4, 6, 8.
+  std::vector<int64_t> few_tokens;
+  int64_t few_rows = 0;  ///< rows of each expert matrix of the few-token GEMM; 0: 768
+  int64_t few_cols = 0;  ///< its columns (a multiple of 256); 0: 2048
   /// Called with one line of text after each measurement (progress; may be empty).
   std::function<void(std::string_view)> progress;
 };
@@ -125,6 +137,22 @@ struct L2Result {
   Rate gflops;  ///< 2 flops per weight
 };
 
+/// One few-token GEMM measurement (measurement 5): `experts` matrices of rows x cols, every one
+/// multiplied with the same n_tok activation rows per run.
+struct FewTokResult {
+  GgmlType type = GgmlType::F32;
+  int n_threads = 0;  ///< the largest pool
+  int64_t n_tok = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t experts = 0;
+  size_t weight_bytes = 0;     ///< of all the experts: read once per run
+  Rate gbps;                   ///< GB/s of weights with one cpu::gemm_rows call per expert
+  double ratio_to_one = 0;     ///< gbps.median / the 1-token run's gbps.median
+  double gemv_gbps = 0;        ///< median GB/s running the GEMV once per token instead
+  double speedup_vs_gemv = 0;  ///< gbps.median / gemv_gbps
+  bool matches_gemv = false;   ///< gemm_rows' outputs equal the per-token GEMV's bit for bit
+};
+
 /// Latency of a parallel region of the worker pool after the calling thread was busy elsewhere
 /// for `idle_us` (as during the device's part of a hybrid step): from the call until every
 /// worker has joined, median and 90th percentile over the runs, in microseconds. A worker that
@@ -143,7 +171,8 @@ struct KernelBenchResult {
   std::vector<GemvResult> gemv;
   std::vector<GemmResult> gemm;
   std::vector<L2Result> l2;
-  std::vector<WakeResult> wake;  ///< the largest pool, idle 0, 50, 100, 200, 500, 1000 us
+  std::vector<FewTokResult> few;  ///< per type, the token counts in order (1 first)
+  std::vector<WakeResult> wake;   ///< the largest pool, idle 0, 50, 100, 200, 500, 1000 us
 };
 
 /// Parses a comma-separated list of weight types ("q4_K,q8_0"). Throws Error(invalid_argument)
@@ -156,8 +185,9 @@ std::vector<int> parse_thread_list(std::string_view list);
 
 /// Runs every measurement (module comment). Memory: the DRAM buffer, then one GEMV matrix at a
 /// time (about max(dram_bytes, gemv_bytes) plus the GEMM matrix). Throws Error(invalid_argument)
-/// for a column count that is not a multiple of 256 or a non-positive size, Error(unsupported)
-/// for a type without a dot product, Error(out_of_memory) when a buffer cannot be allocated.
+/// for a column count that is not a multiple of 256, a non-positive size or token count,
+/// Error(unsupported) for a type without a dot product, Error(out_of_memory) when a buffer cannot
+/// be allocated.
 KernelBenchResult run_kernel_bench(const KernelBenchOptions& options);
 
 /// The machine the benchmark runs on (CPU model, cores, LLC, SIMD targets, date, build).

@@ -52,8 +52,9 @@ void dot_tile(GgmlType weight_type, const void* w, int64_t n_rows, const void* a
 /// are applied to every token and a token tile's activations are fetched once per block.
 /// Where the dispatched kernel blocks for the cache itself (the AVX3_DL GEMMs of the legacy and
 /// K families), one dot_tile call takes the whole range, so that it unpacks each weight row and
-/// transposes each activation row once. Same arguments and result as dot_tile (bit for bit:
-/// see "Determinism"); throws what dot_tile throws.
+/// transposes each activation row once (AVX3_DL K-quants with 2..11 tokens: FewTokDL streams
+/// the rows once per 8 tokens, each super-block unpacked once for all of them). Same arguments and
+/// result as dot_tile (bit for bit: see "Determinism"); throws what dot_tile throws.
 void gemm_rows(GgmlType weight_type, const void* w, int64_t n_rows, const void* act,
                size_t act_stride, int64_t n_tok, int64_t n, float* out, int64_t out_stride);
 
