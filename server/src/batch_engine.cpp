@@ -311,8 +311,8 @@ void BatchEngine::step() {
   const auto t0 = Clock::now();
   std::span<const float> logits;
   try {
-    logits =
-        session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(), packer_.n_out());
+    logits = session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(),
+                                 packer_.n_out(), packer_.n_decode());
   } catch (const std::exception& e) {
     for (size_t i = 0; i < busy_.size(); ++i)
       if (packer_.taken(i) > 0) fail(*busy_[i], e.what());

@@ -55,6 +55,7 @@ struct Placement {
   Device* dev = nullptr;
   std::function<bool(int)> gpu_layer;
   bool gpu_rest = false;
+  bool cpu_experts = false;  ///< routed experts on the CPU whatever gpu_layer says (--cpu-moe)
 };
 
 SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t n_ctx,
@@ -68,8 +69,11 @@ SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t 
     sp.device = p.dev;
     const graph::WeightTable& w = m.weights();
     for (size_t i = 0; i < w.size(); ++i) {
-      const int32_t l = w.layer(static_cast<graph::WeightId>(i));
-      sp.weight_home.push_back((l >= 0 ? p.gpu_layer(l) : p.gpu_rest) ? Home::gpu : Home::cpu);
+      const auto id = static_cast<graph::WeightId>(i);
+      const int32_t l = w.layer(id);
+      const bool gpu = (l >= 0 ? p.gpu_layer(l) : p.gpu_rest) &&
+                       !(p.cpu_experts && w.role(id) == graph::WeightRole::routed_expert);
+      sp.weight_home.push_back(gpu ? Home::gpu : Home::cpu);
     }
     for (int32_t l = 0; l < m.hparams().n_layer; ++l)
       sp.kv_home.push_back(p.gpu_layer(l) ? Home::gpu : Home::cpu);
@@ -246,24 +250,11 @@ TEST_CASE("batch: a sequence's tokens and logits do not depend on its neighbours
   SUBCASE("CPU") { check_invariance(*model, {}); }
   SUBCASE("device, every layer") {
     auto dev = test_device();
-    if (use_cuda()) {
-      // The CUDA backend's attention serves one sequence per step: a multi-sequence KV cache
-      // with layers there is refused at load, naming the layer.
-      const Placement all{dev.get(), [](int) { return true; }, true};
-      try {
-        Session s(*model, params(*model, all, 2, 64, 16));
-        FAIL("a multi-sequence KV cache on CUDA must be refused");
-      } catch (const Error& e) {
-        CHECK(e.category() == ErrorCategory::unsupported);
-        CHECK(std::string(e.what()).find("layer 0") != std::string::npos);
-      }
-      return;
-    }
+    REQUIRE(dev->info().multi_seq);
     check_invariance(*model, {dev.get(), [](int) { return true; }, true});
   }
   SUBCASE("device, last 3 layers") {
     auto dev = test_device();
-    if (use_cuda()) return;
     const int n_layer = static_cast<int>(model->hparams().n_layer);
     check_invariance(*model, {dev.get(), [&](int l) { return l >= n_layer - 3; }, false});
   }
@@ -276,11 +267,34 @@ TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighb
     auto model = load_model(file);
     SUBCASE("CPU") { check_invariance(*model, {}); }
     SUBCASE("device") {
-      if (use_cuda()) return;
       auto dev = test_device();
+      if (use_cuda()) {
+        // The routed experts on the CPU (--cpu-moe), everything else of layer 1 and the rest on
+        // the GPU: the device's moe_experts is not yet per-row invariant (the case below).
+        check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true, true});
+        return;
+      }
       check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true});
     }
+    SUBCASE("device, all layers, experts on the CPU") {
+      auto dev = test_device();
+      check_invariance(*model, {dev.get(), [](int) { return true; }, true, true});
+    }
   }
+}
+
+// The CUDA moe_experts picks its path by the call's token count (a GEMV per (token, expert)
+// pair up to moe_gemv_max_tok() tokens, the grouped WMMA GEMM above), so a row's bits change
+// with the step until it computes rows by kind (issue 19, the MoE part): this case shows where
+// that stands under BERTH_TEST_DEVICE=cuda. may_fail: it reports without failing the suite;
+// remove the decorator when the MoE kernel is per-row invariant. (The simulated device passes it,
+// as the "device" subcases above check with the experts of layer 1 there.)
+TEST_CASE("batch: a MoE sequence with its experts on the device does not depend on its neighbours" *
+          doctest::may_fail()) {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  check_invariance(*model, {dev.get(), [](int) { return true; }, true});
 }
 
 namespace {
