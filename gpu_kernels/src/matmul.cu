@@ -14,7 +14,7 @@
 // Rows by kind (issue 19: a row's bits never depend on the step's size or its other rows): the
 // last n_decode rows (decode tokens) take the GEMV above in launches of up to kGemvTok rows, whose
 // per-row arithmetic is the same for 1 or 8 rows; the other rows (prompt tokens) take the GEMM
-// below whatever their number.
+// below whatever their number (with F32 weights, the GEMV too: f32 activations, as on the CPU).
 //
 // Prompt rows: x is converted to f16, the weights are dequantized to f16 in chunks of at most
 // kChunkBytes (F16 weights are read directly), and gemm_f16_kernel, a WMMA tensor-core GEMM of our
@@ -730,6 +730,11 @@ int64_t matmul_decode_rows(GgmlType type, int64_t n_tok, int64_t n_decode, const
   if (n_decode >= 0) return n_decode;
   return matmul_uses_gemv(type, n_tok) ? n_tok : 0;
 }
+// The rows the GEMV computes: the decode rows, and with F32 weights every row (their prompt rows
+// keep f32 activations, as the CPU path does, instead of rounding them to f16 for the GEMM).
+int64_t gemv_rows(GgmlType type, int64_t n_tok, int64_t n_dec) {
+  return type == GgmlType::F32 ? n_tok : n_dec;
+}
 
 // The workspace of a call: the decode rows' 8-bit activations first (matmul_group's x_q8 reads
 // them at the start), then the prompt rows' f16 activations, then a chunk of f16 weights.
@@ -757,7 +762,7 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
   check_type(type, n_in, "matmul_workspace_bytes");
   if (n_tok <= 0) return 0;
   const int64_t n_dec = matmul_decode_rows(type, n_tok, n_decode, "matmul_workspace_bytes");
-  return matmul_ws(type, n_in, n_out, n_tok, n_dec).total();
+  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec)).total();
 }
 
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
@@ -765,7 +770,7 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
             int64_t n_decode) {
   check_type(type, n_in, "matmul");
   if (n_tok <= 0 || n_out <= 0) return;
-  const int64_t n_dec = matmul_decode_rows(type, n_tok, n_decode, "matmul");
+  const int64_t n_dec = gemv_rows(type, n_tok, matmul_decode_rows(type, n_tok, n_decode, "matmul"));
   const int64_t n_pre = n_tok - n_dec;
   const MatmulWs L = matmul_ws(type, n_in, n_out, n_tok, n_dec);
   const size_t need = L.total();

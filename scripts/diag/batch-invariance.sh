@@ -10,7 +10,8 @@
 #   3. berth run on stories260K, -ngl 99 / 3: the golden 64 tokens (md5).
 #   4. compute-sanitizer memcheck on the batch cases (KV rows of several sequences).
 #   5. berth bench model --parallel 1,2,4,8 on synthetic qwen3-30b-a3b (q4_k_m, router skew 1),
-#      all on the GPU and --cpu-moe (issue 19's table).
+#      all on the GPU and --cpu-moe (issue 19's table), and pp512/tg32 all on the GPU (the prompt
+#      rows' GEMM is ours now, no longer cuBLAS: compare with docs/performance.md).
 # Pack first: ../shared/device/pack.sh build/bin/berth build/tests/test_gpu
 #   build/tests/test_runtime -- ../shared/models
 # Device: carry [".device"], command: bash scripts/diag/batch-invariance.sh $OUT
@@ -44,6 +45,9 @@ if [[ $only == all || $only == bench ]]; then
   [[ -f $model ]] || berth synth --preset qwen3-30b-a3b --type q4_k_m --router-skew 1 -s 1 -t "$t" -o "$model" 2>&1 | tail -1
   step parallel_gpu timeout -k 10 300 berth bench model -m "$model" -t "$t" -ngl 99 --parallel 1,2,4,8 -p 128 -n 64 -r 2
   step parallel_cpu_moe timeout -k 10 300 berth bench model -m "$model" -t "$t" -ngl 99 --cpu-moe --parallel 1,2,4,8 -p 128 -n 64 -r 2
-  cat "$out/parallel_gpu.txt" "$out/parallel_cpu_moe.txt"
+  # Prompt rows now take our WMMA GEMM instead of cuBLAS: pp512 all on the GPU, against the
+  # figure in docs/performance.md.
+  step pp_gpu timeout -k 10 200 berth bench model -m "$model" -t "$t" -ngl 99 -p 512 -n 32 -r 2
+  cat "$out/parallel_gpu.txt" "$out/parallel_cpu_moe.txt" "$out/pp_gpu.txt"
 fi
 exit $status

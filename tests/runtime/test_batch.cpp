@@ -478,11 +478,11 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   Session s(*model, params(*model, {}, 2, 16, 8));
   const std::vector<int32_t> t = {5, 6, 7};
   auto expect_invalid = [&](const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
-                            int32_t n_out, const char* what) {
+                            int32_t n_out, const char* what, int32_t n_decode = -1) {
     const std::string w = what;
     CAPTURE(w);
     try {
-      s.eval_step(t, pos, seq, n_out);
+      s.eval_step(t, pos, seq, n_out, n_decode);
       FAIL("must throw");
     } catch (const Error& e) {
       CHECK(e.category() == ErrorCategory::invalid_argument);
@@ -494,10 +494,46 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   expect_invalid({0, 1, 0}, {0, 0, 1}, 4, "more output rows than tokens");
   expect_invalid({0, 1}, {0, 0, 1}, 1, "fewer positions than tokens");
   expect_invalid({3, 0, 5}, {0, 1, 0}, 1, "a gap between a sequence's tokens");
+  expect_invalid({0, 1, 2}, {0, 0, 0}, 1, "more decode tokens than tokens", 4);
+  expect_invalid({0, 1, 2}, {0, 0, 0}, 1, "n_decode below -1", -2);
+  expect_invalid({0, 1, 0}, {0, 0, 1}, 1, "a decode token beside its sequence's prompt", 2);
   // Interleaved sequences with consecutive positions each are fine.
   const std::vector<int32_t> pos = {0, 0, 1}, seq = {0, 1, 0};
   const std::span<const float> out = s.eval_step(t, pos, seq, 2);
   CHECK(out.size() == static_cast<size_t>(2 * model->hparams().n_vocab));
+  // Prompt tokens of sequence 0, then one decode token of sequence 1.
+  const std::vector<int32_t> pos2 = {2, 3, 1}, seq2 = {0, 0, 1};
+  CHECK(s.eval_step(t, pos2, seq2, 1, 1).size() == static_cast<size_t>(model->hparams().n_vocab));
+}
+
+TEST_CASE("batch: the packer puts the decode tokens last, the wanted prompt rows before them") {
+  const std::vector<int32_t> p0 = {1, 2, 3, 4, 5}, p2 = {7, 8}, d1 = {9}, d3 = {10};
+  const StepInput in[] = {{0, 0, p0, false}, {1, 4, d1, true}, {2, 0, p2, false}, {3, 6, d3, true}};
+  StepPacker pk;
+  pk.pack(in, 16);
+  CHECK(pk.n_decode() == 2);
+  CHECK(pk.n_prompt() == 7);
+  // Bodies of the prompts, then the prompts' last tokens, then the decode tokens (input order).
+  CHECK(std::vector<int32_t>(pk.tokens().begin(), pk.tokens().end()) ==
+        std::vector<int32_t>{1, 2, 3, 4, 7, 5, 8, 9, 10});
+  CHECK(std::vector<int32_t>(pk.seqs().begin(), pk.seqs().end()) ==
+        std::vector<int32_t>{0, 0, 0, 0, 2, 0, 2, 1, 3});
+  CHECK(std::vector<int32_t>(pk.positions().begin(), pk.positions().end()) ==
+        std::vector<int32_t>{0, 1, 2, 3, 0, 4, 1, 4, 6});
+  CHECK(pk.n_out() == 4);
+  CHECK(pk.out_row(0) == 0);
+  CHECK(pk.out_row(2) == 1);
+  CHECK(pk.out_row(1) == 2);
+  CHECK(pk.out_row(3) == 3);
+  // A budget that cuts the prompts: decode tokens first in the budget, still last in the step.
+  pk.pack(in, 5);
+  CHECK(pk.n_decode() == 2);
+  CHECK(pk.n_prompt() == 3);
+  CHECK(std::vector<int32_t>(pk.tokens().begin(), pk.tokens().end()) ==
+        std::vector<int32_t>{1, 2, 3, 9, 10});
+  CHECK(pk.out_row(0) == -1);
+  CHECK(pk.out_row(1) == 0);
+  CHECK(pk.out_row(3) == 1);
 }
 
 TEST_CASE("batch: more generating sequences than -ub take turns") {

@@ -54,7 +54,8 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
 /// - prompt rows, the first n_tok - n_decode: x rounded to f16, the weights dequantized to f16
 ///   in chunks of rows, and a tensor-core GEMM of our own (f32 accumulation in a fixed k order,
 ///   each output element the same instructions whatever the row count; cuBLAS picks algorithms
-///   by shape, so it is not used).
+///   by shape, so it is not used). F32 weights: prompt rows take the GEMV too (f32 activations,
+///   as the CPU path; the kinds then compute alike).
 /// n_decode -1: every row is a decode row when n_tok <= 8 (quantized weights) or <= 3 (float
 /// weights), else none. `workspace` holds at least matmul_workspace_bytes(...). Errors:
 /// Error(invalid_argument) for n_decode outside [-1, n_tok] or a short workspace, unsupported
