@@ -77,8 +77,9 @@ std::vector<Call> fuse_calls(const StepView& view, std::vector<Call> calls) {
            !(k + 1 < n && calls[k + 1].kind == CallKind::fork);
   };
   const auto is_route_1 = [&](size_t k) {
+    // A decode row: the fused router GEMV gives the bits of the decode rows' matmul.
     return op_call(k) && op_at(k).kind == OpKind::moe_route &&
-           g.values[static_cast<size_t>(op_at(k).output)].rows == 1;
+           g.values[static_cast<size_t>(op_at(k).output)].rows == 1 && g.decode_rows(1) == 1;
   };
 
   std::vector<Call> out;
@@ -180,8 +181,8 @@ std::vector<Call> fuse_calls(const StepView& view, std::vector<Call> calls) {
                               op_at(k + 2).inputs[0] == mm.inputs[0];
       if (mm.kind == OpKind::matmul && static_cast<size_t>(calls[k + 1].ops[0]) == i + 1 &&
           mm.inputs[0] == op.output && !calls[k + 1].streamed && !calls[k + 1].host_w &&
-          g.values[static_cast<size_t>(op.output)].rows == 1 && !is_float(w[mm.weight].type) &&
-          !group_next) {
+          g.values[static_cast<size_t>(op.output)].rows == 1 && g.decode_rows(1) == 1 &&
+          !is_float(w[mm.weight].type) && !group_next) {
         out.push_back(Call{.kind = CallKind::attention_q8, .ops = {c.ops[0], calls[k + 1].ops[0]}});
         used[k + 1] = true;
         continue;

@@ -103,7 +103,8 @@ class CudaDevice final : public backend_detail::StreamDevice {
                       .free_bytes = f,
                       .flags = flags_,
                       .computes_on_host = false,
-                      .can_register_host = register_ok_};
+                      .can_register_host = register_ok_,
+                      .multi_seq = true};
   }
 
   void* alloc(size_t bytes, Mem kind, std::string_view what) override {
@@ -327,10 +328,11 @@ size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w)
   switch (op.kind) {
     case OpKind::matmul: {
       const TensorView& t = w[op.weight];
-      return gpu::matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows);
+      return gpu::matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows, g.decode_rows(rows));
     }
     case OpKind::attention:
-      return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim);
+      return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim,
+                                            g.decode_rows(rows));
     case OpKind::moe_experts:
       return gpu::moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows, moe_slots(op, host_w));
     default:
@@ -351,6 +353,7 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
   const auto in = [&](size_t j) { return b.value[static_cast<size_t>(op.inputs.at(j))]; };
   const auto wdev = [&](graph::WeightId id) { return b.weight.at(static_cast<size_t>(id)); };
   const int64_t rows = oi.rows, cols = oi.cols;
+  const int64_t n_dec = g.decode_rows(rows);  // the value's last n_dec rows are decode rows
   cudaStream_t s = st(kMain);
   switch (op.kind) {
     case OpKind::embed: {
@@ -366,10 +369,10 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
       const TensorView& w = weights[op.weight];
       if (x_q8) {
         const MatmulJob job{w.type, wdev(op.weight), w.n_rows(), out};
-        gpu::matmul_group(&job, 1, w.ne[0], in(0), rows, b.ws, b.ws_bytes, s, true);
+        gpu::matmul_group(&job, 1, w.ne[0], in(0), rows, b.ws, b.ws_bytes, s, true, n_dec);
       } else {
         gpu::matmul(w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, b.ws,
-                    b.ws_bytes, s);
+                    b.ws_bytes, s, n_dec);
       }
       return false;
     }
@@ -395,7 +398,7 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
         q8_out = nullptr;
       return gpu::attention(in(0), in(1), in(2), rows, b.positions, b.k_cache.at(l),
                             b.v_cache.at(l), b.view.n_ctx, p.n_head, p.n_head_kv, p.head_dim,
-                            p.scale, out, b.ws, b.ws_bytes, s, q8_out);
+                            p.scale, out, b.ws, b.ws_bytes, s, q8_out, b.seqs, n_dec);
     }
     case OpKind::take_last_rows: {
       const graph::ValueInfo& ii = g.values[static_cast<size_t>(op.inputs[0])];
@@ -446,8 +449,9 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
                         dv(op_at(k).output)});
       }
       const ValueId x = op_at(0).inputs[0];
+      const int64_t rows = g.values[static_cast<size_t>(x)].rows;
       gpu::matmul_group(jobs.data(), static_cast<int>(jobs.size()), weights[op_at(0).weight].ne[0],
-                        dv(x), g.values[static_cast<size_t>(x)].rows, b.ws, b.ws_bytes, s);
+                        dv(x), rows, b.ws, b.ws_bytes, s, false, g.decode_rows(rows));
       return;
     }
     case CallKind::add_norm:

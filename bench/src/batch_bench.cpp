@@ -147,7 +147,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
           const size_t n = std::min(p.size() - i0, static_cast<size_t>(options.n_ubatch));
           std::vector<int32_t> pos(n), sq(n, seqs[static_cast<size_t>(q)]);
           for (size_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(i0 + i);
-          session.eval_step(std::span<const int32_t>(p).subspan(i0, n), pos, sq, 1);
+          session.eval_step(std::span<const int32_t>(p).subspan(i0, n), pos, sq, 1, 0);
         }
       }
       session.executor().reset_moe_reads();
@@ -157,7 +157,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
       for (int i = 0; i < options.n_gen; ++i) {
         const std::vector<int32_t> t = random_tokens(static_cast<size_t>(n_seq));
         std::fill(pos.begin(), pos.end(), options.n_prompt + i);
-        session.eval_step(t, pos, seqs, n_seq);
+        session.eval_step(t, pos, seqs, n_seq, n_seq);  // one decode token per sequence
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep == 0) continue;  // warm-up

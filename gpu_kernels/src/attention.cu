@@ -10,21 +10,26 @@
 // - Warp w owns rows w, w+4, w+8, w+12 of the block for the whole tile loop (scores, softmax,
 //   P.V), so only the tile loads need the whole block. In the score step a lane owns two cache
 //   rows; in P.V a lane owns head-dim pairs lane + 32c.
-// - The KV range of a block, [0, last position of its rows + 1), is read from positions[] on the
-//   device and cut into gridDim.x equal splits (a multiple of kT each); the number of splits is a
-//   function of shapes only (attention_splits), so a graph captured at one position replays at
-//   any other. With one split the kernel writes the normalised output; with more, each split
-//   writes (m, l, unnormalised acc) to the workspace and attn_combine_kernel merges them.
+// - A block's tokens form runs of one sequence each; per run, the KV range [0, the run's last
+//   position + 1) of that sequence's rows (sequence s: rows s * n_ctx + ...) is read from
+//   positions[] and seqs[] on the device and cut into gridDim.x equal splits (a multiple of kT
+//   each) while the block's other rows are masked out. Prompt rows run with one split (tiles of
+//   kT from position 0); decode rows on this kernel (devices without clusters) with the splits
+//   of a one-token call, a function of n_ctx only, so a graph captured at one position replays
+//   at any other and a row's bits never depend on the step. With one split the kernel writes
+//   the normalised output; with more, each split writes (m, l, unnormalised acc) to the
+//   workspace and attn_combine_kernel merges them.
 //
-// K/V of this ubatch are first written (rounded to f16) into the cache rows positions[t] by
-// kv_write_kernel, launched before the attention kernel in the same stream. A decode call (one
-// token) on compute capability >= 9.0 takes attention_decode_kernel instead (below), one launch
-// that also writes the token's K/V row.
+// K/V of this ubatch are first written (rounded to f16) into the cache rows seqs[t] * n_ctx +
+// positions[t] by kv_write_kernel, launched before the attention kernel in the same stream. Decode
+// rows on compute capability >= 9.0 take attention_decode_kernel instead (below), one launch for
+// all of them (a cluster per token, KV head and head subgroup) that also writes their K/V rows.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -72,15 +77,17 @@ int64_t attention_splits(int64_t n_tok, int64_t n_ctx, int32_t n_head) {
 }
 
 __global__ void kv_write_kernel(const float* k, const float* v, int64_t n_tok,
-                                const int32_t* positions, __half* k_cache, __half* v_cache,
-                                int64_t n_ctx, int64_t kv_dim) {
+                                const int32_t* positions, const int32_t* seqs, __half* k_cache,
+                                __half* v_cache, int64_t n_ctx, int64_t kv_dim) {
   pdl_enter();
   const int64_t n = n_tok * kv_dim;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / kv_dim, c = i % kv_dim;
-    const int64_t row = positions[t];
-    if (row < 0 || row >= n_ctx) continue;  // the host validates positions; never write outside
+    const int64_t p = positions[t], sq = seqs ? seqs[t] : 0;
+    // The host validates positions and sequences; never write outside.
+    if (p < 0 || p >= n_ctx || sq < 0) continue;
+    const int64_t row = sq * n_ctx + p;
     k_cache[row * kv_dim + c] = __float2half_rn(k[i]);
     v_cache[row * kv_dim + c] = __float2half_rn(v[i]);
   }
@@ -149,8 +156,9 @@ __device__ __forceinline__ void load_tile(const uint32_t* __restrict__ k_cache,
 __global__ void __launch_bounds__(kThreads)
     attention_kernel(const float* __restrict__ q, const uint32_t* __restrict__ k_cache,
                      const uint32_t* __restrict__ v_cache, const int32_t* __restrict__ positions,
-                     int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
-                     float q_scale, bool wide, float* __restrict__ out, float* __restrict__ ws_acc,
+                     const int32_t* __restrict__ seqs, int64_t n_tok, int64_t n_ctx, int32_t n_head,
+                     int32_t n_head_kv, int32_t hd, float q_scale, bool wide,
+                     float* __restrict__ out, float* __restrict__ ws_acc,
                      float* __restrict__ ws_ml) {
   pdl_enter();
   extern __shared__ float4 smem4[];
@@ -181,25 +189,6 @@ __global__ void __launch_bounds__(kThreads)
     Qs[i] = x;
   }
 
-  // This warp's rows and their positions (-1: no row). The block's KV extent is the last row's
-  // position + 1 (positions are consecutive, so the last token has the largest).
-  int64_t pos[kRowsPerWarp];
-  int64_t warp_max_pos = -1;
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t gr = r0 + warp + kWarps * i;
-    pos[i] = gr < rows_total ? static_cast<int64_t>(positions[gr / group]) : -1;
-    if (pos[i] > warp_max_pos) warp_max_pos = pos[i];
-  }
-  const int64_t gr_last = (r0 + kQB < rows_total ? r0 + kQB : rows_total) - 1;
-  int64_t n_kv = static_cast<int64_t>(positions[gr_last / group]) + 1;
-  if (n_kv > n_ctx) n_kv = n_ctx;
-  const int64_t n_splits = gridDim.x;
-  int64_t chunk = (n_kv + n_splits - 1) / n_splits;
-  chunk = (chunk + kT - 1) / kT * kT;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * chunk;
-  const int64_t end = start + chunk < n_kv ? start + chunk : n_kv;
-
   float m[kRowsPerWarp], l[kRowsPerWarp];
   float acc[kRowsPerWarp][kMaxPairsPerLane][2];
 #pragma unroll
@@ -210,78 +199,116 @@ __global__ void __launch_bounds__(kThreads)
     for (int c = 0; c < kMaxPairsPerLane; ++c) acc[i][c][0] = acc[i][c][1] = 0.0f;
   }
 
-  for (int64_t j0 = start; j0 < end; j0 += kT) {
-    __syncthreads();  // previous tile fully consumed (and Q stored, on the first pass)
-    if (wide)
-      load_tile<2>(k_cache, v_cache, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
-    else
-      load_tile<1>(k_cache, v_cache, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
-    __syncthreads();
-    if (j0 > warp_max_pos) continue;  // every row of this warp is before this tile (causal)
-
-    // Scores: lane owns cache rows lane and lane + 32 of the tile, for the warp's rows.
-    float s[kRowsPerWarp][2];
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) s[i][0] = s[i][1] = 0.0f;
-    const uint32_t* k0 = Ks + lane * (hd2 + 1);
-    const uint32_t* k1 = Ks + (lane + 32) * (hd2 + 1);
-    for (int c = 0; c < hd2; ++c) {
-      const float2 ka = h2f(k0[c]);
-      const float2 kb = h2f(k1[c]);
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const float2 qv = *reinterpret_cast<const float2*>(Qs + (warp + kWarps * i) * hd + 2 * c);
-        s[i][0] = fmaf(qv.x, ka.x, fmaf(qv.y, ka.y, s[i][0]));
-        s[i][1] = fmaf(qv.x, kb.x, fmaf(qv.y, kb.y, s[i][1]));
-      }
+  // The block's tokens form runs of one sequence (a step lists a sequence's tokens together).
+  // Each run streams its own sequence's rows [0, its last position + 1) while the block's other
+  // rows are masked out: a masked tile leaves a row's m, l and acc bit for bit as they were
+  // (max with -inf, alpha = 1, p = 0 times finite values), so a row's result depends on its own
+  // sequence and position only, never on which tokens share its block (issue 19).
+  const int64_t n_splits = gridDim.x;
+  const int64_t gr_last = (r0 + kQB < rows_total ? r0 + kQB : rows_total) - 1;
+  const int64_t t_last = gr_last / group;
+  for (int64_t ta = r0 / group; ta <= t_last;) {
+    const int32_t sq = seqs ? seqs[ta] : 0;
+    int64_t tb = ta, ext = positions[ta];
+    while (tb < t_last && (seqs ? seqs[tb + 1] : 0) == sq) {
+      ++tb;
+      if (positions[tb] > ext) ext = positions[tb];
     }
-    // Online softmax per row (log2 domain).
+    // This warp's rows of the run and their positions (-1: not in the run).
+    int64_t pos[kRowsPerWarp];
+    int64_t warp_max_pos = -1;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int64_t j = j0 + lane + 32 * jj;
-        if (j > pos[i] || j >= end) s[i][jj] = -CUDART_INF_F;
-      }
-      const float m_new = fmaxf(m[i], warp_max(fmaxf(s[i][0], s[i][1])));
-      float p0 = 0.0f, p1 = 0.0f, alpha = 1.0f;
-      if (m_new != -CUDART_INF_F) {
-        p0 = exp2f(s[i][0] - m_new);
-        p1 = exp2f(s[i][1] - m_new);
-        alpha = exp2f(m[i] - m_new);
-      }
-      l[i] = l[i] * alpha + warp_sum(p0 + p1);
-      m[i] = m_new;
-#pragma unroll
-      for (int c = 0; c < kMaxPairsPerLane; ++c) {
-        acc[i][c][0] *= alpha;
-        acc[i][c][1] *= alpha;
-      }
-      float* prow = Ps + (warp + kWarps * i) * kT;
-      prow[lane] = p0;
-      prow[lane + 32] = p1;
+      const int64_t gr = r0 + warp + kWarps * i;
+      const int64_t t = gr / group;
+      pos[i] = gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
+      if (pos[i] > warp_max_pos) warp_max_pos = pos[i];
     }
-    __syncwarp();
-    // P.V: lane owns head-dim pairs lane + 32c.
-    const int tile_len = static_cast<int>(end - j0 < kT ? end - j0 : kT);
-    for (int r = 0; r < tile_len; ++r) {
-      float p[kRowsPerWarp];
+    int64_t n_kv = ext + 1;
+    if (n_kv > n_ctx) n_kv = n_ctx;
+    int64_t chunk = (n_kv + n_splits - 1) / n_splits;
+    chunk = (chunk + kT - 1) / kT * kT;
+    const int64_t start = static_cast<int64_t>(blockIdx.x) * chunk;
+    const int64_t end = start + chunk < n_kv ? start + chunk : n_kv;
+    const int64_t base = static_cast<int64_t>(sq < 0 ? 0 : sq) * n_ctx;  // the run's first row
+    const uint32_t* kc = k_cache + base * kv_stride2;
+    const uint32_t* vc = v_cache + base * kv_stride2;
+
+    for (int64_t j0 = start; j0 < end; j0 += kT) {
+      __syncthreads();  // previous tile fully consumed (and Q stored, on the first pass)
+      if (wide)
+        load_tile<2>(kc, vc, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
+      else
+        load_tile<1>(kc, vc, Ks, Vs, j0, end, kv_stride2, kvh, hd2, tid);
+      __syncthreads();
+      if (j0 > warp_max_pos) continue;  // every row of this warp is before this tile (causal)
+
+      // Scores: lane owns cache rows lane and lane + 32 of the tile, for the warp's rows.
+      float s[kRowsPerWarp][2];
 #pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) p[i] = Ps[(warp + kWarps * i) * kT + r];
-      const uint32_t* vr = Vs + r * hd2;
+      for (int i = 0; i < kRowsPerWarp; ++i) s[i][0] = s[i][1] = 0.0f;
+      const uint32_t* k0 = Ks + lane * (hd2 + 1);
+      const uint32_t* k1 = Ks + (lane + 32) * (hd2 + 1);
+      for (int c = 0; c < hd2; ++c) {
+        const float2 ka = h2f(k0[c]);
+        const float2 kb = h2f(k1[c]);
 #pragma unroll
-      for (int c = 0; c < kMaxPairsPerLane; ++c) {
-        const int cc = lane + 32 * c;
-        if (cc < hd2) {
-          const float2 vv = h2f(vr[cc]);
+        for (int i = 0; i < kRowsPerWarp; ++i) {
+          const float2 qv = *reinterpret_cast<const float2*>(Qs + (warp + kWarps * i) * hd + 2 * c);
+          s[i][0] = fmaf(qv.x, ka.x, fmaf(qv.y, ka.y, s[i][0]));
+          s[i][1] = fmaf(qv.x, kb.x, fmaf(qv.y, kb.y, s[i][1]));
+        }
+      }
+      // Online softmax per row (log2 domain).
 #pragma unroll
-          for (int i = 0; i < kRowsPerWarp; ++i) {
-            acc[i][c][0] = fmaf(p[i], vv.x, acc[i][c][0]);
-            acc[i][c][1] = fmaf(p[i], vv.y, acc[i][c][1]);
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int64_t j = j0 + lane + 32 * jj;
+          if (j > pos[i] || j >= end) s[i][jj] = -CUDART_INF_F;
+        }
+        const float m_new = fmaxf(m[i], warp_max(fmaxf(s[i][0], s[i][1])));
+        float p0 = 0.0f, p1 = 0.0f, alpha = 1.0f;
+        if (m_new != -CUDART_INF_F) {
+          p0 = exp2f(s[i][0] - m_new);
+          p1 = exp2f(s[i][1] - m_new);
+          alpha = exp2f(m[i] - m_new);
+        }
+        l[i] = l[i] * alpha + warp_sum(p0 + p1);
+        m[i] = m_new;
+#pragma unroll
+        for (int c = 0; c < kMaxPairsPerLane; ++c) {
+          acc[i][c][0] *= alpha;
+          acc[i][c][1] *= alpha;
+        }
+        float* prow = Ps + (warp + kWarps * i) * kT;
+        prow[lane] = p0;
+        prow[lane + 32] = p1;
+      }
+      __syncwarp();
+      // P.V: lane owns head-dim pairs lane + 32c.
+      const int tile_len = static_cast<int>(end - j0 < kT ? end - j0 : kT);
+      for (int r = 0; r < tile_len; ++r) {
+        float p[kRowsPerWarp];
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) p[i] = Ps[(warp + kWarps * i) * kT + r];
+        const uint32_t* vr = Vs + r * hd2;
+#pragma unroll
+        for (int c = 0; c < kMaxPairsPerLane; ++c) {
+          const int cc = lane + 32 * c;
+          if (cc < hd2) {
+            const float2 vv = h2f(vr[cc]);
+#pragma unroll
+            for (int i = 0; i < kRowsPerWarp; ++i) {
+              acc[i][c][0] = fmaf(p[i], vv.x, acc[i][c][0]);
+              acc[i][c][1] = fmaf(p[i], vv.y, acc[i][c][1]);
+            }
           }
         }
       }
+      __syncwarp();  // Ps is rewritten by the next tile (of this run or the next)
     }
+    ta = tb + 1;
   }
 
   const int64_t n_rows_all = n_tok * n_head;
@@ -382,10 +409,10 @@ template <int PL, int W>
 __global__ void __launch_bounds__(W * 32, 1)
     attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k_new,
                             const float* __restrict__ v_new, const int32_t* __restrict__ positions,
-                            uint32_t* __restrict__ k_cache, uint32_t* __restrict__ v_cache,
-                            int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t hd,
-                            float q_scale, float* __restrict__ out, int8_t* __restrict__ q8,
-                            float4* __restrict__ q8m) {
+                            const int32_t* __restrict__ seqs, uint32_t* __restrict__ k_cache,
+                            uint32_t* __restrict__ v_cache, int64_t n_ctx, int32_t n_head,
+                            int32_t n_head_kv, int32_t hd, float q_scale, float* __restrict__ out,
+                            int8_t* __restrict__ q8, float4* __restrict__ q8m) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int GM = kDecGM;
@@ -402,13 +429,32 @@ __global__ void __launch_bounds__(W * 32, 1)
   const int rank = static_cast<int>(cluster.block_rank());
   const int32_t group = n_head / n_head_kv;
   const int32_t kvh = static_cast<int32_t>(blockIdx.y);
-  const int32_t g0 = static_cast<int32_t>(blockIdx.z) * GM;
+  // blockIdx.z = token * subgroups + subgroup: each decode token (of its own sequence) is
+  // computed exactly as a one-token call computes it.
+  const int32_t n_sub = (group + GM - 1) / GM;
+  const int64_t tok = blockIdx.z / n_sub;
+  const int32_t sub = static_cast<int32_t>(blockIdx.z % n_sub);
+  const int32_t g0 = sub * GM;
   const int ng = group - g0 < GM ? group - g0 : GM;
   const int hd2 = hd / 2;
   const int64_t kv_stride2 = static_cast<int64_t>(n_head_kv) * hd2;
-  const int64_t p = positions[0];
+  const int64_t p = positions[tok];
   int64_t n_kv = p + 1;
   if (n_kv > n_ctx) n_kv = n_ctx;
+  {
+    const int64_t sq = seqs ? seqs[tok] : 0;
+    const int64_t base = (sq < 0 ? 0 : sq) * n_ctx * kv_stride2;  // the sequence's first row
+    k_cache += base;
+    v_cache += base;
+  }
+  q += tok * n_head * hd;
+  k_new += tok * n_head_kv * hd;
+  v_new += tok * n_head_kv * hd;
+  out += tok * n_head * hd;
+  if (q8) {
+    q8 += tok * n_head * hd;
+    q8m += tok * n_head * hd / 32;
+  }
   const int my_g = lane % GM, my_r = lane / GM;  // the score this lane ends a slab with
 
   float2 qv[GM][PL];
@@ -463,7 +509,7 @@ __global__ void __launch_bounds__(W * 32, 1)
             const __half2 vh = __floats2half2_rn(v_new[src], v_new[src + 1]);
             memcpy(&kw[r][i], &kh, 4);
             memcpy(&vw[r][i], &vh, 4);
-            if (blockIdx.z == 0) {
+            if (sub == 0) {
               k_cache[p * kv_stride2 + static_cast<int64_t>(kvh) * hd2 + c] = kw[r][i];
               v_cache[p * kv_stride2 + static_cast<int64_t>(kvh) * hd2 + c] = vw[r][i];
             }
@@ -589,9 +635,9 @@ __global__ void __launch_bounds__(W * 32, 1)
 
 // The decode kernel instance for a head dim <= 256 (attention() checks it): pairs per lane and
 // warps per block, 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
-using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*, uint32_t*,
-                              uint32_t*, int64_t, int32_t, int32_t, int32_t, float, float*, int8_t*,
-                              float4*);
+using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*,
+                              const int32_t*, uint32_t*, uint32_t*, int64_t, int32_t, int32_t,
+                              int32_t, float, float*, int8_t*, float4*);
 struct DecodeChoice {
   DecodeKernel kernel;
   int warps;
@@ -624,16 +670,32 @@ bool& attention_cluster_decode() {
 }
 }  // namespace detail
 
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim) {
-  const int64_t s = attention_splits(n_tok, n_ctx, n_head);
-  if (s <= 1) return 0;
-  return static_cast<size_t>(s * n_tok * n_head * (head_dim + 2)) * sizeof(float);
+namespace {
+// The decode rows of a call (attention's n_decode, resolved).
+int64_t decode_rows(int64_t n_tok, int64_t n_decode) {
+  if (n_decode < -1 || n_decode > n_tok)
+    bad_arg("gpu::attention: " + std::to_string(n_decode) + " decode rows of " +
+            std::to_string(n_tok));
+  return n_decode >= 0 ? n_decode : (n_tok == 1 ? 1 : 0);
+}
+// KV splits of a decode row (the split kernel, without clusters): those of a one-token call,
+// a function of n_ctx and n_head only.
+int64_t decode_splits(int64_t n_ctx, int32_t n_head) { return attention_splits(1, n_ctx, n_head); }
+}  // namespace
+
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim,
+                                 int64_t n_decode) {
+  const int64_t n_dec = decode_rows(n_tok, n_decode);
+  const int64_t s = decode_splits(n_ctx, n_head);
+  if (s <= 1 || n_dec == 0) return 0;
+  return static_cast<size_t>(s * n_dec * n_head * (head_dim + 2)) * sizeof(float);
 }
 
 bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws) {
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws,
+               const int32_t* seqs, int64_t n_decode) {
   if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
     bad_arg("gpu::attention: n_head " + std::to_string(n_head) +
             " is not a multiple of n_head_kv " + std::to_string(n_head_kv));
@@ -642,60 +704,84 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                                                 " (must be even and <= 256)");
   if (n_ctx <= 0) bad_arg("gpu::attention: n_ctx must be positive");
   if (n_tok <= 0) return false;
-  const int64_t splits = attention_splits(n_tok, n_ctx, n_head);
-  const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim);
+  const int64_t n_dec = decode_rows(n_tok, n_decode);
+  const int64_t n_pre = n_tok - n_dec;
+  const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim, n_dec);
   if (workspace_bytes < need)
     bad_arg("gpu::attention: workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
             std::to_string(need));
   const int64_t group = n_head / n_head_kv;
-  const int64_t q_blocks = (n_tok * group + kQB - 1) / kQB;
+  const int64_t q_blocks = (std::max(n_pre, n_dec) * group + kQB - 1) / kQB;
   if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");
-
-  if (n_tok == 1 && detail::attention_cluster_decode() && cluster_kernels_available()) {
-    const DecodeChoice dc = decode_kernel_for(head_dim);
-    detail::QAct qa{nullptr, nullptr};
-    if (q8_ws && head_dim % 32 == 0)
-      qa = detail::qact_at(q8_ws, 1, static_cast<int64_t>(n_head) * head_dim);
-    const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
-    const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),
-                    static_cast<unsigned>((group + kDecGM - 1) / kDecGM));
-    launch_in_clusters("attention_decode_kernel", dc.kernel, grid, dc.warps * 32, smem, stream,
-                       kDecCluster, q, k, v, positions, reinterpret_cast<uint32_t*>(k_cache),
-                       reinterpret_cast<uint32_t*>(v_cache), n_ctx, n_head, n_head_kv, head_dim,
-                       scale * 1.4426950408889634f, out, qa.q, qa.meta);
-    return qa.q != nullptr;
-  }
-
+  const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
   const int64_t kv_dim = static_cast<int64_t>(n_head_kv) * head_dim;
-  {
-    const int64_t n = n_tok * kv_dim;
+  const bool cluster =
+      n_dec > 0 && detail::attention_cluster_decode() && cluster_kernels_available();
+
+  // K/V of the step into the cache (the cluster decode kernel writes its tokens' rows itself).
+  const int64_t n_write = cluster ? n_pre : n_tok;
+  if (n_write > 0) {
+    const int64_t n = n_write * kv_dim;
     int64_t blocks = (n + 255) / 256;
     if (blocks > 4096) blocks = 4096;
     launch("kv_write_kernel", kv_write_kernel, static_cast<unsigned>(blocks), 256, 0, stream, k, v,
-           n_tok, positions, reinterpret_cast<__half*>(k_cache), reinterpret_cast<__half*>(v_cache),
-           n_ctx, kv_dim);
+           n_write, positions, seqs, reinterpret_cast<__half*>(k_cache),
+           reinterpret_cast<__half*>(v_cache), n_ctx, kv_dim);
   }
 
   // Head dims up to 128 fit the default 48 KiB; larger ones opt in (once per device, on the
   // first such call, which should therefore not be the first call inside a stream capture).
-  if (smem_words(head_dim) * 4 > 48 * 1024) ensure_smem_attribute();
-  float* ws_acc = static_cast<float*>(workspace);
-  float* ws_ml = splits > 1 ? ws_acc + splits * n_tok * n_head * head_dim : nullptr;
+  if ((n_pre > 0 || (n_dec > 0 && !cluster)) && smem_words(head_dim) * 4 > 48 * 1024)
+    ensure_smem_attribute();
   const float q_scale = scale * 1.4426950408889634f;  // log2(e): scores in the log2 domain
   // 8-byte cache loads when every row offset is a multiple of 8 bytes (head_dim % 4 == 0 and
   // 8-byte aligned cache pointers); 4-byte loads otherwise.
   const bool wide = head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache) % 8 == 0 &&
                     reinterpret_cast<uintptr_t>(v_cache) % 8 == 0;
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(q_blocks),
-                  static_cast<unsigned>(n_head_kv));
-  launch("attention_kernel", attention_kernel, grid, kThreads, smem_words(head_dim) * 4, stream, q,
-         reinterpret_cast<const uint32_t*>(k_cache), reinterpret_cast<const uint32_t*>(v_cache),
-         positions, n_tok, n_ctx, n_head, n_head_kv, head_dim, q_scale, wide, out, ws_acc, ws_ml);
-  if (splits > 1) {
-    launch("attn_combine_kernel", attn_combine_kernel, static_cast<unsigned>(n_tok * n_head), 64, 0,
-           stream, ws_acc, ws_ml, n_tok * n_head, static_cast<int32_t>(splits), head_dim, out);
+  // Rows [t0, t0 + n) with `splits` KV splits (1: the output directly; more: the workspace,
+  // then the merge).
+  const auto split_kernel = [&](int64_t t0, int64_t n, int64_t splits) {
+    float* ws_acc = static_cast<float*>(workspace);
+    float* ws_ml = splits > 1 ? ws_acc + splits * n * n_head * head_dim : nullptr;
+    const dim3 grid(static_cast<unsigned>(splits),
+                    static_cast<unsigned>((n * group + kQB - 1) / kQB),
+                    static_cast<unsigned>(n_head_kv));
+    launch("attention_kernel", attention_kernel, grid, kThreads, smem_words(head_dim) * 4, stream,
+           q + t0 * q_stride, reinterpret_cast<const uint32_t*>(k_cache),
+           reinterpret_cast<const uint32_t*>(v_cache), positions + t0, seqs ? seqs + t0 : nullptr,
+           n, n_ctx, n_head, n_head_kv, head_dim, q_scale, wide, out + t0 * q_stride, ws_acc,
+           ws_ml);
+    if (splits > 1)
+      launch("attn_combine_kernel", attn_combine_kernel, static_cast<unsigned>(n * n_head), 64, 0,
+             stream, ws_acc, ws_ml, n * n_head, static_cast<int32_t>(splits), head_dim,
+             out + t0 * q_stride);
+  };
+
+  // Prompt rows: one split (fixed tiles from position 0 whatever the step).
+  if (n_pre > 0) split_kernel(0, n_pre, 1);
+  if (n_dec == 0) return false;
+  if (!cluster) {
+    split_kernel(n_pre, n_dec, decode_splits(n_ctx, n_head));
+    return false;
   }
-  return false;
+  const DecodeChoice dc = decode_kernel_for(head_dim);
+  detail::QAct qa{nullptr, nullptr};
+  if (q8_ws && head_dim % 32 == 0 && n_tok == 1) qa = detail::qact_at(q8_ws, 1, q_stride);
+  const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
+  const int64_t n_sub = (group + kDecGM - 1) / kDecGM;
+  const int64_t per_launch = 65535 / n_sub;  // grid.z = tokens * subgroups
+  for (int64_t t0 = n_pre; t0 < n_tok; t0 += per_launch) {
+    const int64_t nt = std::min(per_launch, n_tok - t0);
+    const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),
+                    static_cast<unsigned>(nt * n_sub));
+    launch_in_clusters("attention_decode_kernel", dc.kernel, grid, dc.warps * 32, smem, stream,
+                       kDecCluster, q + t0 * q_stride, k + t0 * kv_dim, v + t0 * kv_dim,
+                       positions + t0, seqs ? seqs + t0 : nullptr,
+                       reinterpret_cast<uint32_t*>(k_cache), reinterpret_cast<uint32_t*>(v_cache),
+                       n_ctx, n_head, n_head_kv, head_dim, q_scale, out + t0 * q_stride, qa.q,
+                       qa.meta);
+  }
+  return qa.q != nullptr;
 }
 
 }  // namespace berth::gpu

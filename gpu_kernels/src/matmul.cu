@@ -11,18 +11,23 @@
 // of a row finish with a butterfly reduction. Float weights: the same layout with 8 elements
 // (one 16-byte load of f16/bf16, two of f32) per lane step and f32 activations.
 //
-// Prefill: x is converted to f16, the weights are dequantized to f16 in chunks of at most
-// kChunkBytes, and cuBLAS (cublasGemmEx, f16 inputs, f32 accumulation and output) multiplies
-// each chunk; F16 weights go to cuBLAS directly. cuBLAS gets a slice of our workspace, so it
-// allocates nothing at run time; its handle is created once per (device, stream).
+// Rows by kind (issue 19: a row's bits never depend on the step's size or its other rows): the
+// last n_decode rows (decode tokens) take the GEMV above in launches of up to kGemvTok rows, whose
+// per-row arithmetic is the same for 1 or 8 rows; the other rows (prompt tokens) take the GEMM
+// below whatever their number (with F32 weights, the GEMV too: f32 activations, as on the CPU).
+//
+// Prompt rows: x is converted to f16, the weights are dequantized to f16 in chunks of at most
+// kChunkBytes (F16 weights are read directly), and gemm_f16_kernel, a WMMA tensor-core GEMM of our
+// own, multiplies each chunk: f16 inputs, f32 accumulation, each output element accumulated over
+// k in ascending steps of 16 by one warp's mma_sync, so its bits depend on its row of x and its
+// column of W only, never on how many rows the call has. (cuBLAS chooses its algorithm, tiles and
+// split-K by shape, so its rows' bits may change with the row count; it is not used here.)
 #include <cooperative_groups.h>
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -584,31 +589,106 @@ using namespace detail;
 namespace {
 
 constexpr size_t kChunkBytes = size_t{64} << 20;  // dequantized f16 weights per GEMM call
-constexpr size_t kCublasWs = size_t{32} << 20;    // cuBLAS workspace (its Hopper recommendation)
 
-const char* cublas_status(cublasStatus_t st) { return cublasGetStatusString(st); }
+// gemm_f16_kernel: out [M, ldc] (columns [0, N)) = X [M, K] . W [N, K]^T, both f16 row-major (K
+// contiguous). A block computes a kGM x kGN tile with 4 warps of 32 x 32 (2 x 2 WMMA fragments
+// of 16 x 16 x 16); X and W tiles of kGK columns are staged in shared memory, zero-padded past
+// M, N and K (a zero adds nothing to any row). `vec`: K % 8 == 0 and 16-byte aligned pointers,
+// so 8 halves travel per load.
+constexpr int kGM = 64, kGN = 64, kGK = 32, kGLd = kGK + 8;
+constexpr int kGemmThreads = 128;
 
-#define BERTH_CUBLAS_CHECK(call)                                                      \
-  do {                                                                                \
-    cublasStatus_t berth_st_ = (call);                                                \
-    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                           \
-      throw Error(ErrorCategory::internal,                                            \
-                  std::string("cuBLAS: ") + #call + ": " + cublas_status(berth_st_)); \
-  } while (0)
+template <bool kVec>
+__device__ __forceinline__ void gemm_stage(const __half* __restrict__ src, int64_t rows, int64_t K,
+                                           int64_t r0, int64_t k0, __half* dst, int tid) {
+  if constexpr (kVec) {
+    for (int i = tid; i < kGM * (kGK / 8); i += kGemmThreads) {
+      const int r = i / (kGK / 8), c = (i % (kGK / 8)) * 8;
+      const int64_t gr = r0 + r, gk = k0 + c;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (gr < rows && gk < K) v = __ldg(reinterpret_cast<const uint4*>(src + gr * K + gk));
+      *reinterpret_cast<uint4*>(dst + r * kGLd + c) = v;
+    }
+  } else {
+    for (int i = tid; i < kGM * kGK; i += kGemmThreads) {
+      const int r = i / kGK, c = i % kGK;
+      const int64_t gr = r0 + r, gk = k0 + c;
+      dst[r * kGLd + c] = gr < rows && gk < K ? src[gr * K + gk] : __float2half_rn(0.0f);
+    }
+  }
+}
 
-// One handle per (device, stream), created on first use; the map is guarded by a mutex.
-// Handles live until the process ends (a stream that is destroyed and whose address is reused
-// gets the same handle back, re-bound to it below).
-cublasHandle_t cublas_handle(cudaStream_t s) {
-  int dev = 0;
-  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> handles;
-  std::lock_guard<std::mutex> lock(mu);
-  cublasHandle_t& h = handles[{dev, s}];
-  if (h == nullptr) BERTH_CUBLAS_CHECK(cublasCreate(&h));
-  BERTH_CUBLAS_CHECK(cublasSetStream(h, s));
-  return h;
+template <bool kVec>
+__global__ void __launch_bounds__(kGemmThreads)
+    gemm_f16_kernel(const __half* __restrict__ x, const __half* __restrict__ w, int64_t M,
+                    int64_t N, int64_t K, float* __restrict__ out, int64_t ldc) {
+  namespace wmma = nvcuda::wmma;
+  pdl_enter();
+  __shared__ __align__(128) __half As[kGM * kGLd];
+  __shared__ __align__(128) __half Bs[kGN * kGLd];
+  __shared__ __align__(128) float Cs[kGemmThreads / 32][16 * 16];
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kGM;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kGN;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += kGK) {
+    gemm_stage<kVec>(x, M, K, m0, k0, As, tid);
+    gemm_stage<kVec>(w, N, K, n0, k0, Bs, tid);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kGK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        wmma::load_matrix_sync(fa[i], As + (wm + 16 * i) * kGLd + kk, kGLd);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::load_matrix_sync(fb[j], Bs + (wn + 16 * j) * kGLd + kk, kGLd);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  float* cs = Cs[warp];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::store_matrix_sync(cs, acc[i][j], 16, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) {
+        const int64_t m = m0 + wm + 16 * i + e / 16, n = n0 + wn + 16 * j + e % 16;
+        if (m < M && n < N) out[m * ldc + n] = cs[e];
+      }
+      __syncwarp();
+    }
+}
+
+void gemm_f16(const __half* x, const __half* w, int64_t M, int64_t N, int64_t K, float* out,
+              int64_t ldc, cudaStream_t s) {
+  if (M == 0 || N == 0) return;
+  if ((M + kGM - 1) / kGM > 65535)
+    throw Error(ErrorCategory::invalid_argument, "matmul: " + std::to_string(M) +
+                                                     " prompt rows in one call (at most " +
+                                                     std::to_string(65535 * kGM) + ")");
+  const dim3 grid(static_cast<unsigned>((N + kGN - 1) / kGN),
+                  static_cast<unsigned>((M + kGM - 1) / kGM));
+  const bool vec = K % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+  if (vec)
+    launch("gemm_f16_kernel", gemm_f16_kernel<true>, grid, kGemmThreads, 0, s, x, w, M, N, K, out,
+           ldc);
+  else
+    launch("gemm_f16_kernel", gemm_f16_kernel<false>, grid, kGemmThreads, 0, s, x, w, M, N, K, out,
+           ldc);
 }
 
 int64_t chunk_rows(int64_t n_in, int64_t n_out) {
@@ -639,21 +719,61 @@ bool supports(GgmlType t) {
   }
 }
 
-size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok) {
+namespace {
+
+// The decode rows of a matmul call (matmul's n_decode, resolved).
+int64_t matmul_decode_rows(GgmlType type, int64_t n_tok, int64_t n_decode, const char* what) {
+  if (n_decode < -1 || n_decode > n_tok)
+    throw Error(ErrorCategory::invalid_argument, std::string(what) + ": " +
+                                                     std::to_string(n_decode) + " decode rows of " +
+                                                     std::to_string(n_tok));
+  if (n_decode >= 0) return n_decode;
+  return matmul_uses_gemv(type, n_tok) ? n_tok : 0;
+}
+// The rows the GEMV computes: the decode rows, and with F32 weights every row (their prompt rows
+// keep f32 activations, as the CPU path does, instead of rounding them to f16 for the GEMM).
+int64_t gemv_rows(GgmlType type, int64_t n_tok, int64_t n_dec) {
+  return type == GgmlType::F32 ? n_tok : n_dec;
+}
+
+// The workspace of a call: the decode rows' 8-bit activations first (matmul_group's x_q8 reads
+// them at the start), then the prompt rows' f16 activations, then a chunk of f16 weights.
+struct MatmulWs {
+  size_t q8 = 0, xh = 0, wh = 0;
+  size_t total() const { return q8 + xh + wh; }
+};
+MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, int64_t n_dec) {
+  MatmulWs m;
+  if (n_tok <= 0 || n_out <= 0 || n_in == 0) return m;
+  const int64_t n_pre = n_tok - n_dec;
+  if (n_dec > 0 && is_quantized(type)) m.q8 = align_up(qact_bytes(n_dec, n_in));
+  if (n_pre > 0) {
+    m.xh = align_up(static_cast<size_t>(n_pre * n_in) * 2);
+    if (type != GgmlType::F16)
+      m.wh = align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
+  }
+  return m;
+}
+
+}  // namespace
+
+size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok,
+                              int64_t n_decode) {
   check_type(type, n_in, "matmul_workspace_bytes");
-  if (n_tok <= 0 || n_out <= 0 || n_in == 0) return 0;
-  if (matmul_uses_gemv(type, n_tok)) return is_quantized(type) ? qact_bytes(n_tok, n_in) : 0;
-  size_t b = align_up(static_cast<size_t>(n_tok * n_in) * 2) + kCublasWs;
-  if (type != GgmlType::F16) b += align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
-  return b;
+  if (n_tok <= 0) return 0;
+  const int64_t n_dec = matmul_decode_rows(type, n_tok, n_decode, "matmul_workspace_bytes");
+  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec)).total();
 }
 
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
-            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes,
-            cudaStream_t stream) {
+            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+            int64_t n_decode) {
   check_type(type, n_in, "matmul");
   if (n_tok <= 0 || n_out <= 0) return;
-  const size_t need = matmul_workspace_bytes(type, n_in, n_out, n_tok);
+  const int64_t n_dec = gemv_rows(type, n_tok, matmul_decode_rows(type, n_tok, n_decode, "matmul"));
+  const int64_t n_pre = n_tok - n_dec;
+  const MatmulWs L = matmul_ws(type, n_in, n_out, n_tok, n_dec);
+  const size_t need = L.total();
   if (workspace_bytes < need || (need > 0 && workspace == nullptr))
     throw Error(ErrorCategory::invalid_argument, "matmul: workspace of " +
                                                      std::to_string(workspace_bytes) + " bytes, " +
@@ -662,62 +782,59 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
     BERTH_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(n_tok * n_out) * 4, stream));
     return;
   }
-  if (matmul_uses_gemv(type, n_tok)) {
+  auto* ws = static_cast<uint8_t*>(workspace);
+  if (n_pre > 0) {
+    // Prompt rows: the tensor-core GEMM on f16 copies.
+    auto* xh = reinterpret_cast<__half*>(ws + L.q8);
+    auto* wh = reinterpret_cast<__half*>(ws + L.q8 + L.xh);
+    to_half(x, n_pre, n_in, nullptr, 1, nullptr, xh, stream);
+    const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
+    for (int64_t r0 = 0; r0 < n_out; r0 += step) {
+      const int64_t rows = std::min(step, n_out - r0);
+      const __half* a = static_cast<const __half*>(w) + (type == GgmlType::F16 ? r0 * n_in : 0);
+      if (type != GgmlType::F16) {
+        dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
+        a = wh;
+      }
+      gemm_f16(xh, a, n_pre, rows, n_in, out + r0, n_out, stream);
+    }
+  }
+  if (n_dec > 0) {
+    // Decode rows: the GEMV, kGemvTok rows per launch.
+    const float* xd = x + n_pre * n_in;
+    float* od = out + n_pre * n_out;
     QAct qa{};
     if (is_quantized(type)) {
-      qa = qact_at(workspace, n_tok, n_in);
-      quantize_act(x, nullptr, n_tok, n_in, qa, stream);
+      qa = qact_at(ws, n_dec, n_in);
+      quantize_act(xd, nullptr, n_dec, n_in, qa, stream);
     }
-    for (int64_t t0 = 0; t0 < n_tok; t0 += kGemvTok) {
-      const int64_t nt = std::min<int64_t>(kGemvTok, n_tok - t0);
+    for (int64_t t0 = 0; t0 < n_dec; t0 += kGemvTok) {
+      const int64_t nt = std::min<int64_t>(kGemvTok, n_dec - t0);
       QAct part{};
       if (qa.q) part = {qa.q + t0 * n_in, qa.meta + t0 * (n_in / 32)};
-      gemv(type, w, n_in, n_out, x + t0 * n_in, part, nt, out + t0 * n_out, n_out, GemvRoute{},
+      gemv(type, w, n_in, n_out, xd + t0 * n_in, part, nt, od + t0 * n_out, n_out, GemvRoute{},
            stream);
     }
-    return;
-  }
-  // Tensor-core path.
-  auto* ws = static_cast<uint8_t*>(workspace);
-  void* xh = ws;
-  void* cublas_ws = ws + align_up(static_cast<size_t>(n_tok * n_in) * 2);
-  void* wh = static_cast<uint8_t*>(cublas_ws) + kCublasWs;
-  to_half(x, n_tok, n_in, nullptr, 1, nullptr, xh, stream);
-  cublasHandle_t h = cublas_handle(stream);
-  BERTH_CUBLAS_CHECK(cublasSetWorkspace(h, cublas_ws, kCublasWs));
-  const float alpha = 1.0f, beta = 0.0f;
-  const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
-  for (int64_t r0 = 0; r0 < n_out; r0 += step) {
-    const int64_t rows = std::min(step, n_out - r0);
-    const void* a = w;
-    if (type != GgmlType::F16) {
-      dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
-      a = wh;
-    }
-    // Column-major view: C [rows x n_tok] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x n_tok).
-    BERTH_CUBLAS_CHECK(
-        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n_tok),
-                     static_cast<int>(n_in), &alpha, a, CUDA_R_16F, static_cast<int>(n_in), xh,
-                     CUDA_R_16F, static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F,
-                     static_cast<int>(n_out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
 
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
-                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8) {
-  bool gemv_all = n_tok > 0 && n_in > 0, any_q = false;
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8,
+                  int64_t n_decode) {
+  bool all_decode = n_tok > 0 && n_in > 0, any_q = false;
   for (int j = 0; j < n_jobs; ++j) {
     check_type(jobs[j].type, n_in, "matmul_group");
-    gemv_all = gemv_all && matmul_uses_gemv(jobs[j].type, n_tok);
+    all_decode =
+        all_decode && matmul_decode_rows(jobs[j].type, n_tok, n_decode, "matmul_group") == n_tok;
     any_q = any_q || is_quantized(jobs[j].type);
   }
-  if (x_q8 && (!gemv_all || n_tok != 1 || n_jobs > 3))
+  if (x_q8 && (!all_decode || n_tok != 1 || n_jobs > 3))
     throw Error(ErrorCategory::invalid_argument,
                 "matmul_group: x_q8 serves single-token GEMV groups of at most 3 matrices");
-  if (!gemv_all || !any_q || (n_jobs < 2 && !x_q8)) {
+  if (!all_decode || !any_q || (n_jobs < 2 && !x_q8)) {
     for (int j = 0; j < n_jobs; ++j)
       matmul(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, workspace,
-             workspace_bytes, stream);
+             workspace_bytes, stream, n_decode);
     return;
   }
   const size_t need = qact_bytes(n_tok, n_in);
@@ -725,7 +842,8 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
     throw Error(ErrorCategory::invalid_argument, "matmul_group: workspace of " +
                                                      std::to_string(workspace_bytes) + " bytes, " +
                                                      std::to_string(need) + " needed");
-  // The activation blocks do not depend on the weight type: quantized once, read by every job.
+  // Every row a decode row: the activation blocks do not depend on the weight type, so they are
+  // quantized once and read by every job.
   const QAct qa = qact_at(workspace, n_tok, n_in);
   if (!x_q8) quantize_act(x, nullptr, n_tok, n_in, qa, stream);
   if (n_tok == 1 && n_jobs <= 3) {

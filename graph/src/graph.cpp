@@ -85,6 +85,9 @@ namespace {
 }  // namespace
 
 void Graph::validate(const WeightTable& weights) const {
+  if (n_decode < -1 || n_decode > n_tokens)
+    throw Error(ErrorCategory::internal,
+                fmt::format("graph: {} decode rows in a step of {} tokens", n_decode, n_tokens));
   std::vector<bool> written(values.size(), false);
   auto val = [&](const Op& op, ValueId id) -> const ValueInfo& {
     if (id < 0 || id >= static_cast<ValueId>(values.size()))

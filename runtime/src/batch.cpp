@@ -59,13 +59,21 @@ void StepPacker::pack(std::span<const StepInput> in, int64_t budget) {
       positions_.push_back(static_cast<int32_t>(s.n_past + j));
       seqs_.push_back(s.kv_seq);
     }
-    if (wanted) {
+    if (wanted && !s.decode) {
       tail_tok_.push_back(s.tokens[static_cast<size_t>(body)]);
       tail_pos_.push_back(static_cast<int32_t>(s.n_past + body));
       tail_seq_.push_back(s.kv_seq);
       out_row_[i] = n_wanted_++;
     }
   }
+  // The decode tokens last (Session::eval_step's n_decode rows), in input order.
+  for (size_t i = 0; i < n; ++i)
+    if (taken_[i] != 0 && in[i].decode) {
+      tail_tok_.push_back(in[i].tokens[0]);
+      tail_pos_.push_back(static_cast<int32_t>(in[i].n_past));
+      tail_seq_.push_back(in[i].kv_seq);
+      out_row_[i] = n_wanted_++;
+    }
   tokens_.insert(tokens_.end(), tail_tok_.begin(), tail_tok_.end());
   positions_.insert(positions_.end(), tail_pos_.begin(), tail_pos_.end());
   seqs_.insert(seqs_.end(), tail_seq_.begin(), tail_seq_.end());
@@ -174,8 +182,8 @@ const std::vector<BatchEvent>& BatchLoop::step() {
   const auto t0 = std::chrono::steady_clock::now();
   std::span<const float> logits;
   try {
-    logits =
-        session_.eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(), packer_.n_out());
+    logits = session_.eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(),
+                                packer_.n_out(), packer_.n_decode());
   } catch (...) {
     for (size_t i = running_.size(); i-- > 0;)
       if (packer_.taken(i) != 0) finish(i, StopReason::callback);

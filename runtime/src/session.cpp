@@ -39,12 +39,14 @@ Session::Session(const Model& model, SessionParams params)
                                            params_.kv_home, params_.hybrid);
 }
 
-const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs) {
+const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs, int32_t n_decode) {
   for (const CachedGraph& c : graphs_)
-    if (c.n_tokens == n_tokens && c.n_outputs == n_outputs) return c.g;
+    if (c.n_tokens == n_tokens && c.n_outputs == n_outputs && c.n_decode == n_decode) return c.g;
   // Keep a handful of shapes: decode (1,1) and the full-ubatch prefill shape recur.
   if (graphs_.size() >= 8) graphs_.erase(graphs_.begin() + 2);
-  graphs_.push_back(CachedGraph{n_tokens, n_outputs, model_.build_step(n_tokens, n_outputs)});
+  graphs_.push_back(
+      CachedGraph{n_tokens, n_outputs, n_decode, model_.build_step(n_tokens, n_outputs)});
+  graphs_.back().g.n_decode = n_decode;
   return graphs_.back().g;
 }
 
@@ -71,7 +73,8 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
     for (int32_t i = 0; i < nt; ++i)
       positions_[static_cast<size_t>(i)] = static_cast<int32_t>(start + done + i);
     // A ubatch whose logits nobody wants still needs one output row to make a valid graph.
-    const graph::Graph& g = graph_for(nt, std::max(n_out, 1));
+    // The call's kind, not the ubatch's: a prompt's one-token tail is still prompt rows.
+    const graph::Graph& g = graph_for(nt, std::max(n_out, 1), n == 1 ? 1 : 0);
     const auto ub = tokens.subspan(static_cast<size_t>(done), nt);
     std::span<const float> out = scheduler_->run(g, ub, positions_);
     if (all_logits) {
@@ -86,8 +89,8 @@ std::span<const float> Session::eval(std::span<const int32_t> tokens, bool all_l
   return logits_;
 }
 
-void Session::check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
-                         std::span<const int32_t> seqs, int32_t n_out) const {
+int32_t Session::check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                            std::span<const int32_t> seqs, int32_t n_out, int32_t n_decode) const {
   const auto n = static_cast<int64_t>(tokens.size());
   if (n == 0 || positions.size() != tokens.size() || seqs.size() != tokens.size())
     throw Error(ErrorCategory::invalid_argument,
@@ -102,21 +105,34 @@ void Session::check_step(std::span<const int32_t> tokens, std::span<const int32_
     if (id < 0 || id >= n_vocab)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("token id {} is outside the vocabulary of {} tokens", id, n_vocab));
+  if (n_decode < -1 || n_decode > n)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("eval_step: {} decode tokens in a step of {}", n_decode, n));
+  const int32_t n_dec = n_decode >= 0 ? n_decode : (n == 1 ? 1 : 0);
+  for (int64_t i = n - n_dec; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      if (j != i && seqs[static_cast<size_t>(j)] == seqs[static_cast<size_t>(i)])
+        throw Error(ErrorCategory::invalid_argument,
+                    fmt::format("eval_step: decode token {} of sequence {} is not the only token "
+                                "of its sequence in the step (token {} is too)",
+                                i, seqs[static_cast<size_t>(i)], j));
+  return n_dec;
 }
 
 std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
                                           std::span<const int32_t> positions,
-                                          std::span<const int32_t> seqs, int32_t n_out) {
-  check_step(tokens, positions, seqs, n_out);
-  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), n_out);
+                                          std::span<const int32_t> seqs, int32_t n_out,
+                                          int32_t n_decode) {
+  const int32_t n_dec = check_step(tokens, positions, seqs, n_out, n_decode);
+  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), n_out, n_dec);
   return scheduler_->run(g, tokens, positions, seqs);
 }
 
 int32_t Session::eval_step_argmax(std::span<const int32_t> tokens,
                                   std::span<const int32_t> positions,
-                                  std::span<const int32_t> seqs) {
-  check_step(tokens, positions, seqs, 1);
-  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), 1);
+                                  std::span<const int32_t> seqs, int32_t n_decode) {
+  const int32_t n_dec = check_step(tokens, positions, seqs, 1, n_decode);
+  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), 1, n_dec);
   return scheduler_->run_argmax(g, tokens, positions, seqs);
 }
 
@@ -136,7 +152,7 @@ int32_t Session::eval_argmax(int32_t token) {
                             model_.hparams().n_vocab));
   positions_.assign(1, static_cast<int32_t>(n_past_));
   const int32_t id =
-      scheduler_->run_argmax(graph_for(1, 1), std::span<const int32_t>(&token, 1), positions_);
+      scheduler_->run_argmax(graph_for(1, 1, 1), std::span<const int32_t>(&token, 1), positions_);
   ++n_past_;
   ++n_decode_tokens_;
   return id;

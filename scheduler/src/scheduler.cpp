@@ -31,6 +31,7 @@ struct SegmentRun {
 
 struct Scheduler::Step {
   int32_t n_tokens = 0;
+  int32_t n_decode = -1;  // graph::Graph::n_decode of the steps of this shape
   int64_t out_rows = 0;
   size_t n_ops = 0;
   bool select = false, profile = false;
@@ -166,8 +167,8 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const int64_t out_rows = g.values.at(static_cast<size_t>(g.output)).rows;
   ++use_clock_;
   for (auto& st : steps_)
-    if (st->n_tokens == g.n_tokens && st->out_rows == out_rows && st->n_ops == g.ops.size() &&
-        st->select == select && st->profile == profiling_) {
+    if (st->n_tokens == g.n_tokens && st->n_decode == g.n_decode && st->out_rows == out_rows &&
+        st->n_ops == g.ops.size() && st->select == select && st->profile == profiling_) {
       st->last_use = use_clock_;
       return *st;
     }
@@ -190,6 +191,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   auto owned = std::make_unique<Step>();
   Step& st = *owned;
   st.n_tokens = g.n_tokens;
+  st.n_decode = g.n_decode;
   st.out_rows = out_rows;
   st.n_ops = g.ops.size();
   st.select = select;
@@ -450,7 +452,14 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
     for (size_t i = 0; i < 2 * st.s.segments.size(); ++i)
       std::atomic_ref<uint32_t>(flags[i]).store(0, std::memory_order_relaxed);
   marks_.clear();
-  const bool replay = st.n_tokens == 1 && opt_.graphs && !profiling_;
+  // Decode steps (every token a decode token, of distinct sequences) of up to kMaxGraphTokens
+  // tokens are captured once per token count and replayed: token ids, positions and sequence ids
+  // travel through the fixed buffers. Steps that stream experts through the stage buffers run
+  // eagerly.
+  constexpr int32_t kMaxGraphTokens = 64;
+  bool replay = st.s.g.decode_rows(st.n_tokens) == st.n_tokens && st.n_tokens <= kMaxGraphTokens &&
+                opt_.graphs && !profiling_;
+  for (const Call& c : st.s.calls) replay = replay && !c.streamed;
   if (flags && !replay) {
     // Eager steps enqueue call by call. The device stops at the first segment's wait, and once
     // its launch queue is full (about a thousand operations: a few dozen layers) the next enqueue

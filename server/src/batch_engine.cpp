@@ -324,10 +324,11 @@ void BatchEngine::step() {
   std::span<const float> logits;
   try {
     if (device_pick)
-      picked = session_->eval_step_argmax(packer_.tokens(), packer_.positions(), packer_.seqs());
+      picked = session_->eval_step_argmax(packer_.tokens(), packer_.positions(), packer_.seqs(),
+                                          packer_.n_decode());
     else
       logits = session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(),
-                                   packer_.n_out());
+                                   packer_.n_out(), packer_.n_decode());
   } catch (const std::exception& e) {
     for (size_t i = 0; i < busy_.size(); ++i)
       if (packer_.taken(i) > 0) fail(*busy_[i], e.what());

@@ -55,6 +55,7 @@ struct Placement {
   Device* dev = nullptr;
   std::function<bool(int)> gpu_layer;
   bool gpu_rest = false;
+  bool cpu_experts = false;  ///< routed experts on the CPU whatever gpu_layer says (--cpu-moe)
 };
 
 SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t n_ctx,
@@ -68,8 +69,11 @@ SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t 
     sp.device = p.dev;
     const graph::WeightTable& w = m.weights();
     for (size_t i = 0; i < w.size(); ++i) {
-      const int32_t l = w.layer(static_cast<graph::WeightId>(i));
-      sp.weight_home.push_back((l >= 0 ? p.gpu_layer(l) : p.gpu_rest) ? Home::gpu : Home::cpu);
+      const auto id = static_cast<graph::WeightId>(i);
+      const int32_t l = w.layer(id);
+      const bool gpu = (l >= 0 ? p.gpu_layer(l) : p.gpu_rest) &&
+                       !(p.cpu_experts && w.role(id) == graph::WeightRole::routed_expert);
+      sp.weight_home.push_back(gpu ? Home::gpu : Home::cpu);
     }
     for (int32_t l = 0; l < m.hparams().n_layer; ++l)
       sp.kv_home.push_back(p.gpu_layer(l) ? Home::gpu : Home::cpu);
@@ -246,24 +250,11 @@ TEST_CASE("batch: a sequence's tokens and logits do not depend on its neighbours
   SUBCASE("CPU") { check_invariance(*model, {}); }
   SUBCASE("device, every layer") {
     auto dev = test_device();
-    if (use_cuda()) {
-      // The CUDA backend's attention serves one sequence per step: a multi-sequence KV cache
-      // with layers there is refused at load, naming the layer.
-      const Placement all{dev.get(), [](int) { return true; }, true};
-      try {
-        Session s(*model, params(*model, all, 2, 64, 16));
-        FAIL("a multi-sequence KV cache on CUDA must be refused");
-      } catch (const Error& e) {
-        CHECK(e.category() == ErrorCategory::unsupported);
-        CHECK(std::string(e.what()).find("layer 0") != std::string::npos);
-      }
-      return;
-    }
+    REQUIRE(dev->info().multi_seq);
     check_invariance(*model, {dev.get(), [](int) { return true; }, true});
   }
   SUBCASE("device, last 3 layers") {
     auto dev = test_device();
-    if (use_cuda()) return;
     const int n_layer = static_cast<int>(model->hparams().n_layer);
     check_invariance(*model, {dev.get(), [&](int l) { return l >= n_layer - 3; }, false});
   }
@@ -276,11 +267,34 @@ TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighb
     auto model = load_model(file);
     SUBCASE("CPU") { check_invariance(*model, {}); }
     SUBCASE("device") {
-      if (use_cuda()) return;
       auto dev = test_device();
+      if (use_cuda()) {
+        // The routed experts on the CPU (--cpu-moe), everything else of layer 1 and the rest on
+        // the GPU: the device's moe_experts is not yet per-row invariant (the case below).
+        check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true, true});
+        return;
+      }
       check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true});
     }
+    SUBCASE("device, all layers, experts on the CPU") {
+      auto dev = test_device();
+      check_invariance(*model, {dev.get(), [](int) { return true; }, true, true});
+    }
   }
+}
+
+// The CUDA moe_experts picks its path by the call's token count (a GEMV per (token, expert)
+// pair up to moe_gemv_max_tok() tokens, the grouped WMMA GEMM above), so a row's bits change
+// with the step until it computes rows by kind (issue 19, the MoE part): this case shows where
+// that stands under BERTH_TEST_DEVICE=cuda. may_fail: it reports without failing the suite;
+// remove the decorator when the MoE kernel is per-row invariant. (The simulated device passes it,
+// as the "device" subcases above check with the experts of layer 1 there.)
+TEST_CASE("batch: a MoE sequence with its experts on the device does not depend on its neighbours" *
+          doctest::may_fail()) {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  check_invariance(*model, {dev.get(), [](int) { return true; }, true});
 }
 
 namespace {
@@ -464,11 +478,11 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   Session s(*model, params(*model, {}, 2, 16, 8));
   const std::vector<int32_t> t = {5, 6, 7};
   auto expect_invalid = [&](const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
-                            int32_t n_out, const char* what) {
+                            int32_t n_out, const char* what, int32_t n_decode = -1) {
     const std::string w = what;
     CAPTURE(w);
     try {
-      s.eval_step(t, pos, seq, n_out);
+      s.eval_step(t, pos, seq, n_out, n_decode);
       FAIL("must throw");
     } catch (const Error& e) {
       CHECK(e.category() == ErrorCategory::invalid_argument);
@@ -480,10 +494,46 @@ TEST_CASE("batch: eval_step refuses positions that break a sequence") {
   expect_invalid({0, 1, 0}, {0, 0, 1}, 4, "more output rows than tokens");
   expect_invalid({0, 1}, {0, 0, 1}, 1, "fewer positions than tokens");
   expect_invalid({3, 0, 5}, {0, 1, 0}, 1, "a gap between a sequence's tokens");
+  expect_invalid({0, 1, 2}, {0, 0, 0}, 1, "more decode tokens than tokens", 4);
+  expect_invalid({0, 1, 2}, {0, 0, 0}, 1, "n_decode below -1", -2);
+  expect_invalid({0, 1, 0}, {0, 0, 1}, 1, "a decode token beside its sequence's prompt", 2);
   // Interleaved sequences with consecutive positions each are fine.
   const std::vector<int32_t> pos = {0, 0, 1}, seq = {0, 1, 0};
   const std::span<const float> out = s.eval_step(t, pos, seq, 2);
   CHECK(out.size() == static_cast<size_t>(2 * model->hparams().n_vocab));
+  // Prompt tokens of sequence 0, then one decode token of sequence 1.
+  const std::vector<int32_t> pos2 = {2, 3, 1}, seq2 = {0, 0, 1};
+  CHECK(s.eval_step(t, pos2, seq2, 1, 1).size() == static_cast<size_t>(model->hparams().n_vocab));
+}
+
+TEST_CASE("batch: the packer puts the decode tokens last, the wanted prompt rows before them") {
+  const std::vector<int32_t> p0 = {1, 2, 3, 4, 5}, p2 = {7, 8}, d1 = {9}, d3 = {10};
+  const StepInput in[] = {{0, 0, p0, false}, {1, 4, d1, true}, {2, 0, p2, false}, {3, 6, d3, true}};
+  StepPacker pk;
+  pk.pack(in, 16);
+  CHECK(pk.n_decode() == 2);
+  CHECK(pk.n_prompt() == 7);
+  // Bodies of the prompts, then the prompts' last tokens, then the decode tokens (input order).
+  CHECK(std::vector<int32_t>(pk.tokens().begin(), pk.tokens().end()) ==
+        std::vector<int32_t>{1, 2, 3, 4, 7, 5, 8, 9, 10});
+  CHECK(std::vector<int32_t>(pk.seqs().begin(), pk.seqs().end()) ==
+        std::vector<int32_t>{0, 0, 0, 0, 2, 0, 2, 1, 3});
+  CHECK(std::vector<int32_t>(pk.positions().begin(), pk.positions().end()) ==
+        std::vector<int32_t>{0, 1, 2, 3, 0, 4, 1, 4, 6});
+  CHECK(pk.n_out() == 4);
+  CHECK(pk.out_row(0) == 0);
+  CHECK(pk.out_row(2) == 1);
+  CHECK(pk.out_row(1) == 2);
+  CHECK(pk.out_row(3) == 3);
+  // A budget that cuts the prompts: decode tokens first in the budget, still last in the step.
+  pk.pack(in, 5);
+  CHECK(pk.n_decode() == 2);
+  CHECK(pk.n_prompt() == 3);
+  CHECK(std::vector<int32_t>(pk.tokens().begin(), pk.tokens().end()) ==
+        std::vector<int32_t>{1, 2, 3, 9, 10});
+  CHECK(pk.out_row(0) == -1);
+  CHECK(pk.out_row(1) == 0);
+  CHECK(pk.out_row(3) == 1);
 }
 
 TEST_CASE("batch: more generating sequences than -ub take turns") {

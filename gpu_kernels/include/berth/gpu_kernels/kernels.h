@@ -39,17 +39,30 @@ bool pdl_enabled();
 /// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (the CPU path's set).
 bool supports(GgmlType t);
 
-/// Workspace bytes matmul needs for `n_tok` rows of input (quantized activations, dequantized
-/// weight tiles). 0 is a valid answer.
-size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok);
+/// Workspace bytes matmul needs for `n_tok` rows of input of which the last `n_decode` are
+/// decode rows (quantized activations, f16 activations, dequantized weight tiles). 0 is a valid
+/// answer. n_decode -1: as matmul resolves it.
+size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok,
+                              int64_t n_decode = -1);
 
 /// out [n_tok, n_out] = x [n_tok, n_in] times w^T, w = n_out rows of n_in elements of `type`.
-/// Small n_tok (decode): activations quantized on the device to 8-bit blocks, integer dot
-/// products (dp4a) against the weight blocks. Large n_tok (prefill): tensor-core GEMM on
-/// dequantized f16 tiles. `workspace` holds at least matmul_workspace_bytes(...).
+/// Each row takes the path of its kind, so its bits depend on its kind and its own values only,
+/// never on n_tok or the other rows (issue 19):
+/// - decode rows, the last n_decode: activations quantized on the device to 8-bit blocks,
+///   integer dot products (dp4a) against the weight blocks (float weights: f32 dot products),
+///   GEMV launches of up to 8 rows whose per-row arithmetic does not depend on the count;
+/// - prompt rows, the first n_tok - n_decode: x rounded to f16, the weights dequantized to f16
+///   in chunks of rows, and a tensor-core GEMM of our own (f32 accumulation in a fixed k order,
+///   each output element the same instructions whatever the row count; cuBLAS picks algorithms
+///   by shape, so it is not used). F32 weights: prompt rows take the GEMV too (f32 activations,
+///   as the CPU path; the kinds then compute alike).
+/// n_decode -1: every row is a decode row when n_tok <= 8 (quantized weights) or <= 3 (float
+/// weights), else none. `workspace` holds at least matmul_workspace_bytes(...). Errors:
+/// Error(invalid_argument) for n_decode outside [-1, n_tok] or a short workspace, unsupported
+/// types as supports().
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
-            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes,
-            cudaStream_t stream);
+            int64_t n_tok, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+            int64_t n_decode = -1);
 
 /// The matmuls of `jobs[0..n_jobs)` on one input x [n_tok, n_in], in job order: each job's out
 /// is what matmul() writes for it. When every job takes the GEMV path (small n_tok) and one is
@@ -58,9 +71,11 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 /// the jobs. x_q8: x's 8-bit blocks are already at the start of `workspace` (left there by the
 /// producer of x: attention with a q8_ws that returned true),
 /// so they are not made again; only for n_tok == 1 and at most 3 jobs, Error(invalid_argument)
-/// otherwise. Errors: as matmul.
+/// otherwise. n_decode: as matmul (the group path serves steps of decode rows only; other steps
+/// run matmul per job). Errors: as matmul.
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
-                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8 = false);
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8 = false,
+                  int64_t n_decode = -1);
 
 /// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
 /// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows
@@ -121,26 +136,39 @@ void copy_out_signal(const HostCopy* copies, int n, uint32_t* flag, uint32_t val
 void wait_copy_in(const uint32_t* flag, uint32_t value, const HostCopy* copies, int n,
                   cudaStream_t stream);
 
-/// Workspace bytes of attention for n_tok query rows over a cache of n_ctx positions.
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim);
+/// Workspace bytes of attention for n_tok query rows, the last n_decode of them decode rows (-1:
+/// as attention resolves it), over sequences of n_ctx positions.
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim,
+                                 int64_t n_decode = -1);
 
-/// Causal grouped-query attention with an f16 KV cache, flash-style (online softmax; the score
-/// matrix is never materialised). q [n_tok, n_head*head_dim], k/v [n_tok, n_head_kv*head_dim]
-/// (f32, this ubatch). First writes k, v (rounded to f16) into rows positions[t] of k_cache /
-/// v_cache ([n_ctx, n_head_kv*head_dim] f16 each, row-major); then query t attends to cache rows
-/// 0..positions[t] (inclusive) with scores scale * q.k, query head h reading kv head
-/// h / (n_head / n_head_kv). out [n_tok, n_head*head_dim]. positions: n_tok int32 in device
-/// memory, consecutive; the number of cache rows read is taken from them on the device, so one
-/// captured graph serves every decode position.
+/// Causal grouped-query attention with an f16 KV cache of several sequences, flash-style (online
+/// softmax; the score matrix is never materialised). q [n_tok, n_head*head_dim], k/v [n_tok,
+/// n_head_kv*head_dim] (f32, this ubatch). Token t belongs to sequence s_t = seqs[t] (seqs null:
+/// every token is sequence 0) at position p_t = positions[t]; its cache row is s_t * n_ctx + p_t
+/// (k_cache / v_cache: [n_seq * n_ctx, n_head_kv*head_dim] f16 each, row-major, each sequence
+/// n_ctx rows). First writes k, v (rounded to f16) into those rows; then query t attends to rows
+/// s_t * n_ctx + [0, p_t] with scores scale * q.k, query head h reading kv head
+/// h / (n_head / n_head_kv). out [n_tok, n_head*head_dim]. positions and seqs: n_tok int32 in
+/// device memory (a sequence's tokens in the step: consecutive positions, in order); the rows
+/// read are taken from them on the device, so one captured graph serves every decode position
+/// and sequence.
+/// Rows by kind (issue 19; a row's bits depend on its kind and its own sequence, never on n_tok
+/// or the other tokens): the last n_decode tokens are decode tokens (each the only token of its
+/// sequence in the step) and take the single-token decode kernel (KV splits fixed by n_ctx);
+/// the others, prompt tokens, run in blocks of one sequence's consecutive tokens over fixed tiles
+/// of 64 positions from 0, without KV splits. n_decode -1: 1 when n_tok == 1, else 0.
 /// q8_ws: null, or the workspace of the matmul_group that reads `out` next (at least
 /// matmul_workspace_bytes of a quantized type for n_in = n_head * head_dim, one token): the
 /// cluster decode kernel (n_tok == 1, head_dim % 32 == 0, compute capability >= 9.0,
 /// detail::attention_cluster_decode() on) then also writes out's 8-bit blocks there (the bits
 /// quantize_act makes of out) and attention returns true; false: nothing written there.
+/// Errors: Error(invalid_argument) for bad head counts, n_ctx < 1, n_decode outside [-1, n_tok]
+/// or a short workspace; Error(unsupported) for head_dim odd or above 256.
 bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
                const int32_t* positions, uint16_t* k_cache, uint16_t* v_cache, int64_t n_ctx,
                int32_t n_head, int32_t n_head_kv, int32_t head_dim, float scale, float* out,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws = nullptr);
+               void* workspace, size_t workspace_bytes, cudaStream_t stream, void* q8_ws = nullptr,
+               const int32_t* seqs = nullptr, int64_t n_decode = -1);
 
 namespace detail {
 /// Whether attention serves one-token calls (decode) with its thread-block-cluster kernel on

@@ -168,6 +168,18 @@ struct ValueInfo {
 /// in a valid execution order (each op's inputs were produced by earlier ops).
 struct Graph {
   int32_t n_tokens = 0;
+  /// Decode rows: the last n_decode tokens of the step are generating sequences' tokens (each
+  /// the only token of its sequence in the step), the others prompt tokens; every value's last
+  /// min(rows, n_decode) rows are decode rows (take_last_rows keeps a suffix). A device computes
+  /// a row by its kind, never by the step's size (issue 19: per-sequence results never depend
+  /// on the batch). -1 (the default): 1 for a one-token step, else 0 (decode_rows()).
+  int32_t n_decode = -1;
+
+  /// The decode rows among the last `rows` rows of a value (n_decode resolved as documented).
+  int64_t decode_rows(int64_t rows) const {
+    const int64_t d = n_decode >= 0 ? n_decode : (n_tokens == 1 ? 1 : 0);
+    return d < rows ? d : rows;
+  }
   std::vector<ValueInfo> values;
   std::vector<Op> ops;
   ValueId output = kNoValue;  ///< logits [n_out, n_vocab]

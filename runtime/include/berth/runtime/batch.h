@@ -37,9 +37,10 @@ struct StepInput {
 /// Packs one step of several sequences (continuous batching with chunked prefill): the decode
 /// token of every generating input first (more of them than the budget: they take turns, by KV
 /// sequence id), then chunks of the prompts, in input order, up to a budget of tokens (-ub). Rows
-/// whose logits are wanted (decode tokens, the last token of a prompt) go at the end of the step,
-/// in input order, so that Session::eval_step returns them as its last rows; a chunk's other tokens
-/// go first. BatchLoop and the server's engine pack with it.
+/// whose logits are wanted go at the end of the step so that Session::eval_step returns them as
+/// its last rows: first the last token of each prompt that ends here (input order), then the
+/// decode tokens (input order), which are thus the step's last n_decode() rows (eval_step's
+/// n_decode); a chunk's other tokens go first. BatchLoop and the server's engine pack with it.
 class StepPacker {
  public:
   /// Packs a step from `in` (inputs of distinct sequences) of at most `budget` tokens.

@@ -67,17 +67,23 @@ class Session {
   /// other tokens of the step (CpuExecutor::run). Does not change n_past(). Throws
   /// Error(invalid_argument) for spans of different lengths or no tokens, n_out out of range,
   /// a sequence outside [0, n_seq), a position outside [0, n_ctx) or positions of a sequence
-  /// that are not consecutive, a token id outside the vocabulary.
+  /// that are not consecutive, a token id outside the vocabulary, n_decode outside
+  /// [-1, tokens.size()] or a decode token whose sequence has another token in the step.
+  /// n_decode: the last n_decode tokens are decode tokens (generating sequences' sampled tokens,
+  /// one per sequence; StepPacker puts them last), the others prompt tokens: a device may compute
+  /// a row by its kind (graph::Graph::n_decode), so a sequence gives the same bits whatever shares
+  /// its step as long as each row keeps its kind. -1: 1 for a one-token step, else 0 (as eval()).
   std::span<const float> eval_step(std::span<const int32_t> tokens,
                                    std::span<const int32_t> positions,
-                                   std::span<const int32_t> seqs, int32_t n_out);
+                                   std::span<const int32_t> seqs, int32_t n_out,
+                                   int32_t n_decode = -1);
 
   /// eval_step with one output row, the last token's, reduced to its argmax (ties: lowest id),
   /// as greedy sampling picks it: on a device that makes the logits the selection runs there
   /// and only the id comes back (Scheduler::run_argmax); else the argmax of eval_step's row.
-  /// Same errors as eval_step.
+  /// n_decode as eval_step's. Same errors as eval_step.
   int32_t eval_step_argmax(std::span<const int32_t> tokens, std::span<const int32_t> positions,
-                           std::span<const int32_t> seqs);
+                           std::span<const int32_t> seqs, int32_t n_decode = -1);
 
   /// The KV cache: its pool of sequences (acquire, release, copy).
   KvCache& kv() { return kv_; }
@@ -108,10 +114,10 @@ class Session {
   size_t kv_device_bytes() const { return kv_.device_bytes(); }
 
  private:
-  const graph::Graph& graph_for(int32_t n_tokens, int32_t n_outputs);
-  /// eval_step's argument checks (its errors).
-  void check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
-                  std::span<const int32_t> seqs, int32_t n_out) const;
+  const graph::Graph& graph_for(int32_t n_tokens, int32_t n_outputs, int32_t n_decode);
+  /// eval_step's argument checks (its errors); returns the resolved n_decode.
+  int32_t check_step(std::span<const int32_t> tokens, std::span<const int32_t> positions,
+                     std::span<const int32_t> seqs, int32_t n_out, int32_t n_decode) const;
 
   const Model& model_;
   SessionParams params_;
@@ -124,7 +130,7 @@ class Session {
   std::vector<float> logits_;
   std::vector<int32_t> positions_;
   struct CachedGraph {
-    int32_t n_tokens, n_outputs;
+    int32_t n_tokens, n_outputs, n_decode;
     graph::Graph g;
   };
   std::vector<CachedGraph> graphs_;

@@ -10,9 +10,11 @@
 // device op it waits for, a join makes the main stream wait for what segments wrote) and waits
 // once at the end. With the flag hand-off the calling thread runs the CPU segments itself as
 // their ready flags come; with callbacks the device's aux stream runs them as host functions.
-// Decode steps (one token) are captured as a device graph the first time and replayed after
-// that; token ids and positions travel through fixed page-locked and device buffers, so a replay
-// sees the new ones. Without a device every step is one CPU segment run by the CpuExecutor.
+// Decode steps (every token a decode token of its own sequence, graph::Graph::n_decode; up to 64
+// of them) are captured as a device graph the first time a step of that many tokens runs and
+// replayed after that; token ids, positions and sequence ids travel through fixed page-locked and
+// device buffers, so a replay sees the new ones. Without a device every step is one CPU segment run
+// by the CpuExecutor.
 #pragma once
 
 #include <atomic>
@@ -46,7 +48,8 @@ inline constexpr int64_t kDecodeWarmWorkersUs = 1000;
 /// How steps run on a device.
 struct HybridOptions {
   Handoff handoff = Handoff::automatic;
-  /// Capture decode steps (1 token) as a device graph and replay them.
+  /// Capture decode steps (n_decode == n_tokens <= 64) as device graphs, one per token count,
+  /// and replay them.
   bool graphs = true;
   /// Prefill: a ubatch of at least this many tokens (and more than one: never decode) computes
   /// the routed experts that live on the CPU on the device instead, streaming each layer's expert
