@@ -216,8 +216,13 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
           s1 = __dp4a(static_cast<int>(q.q[5]), static_cast<int>(x1.y), s1);
           s1 = __dp4a(static_cast<int>(q.q[6]), static_cast<int>(x1.z), s1);
           s1 = __dp4a(static_cast<int>(q.q[7]), static_cast<int>(x1.w), s1);
-          acc[t] += m.x * (q.sc0 * static_cast<float>(s0) + q.sc1 * static_cast<float>(s1)) +
-                    q.m0 * m.y + q.m1 * m.z;
+          // Rounding pinned with intrinsics (never contracted or reordered by the compiler), so
+          // the one-token and the several-token instantiations give a row the same bits (with
+          // plain operators nvcc fused the mins' products differently in the two for Q4_K).
+          const float dot = __fmaf_rn(q.sc1, static_cast<float>(s1),
+                                      __fmul_rn(q.sc0, static_cast<float>(s0)));
+          const float mins = __fmaf_rn(q.m1, m.z, __fmul_rn(q.m0, m.y));
+          acc[t] = __fadd_rn(acc[t], __fmaf_rn(m.x, dot, mins));
         }
       }
     }
