@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 #include <string>
 #include <thread>
 
@@ -306,4 +307,49 @@ TEST_CASE("expert slots: the policy learns from routing and serves calls from th
     // At most S = 1 swap per layer per boundary.
     CHECK(st.swaps <= st.boundaries * 2);
   }
+}
+
+TEST_CASE("berth run and plan (--ops) with --residency adaptive on the simulated device") {
+  using test::run_command;
+  using test::shell_quote;
+  const std::string bin = test::berth_bin();
+  const std::string model = shell_quote(moe_file("tiny-qwen3moe", "q8_0"));
+  const std::string flags = " -c 256 -ngl 99 --cpu-moe --residency adaptive";
+  // The plan: 7 of 8 experts as slots on each layer (the budget holds them all).
+  test::CommandResult r = run_command(bin + " plan -m " + model + " --vram-budget 1G" + flags);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("residency: adaptive, 7 expert slots per CPU-held MoE layer") !=
+        std::string::npos);
+  CHECK(r.out.find("7 of 8 (expert slots; the rest on the CPU)") != std::string::npos);
+  CHECK(r.out.find("blk.0.ffn_up_exps.weight") == std::string::npos);  // --tensors shows them
+  // Its decode schedule splits each layer by the slot table.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " plan -m " + model + flags + " --ops");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("expert slots: the experts of blk.0.ffn_gate_exps.weight in its 7 slots") !=
+        std::string::npos);
+  CHECK(r.out.find("not in slots: the other experts of blk.1.ffn_gate_exps.weight on the CPU") !=
+        std::string::npos);
+  // run: the same greedy text as the CPU-only run, and the residency line at the end.
+  const std::string gen = " -p " + shell_quote("hello world") + " -n 16 --temp 0 --no-bos";
+  const test::CommandResult cpu = run_command(bin + " run -m " + model + gen + " -c 256 -ngl 0");
+  REQUIRE(cpu.exit_code == 0);
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model + gen + flags +
+                  " --residency-swaps 1");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out == cpu.out);
+  const std::regex line(
+      R"(\nresidency: \d+ swaps, \d+\.\d% of routed expert calls on the device, \d+\.\d MiB moved\n)");
+  CHECK(std::regex_search(r.err, line));
+  CHECK(cpu.err.find("residency:") == std::string::npos);
+  // --residency static: no slots, no line.
+  r = run_command("BERTH_SIM_DEVICE=1G " + bin + " run -m " + model + gen +
+                  " -c 256 -ngl 99 --cpu-moe --residency static");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out == cpu.out);
+  CHECK(r.err.find("residency:") == std::string::npos);
+  r = run_command(bin + " run -m " + model + " --residency sometimes -p hi");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--residency") != std::string::npos);
 }
