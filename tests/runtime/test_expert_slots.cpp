@@ -25,6 +25,7 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/residency/expert_slots.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
@@ -352,4 +353,58 @@ TEST_CASE("berth run and plan (--ops) with --residency adaptive on the simulated
   r = run_command(bin + " run -m " + model + " --residency sometimes -p hi");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--residency") != std::string::npos);
+}
+
+TEST_CASE("expert slots: the plan counts what the device holds, and the budget holds") {
+  if (use_cuda()) return;  // place() opens the first CUDA device there; the sizes are the sim's
+  gguf::File file = gguf::File::open(moe_file("tiny-qwen3moe", "q8_0"));
+  auto model = load_model(file);
+  setenv("BERTH_SIM_DEVICE", "1G", 1);
+  placement::Flags f;
+  f.n_gpu_layers = 99;
+  f.cpu_moe = true;
+  f.residency = placement::ResidencyMode::adaptive;
+  // The static plan's total: a budget 1 MiB above it leaves room for a few slots only.
+  size_t static_total = 0;
+  {
+    placement::Flags fs = f;
+    fs.residency = placement::ResidencyMode::fixed;
+    SessionParams sp;
+    sp.n_ctx = 256;
+    sp.n_ubatch = 64;
+    static_total = place(*model, fs, sp, false).plan.gpu_total();
+  }
+  for (const size_t budget : {size_t{0}, static_total + (size_t{1} << 20)}) {
+    CAPTURE(budget);
+    if (budget > 0) f.vram_budget = budget;
+    SessionParams sp;
+    sp.n_threads = 2;
+    sp.n_ctx = 256;
+    sp.n_ubatch = 64;
+    PlacementSetup placed = place(*model, f, sp, false);
+    REQUIRE(placed.device != nullptr);
+    const placement::Plan& plan = placed.plan;
+    CHECK(plan.expert_slots > 0);
+    if (budget == 0) CHECK(plan.expert_slots == 7);  // n_expert - 1
+    if (budget > 0) CHECK(plan.expert_slots < 7);    // the budget bounds it
+    CHECK(sp.hybrid.expert_slots.slots_per_layer == plan.expert_slots);
+    Session s(*model, sp);
+    const ExpertSlots* xs = s.residency()->expert_slots();
+    REQUIRE(xs != nullptr);
+    CHECK(xs->capacity() == plan.expert_slots);
+    CHECK(xs->device_bytes() == plan.slot_bytes);
+    Device& dev = *placed.device;
+    std::vector<int32_t> p = prompt_of(64);
+    s.eval(p);
+    int32_t t = 7;
+    for (int i = 0; i < 8; ++i) t = s.eval_argmax(t);
+    // Everything the device holds (weights, slots, KV cache, steps' scratch) within the plan's
+    // total, which is within the budget.
+    const size_t used = dev.total_bytes() - dev.free_bytes();
+    MESSAGE("device holds ", used >> 10, " KiB; the plan ", plan.gpu_total() >> 10, " KiB with ",
+            plan.expert_slots, " slots per layer");
+    CHECK(used <= plan.gpu_total() - plan.margin_bytes);
+    CHECK(plan.gpu_total() <= plan.budget_bytes);
+  }
+  unsetenv("BERTH_SIM_DEVICE");
 }

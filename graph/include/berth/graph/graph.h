@@ -99,9 +99,11 @@ enum class OpKind {
   /// output. Weights (MoeParams) are stacked expert tensors: gate/up ne = {n_embd, n_ff_exp,
   /// n_expert}, down ne = {n_ff_exp, n_embd, n_expert}; expert e's matrix is rows
   /// [e * n_out, (e + 1) * n_out) of the 2-D view. out[t] = sum over the token's slots j (in slot
-  /// order) whose expert is in MoeParams::experts of w_j * down_e(silu(gate_e h_t) * up_e h_t);
-  /// zero when none is. Each expert is separate work an executor may place on its own device:
-  /// two ops over disjoint expert sets add up to the whole layer.
+  /// order) of MoeParams' slot range whose expert the op computes (MoeParams::set: all, a list,
+  /// or the experts a layer's slot table marks resident / not resident at run time) of
+  /// w_j * down_e(silu(gate_e h_t) * up_e h_t); zero when none is. Each expert is separate work
+  /// an executor may place on its own device: two ops over disjoint expert sets add up to the
+  /// whole layer.
   moe_experts,
 };
 
