@@ -66,8 +66,18 @@ MoeWeights moe_weights(const graph::WeightTable& w, const graph::MoeParams& p,
   return m;
 }
 
-MoeSlots moe_slots(const graph::Op& op, bool host_w) {
-  return MoeSlots{.begin = op.moe.slot_begin, .end = op.moe.slot_end, .stage = host_w};
+MoeSlots moe_slots(const graph::Op& op, bool host_w, const int32_t* table) {
+  const bool by_table = op.moe.set == graph::ExpertSet::resident;
+  return MoeSlots{.begin = op.moe.slot_begin,
+                  .end = op.moe.slot_end,
+                  .stage = host_w,
+                  .by_table = by_table,
+                  .table = by_table ? table : nullptr,
+                  .n_slots = by_table ? op.moe.n_slots : 0};
+}
+
+const int32_t* slot_table_of(const StepBindings& b, size_t i) {
+  return i < b.slot_table.size() ? b.slot_table[i] : nullptr;
 }
 
 std::vector<Call> StreamDevice::prepare(const StepView& view, std::vector<Call> calls,

@@ -55,7 +55,10 @@ size_t value_bytes(const graph::Graph& g, graph::ValueId v);
 /// A moe_experts op's stacked expert tensors at `ptrs` (gate, up, down; null: no pointers).
 MoeWeights moe_weights(const graph::WeightTable& w, const graph::MoeParams& p,
                        const void* const* ptrs);
-/// A moe_experts op's slot range; `host_w`: its weights are page-locked host memory (staged).
-MoeSlots moe_slots(const graph::Op& op, bool host_w);
+/// A moe_experts op's slot range; `host_w`: its weights are page-locked host memory (staged);
+/// over ExpertSet::resident, by_table with the op's n_slots and `table` (null when sizing).
+MoeSlots moe_slots(const graph::Op& op, bool host_w, const int32_t* table = nullptr);
+/// The slot table of op i in `b` (null when the bindings have none).
+const int32_t* slot_table_of(const StepBindings& b, size_t i);
 
 }  // namespace berth::backend_detail

@@ -77,6 +77,15 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
 }
 
+void CpuExecutor::bind_expert_table(graph::WeightId gate, const ExpertTable& t) {
+  if (gate < 0 || static_cast<size_t>(gate) >= weights_.size() || !t.table || t.n_expert < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bind_expert_table: weight {} of {} with a table of {} experts at {}",
+                            gate, weights_.size(), t.n_expert, static_cast<const void*>(t.table)));
+  if (expert_tables_.size() < weights_.size()) expert_tables_.resize(weights_.size());
+  expert_tables_[static_cast<size_t>(gate)] = t;
+}
+
 void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> value_ptrs) {
   if (value_ptrs.size() != g.values.size())
     throw Error(ErrorCategory::internal, "begin_external: one pointer per value expected");
@@ -367,14 +376,15 @@ namespace {
 // the op computes (its slot range, an expert it computes) of weight[t, j] * y[t * k + j], from
 // zero. One out-of-line function for both of moe_experts' combines, so they round alike.
 [[gnu::noinline]] void moe_combine_rows(const float* route, int32_t k, const graph::MoeParams& p,
-                                        const float* y_all, int64_t n_embd, int64_t t0, int64_t t1,
-                                        int64_t c0, int64_t c1, float* out) {
+                                        const uint8_t* computes, const float* y_all, int64_t n_embd,
+                                        int64_t t0, int64_t t1, int64_t c0, int64_t c1,
+                                        float* out) {
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + t * n_embd;
     std::fill(o + c0, o + c1, 0.0f);
     for (int32_t j = 0; j < k; ++j) {
       const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
-      if (!p.has_expert(e) || !p.has_slot(j)) continue;
+      if (!computes[e] || !p.has_slot(j)) continue;
       const float w = route[t * 2 * k + k + j];
       const float* y = y_all + (t * k + j) * n_embd;
       for (int64_t c = c0; c < c1; ++c) o[c] += w * y[c];
@@ -398,6 +408,26 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   const int32_t k = p.n_expert_used;
   const int64_t n_slots = n_tok * k;
 
+  // Which experts this op computes: fixed by the graph, or by the layer's slot table (its host
+  // mirror as of this step).
+  moe_mask_.assign(static_cast<size_t>(p.n_expert), 0);
+  const ExpertTable* xt = nullptr;
+  if (p.static_experts()) {
+    for (int32_t e = 0; e < p.n_expert; ++e) moe_mask_[static_cast<size_t>(e)] = p.has_expert(e);
+  } else {
+    const auto gi = static_cast<size_t>(p.gate);
+    if (gi >= expert_tables_.size() || !expert_tables_[gi].table ||
+        expert_tables_[gi].n_expert != p.n_expert)
+      throw Error(ErrorCategory::internal,
+                  fmt::format("moe_experts over the {} experts of '{}': no expert slot table of "
+                              "{} experts is bound to that layer",
+                              graph::expert_set_name(p.set), wg.name, p.n_expert));
+    xt = &expert_tables_[gi];
+    const bool want = p.set == graph::ExpertSet::resident;
+    for (int32_t e = 0; e < p.n_expert; ++e)
+      moe_mask_[static_cast<size_t>(e)] = (xt->table[e] >= 0) == want;
+  }
+  const uint8_t* computes = moe_mask_.data();
   // Group the (token, slot) pairs by expert: expert e's slots are slot_list[first[e]..first[e+1]),
   // in token order. Pairs whose expert this op does not compute are left out.
   moe_first_.assign(static_cast<size_t>(p.n_expert) + 1, 0);
@@ -407,8 +437,20 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
       const auto e = static_cast<int32_t>(idf);
       if (!(idf >= 0.0f) || e >= p.n_expert || static_cast<float>(e) != idf)
         throw Error(ErrorCategory::internal, fmt::format("moe route holds expert id {}", idf));
-      if (p.has_expert(e) && p.has_slot(j)) ++moe_first_[static_cast<size_t>(e) + 1];
+      if (computes[e] && p.has_slot(j)) ++moe_first_[static_cast<size_t>(e) + 1];
     }
+  if (xt && p.set == graph::ExpertSet::not_resident) {
+    // The routing the residency policy learns from (past steps only: it is read between steps).
+    for (int64_t t = 0; t < n_tok; ++t) {
+      for (int32_t j = 0; j < k; ++j) {
+        const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
+        if (xt->route_log) xt->route_log->push_back(static_cast<uint16_t>(e));
+        if (!p.has_slot(j)) continue;
+        if (xt->calls) ++*xt->calls;
+        if (xt->device_calls && xt->table[e] >= 0) ++*xt->device_calls;
+      }
+    }
+  }
   for (int32_t e = 0; e < p.n_expert; ++e) moe_first_[e + 1] += moe_first_[e];
   const int64_t n_pairs = moe_first_[static_cast<size_t>(p.n_expert)];
   {
@@ -429,8 +471,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     for (int64_t t = 0; t < n_tok; ++t)
       for (int32_t j = 0; j < k; ++j) {
         const auto e = static_cast<int32_t>(route[t * 2 * k + j]);
-        if (p.has_expert(e) && p.has_slot(j))
-          moe_slots_[static_cast<size_t>(fill[e]++)] = t * k + j;
+        if (computes[e] && p.has_slot(j)) moe_slots_[static_cast<size_t>(fill[e]++)] = t * k + j;
       }
   }
 
@@ -540,7 +581,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   if (combine_in_region)
     for (int64_t b = 0; b < n_blocks; ++b) block_left[b].store(n_active, std::memory_order_relaxed);
   const auto combine = [&](int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
-    moe_combine_rows(route, k, p, moe_y_.data(), n_embd, t0, t1, c0, c1, out);
+    moe_combine_rows(route, k, p, computes, moe_y_.data(), n_embd, t0, t1, c0, c1, out);
   };
   std::atomic<int32_t>* up_left = moe_up_left_.get();
   std::atomic<int32_t>* ready = moe_ready_.get();

@@ -190,6 +190,15 @@ class CudaDevice final : public backend_detail::StreamDevice {
   void wait_event(int s, int ev) override {
     check(cudaStreamWaitEvent(st(s), marks_.at(static_cast<size_t>(ev)), 0), "cudaStreamWaitEvent");
   }
+  bool done(int ev) override {
+    const cudaError_t r = cudaEventQuery(marks_.at(static_cast<size_t>(ev)));
+    if (r == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: clear it
+      return false;
+    }
+    check(r, "cudaEventQuery");
+    return true;
+  }
   double elapsed_ms(int from, int to) override {
     float ms = 0;
     check(cudaEventElapsedTime(&ms, marks_.at(static_cast<size_t>(from)),
@@ -200,6 +209,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
   void synchronize() override {
     for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
+  void synchronize(int s) override { check(cudaStreamSynchronize(st(s)), "cudaStreamSynchronize"); }
 
   int capture(const std::function<void()>& enqueue_work) override {
     check(cudaStreamBeginCapture(streams_[kMain], cudaStreamCaptureModeThreadLocal),
@@ -416,7 +426,8 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
       const std::array<const void*, 3>& o = b.moe_w.at(i);
       const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
       gpu::moe_experts(moe_weights(weights, op.moe, o[0] ? o.data() : dw), in(0), in(1), rows,
-                       b.mask.at(i), out, b.ws, b.ws_bytes, s, moe_slots(op, host_w));
+                       b.mask.at(i), out, b.ws, b.ws_bytes, s,
+                       moe_slots(op, host_w, backend_detail::slot_table_of(b, i)));
       return false;
     }
   }

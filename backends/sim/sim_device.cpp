@@ -1,10 +1,14 @@
 // SimDevice: the Device contract on the CPU (see device.h). Memory is ordinary host memory
 // tracked against a capacity; kernels are the CPU kernels, with the KV cache stored as f16 as
-// on the GPU. Stream operations run asynchronously, as on a GPU: one worker thread runs every
-// stream's operations in enqueue order (a valid schedule of the streams: whatever a wait or an
-// event orders, enqueue order already does), or they are recorded while capturing and
-// enqueued again by replay. So the executor's flag hand-off works here as on CUDA (the worker
-// waits for a flag a host thread writes), and host code that reads results without the
+// on the GPU. Stream operations run asynchronously, as on a GPU: one worker thread runs the main
+// and aux streams' operations in enqueue order (a valid schedule of those streams: whatever a
+// wait or an event orders, enqueue order already does), or they are recorded while capturing and
+// enqueued again by replay; a second worker runs the copy stream's (kCopy), so weights copied
+// there land while the other streams compute, as on a GPU's copy engine, and a wait or an event
+// between the two workers really waits. (Captured work must not cross between them: capture
+// refuses it.) make_sim_device's copy_delay_us slows each kCopy copy down, so tests can make a
+// copy overlap the steps after it. So the executor's flag hand-off works here as on CUDA (the
+// worker waits for a flag a host thread writes), and host code that reads results without the
 // synchronisation a GPU needs reads stale memory here too. upload, download and the frees
 // wait for the worker first (cudaMemcpy and cudaFree order themselves after earlier work).
 // An operation that throws (or a flag wait that times out) makes the device fail: the rest of
@@ -46,7 +50,11 @@ using graph::OpKind;
 
 class SimDevice final : public backend_detail::StreamDevice {
  public:
-  explicit SimDevice(size_t capacity) : capacity_(capacity), worker_([this] { work(); }) {}
+  SimDevice(size_t capacity, int64_t copy_delay_us)
+      : capacity_(capacity),
+        copy_delay_us_(copy_delay_us),
+        worker_([this] { work(0); }),
+        copy_worker_([this] { work(1); }) {}
   ~SimDevice() override {
     stop_flag_waits_.store(true, std::memory_order_relaxed);  // no flag will come any more
     {
@@ -55,6 +63,7 @@ class SimDevice final : public backend_detail::StreamDevice {
     }
     cv_.notify_all();
     worker_.join();
+    copy_worker_.join();
     for (auto& [p, n] : sizes_) std::free(p);
     for (void* p : host_) std::free(p);
   }
@@ -132,25 +141,67 @@ class SimDevice final : public backend_detail::StreamDevice {
       std::memcpy(dst, src, bytes);
       return;
     }
+    if (s == kCopy && copy_delay_us_ > 0) {
+      const int64_t us = copy_delay_us_;
+      enqueue(s, [=] {
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
+        std::memcpy(dst, src, bytes);
+      });
+      return;
+    }
     enqueue(s, [=] { std::memcpy(dst, src, bytes); });
   }
   void host_fn(int s, void (*fn)(void*), void* arg) override {
     enqueue(s, [fn, arg] { fn(arg); });
   }
-  void wait(int s, int on) override { check_stream(s), check_stream(on); }
+  // Streams on one worker are ordered by enqueue order already; across the two workers a wait
+  // is a mark on `on` and an operation on `s` that blocks until the mark is reached.
+  void wait(int s, int on) override {
+    check_stream(s), check_stream(on);
+    if (queue_of(s) != queue_of(on)) wait_event(s, record(on));
+  }
   // Work runs at enqueue time (or at replay), so a mark's time is when its place in the stream
   // is reached: host steady-clock milliseconds, in a ring of 4096 as the contract allows.
   int record(int s) override {
     check_stream(s);
     const int id = static_cast<int>(next_mark_++ % kMarks);
-    enqueue(s, [this, id] {
+    const uint64_t seq = next_mark_;
+    mark_seq_[static_cast<size_t>(id)] = seq;
+    mark_queue_[static_cast<size_t>(id)] = queue_of(s);
+    enqueue(s, [this, id, seq] {
       marks_[static_cast<size_t>(id)] = std::chrono::duration<double, std::milli>(
                                             std::chrono::steady_clock::now().time_since_epoch())
                                             .count();
+      reached_[static_cast<size_t>(id)].store(seq, std::memory_order_release);
     });
     return id;
   }
-  void wait_event(int s, int) override { check_stream(s); }
+  void wait_event(int s, int ev) override {
+    check_stream(s);
+    const auto id = static_cast<size_t>(ev);
+    if (id >= kMarks) throw Error(ErrorCategory::internal, fmt::format("SIM0: no mark {}", ev));
+    if (queue_of(s) == mark_queue_[id]) return;
+    if (capturing_)
+      throw Error(ErrorCategory::internal,
+                  "SIM0: captured work waits across the copy stream, which replay cannot order");
+    const uint64_t seq = mark_seq_[id];
+    enqueue(s, [this, id, seq] {
+      for (int spin = 0; reached_[id].load(std::memory_order_acquire) < seq; ++spin) {
+        if (stop_flag_waits_.load(std::memory_order_relaxed))
+          throw Error(ErrorCategory::internal, "SIM0: device closed while waiting for a mark");
+        if (failed_.load(std::memory_order_acquire)) return;  // the mark's work was dropped
+        if (spin < 256)
+          std::this_thread::yield();
+        else
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    });
+  }
+  bool done(int ev) override {
+    const auto id = static_cast<size_t>(ev);
+    if (id >= kMarks) throw Error(ErrorCategory::internal, fmt::format("SIM0: no mark {}", ev));
+    return reached_[id].load(std::memory_order_acquire) >= mark_seq_[id];
+  }
   double elapsed_ms(int from, int to) override {
     synchronize();  // CUDA refuses marks not yet reached; here they are waited for
     return marks_.at(static_cast<size_t>(to)) - marks_.at(static_cast<size_t>(from));
@@ -190,8 +241,28 @@ class SimDevice final : public backend_detail::StreamDevice {
     {
       std::lock_guard<std::mutex> lk(mu_);
       std::swap(e, error_);
+      failed_.store(false, std::memory_order_release);
     }
     if (e) std::rethrow_exception(e);
+  }
+
+  // Stream s's worker has passed a mark recorded now (or failed: the error is rethrown).
+  void synchronize(int s) override {
+    check_stream(s);
+    if (capturing_) throw Error(ErrorCategory::internal, "SIM0: synchronize while capturing");
+    const int ev = record(s);
+    const auto id = static_cast<size_t>(ev);
+    const uint64_t seq = mark_seq_[id];
+    bool failed = false;
+    {
+      // The workers notify after each operation.
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] {
+        return reached_[id].load(std::memory_order_acquire) >= seq || error_ != nullptr;
+      });
+      failed = error_ != nullptr;
+    }
+    if (failed) synchronize();  // rethrows
   }
 
   int capture(const std::function<void()>& enqueue_work) override {
@@ -211,7 +282,7 @@ class SimDevice final : public backend_detail::StreamDevice {
     return static_cast<int>(graphs_.size() - 1);
   }
   void replay(int graph) override {
-    for (auto& f : graphs_.at(static_cast<size_t>(graph))) push(f);
+    for (auto& f : graphs_.at(static_cast<size_t>(graph))) push(0, f);
   }
 
   // The kernels, each enqueued on stream `s` (contracts in gpu_kernels/kernels.h).
@@ -355,11 +426,22 @@ class SimDevice final : public backend_detail::StreamDevice {
       float* u = g + w.n_ff;
       // The (token, slot) pairs grouped by expert, each expert's matrices read once for all of
       // its pairs (the count the read-once tests check); then each token's sum in slot order.
+      // by_table: expert e computes here when the slot table (device memory, read now, as a
+      // kernel reads it) gives it a slot, and its matrices are that slot's.
+      const int32_t* table = slots.by_table ? slots.table : nullptr;
+      if (slots.by_table && !table)
+        throw Error(ErrorCategory::internal, "SIM0: moe_experts over expert slots without a table");
+      const auto computes = [&](int32_t e) {
+        if (e < 0 || e >= w.n_expert) return false;
+        if (table) return table[e] >= 0 && table[e] < slots.n_slots;
+        return !mask || mask[e] != 0;
+      };
+      const auto matrix = [&](int32_t e) -> int64_t { return table ? table[e] : e; };
       std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(w.n_expert));
       for (int64_t t = 0; t < n_tok; ++t)
         for (int32_t j = sb; j < se; ++j) {
           const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
-          if (e < 0 || e >= w.n_expert || !mask[e]) continue;
+          if (!computes(e)) continue;
           by_expert[static_cast<size_t>(e)].push_back(t * k + j);
         }
       std::vector<float> ys(static_cast<size_t>(n_tok * k * w.n_embd));
@@ -368,9 +450,10 @@ class SimDevice final : public backend_detail::StreamDevice {
         const std::vector<int64_t>& pairs = by_expert[static_cast<size_t>(e)];
         if (pairs.empty()) continue;
         ++distinct;
-        const auto* gw = static_cast<const uint8_t*>(w.gate) + e * w.n_ff * gate_row;
-        const auto* uw = static_cast<const uint8_t*>(w.up) + e * w.n_ff * up_row;
-        const auto* dw = static_cast<const uint8_t*>(w.down) + e * w.n_embd * down_row;
+        const int64_t m = matrix(e);
+        const auto* gw = static_cast<const uint8_t*>(w.gate) + m * w.n_ff * gate_row;
+        const auto* uw = static_cast<const uint8_t*>(w.up) + m * w.n_ff * up_row;
+        const auto* dw = static_cast<const uint8_t*>(w.down) + m * w.n_embd * down_row;
         for (int64_t pair : pairs) {
           const float* x = h + (pair / k) * w.n_embd;
           float* y = ys.data() + pair * w.n_embd;
@@ -391,7 +474,7 @@ class SimDevice final : public backend_detail::StreamDevice {
         std::fill(o, o + w.n_embd, 0.0f);
         for (int32_t j = sb; j < se; ++j) {
           const int32_t e = static_cast<int32_t>(route[t * 2 * k + j]);
-          if (e < 0 || e >= w.n_expert || !mask[e]) continue;
+          if (!computes(e)) continue;
           const float wt = route[t * 2 * k + k + j];
           const float* y = ys.data() + (t * k + j) * w.n_embd;
           for (int64_t c = 0; c < w.n_embd; ++c) o[c] += wt * y[c];
@@ -511,7 +594,8 @@ class SimDevice final : public backend_detail::StreamDevice {
         const std::array<const void*, 3>& o = b.moe_w.at(i);
         const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
         moe_experts(kMain, moe_weights(weights, op.moe, o[0] ? o.data() : dw), in(0), in(1), rows,
-                    b.mask.at(i), moe_slots(op, host_w), out, b.ws);
+                    b.mask.at(i), moe_slots(op, host_w, backend_detail::slot_table_of(b, i)), out,
+                    b.ws);
         return;
       }
     }
@@ -523,36 +607,41 @@ class SimDevice final : public backend_detail::StreamDevice {
     if (s < 0 || s >= kNumStreams)
       throw Error(ErrorCategory::internal, fmt::format("SIM0: no stream {}", s));
   }
+  static int queue_of(int s) { return s == kCopy ? 1 : 0; }
   void enqueue(int s, std::function<void()> f) {
     check_stream(s);
-    if (capturing_)
+    if (capturing_) {
+      if (queue_of(s) != 0)
+        throw Error(ErrorCategory::internal, "SIM0: work on the copy stream while capturing");
       captured_.push_back(std::move(f));
-    else
-      push(std::move(f));
+    } else {
+      push(queue_of(s), std::move(f));
+    }
   }
-  void push(std::function<void()> f) {
+  void push(int q, std::function<void()> f) {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      queue_.push_back(std::move(f));
+      queue_[q].push_back(std::move(f));
     }
     cv_.notify_all();
   }
-  // Blocks until the queue is empty and the worker idle (errors stay for synchronize()).
+  // Blocks until both queues are empty and the workers idle (errors stay for synchronize()).
   void drain() {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [this] { return queue_.empty() && !busy_; });
+    cv_.wait(lk,
+             [this] { return queue_[0].empty() && queue_[1].empty() && !busy_[0] && !busy_[1]; });
   }
-  // The worker: runs the queue in order; after an error it drops what is queued until the
-  // error is collected.
-  void work() {
+  // A worker: runs queue q in order; after an error it drops what is queued until the error is
+  // collected.
+  void work(int q) {
     std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
-      cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_
-      std::function<void()> f = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lk, [this, q] { return stop_ || !queue_[q].empty(); });
+      if (queue_[q].empty()) return;  // stop_
+      std::function<void()> f = std::move(queue_[q].front());
+      queue_[q].pop_front();
       const bool failed = error_ != nullptr;
-      busy_ = true;
+      busy_[q] = true;
       lk.unlock();
       std::exception_ptr e;
       if (!failed) {
@@ -563,16 +652,26 @@ class SimDevice final : public backend_detail::StreamDevice {
         }
       }
       lk.lock();
-      busy_ = false;
-      if (e && !error_) error_ = e;
+      busy_[q] = false;
+      if (e && !error_) {
+        error_ = e;
+        failed_.store(true, std::memory_order_release);
+      }
       cv_.notify_all();
     }
   }
 
   static constexpr size_t kMarks = 4096;
   std::vector<double> marks_ = std::vector<double>(kMarks, 0.0);
+  // Per mark: the sequence number of its latest record, the queue it was recorded on, and the
+  // latest sequence number the workers passed (done(), cross-queue waits).
+  std::vector<uint64_t> mark_seq_ = std::vector<uint64_t>(kMarks, 0);
+  std::vector<int> mark_queue_ = std::vector<int>(kMarks, 0);
+  std::unique_ptr<std::atomic<uint64_t>[]> reached_ =
+      std::make_unique<std::atomic<uint64_t>[]>(kMarks);
   uint64_t next_mark_ = 0;
   size_t capacity_, used_ = 0;
+  int64_t copy_delay_us_ = 0;
   std::atomic<int64_t> moe_reads_{0}, moe_bytes_{0};  // DeviceInfo::moe_expert_reads, _bytes
   std::unordered_map<void*, size_t> sizes_;
   std::vector<void*> host_;
@@ -581,18 +680,19 @@ class SimDevice final : public backend_detail::StreamDevice {
   std::vector<std::vector<std::function<void()>>> graphs_;
   static constexpr std::chrono::seconds kFlagTimeout{120};
   std::atomic<bool> stop_flag_waits_{false};
+  std::atomic<bool> failed_{false};  // error_ is set (a cross-queue wait stops waiting)
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false, stop_ = false;
+  std::deque<std::function<void()>> queue_[2];  // main + aux, copy
+  bool busy_[2] = {false, false}, stop_ = false;
   std::exception_ptr error_;
-  std::thread worker_;  // last: started once the members it uses exist
+  std::thread worker_, copy_worker_;  // last: started once the members they use exist
 };
 
 }  // namespace
 
-std::unique_ptr<Device> make_sim_device(size_t capacity_bytes) {
-  return std::make_unique<SimDevice>(capacity_bytes);
+std::unique_ptr<Device> make_sim_device(size_t capacity_bytes, int64_t copy_delay_us) {
+  return std::make_unique<SimDevice>(capacity_bytes, copy_delay_us);
 }
 
 #ifndef BERTH_HAVE_CUDA

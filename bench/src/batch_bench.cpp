@@ -91,6 +91,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     sp.n_ubatch = options.n_ubatch;
     sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
     sp.hybrid.host_expert_share = o.host_expert_share;
+    sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
     PlacementSetup placed = place(*model, o.placement, sp, false);
     set_step_options(o, sp);
     r.placement = placed.plan.how;

@@ -243,6 +243,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   sp.n_ubatch = max_step_tokens(planned);
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
+  sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   set_step_options(o, sp);
   for (const std::string& note :

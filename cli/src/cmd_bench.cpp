@@ -293,6 +293,7 @@ Runner add_bench(CLI::App& app) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
+  add_residency_swaps(*m, o->m.residency_swaps);
   add_handoff(*m, o->m.handoff);
   add_placement_flags(*m, o->m.placement);
   add_stream_experts(*m, o->m.stream_min_tokens);

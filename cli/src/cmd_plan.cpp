@@ -28,6 +28,8 @@ struct PlanOptions {
   std::string handoff = "auto";
   bool json = false;
   bool ops = false;
+  bool tensors = false;
+  int32_t residency_swaps = 4;
 };
 
 int plan(const PlanOptions& o) {
@@ -40,6 +42,7 @@ int plan(const PlanOptions& o) {
   sp.hybrid.host_expert_share = o.host_expert_share;
   sp.hybrid.warm_workers_us = o.warm_workers_us;
   sp.hybrid.handoff = parse_handoff(o.handoff);
+  sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
   const int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(model->hparams());
   PlacementSetup setup = place(*model, o.flags, sp, false, /*plan_only=*/true);
   placement::Plan& p = setup.plan;
@@ -54,7 +57,7 @@ int plan(const PlanOptions& o) {
   p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, o.n_ubatch);
   if (!o.ops)
     return write_stdout(o.json ? placement::plan_json(setup.request, p)
-                               : placement::plan_table(setup.request, p)),
+                               : placement::plan_table(setup.request, p, o.tensors)),
            0;
   const auto schedules = step_schedules(*model, setup, sp);
   if (o.json) {
@@ -65,7 +68,7 @@ int plan(const PlanOptions& o) {
     (void)write_stdout(j.dump(1) + "\n");
     return 0;
   }
-  std::string out = placement::plan_table(setup.request, p);
+  std::string out = placement::plan_table(setup.request, p, o.tensors);
   for (const auto& [title, s] : schedules) out += "\n" + schedule_text(s, model->weights(), title);
   if (!schedules.empty() && schedules.front().second.value_side.size() > 0 &&
       schedules.front().second.has_device &&
@@ -98,6 +101,10 @@ Runner add_plan(CLI::App& app) {
   add_host_expert_share(*sub, o->host_expert_share);
   add_warm_workers(*sub, o->warm_workers_us);
   add_handoff(*sub, o->handoff);
+  add_residency_swaps(*sub, o->residency_swaps);
+  sub->add_flag("--tensors", o->tensors,
+                "the table also lists every tensor (name, type, MiB, home); the default shows "
+                "per MoE layer how many experts are on the GPU");
   sub->add_flag("--ops", o->ops,
                 "also print the schedule of a decode step and of a prefill ubatch: each op's "
                 "side (GPU or CPU) and why, the CPU segments, the copies between the sides with "

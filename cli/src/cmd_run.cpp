@@ -87,6 +87,13 @@ std::string join_counts(const std::vector<int64_t>& v) {
   return s.empty() ? "-" : s;
 }
 
+// With expert slots (--residency adaptive), one stderr line: swaps, the share of routed expert
+// calls on the device, MiB moved (ExpertSlots::summary).
+void print_residency(Session& session) {
+  const Residency* r = session.residency();
+  if (r && r->expert_slots()) std::fprintf(stderr, "%s\n", r->expert_slots()->summary().c_str());
+}
+
 /// `--chat`: user turns from -p/-f and then stdin, one per line, until EOF or "/exit"; replies
 /// stream to stdout, each followed by a newline. Each turn prefills only what the KV cache lacks
 /// (ChatSession); the summary on stderr gives the prefilled and reused tokens per turn.
@@ -145,6 +152,7 @@ int run_chat(const RunOptions& o, const Tokenizer& tok, Session& session, Sample
                join_counts(reused).c_str(), static_cast<long long>(n_decode), decode_s * 1e3,
                rate(static_cast<double>(n_decode), decode_s), session.pool().n_threads(),
                sampler.params().temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str() : "");
+  print_residency(session);
   if (!out_ok) log::info("stdout was closed; the chat stopped");
   return 0;
 }
@@ -218,6 +226,7 @@ int run(const RunOptions& o) {
                rate(static_cast<double>(st.n_decode_steps), st.decode_seconds),
                session.pool().n_threads(),
                sp.temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str() : "");
+  print_residency(session);
   if (st.stop == StopReason::context_full)
     std::fprintf(stderr, "berth: stopped: the context of %lld tokens is full (raise -c)\n",
                  static_cast<long long>(session.n_ctx()));
@@ -252,6 +261,7 @@ Runner add_run(CLI::App& app) {
   add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);
   add_warm_workers(*sub, o->warm_workers_us);
+  add_residency_swaps(*sub, o->session.hybrid.expert_slots.max_swaps_per_step);
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
       ->capture_default_str()

@@ -273,6 +273,7 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
   add_stream_experts(*sub, o.stream_min);
   add_host_expert_share(*sub, o.host_expert_share);
   add_warm_workers(*sub, o.warm_workers_us);
+  add_residency_swaps(*sub, o.session.hybrid.expert_slots.max_swaps_per_step);
 }
 
 struct BenchServeOptions {

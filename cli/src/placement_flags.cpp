@@ -40,6 +40,14 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
             }
           },
           "REGEX=DEVICE"));
+  cmd.add_option_function<std::string>(
+         "--residency",
+         [&f](const std::string& s) { f.residency = placement::parse_residency_mode(s); },
+         "static: weights stay where the plan puts them; adaptive: CPU-held MoE layers get "
+         "expert slots on the GPU (the budget's room left after the plan) that the most used "
+         "experts move into while decoding; auto (the default): adaptive when the budget "
+         "cannot hold every weight")
+      ->check(CLI::IsMember({"auto", "static", "adaptive"}));
   cmd.add_flag("--cpu-moe", f.cpu_moe, "-cmoe: every layer's routed experts on the CPU");
   cmd.add_option("--n-cpu-moe", f.n_cpu_moe,
                  "-ncmoe: the routed experts of the first N layers on the CPU")
@@ -63,6 +71,15 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
             }
           },
           "SIZE"));
+}
+
+void add_residency_swaps(CLI::App& cmd, int32_t& swaps) {
+  cmd.add_option("--residency-swaps", swaps,
+                 "--residency adaptive: experts swapped into each MoE layer's expert slots per "
+                 "step, at most (copies overlap the next steps; an expert computes on the CPU "
+                 "until its copy has landed)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
 }
 
 CLI::Validator unit_fraction() {

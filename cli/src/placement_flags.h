@@ -30,6 +30,8 @@ void add_host_expert_share(CLI::App& cmd, double& share);
 /// the flag hand-off the CPU workers spin for up to US microseconds while waiting for the GPU;
 /// 0: off; not given, `us` keeps kAutoWarmWorkersUs (the executor's default).
 void add_warm_workers(CLI::App& cmd, int64_t& us);
+/// --residency-swaps N: ExpertSlotsOptions::max_swaps_per_step (1..65536).
+void add_residency_swaps(CLI::App& cmd, int32_t& swaps);
 
 /// Registers `--stream-experts N|auto` (run and bench model): prefill ubatches of at least N
 /// tokens compute CPU-held experts on the GPU, streaming their weights; 0: off; auto (stored as

@@ -242,6 +242,26 @@ __global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restric
   }
 }
 
+// Expert slots (MoeSlots::by_table): the route with each expert id replaced by its slot,
+// table[e], or -1 (skipped as invalid) when e has none; weights copied. route, out [n / 2k, 2k].
+__global__ void moe_slot_route_kernel(const float* __restrict__ route, int64_t n, int k,
+                                      const int32_t* __restrict__ table, int n_expert, int n_slots,
+                                      float* __restrict__ out) {
+  pdl_enter();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v = route[i];
+  if (static_cast<int>(i % (2 * k)) < k) {
+    float r = -1.0f;
+    if (v >= 0.0f && v < static_cast<float>(n_expert)) {
+      const int32_t s = table[static_cast<int>(v)];
+      if (s >= 0 && s < n_slots) r = static_cast<float>(s);
+    }
+    v = r;
+  }
+  out[i] = v;
+}
+
 // out[t] = sum over valid slots j, in slot order, of weight[t, j] * y[row of (t, j)].
 __global__ void moe_combine_kernel(const float* __restrict__ route, int k, PairSel sel,
                                    const int32_t* __restrict__ pos, const float* __restrict__ y,
@@ -341,6 +361,8 @@ struct MoeLayout {
   size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                    // decode
   size_t st[3] = {0, 0, 0};                                      // staged gate, up, down
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
+  bool remap = false;                                            // by_table: the slot route
+  size_t rt = 0;
   size_t end = 0;
 
   MoeLayout(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) {
@@ -352,6 +374,10 @@ struct MoeLayout {
       end += align_up(bytes);
       return at;
     };
+    if (slots.by_table) {
+      remap = true;
+      rt = take(static_cast<size_t>(2 * P) * 4);
+    }
     if (decode) {
       if (is_quantized(w.gate_type) || is_quantized(w.up_type))
         hq = take(qact_bytes(n_tok, w.n_embd));
@@ -391,6 +417,11 @@ void check_moe(const MoeWeights& w, const MoeSlots& slots) {
                 "moe_experts: bad shape (n_embd " + std::to_string(w.n_embd) + ", n_ff " +
                     std::to_string(w.n_ff) + ", n_expert " + std::to_string(w.n_expert) +
                     ", n_expert_used " + std::to_string(w.n_expert_used) + ")");
+  if (slots.by_table && (slots.stage || slots.n_slots < 1 || slots.n_slots > w.n_expert))
+    throw Error(ErrorCategory::invalid_argument,
+                "moe_experts: " + std::to_string(slots.n_slots) + " expert slots for " +
+                    std::to_string(w.n_expert) + " experts" +
+                    (slots.stage ? " (and staged weights, which slots never are)" : ""));
   check_type(w.gate_type, w.n_embd, "moe_experts (gate)");
   check_type(w.up_type, w.n_embd, "moe_experts (up)");
   check_type(w.down_type, w.n_ff, "moe_experts (down)");
@@ -410,13 +441,30 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   check_moe(w, slots);
   if (n_tok <= 0) return;
   const MoeLayout L(w, n_tok, slots);
-  const PairSel sel{expert_mask, w.n_expert, slots.begin, slot_end(w, slots)};
   if (workspace_bytes < L.end || workspace == nullptr)
     throw Error(ErrorCategory::invalid_argument, "moe_experts: workspace of " +
                                                      std::to_string(workspace_bytes) + " bytes, " +
                                                      std::to_string(L.end) + " needed");
   auto* ws = static_cast<uint8_t*>(workspace);
-  const int k = w.n_expert_used;
+  // Expert slots: the slots stand for the experts (ids remapped through the table, the weights
+  // are the slot arrays, no mask); everything below then runs as over n_slots experts.
+  MoeWeights wk = w;
+  const float* rt = route;
+  const uint8_t* mask = expert_mask;
+  if (L.remap) {
+    if (slots.table == nullptr)
+      throw Error(ErrorCategory::invalid_argument, "moe_experts: expert slots without a table");
+    auto* remapped = reinterpret_cast<float*>(ws + L.rt);
+    const int64_t n = n_tok * 2 * w.n_expert_used;
+    launch("moe_slot_route_kernel", moe_slot_route_kernel, static_cast<unsigned>((n + 255) / 256),
+           256, 0, stream, route, n, w.n_expert_used, slots.table, w.n_expert, slots.n_slots,
+           remapped);
+    wk.n_expert = slots.n_slots;
+    rt = remapped;
+    mask = nullptr;
+  }
+  const PairSel sel{mask, wk.n_expert, slots.begin, slot_end(w, slots)};
+  const int k = wk.n_expert_used;
   const int64_t P = n_tok * k;
   const size_t gate_bytes = static_cast<size_t>(w.n_ff) * row_bytes(w.gate_type, w.n_embd);
   const size_t up_bytes = static_cast<size_t>(w.n_ff) * row_bytes(w.up_type, w.n_embd);
@@ -452,16 +500,15 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       }
       const dim3 grid(static_cast<unsigned>((most + kStageChunk - 1) / kStageChunk),
                       static_cast<unsigned>(sel.se - sel.sb), 3);
-      launch("moe_stage_kernel", moe_stage_kernel, grid, kStageThreads, 0, stream, route, k, sel,
-             sa);
+      launch("moe_stage_kernel", moe_stage_kernel, grid, kStageThreads, 0, stream, rt, k, sel, sa);
       wg = sa.dst[0], wu = sa.dst[1], wd = sa.dst[2];
     }
     GemvRoute r;
-    r.route = route;
+    r.route = rt;
     r.k = k;
     r.act_div = k;
-    r.mask = expert_mask;
-    r.n_expert = w.n_expert;
+    r.mask = mask;
+    r.n_expert = wk.n_expert;
     r.pairs = P;
     r.slot_begin = sel.sb;
     r.slot_end = sel.se;
@@ -475,13 +522,13 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       quantize_act(G, U, P, w.n_ff, aq, stream);
     } else {
       launch("swiglu_rows_kernel", swiglu_rows_kernel, static_cast<unsigned>(P), 256, 0, stream, G,
-             U, w.n_ff, route, k, sel);
+             U, w.n_ff, rt, k, sel);
     }
     r.act_div = 1;
     r.expert_bytes = down_bytes;
     gemv(w.down_type, wd, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
     launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
-           route, k, sel, nullptr, Y, w.n_embd, out);
+           rt, k, sel, nullptr, Y, w.n_embd, out);
     return;
   }
 
@@ -494,14 +541,14 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   auto* pos = reinterpret_cast<int32_t*>(ws + L.pos);
   auto* A = reinterpret_cast<__half*>(ws + L.a);
   auto* act = reinterpret_cast<__half*>(ws + L.act);
-  launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(w.n_expert) * 4, stream,
-         route, n_tok, k, sel, eoff, toff, list, pos);
-  to_half(h, P, w.n_embd, list, k, eoff + w.n_expert, A, stream);
-  const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + w.n_expert);
+  launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(wk.n_expert) * 4,
+         stream, rt, n_tok, k, sel, eoff, toff, list, pos);
+  to_half(h, P, w.n_embd, list, k, eoff + wk.n_expert, A, stream);
+  const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + wk.n_expert);
   GemmArgs a{};
   a.expert_off = eoff;
   a.tile_off = toff;
-  a.n_expert = w.n_expert;
+  a.n_expert = wk.n_expert;
   // gate: G = A . gate_e^T
   a.w = static_cast<const uint8_t*>(w.gate);
   a.row_bytes = row_bytes(w.gate_type, w.n_embd);
@@ -533,7 +580,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
   BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
   launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
-         route, k, sel, pos, Y, w.n_embd, out);
+         rt, k, sel, pos, Y, w.n_embd, out);
 }
 
 }  // namespace berth::gpu

@@ -60,7 +60,26 @@ std::string_view role_name(WeightRole r) {
   return "?";
 }
 
+std::string_view expert_set_name(ExpertSet s) {
+  switch (s) {
+    case ExpertSet::all:
+      return "all";
+    case ExpertSet::list:
+      return "list";
+    case ExpertSet::resident:
+      return "resident";
+    case ExpertSet::not_resident:
+      return "not resident";
+  }
+  return "?";
+}
+
 bool MoeParams::has_expert(int32_t e) const {
+  if (!static_experts())
+    throw Error(ErrorCategory::internal,
+                fmt::format("has_expert({}) asked of a moe_experts op over the {} experts: the "
+                            "answer is in the layer's slot table at run time",
+                            e, expert_set_name(set)));
   return experts.empty() || std::binary_search(experts.begin(), experts.end(), e);
 }
 
@@ -222,6 +241,11 @@ void Graph::validate(const WeightTable& weights) const {
           bad(op, fmt::format("expert tensors '{}', '{}', '{}' do not fit n_embd {} and "
                               "n_expert {}",
                               g.name, u.name, d.name, h.cols, p.n_expert));
+        if (!p.static_experts() && !p.experts.empty())
+          bad(op, fmt::format("an expert list with the {} experts", expert_set_name(p.set)));
+        if (p.set == ExpertSet::list && p.experts.empty()) bad(op, "an empty expert list");
+        if (p.set == ExpertSet::resident && (p.n_slots < 1 || p.n_slots > p.n_expert))
+          bad(op, fmt::format("{} expert slots for {} experts", p.n_slots, p.n_expert));
         for (size_t i = 0; i < p.experts.size(); ++i)
           if (p.experts[i] < 0 || p.experts[i] >= p.n_expert ||
               (i > 0 && p.experts[i] <= p.experts[i - 1]))

@@ -234,6 +234,84 @@ void add_override(Flags& flags, std::string_view arg) {
   flags.overrides.insert(flags.overrides.end(), parsed.begin(), parsed.end());
 }
 
+std::string_view residency_mode_name(ResidencyMode m) {
+  switch (m) {
+    case ResidencyMode::automatic:
+      return "auto";
+    case ResidencyMode::fixed:
+      return "static";
+    case ResidencyMode::adaptive:
+      return "adaptive";
+  }
+  return "?";
+}
+
+ResidencyMode parse_residency_mode(std::string_view s) {
+  const std::string v = lower(s);
+  if (v == "auto") return ResidencyMode::automatic;
+  if (v == "static") return ResidencyMode::fixed;
+  if (v == "adaptive") return ResidencyMode::adaptive;
+  bad(fmt::format("--residency '{}': must be static, adaptive or auto", s));
+}
+
+namespace {
+
+// Per layer: bytes of one expert's routed-expert slices (gate + up + down), 0 for a layer that
+// cannot have slots (no routed experts on the CPU, experts placed by -ot, or of unknown count);
+// and the layer's expert count.
+struct SlotCandidates {
+  std::vector<size_t> expert_bytes;
+  std::vector<int32_t> n_expert;
+};
+
+SlotCandidates slot_candidates(const Request& req, const Plan& plan,
+                               const std::vector<bool>& ot_pinned) {
+  SlotCandidates c;
+  c.expert_bytes.assign(static_cast<size_t>(req.n_layer), 0);
+  c.n_expert.assign(static_cast<size_t>(req.n_layer), 0);
+  std::vector<bool> no(static_cast<size_t>(req.n_layer), false);
+  for (size_t i = 0; i < req.tensors.size(); ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (!t.routed_expert() || t.layer < 0) continue;
+    const auto l = static_cast<size_t>(t.layer);
+    if (plan.home[i] != Home::cpu || ot_pinned[i] || t.n_expert < 2 ||
+        (c.n_expert[l] != 0 && c.n_expert[l] != t.n_expert)) {
+      no[l] = true;
+      continue;
+    }
+    c.n_expert[l] = t.n_expert;
+    c.expert_bytes[l] += t.bytes / static_cast<size_t>(t.n_expert);
+  }
+  for (size_t l = 0; l < no.size(); ++l)
+    if (no[l]) c.expert_bytes[l] = 0, c.n_expert[l] = 0;
+  return c;
+}
+
+// Gives `plan` the most expert slots per candidate layer that `room` bytes hold (C < n_expert).
+void add_expert_slots(const Request& req, Plan& plan, const std::vector<bool>& ot_pinned,
+                      size_t room) {
+  const SlotCandidates c = slot_candidates(req, plan, ot_pinned);
+  size_t per_slot = 0, tables = 0;
+  int32_t max_c = std::numeric_limits<int32_t>::max();
+  for (size_t l = 0; l < c.expert_bytes.size(); ++l)
+    if (c.expert_bytes[l] > 0) {
+      per_slot += c.expert_bytes[l];
+      tables += static_cast<size_t>(c.n_expert[l]) * 4;
+      max_c = std::min(max_c, c.n_expert[l] - 1);
+    }
+  plan.layer_slots.assign(static_cast<size_t>(req.n_layer), 0);
+  if (per_slot == 0 || room <= tables) return;
+  const auto n = static_cast<int32_t>(
+      std::min<size_t>((room - tables) / per_slot, static_cast<size_t>(max_c)));
+  if (n < 1) return;
+  plan.expert_slots = n;
+  plan.slot_bytes = per_slot * static_cast<size_t>(n) + tables;
+  for (size_t l = 0; l < c.expert_bytes.size(); ++l)
+    if (c.expert_bytes[l] > 0) plan.layer_slots[l] = n;
+}
+
+}  // namespace
+
 Plan make_plan(const Request& req) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
@@ -252,6 +330,23 @@ Plan make_plan(const Request& req) {
 
   const size_t n = req.tensors.size();
   Plan plan;
+  std::vector<bool> ot_pinned(n, false);  // an -ot rule placed the tensor
+  // Adaptive residency: asked for, or by default when the budget cannot hold every weight.
+  // (Only for models whose routed-expert tensors stack a known number of experts: slots hold
+  // one expert's slices.)
+  bool adaptive = false;
+  const bool stacked =
+      std::any_of(req.tensors.begin(), req.tensors.end(),
+                  [](const TensorEntry& t) { return t.routed_expert() && t.n_expert >= 2; });
+  if (req.has_device && stacked && f.residency != ResidencyMode::fixed) {
+    const size_t budget =
+        std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
+    size_t all = req.scratch_bytes + req.margin_bytes;
+    for (const TensorEntry& t : req.tensors) all += t.bytes;
+    for (size_t b : req.kv_bytes) all += b;
+    adaptive = f.residency == ResidencyMode::adaptive || all > budget;
+  }
+  plan.residency = adaptive ? ResidencyMode::adaptive : ResidencyMode::fixed;
   plan.home.assign(n, Home::cpu);
   plan.kv_home.assign(static_cast<size_t>(n_layer), Home::cpu);
   plan.how = describe_flags(f);
@@ -307,6 +402,7 @@ Plan make_plan(const Request& req) {
       for (const Rule& r : rules)
         if (r.search(t.name)) {
           pin[i] = r.home;
+          ot_pinned[i] = true;
           break;
         }
       if (!pin[i] && t.routed_expert() && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
@@ -395,7 +491,8 @@ Plan make_plan(const Request& req) {
           bool any_exps = false;
           for (int32_t l = n_layer - 1; l >= 0; --l) {
             any_exps = any_exps || !exps[static_cast<size_t>(l)].tensors.empty();
-            if (!try_place(exps[static_cast<size_t>(l)])) break;
+            // Adaptive: the room goes to expert slots instead of whole layers' experts.
+            if (adaptive || !try_place(exps[static_cast<size_t>(l)])) break;
           }
           try_place(embd);
           // The equivalent flags: the leading layers with no routed expert on the GPU.
@@ -412,8 +509,9 @@ Plan make_plan(const Request& req) {
                   : fmt::format("the routed experts of the last {} layers", n_layer - n_cpu);
           plan.how +=
               any_exps
-                  ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {})",
-                                with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu)
+                  ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {}{})",
+                                with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu,
+                                adaptive ? ", the rest as expert slots" : "")
                   : fmt::format(" (all layers{})", with_out);
         } else {
           int32_t k = 0;
@@ -500,6 +598,12 @@ Plan make_plan(const Request& req) {
     plan.scratch_bytes = req.scratch_bytes;
     plan.margin_bytes = req.margin_bytes;
   }
+  plan.layer_slots.assign(static_cast<size_t>(n_layer), 0);
+  if (adaptive && any_gpu && plan.gpu_total() < plan.budget_bytes)
+    add_expert_slots(req, plan, ot_pinned, plan.budget_bytes - plan.gpu_total());
+  if (plan.expert_slots > 0)
+    plan.how += fmt::format(" --residency adaptive: {} expert slots per CPU-held MoE layer",
+                            plan.expert_slots);
   if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
     const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
     const std::string source =

@@ -18,9 +18,37 @@ size_t kv_layer_bytes(const Request& req, const Plan& plan, size_t l) {
 constexpr double kMiB = 1024.0 * 1024.0;
 double to_mib(size_t bytes) { return static_cast<double>(bytes) / kMiB; }
 
+// Per MoE layer (layers with routed-expert tensors): its expert count, the home of its expert
+// tensors, its expert slots.
+struct MoeLayer {
+  int32_t layer = 0, n_expert = 0, slots = 0;
+  Home home = Home::cpu;
+  int32_t on_gpu() const { return home == Home::gpu ? n_expert : slots; }
+};
+std::vector<MoeLayer> moe_layers(const Request& req, const Plan& plan) {
+  std::vector<MoeLayer> out;
+  std::vector<int64_t> at(static_cast<size_t>(std::max(req.n_layer, 0)), -1);
+  for (size_t i = 0; i < req.tensors.size(); ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (!t.routed_expert() || t.layer < 0 || static_cast<size_t>(t.layer) >= at.size()) continue;
+    int64_t& k = at[static_cast<size_t>(t.layer)];
+    if (k < 0) {
+      k = static_cast<int64_t>(out.size());
+      out.push_back(MoeLayer{.layer = t.layer, .home = plan.home.at(i)});
+      if (static_cast<size_t>(t.layer) < plan.layer_slots.size())
+        out.back().slots = plan.layer_slots[static_cast<size_t>(t.layer)];
+    }
+    out[static_cast<size_t>(k)].n_expert =
+        std::max(out[static_cast<size_t>(k)].n_expert, t.n_expert);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const MoeLayer& a, const MoeLayer& b) { return a.layer < b.layer; });
+  return out;
+}
+
 }  // namespace
 
-std::string plan_table(const Request& req, const Plan& plan) {
+std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   std::string out;
   if (req.has_device)
     out += fmt::format("placement: {}\ndevice: {}, budget {:.3f} MiB\n", plan.how, req.device_name,
@@ -36,13 +64,47 @@ std::string plan_table(const Request& req, const Plan& plan) {
     name_w = std::max(name_w, names.back().size());
     type_w = std::max(type_w, t.type.size());
   }
-  out += fmt::format("\n{:<{}}  {:<{}}  {:>12}  {}\n", "tensor", name_w, "type", type_w, "MiB",
-                     "home");
-  for (size_t i = 0; i < req.tensors.size(); ++i) {
-    const TensorEntry& t = req.tensors[i];
-    out += fmt::format("{:<{}}  {:<{}}  {:>12.3f}  {}\n", names[i], name_w,
-                       t.type.empty() ? "-" : t.type, type_w, to_mib(t.bytes),
-                       home_name(plan.home.at(i)));
+  // Per MoE layer, the experts on the GPU: runs of layers alike.
+  const std::vector<MoeLayer> moe = moe_layers(req, plan);
+  if (!moe.empty()) {
+    out += fmt::format("\nresidency: {}{}\n", residency_mode_name(plan.residency),
+                       plan.expert_slots > 0
+                           ? fmt::format(", {} expert slots per CPU-held MoE layer ({:.3f} MiB)",
+                                         plan.expert_slots, to_mib(plan.slot_bytes))
+                           : std::string());
+    out += fmt::format("{:<16}  {}\n", "MoE layers", "experts on the GPU");
+    size_t a = 0;
+    while (a < moe.size()) {
+      size_t b = a + 1;
+      while (b < moe.size() && moe[b].layer == moe[b - 1].layer + 1 &&
+             moe[b].on_gpu() == moe[a].on_gpu() && moe[b].n_expert == moe[a].n_expert &&
+             moe[b].home == moe[a].home)
+        ++b;
+      const std::string layers = b - a == 1
+                                     ? fmt::format("blk.{}", moe[a].layer)
+                                     : fmt::format("blk.{}-{}", moe[a].layer, moe[b - 1].layer);
+      const MoeLayer& m = moe[a];
+      // (n_expert 0: a request that does not say how many experts a tensor stacks.)
+      const std::string n = m.n_expert > 0 ? fmt::format(" {}", m.n_expert) : "";
+      const std::string what =
+          m.home == Home::gpu ? fmt::format("all{} (expert tensors on the GPU)", n)
+          : m.slots > 0
+              ? fmt::format("{} of {} (expert slots; the rest on the CPU)", m.slots, m.n_expert)
+          : m.n_expert > 0 ? fmt::format("0 of {} (expert tensors on the CPU)", m.n_expert)
+                           : std::string("none (expert tensors on the CPU)");
+      out += fmt::format("{:<16}  {}\n", layers, what);
+      a = b;
+    }
+  }
+  if (tensors) {
+    out += fmt::format("\n{:<{}}  {:<{}}  {:>12}  {}\n", "tensor", name_w, "type", type_w, "MiB",
+                       "home");
+    for (size_t i = 0; i < req.tensors.size(); ++i) {
+      const TensorEntry& t = req.tensors[i];
+      out += fmt::format("{:<{}}  {:<{}}  {:>12.3f}  {}\n", names[i], name_w,
+                         t.type.empty() ? "-" : t.type, type_w, to_mib(t.bytes),
+                         home_name(plan.home.at(i)));
+    }
   }
 
   // The KV cache as runs of consecutive layers with the same home.
@@ -63,15 +125,17 @@ std::string plan_table(const Request& req, const Plan& plan) {
     }
   }
 
-  out += fmt::format("\n{:<6} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14}\n", "device", "weights MiB",
-                     "KV MiB", "scratch MiB", "margin MiB", "total MiB", "budget MiB");
+  out += fmt::format("\n{:<6} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14}\n", "device",
+                     "weights MiB", "slots MiB", "KV MiB", "scratch MiB", "margin MiB", "total MiB",
+                     "budget MiB");
   if (req.has_device)
-    out += fmt::format("{:<6} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f}\n", "GPU",
-                       to_mib(plan.gpu_weight_bytes), to_mib(plan.gpu_kv_bytes),
-                       to_mib(plan.scratch_bytes), to_mib(plan.margin_bytes),
-                       to_mib(plan.gpu_total()), to_mib(plan.budget_bytes));
-  out += fmt::format("{:<6} {:>14.3f} {:>14.3f} {:>14} {:>14} {:>14.3f} {:>14}\n", "CPU",
-                     to_mib(plan.cpu_weight_bytes), to_mib(plan.cpu_kv_bytes), "-", "-",
+    out +=
+        fmt::format("{:<6} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f} {:>14.3f}\n",
+                    "GPU", to_mib(plan.gpu_weight_bytes), to_mib(plan.slot_bytes),
+                    to_mib(plan.gpu_kv_bytes), to_mib(plan.scratch_bytes),
+                    to_mib(plan.margin_bytes), to_mib(plan.gpu_total()), to_mib(plan.budget_bytes));
+  out += fmt::format("{:<6} {:>14.3f} {:>14} {:>14.3f} {:>14} {:>14} {:>14.3f} {:>14}\n", "CPU",
+                     to_mib(plan.cpu_weight_bytes), "-", to_mib(plan.cpu_kv_bytes), "-", "-",
                      to_mib(plan.cpu_weight_bytes + plan.cpu_kv_bytes), "-");
   return out;
 }
@@ -84,9 +148,13 @@ std::string plan_json(const Request& req, const Plan& plan) {
   j["notes"] = plan.notes;
   json devices = json::object();
   if (req.has_device)
-    devices["GPU"] = {{"name", req.device_name},           {"weights_bytes", plan.gpu_weight_bytes},
-                      {"kv_bytes", plan.gpu_kv_bytes},     {"scratch_bytes", plan.scratch_bytes},
-                      {"margin_bytes", plan.margin_bytes}, {"total_bytes", plan.gpu_total()},
+    devices["GPU"] = {{"name", req.device_name},
+                      {"weights_bytes", plan.gpu_weight_bytes},
+                      {"slot_bytes", plan.slot_bytes},
+                      {"kv_bytes", plan.gpu_kv_bytes},
+                      {"scratch_bytes", plan.scratch_bytes},
+                      {"margin_bytes", plan.margin_bytes},
+                      {"total_bytes", plan.gpu_total()},
                       {"budget_bytes", plan.budget_bytes}};
   devices["CPU"] = {{"weights_bytes", plan.cpu_weight_bytes},
                     {"kv_bytes", plan.cpu_kv_bytes},
@@ -109,6 +177,16 @@ std::string plan_json(const Request& req, const Plan& plan) {
                   {"bytes", kv_layer_bytes(req, plan, l)},
                   {"home", std::string(home_name(plan.kv_home[l]))}});
   j["kv"] = std::move(kv);
+  j["residency"] = std::string(residency_mode_name(plan.residency));
+  j["expert_slots"] = plan.expert_slots;
+  json moe = json::array();
+  for (const MoeLayer& m : moe_layers(req, plan))
+    moe.push_back({{"layer", m.layer},
+                   {"n_expert", m.n_expert},
+                   {"experts_on_gpu", m.on_gpu()},
+                   {"slots", m.slots},
+                   {"home", std::string(home_name(m.home))}});
+  j["moe_layers"] = std::move(moe);
   // Names come from the file: replace invalid UTF-8 rather than throw.
   return j.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }

@@ -180,6 +180,36 @@ void Residency::pin_host_experts() {
   }
 }
 
+std::vector<SlotLayer> Residency::slot_layers(const graph::Graph& g) const {
+  std::vector<SlotLayer> out;
+  for (const graph::Op& op : g.ops) {
+    if (op.kind != graph::OpKind::moe_experts || op.moe.n_expert < 2) continue;
+    if (!pinned(op.moe.gate) || !pinned(op.moe.up) || !pinned(op.moe.down)) continue;
+    out.push_back(SlotLayer{.gate = op.moe.gate,
+                            .up = op.moe.up,
+                            .down = op.moe.down,
+                            .n_expert = op.moe.n_expert,
+                            .n_expert_used = op.moe.n_expert_used});
+  }
+  return out;
+}
+
+void Residency::enable_expert_slots(const graph::Graph& g, ExpertSlotsOptions options) {
+  slots_.reset();
+  if (options.slots_per_layer <= 0) return;
+  std::vector<SlotLayer> layers = slot_layers(g);
+  if (!options.layers.empty())
+    std::erase_if(layers, [&](const SlotLayer& l) {
+      const auto m = static_cast<size_t>(weights_.layer(l.gate));
+      return m >= options.layers.size() || !options.layers[m];
+    });
+  if (layers.empty()) return;
+  std::vector<const void*> pin(weights_.size(), nullptr);
+  for (size_t i = 0; i < pin.size(); ++i) pin[i] = pinned(static_cast<graph::WeightId>(i));
+  slots_ =
+      std::make_unique<ExpertSlots>(dev_, weights_, std::move(layers), pin, std::move(options));
+}
+
 void Residency::reserve_stage(size_t bytes) {
   if (bytes <= stage_bytes_) return;
   for (void*& p : stage_)
@@ -200,6 +230,7 @@ void Residency::stream_in(int s, graph::WeightId gate, graph::WeightId up, graph
 }
 
 void Residency::release() {
+  slots_.reset();
   try {
     dev_.synchronize();
   } catch (...) {

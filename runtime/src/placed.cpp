@@ -158,6 +158,11 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       if (off != "-") info(fmt::format("--stream-experts auto: off: {}", off));
     }
   }
+  // Expert slots (--residency adaptive): the plan's count, on its layers.
+  ExpertSlotsOptions& xs = params.hybrid.expert_slots;
+  xs.slots_per_layer = s.plan.expert_slots;
+  xs.layers.clear();
+  for (int32_t c : s.plan.layer_slots) xs.layers.push_back(c > 0);
   if (plan_only) {
     s.plan.notes.insert(s.plan.notes.begin(), notes.begin(), notes.end());
     if (!any_gpu && auto_stream) stream = 0;
@@ -170,6 +175,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   for (const std::string& note : s.plan.notes) log::warn("{}", note);
   if (!any_gpu || !s.device) {
     if (auto_stream) stream = 0;
+    xs.slots_per_layer = 0;
     s.device.reset();
     params.device = nullptr;
     return s;
@@ -219,11 +225,22 @@ std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
   Device* dev = any_gpu ? setup.device.get() : nullptr;
   Capabilities caps = capabilities(dev, nullptr, w.size());
   const HybridOptions& h = params.hybrid;
-  if (dev && (h.stream_experts_min_tokens > 0 || h.host_expert_share > 0)) {
+  if (dev &&
+      (h.stream_experts_min_tokens > 0 || h.host_expert_share > 0 || setup.plan.expert_slots > 0)) {
     caps.pinned.assign(w.size(), false);
     for (size_t i = 0; i < w.size(); ++i)
       caps.pinned[i] = setup.plan.home[i] == placement::Home::cpu && w.tensors[i].ne[2] > 1 &&
                        w.tensors[i].n_bytes > 0;
+  }
+  if (dev && setup.plan.expert_slots > 0) {
+    // The layers Residency gives slots: the plan's, where their experts are pinned.
+    caps.slotted.assign(w.size(), 0);
+    for (size_t i = 0; i < w.size(); ++i) {
+      const int32_t l = w.layers[i];
+      if (caps.pinned[i] && w.roles[i] == graph::WeightRole::routed_expert && l >= 0 &&
+          static_cast<size_t>(l) < setup.plan.layer_slots.size())
+        caps.slotted[i] = setup.plan.layer_slots[static_cast<size_t>(l)];
+    }
   }
   const ScheduleOptions opt{.handoff = h.handoff,
                             .stream_experts_min_tokens = h.stream_experts_min_tokens,

@@ -41,6 +41,8 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
     e.bytes = t.n_bytes;
     e.layer = w.layers[i];
     e.role = w.roles[i];
+    if (e.role == graph::WeightRole::routed_expert && w.tensors[i].ne[2] > 1)
+      e.n_expert = static_cast<int32_t>(w.tensors[i].ne[2]);
     if (e.layer >= req.n_layer)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("tensor '{}' is read in layer {} but the model has {} layers", t.name,

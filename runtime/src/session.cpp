@@ -29,10 +29,13 @@ Session::Session(const Model& model, SessionParams params)
     const HybridOptions& h = params_.hybrid;
     residency_ = std::make_unique<Residency>(
         *params_.device, model.weights(), params_.weight_home,
-        ResidencyOptions{
-            .pin_host_experts = h.stream_experts_min_tokens > 0 || h.host_expert_share > 0,
-            .copy_host_experts = h.copy_host_experts,
-            .progress = h.progress});
+        ResidencyOptions{.pin_host_experts = h.stream_experts_min_tokens > 0 ||
+                                             h.host_expert_share > 0 ||
+                                             h.expert_slots.slots_per_layer > 0,
+                         .copy_host_experts = h.copy_host_experts,
+                         .progress = h.progress});
+    if (h.expert_slots.slots_per_layer > 0)
+      residency_->enable_expert_slots(model.build_step(1, 1), h.expert_slots);
     kv_.allocate_device(*params_.device, params_.kv_home);
   }
   scheduler_ = std::make_unique<Scheduler>(*pool_, model.weights(), kv_.view(), residency_.get(),

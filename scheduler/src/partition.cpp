@@ -30,6 +30,10 @@ std::string_view cause_name(Cause c) {
       return "streamed experts";
     case Cause::host_share:
       return "decode share";
+    case Cause::expert_slots:
+      return "expert slots";
+    case Cause::not_resident:
+      return "not in slots";
     case Cause::device_input:
       return "input on the GPU";
     case Cause::host_inputs:
@@ -109,21 +113,64 @@ std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
 
 namespace {
 
-// Step 1: the decode share's split of s.g (see schedule.h). Fills orig_index and host_w.
+// Step 1: the split by expert slots and the decode share's (see schedule.h). Fills orig_index,
+// host_w and slotted.
 void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const Capabilities& caps,
-                        double f) {
+                        const ScheduleOptions& opt) {
   graph::Graph& g = s.g;
   const auto pinned = [&](graph::WeightId id) {
     return static_cast<size_t>(id) < caps.pinned.size() && caps.pinned[static_cast<size_t>(id)];
   };
-  const std::vector<int32_t> dev_slots = host_share_device_slots(g, weight_home, f);
+  const auto n_slots = [&](graph::WeightId id) {
+    return static_cast<size_t>(id) < caps.slotted.size() ? caps.slotted[static_cast<size_t>(id)]
+                                                         : 0;
+  };
+  // A step that may stream whole CPU-held layers keeps them whole.
+  const bool streams = g.n_tokens > 1 && opt.stream_experts_min_tokens > 0 &&
+                       g.n_tokens >= opt.stream_experts_min_tokens;
+  // The decode share, over the layers without slots.
+  std::vector<Home> share_home = weight_home;
+  for (const Op& op : g.ops)
+    if (op.kind == OpKind::moe_experts && n_slots(op.moe.gate) > 0 &&
+        static_cast<size_t>(op.moe.gate) < share_home.size())
+      share_home[static_cast<size_t>(op.moe.gate)] = Home::gpu;
+  const std::vector<int32_t> dev_slots =
+      host_share_device_slots(g, share_home, opt.host_expert_share);
   std::vector<Op> ops;
   s.orig_index.clear();
   s.host_w.clear();
+  s.slotted.clear();
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
-    const bool split = op.kind == OpKind::moe_experts && pinned(op.moe.gate) && pinned(op.moe.up) &&
-                       pinned(op.moe.down);
+    const bool expert_op = op.kind == OpKind::moe_experts && pinned(op.moe.gate) &&
+                           pinned(op.moe.up) && pinned(op.moe.down);
+    const int32_t c = expert_op ? n_slots(op.moe.gate) : 0;
+    if (c > 0 && !streams && op.moe.static_experts() && op.moe.experts.empty()) {
+      Op cpu_op = op, dev_op = op;
+      cpu_op.moe.set = graph::ExpertSet::not_resident;
+      dev_op.moe.set = graph::ExpertSet::resident;
+      dev_op.moe.n_slots = c;
+      s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
+      const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
+      cpu_op.output = static_cast<ValueId>(g.values.size());
+      g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
+      dev_op.output = static_cast<ValueId>(g.values.size());
+      g.values.push_back({vi.rows, vi.cols, vi.name + ".slots"});
+      cpu_op.name += ".cpu";
+      dev_op.name += ".slots";
+      Op sum;
+      sum.kind = OpKind::add;
+      sum.inputs = {dev_op.output, cpu_op.output};
+      sum.output = op.output;
+      sum.name = op.name + ".sum";
+      ops.push_back(cpu_op);
+      ops.push_back(dev_op);
+      ops.push_back(sum);
+      s.host_w.insert(s.host_w.end(), {false, false, false});
+      s.slotted.insert(s.slotted.end(), {1, 1, 0});
+      continue;
+    }
+    const bool split = expert_op && c == 0;
     Op cpu_op = op, dev_op = op;
     int32_t n_dev = 0, n_cpu = 0;
     if (split) {
@@ -142,6 +189,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       s.orig_index.push_back(static_cast<int32_t>(ops.size()));
       ops.push_back(op);
       s.host_w.push_back(split && n_dev > 0);
+      s.slotted.push_back(0);
       continue;
     }
     s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
@@ -161,6 +209,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
     ops.push_back(dev_op);
     ops.push_back(sum);
     s.host_w.insert(s.host_w.end(), {false, true, false});
+    s.slotted.insert(s.slotted.end(), {0, 0, 0});
   }
   g.ops = std::move(ops);
 }
@@ -200,6 +249,7 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
     s.value_side.assign(g.values.size(), Side::cpu);
     s.streamed.assign(n, 0);
     s.host_w.assign(n, 0);
+    s.slotted.assign(n, 0);
     CpuSegment all;
     for (size_t i = 0; i < n; ++i) {
       s.orig_index[i] = static_cast<int32_t>(i);
@@ -220,7 +270,7 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
                             caps.device_name));
 
   // 1. The decode share.
-  split_host_experts(s, weight_home, caps, opt.host_expert_share);
+  split_host_experts(s, weight_home, caps, opt);
   const size_t n_ops = g.ops.size(), n_val = g.values.size();
   const auto home_of = [&](graph::WeightId id) { return weight_home.at(static_cast<size_t>(id)); };
   const auto pinned = [&](graph::WeightId id) {
@@ -249,7 +299,13 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
                                   weights[op.moe.down].name));
         side = side_of(h);
         cause = Cause::expert_weights;
-        if (s.host_w[i]) {
+        if (op.moe.set == graph::ExpertSet::resident) {
+          side = Side::device;
+          cause = Cause::expert_slots;
+        } else if (op.moe.set == graph::ExpertSet::not_resident) {
+          side = Side::cpu;
+          cause = Cause::not_resident;
+        } else if (s.host_w[i]) {
           side = Side::device;
           cause = Cause::host_share;
         } else if (h == Home::cpu && opt.stream_experts_min_tokens > 0 && g.n_tokens > 1 &&

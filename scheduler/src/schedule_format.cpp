@@ -44,6 +44,12 @@ std::string why(const Schedule& s, const graph::WeightTable& w, size_t i) {
       return fmt::format("decode share: route slots {}-{} of {} read from host memory",
                          op.moe.slot_begin, se - 1, op.moe.n_expert_used);
     }
+    case Cause::expert_slots:
+      return fmt::format("expert slots: the experts of {} in its {} slots",
+                         printable(w[op.moe.gate].name), op.moe.n_slots);
+    case Cause::not_resident:
+      return fmt::format("not in slots: the other experts of {} on the CPU",
+                         printable(w[op.moe.gate].name));
     case Cause::device_input:
       return "an input on the GPU";
     case Cause::host_inputs:

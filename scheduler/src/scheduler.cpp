@@ -64,6 +64,12 @@ Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights) {
     for (size_t i = 0; i < n_weights; ++i)
       c.pinned[i] = res->pinned(static_cast<graph::WeightId>(i)) != nullptr;
   }
+  if (res && res->expert_slots()) {
+    const ExpertSlots& xs = *res->expert_slots();
+    c.slotted.assign(n_weights, 0);
+    for (int32_t l = 0; l < xs.n_layers(); ++l)
+      c.slotted[static_cast<size_t>(xs.layer(l).gate)] = xs.capacity();
+  }
   return c;
 }
 
@@ -94,6 +100,9 @@ Scheduler::Scheduler(ThreadPool& pool, const graph::WeightTable& weights, const 
                 fmt::format("placement names the KV cache of {} layers but the model has {}",
                             kv_home_.size(), kv_.n_layer()));
   caps_ = capabilities(dev_, res_, weights_.size());
+  if (ExpertSlots* xs = res_ ? res_->expert_slots() : nullptr)
+    for (int32_t l = 0; l < xs->n_layers(); ++l)
+      cpu_.bind_expert_table(xs->layer(l).gate, xs->cpu_binding(l));
   handoff_ = opt_.handoff == Handoff::automatic
                  ? (dev_->supports_flags() ? Handoff::flags : Handoff::callback)
                  : opt_.handoff;
@@ -271,6 +280,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     // Expert masks of the device's moe_experts ops, and the weights streamed or shared ops
     // read instead of a device copy.
     b.mask.assign(n_ops, nullptr);
+    b.slot_table.assign(n_ops, nullptr);
     st.masks.assign(n_ops, nullptr);
     b.moe_w.assign(n_ops, {nullptr, nullptr, nullptr});
     int streamed = 0;
@@ -289,6 +299,22 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     for (size_t i = 0; i < n_ops; ++i) {
       const Op& op = sg.ops[i];
       if (op.kind != OpKind::moe_experts || s.op_side[i] != Side::device) continue;
+      if (op.moe.set == graph::ExpertSet::resident) {
+        // The layer's slots and its table (read by the kernels when they run).
+        const ExpertSlots* xs = res_->expert_slots();
+        const int32_t l = xs ? xs->layer_of(op.moe.gate) : -1;
+        if (l < 0)
+          throw Error(
+              ErrorCategory::internal,
+              fmt::format("{}: the layer has no expert slots on {}", op.name, dev_->name()));
+        b.moe_w[i] = xs->slot_bases(l);
+        b.slot_table[i] = xs->device_table(l);
+        continue;
+      }
+      if (!op.moe.static_experts())
+        throw Error(ErrorCategory::internal,
+                    fmt::format("{}: the device cannot compute the {} experts", op.name,
+                                graph::expert_set_name(op.moe.set)));
       std::vector<uint8_t> mk(static_cast<size_t>(op.moe.n_expert));
       for (int32_t e = 0; e < op.moe.n_expert; ++e)
         mk[static_cast<size_t>(e)] = op.moe.has_expert(e);
@@ -433,6 +459,9 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
                                   weights_[op.weight].ne[1]));
   const auto t0 = std::chrono::steady_clock::now();
   Step& st = step_for(g, select);
+  // Expert slots: commit landed copies, start swaps and queue the table update, before any of
+  // this step's work (CPU segments before the step included) reads the tables.
+  if (ExpertSlots* xs = res_->expert_slots()) xs->between_steps();
   std::copy(tokens.begin(), tokens.end(), tokens_host_);
   std::copy(positions.begin(), positions.end(), positions_host_);
   if (kv_.n_seq > 1) {
@@ -496,7 +525,9 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   } else {
     enqueue_step(st);
   }
-  dev_->synchronize();
+  // The step's streams only: copies into expert slots on kCopy may go on into the next step.
+  dev_->synchronize(kMain);
+  dev_->synchronize(kAux);
   for (const auto& [kind, ab] : marks_) {
     if (gpu_prof_.empty()) gpu_prof_.resize(static_cast<size_t>(OpKind::moe_experts) + 1);
     auto& t = gpu_prof_[static_cast<size_t>(kind)];

@@ -652,9 +652,13 @@ TEST_CASE("plan_table: a line per tensor, KV runs, totals") {
   Request r = moe_request();
   r.flags.n_gpu_layers = 2;
   const Plan p = make_plan(r);
-  const std::string t = plan_table(r, p);
+  const std::string t = plan_table(r, p, /*tensors=*/true);
   INFO(t);
   for (const TensorEntry& e : r.tensors) CHECK(t.find(e.name) != std::string::npos);
+  // Without `tensors`, the per-layer summary only.
+  const std::string summary = plan_table(r, p);
+  CHECK(summary.find("blk.0.attn_q.weight") == std::string::npos);
+  CHECK(summary.find("MoE layers") != std::string::npos);
   CHECK(t.find("placement: -ngl 2") != std::string::npos);
   CHECK(t.find("CUDA0 (Test GPU)") != std::string::npos);
   CHECK(t.find("blk.0-1") != std::string::npos);
@@ -732,9 +736,13 @@ TEST_CASE("berth plan on the command line") {
   for (const auto& t : j.at("tensors"))
     if (t.at("layer").get<int>() >= 0) CHECK(t.at("home") == "GPU");
 
-  // The table, with -ot through its llama.cpp spelling.
+  // The table, with -ot through its llama.cpp spelling; the tensors with --tensors only.
   r = run_command(bin + " plan -m " + model + " -c 64 -ub 16 --vram-budget 1G -ngl 99 -ot " +
                   shell_quote("blk\\.0\\.=CPU"));
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("blk.0.attn_q.weight") == std::string::npos);
+  r = run_command(bin + " plan -m " + model + " -c 64 -ub 16 --vram-budget 1G -ngl 99 -ot " +
+                  shell_quote("blk\\.0\\.=CPU") + " --tensors");
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("blk.0.attn_q.weight") != std::string::npos);
   CHECK(r.out.find("blk.0  ") != std::string::npos);  // layer 0's KV cache on its own line
@@ -876,4 +884,141 @@ TEST_CASE("flags that change nothing say so") {
   CHECK(std::any_of(p.notes.begin(), p.notes.end(), [](const std::string& n) {
     return n.find("--n-cpu-moe 2 has no effect with --cpu-moe") != std::string::npos;
   }));
+}
+
+namespace {
+// moe_request() with 10 experts stacked in each routed-expert tensor (9 MiB per expert per layer:
+// gate, up and down 3 MiB each).
+Request stacked_moe_request() {
+  Request r = moe_request();
+  for (TensorEntry& t : r.tensors)
+    if (t.routed_expert()) t.n_expert = 10;
+  return r;
+}
+constexpr size_t kTables = 4 * 10 * 4;  // int32 per expert per layer
+}  // namespace
+
+TEST_CASE(
+    "--residency adaptive: the budget's room becomes expert slots, the same count per layer") {
+  // Automatic at 400 MiB: the non-expert units as before (out_norm 1, 4 x (15 + KV 5), output 50,
+  // token_embd 100) and overhead 96 leave 73 MiB: 2 slots of 4 x 9 MiB (and the tables).
+  Request r = stacked_moe_request();
+  r.flags.vram_budget = 400 * MiB;
+  const Plan p = make_plan(r);
+  CHECK(p.residency == ResidencyMode::adaptive);
+  CHECK(p.expert_slots == 2);
+  CHECK(p.layer_slots == std::vector<int32_t>{2, 2, 2, 2});
+  CHECK(p.slot_bytes == 2 * 36 * MiB + kTables);
+  check_homes(r, p, [](const TensorEntry& t) { return gpu_if(!t.routed_expert()); });
+  CHECK(p.gpu_total() == (327 + 72) * MiB + kTables);
+  CHECK(p.gpu_total() <= p.budget_bytes);
+  CHECK(p.how.find("2 expert slots") != std::string::npos);
+
+  // Static: the plan as before: after the output, 173 MiB hold layer 3's experts (90), then
+  // token_embd (100) no longer fits; no slots.
+  Request s = r;
+  s.flags.residency = ResidencyMode::fixed;
+  const Plan ps = make_plan(s);
+  CHECK(ps.residency == ResidencyMode::fixed);
+  CHECK(ps.expert_slots == 0);
+  CHECK(ps.slot_bytes == 0);
+  CHECK(home_of(s, ps, "blk.3.ffn_up_exps.weight") == Home::gpu);
+  CHECK(home_of(s, ps, "blk.2.ffn_up_exps.weight") == Home::cpu);
+  CHECK(home_of(s, ps, "token_embd.weight") == Home::cpu);
+  Request s0 = s;  // the same as a request that does not say how many experts a tensor stacks
+  for (TensorEntry& t : s0.tensors) t.n_expert = 0;
+  s0.flags.residency = ResidencyMode::automatic;
+  CHECK(make_plan(s0).home == ps.home);
+  CHECK(make_plan(s0).expert_slots == 0);
+  // Adaptive places token_embd instead of layer 3's experts; at 430 MiB: 103 MiB of room, 2 x 36.
+  CHECK(home_of(r, p, "token_embd.weight") == Home::gpu);
+  r.flags.vram_budget = 430 * MiB;
+  const Plan pa = make_plan(r);
+  CHECK(home_of(r, pa, "blk.3.ffn_up_exps.weight") == Home::cpu);
+  CHECK(pa.expert_slots == 2);
+
+  // A budget that holds every weight: auto stays static, everything on the GPU.
+  Request big = stacked_moe_request();
+  const Plan pb = make_plan(big);
+  CHECK(pb.residency == ResidencyMode::fixed);
+  CHECK(pb.expert_slots == 0);
+  // Asked for, adaptive keeps the routed experts on the CPU with slots, n_expert - 1 at most.
+  big.flags.residency = ResidencyMode::adaptive;
+  const Plan pbig = make_plan(big);
+  CHECK(pbig.expert_slots == 9);
+  check_homes(big, pbig, [](const TensorEntry& t) { return gpu_if(!t.routed_expert()); });
+  // No device: no slots.
+  Request none = stacked_moe_request();
+  none.has_device = false;
+  none.flags.residency = ResidencyMode::adaptive;
+  CHECK(make_plan(none).expert_slots == 0);
+  // At most n_expert - 1 slots, however much room.
+  Request lots = stacked_moe_request();
+  lots.flags.n_gpu_layers = 99;
+  lots.flags.cpu_moe = true;
+  lots.flags.residency = ResidencyMode::adaptive;
+  CHECK(make_plan(lots).expert_slots == 9);
+}
+
+TEST_CASE("--residency adaptive with -ngl, --cpu-moe, --n-cpu-moe and -ot") {
+  // -ngl 99 --cpu-moe at 400 MiB: GPU 111 weights + 20 KV + 96 overhead = 227; 173 MiB of room:
+  // 4 slots of 36 MiB.
+  Request r = stacked_moe_request();
+  r.flags.vram_budget = 400 * MiB;
+  r.flags.n_gpu_layers = 99;
+  r.flags.cpu_moe = true;
+  Plan p = make_plan(r);
+  CHECK(p.expert_slots == 4);
+  CHECK(p.layer_slots == std::vector<int32_t>{4, 4, 4, 4});
+  CHECK(p.gpu_total() == (227 + 144) * MiB + kTables);
+
+  // --n-cpu-moe 2 at 500 MiB: layers 2 and 3 keep their experts on the GPU (180 MiB); the 93
+  // MiB left give layers 0 and 1 5 slots of 2 x 9 MiB.
+  Request n = stacked_moe_request();
+  n.flags.vram_budget = 500 * MiB;
+  n.flags.n_gpu_layers = 99;
+  n.flags.n_cpu_moe = 2;
+  p = make_plan(n);
+  CHECK(p.expert_slots == 5);
+  CHECK(p.layer_slots == std::vector<int32_t>{5, 5, 0, 0});
+  CHECK(p.slot_bytes == 5 * 18 * MiB + 2 * 10 * 4);
+  CHECK(p.gpu_total() <= p.budget_bytes);
+
+  // -ot placing layer 0's experts on the CPU: that layer gets no slots, the others share the
+  // room (173 MiB / 27 MiB: 6).
+  Request o = stacked_moe_request();
+  o.flags.vram_budget = 400 * MiB;
+  o.flags.n_gpu_layers = 99;
+  o.flags.cpu_moe = true;
+  add_override(o.flags, "blk\\.0\\.ffn_.*_exps=CPU");
+  p = make_plan(o);
+  CHECK(p.layer_slots == std::vector<int32_t>{0, 6, 6, 6});
+  CHECK(p.slot_bytes == 6 * 27 * MiB + 3 * 10 * 4);
+
+  // --residency static with the same flags: no slots, the rest as before.
+  r.flags.residency = ResidencyMode::fixed;
+  p = make_plan(r);
+  CHECK(p.expert_slots == 0);
+  CHECK(p.gpu_total() == 227 * MiB);
+
+  // The table and the JSON show the slots per MoE layer.
+  const Plan pj = make_plan(n);
+  const std::string t = plan_table(n, pj);
+  INFO(t);
+  CHECK(t.find("residency: adaptive, 5 expert slots per CPU-held MoE layer") != std::string::npos);
+  CHECK(t.find("blk.0-1           5 of 10 (expert slots; the rest on the CPU)") !=
+        std::string::npos);
+  CHECK(t.find("blk.2-3           all 10 (expert tensors on the GPU)") != std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(plan_json(n, pj));
+  CHECK(j["residency"] == "adaptive");
+  CHECK(j["expert_slots"] == 5);
+  CHECK(j["devices"]["GPU"]["slot_bytes"] == pj.slot_bytes);
+  REQUIRE(j["moe_layers"].size() == 4);
+  CHECK(j["moe_layers"][0]["experts_on_gpu"] == 5);
+  CHECK(j["moe_layers"][0]["home"] == "CPU");
+  CHECK(j["moe_layers"][3]["experts_on_gpu"] == 10);
+  CHECK(j["moe_layers"][3]["slots"] == 0);
+  CHECK(parse_residency_mode("Adaptive") == ResidencyMode::adaptive);
+  CHECK(category_of([] { (void)parse_residency_mode("dynamic"); }) ==
+        ErrorCategory::invalid_argument);
 }

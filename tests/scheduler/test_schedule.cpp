@@ -67,6 +67,13 @@ std::vector<Case> cases() {
     c.f.cpu_moe = true;
     c.share = 0.375;
   });
+  // Expert slots: a budget with room for every weight, so adaptive is asked for (auto would
+  // stay static); the room left gives the CPU-held layers n_expert - 1 slots.
+  add("cpu-moe-adaptive", {"-ngl", "99", "--cpu-moe", "--residency", "adaptive"}, [](Case& c) {
+    c.f.n_gpu_layers = 99;
+    c.f.cpu_moe = true;
+    c.f.residency = placement::ResidencyMode::adaptive;
+  });
   return out;
 }
 
@@ -82,6 +89,12 @@ Schedule schedule_for(const Model& m, const Case& c, int32_t n_tokens) {
   caps.pinned.assign(w.size(), false);
   for (size_t i = 0; i < w.size(); ++i)
     caps.pinned[i] = plan.home[i] == Home::cpu && w.tensors[i].ne[2] > 1;
+  if (plan.expert_slots > 0) {  // as Residency gives them: the plan's layers, pinned
+    caps.slotted.assign(w.size(), 0);
+    for (size_t i = 0; i < w.size(); ++i)
+      if (caps.pinned[i] && w.layers[i] >= 0)
+        caps.slotted[i] = plan.layer_slots.at(static_cast<size_t>(w.layers[i]));
+  }
   const ScheduleOptions opt{.stream_experts_min_tokens = stream, .host_expert_share = c.share};
   return partition(m.build_step(n_tokens, 1), w, plan.home, plan.kv_home, caps, opt);
 }
@@ -122,6 +135,12 @@ void check_invariants(const Schedule& s, const graph::WeightTable& w,
     const auto& op = g.ops[i];
     const graph::WeightId id = op.kind == OpKind::moe_experts ? op.moe.gate : op.weight;
     if (id == graph::kNoWeight || s.streamed[i] || s.host_w[i]) continue;
+    if (op.kind == OpKind::moe_experts && op.moe.set == graph::ExpertSet::resident) {
+      // The slot-resident experts of a CPU-held layer: on the device, from its slots.
+      CHECK(s.op_side[i] == Side::device);
+      CHECK(homes[static_cast<size_t>(id)] == Home::cpu);
+      continue;
+    }
     CAPTURE(op.name);
     CHECK((s.op_side[i] == Side::device) == (homes[static_cast<size_t>(id)] == Home::gpu));
   }
@@ -265,6 +284,57 @@ TEST_CASE("schedule rules: the decode share splits each CPU-held layer by route 
   // Prefill is not split.
   const Schedule p = schedule_for(*m, c, 512);
   for (uint8_t h : p.host_w) CHECK(h == 0);
+}
+
+TEST_CASE("schedule rules: expert slots split each CPU-held layer by residency") {
+  gguf::File file = gguf::File::open(tiny_moe_path());
+  std::unique_ptr<Model> m = load_model(file);
+  const Case c = cases()[6];
+  REQUIRE(c.name == "cpu-moe-adaptive");
+  const int32_t n_expert = static_cast<int32_t>(m->hparams().n_expert);
+  // Decode and a prefill below the streaming threshold (64): per layer the CPU's op over the
+  // experts not in the slots, the device's over those in them, and their sum on the device.
+  for (int32_t ub : {1, 32}) {
+    CAPTURE(ub);
+    const Schedule s = schedule_for(*m, c, ub);
+    int n_split = 0;
+    for (size_t i = 0; i < s.g.ops.size(); ++i) {
+      const auto& op = s.g.ops[i];
+      if (op.kind != OpKind::moe_experts) continue;
+      CHECK(!op.moe.static_experts());
+      if (op.moe.set == graph::ExpertSet::not_resident) {
+        CHECK(s.op_side[i] == Side::cpu);
+        CHECK(s.op_cause[i] == Cause::not_resident);
+        continue;
+      }
+      ++n_split;
+      CHECK(op.moe.set == graph::ExpertSet::resident);
+      CHECK(op.moe.n_slots == n_expert - 1);
+      CHECK(s.op_side[i] == Side::device);
+      CHECK(s.op_cause[i] == Cause::expert_slots);
+      CHECK(s.g.ops[i - 1].moe.set == graph::ExpertSet::not_resident);  // the CPU's part first
+      REQUIRE(s.g.ops[i + 1].kind == OpKind::add);
+      CHECK(s.g.ops[i + 1].inputs[0] == op.output);  // device part + CPU part, in that order
+      CHECK(s.slotted[i] == 1);
+      CHECK(s.host_w[i] == 0);
+    }
+    CHECK(n_split == m->hparams().n_layer);
+    CHECK(s.model_op_side(static_cast<size_t>(s.n_model_ops - 1)) == Side::device);
+  }
+  // A prefill that streams keeps each layer whole, streamed (as without slots).
+  const Schedule p = schedule_for(*m, c, 512);
+  int n_streamed = 0;
+  for (size_t i = 0; i < p.g.ops.size(); ++i)
+    if (p.g.ops[i].kind == OpKind::moe_experts) {
+      CHECK(p.g.ops[i].moe.set == graph::ExpertSet::all);
+      n_streamed += p.streamed[i];
+    }
+  CHECK(n_streamed == m->hparams().n_layer);
+  // The decode share leaves layers with slots alone.
+  Case shared = c;
+  shared.share = 0.5;
+  const Schedule d = schedule_for(*m, shared, 1);
+  for (uint8_t h : d.host_w) CHECK(h == 0);
 }
 
 TEST_CASE("the memory plan gives overlapping device values disjoint arena ranges") {

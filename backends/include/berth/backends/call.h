@@ -94,8 +94,13 @@ struct StepBindings {
   /// Per op (moe_experts): the gate, up and down tensors to read instead of `weight` (a stage
   /// buffer of streamed experts, or their page-locked host memory), or nulls.
   std::vector<std::array<const void*, 3>> moe_w;
-  /// Per op (moe_experts on the device): the expert mask (n_expert bytes, 1 = computed here).
+  /// Per op (moe_experts on the device over a static expert set): the expert mask (n_expert
+  /// bytes, 1 = computed here), or null.
   std::vector<const uint8_t*> mask;
+  /// Per op (moe_experts over ExpertSet::resident): the layer's expert->slot table in device
+  /// memory (int32 [n_expert], MoeSlots::table); moe_w then points at the slot arrays. Null
+  /// otherwise.
+  std::vector<const int32_t*> slot_table;
   /// Per value: where device ops read and write it (null: never on the device), and its
   /// page-locked host buffer (null: it does not cross).
   std::vector<float*> value, host;

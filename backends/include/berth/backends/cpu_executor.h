@@ -64,6 +64,26 @@ class CpuExecutor {
   const MoeReads& moe_reads() const { return moe_reads_; }
   void reset_moe_reads() { moe_reads_ = {}; }
 
+  /// A layer with expert slots (residency/expert_slots.h) as its CPU side sees it: the host
+  /// mirror of the expert->slot table (int32 [n_expert]: slot >= 0 or -1; read by moe_experts
+  /// ops over ExpertSet::resident / not_resident, and not changed by anyone while a step runs)
+  /// and what the CPU op records of each step's routing for the residency policy: every
+  /// (token, slot j) pair of its slot range appends the token's expert ids to `route_log`
+  /// (n_expert_used uint16 per token, top-k order; once per token), and adds to `calls` (all of
+  /// the range's routed calls) and `device_calls` (those whose expert the table marks
+  /// resident). The pointers must outlive the executor's steps; they are written on the thread
+  /// that runs the op.
+  struct ExpertTable {
+    const int32_t* table = nullptr;
+    int32_t n_expert = 0;
+    std::vector<uint16_t>* route_log = nullptr;
+    int64_t* calls = nullptr;
+    int64_t* device_calls = nullptr;
+  };
+  /// Binds `t` to the layer whose ffn_gate_exps is weight `gate`. Throws
+  /// Error(invalid_argument) for a null table or a weight id outside the table.
+  void bind_expert_table(graph::WeightId gate, const ExpertTable& t);
+
   /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
   /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
   std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
@@ -136,6 +156,8 @@ class CpuExecutor {
   // quantized activations for up (when its format differs from gate's) and down, gate/up
   // outputs by pair, expert outputs by slot.
   std::vector<int64_t> moe_first_, moe_slots_, moe_fill_;
+  std::vector<uint8_t> moe_mask_;           // per expert: this op computes it
+  std::vector<ExpertTable> expert_tables_;  // per WeightId (gate) of layers with expert slots
   struct MoeTask {  // one (expert, block of output rows) of gate+up or of down
     int32_t e;
     int64_t r0, r1;

@@ -1,4 +1,4 @@
-// The backend interface: an accelerator as the scheduler sees it. Sixteen methods: facts and
+// The backend interface: an accelerator as the scheduler sees it. Eighteen methods: facts and
 // memory (its own, and page-locked host memory it can read), in-order queues (streams) with
 // events, graph capture and replay, and compute: whether it runs an op (an op it does not runs
 // on the CPU), how it fuses and sizes a step's calls, and enqueueing a call (backends/call.h:
@@ -92,11 +92,20 @@ class Device {
   virtual int record(int s) = 0;
   /// Work enqueued on `s` after this call waits for the work before mark `ev`.
   virtual void wait_event(int s, int ev) = 0;
+  /// Whether the work before mark `ev` has completed, without waiting (CUDA: cudaEventQuery;
+  /// the simulated device: its worker has passed the mark). For polling between steps, e.g. an
+  /// expert copy on kCopy that may still be in flight. Throws Error(internal) for a handle that
+  /// was never returned by record(), and the device's error for a failed one.
+  virtual bool done(int ev) = 0;
   /// Milliseconds between two marks whose work has completed (after synchronize()).
   virtual double elapsed_ms(int from, int to) = 0;
   /// Blocks the calling thread until all streams are idle; rethrows an error a queued
   /// operation raised.
   virtual void synchronize() = 0;
+  /// Blocks the calling thread until the work enqueued on stream `s` so far (and what it waited
+  /// for) is done; rethrows an error a queued operation raised. Other streams may go on (e.g.
+  /// kCopy filling expert slots while a step ends).
+  virtual void synchronize(int s) = 0;
 
   // --- Capture --------------------------------------------------------------------------------
   /// Runs `enqueue` while recording instead of running the work it enqueues on every stream
@@ -138,8 +147,10 @@ class Device {
 /// naming the CUDA error when the device cannot be opened.
 std::unique_ptr<Device> make_device(std::string_view spec);
 
-/// A simulated device with `capacity_bytes` of memory (make_device("sim:SIZE")).
-std::unique_ptr<Device> make_sim_device(size_t capacity_bytes);
+/// A simulated device with `capacity_bytes` of memory (make_device("sim:SIZE")). Each copy on
+/// the kCopy stream first sleeps `copy_delay_us` microseconds (0: none): for tests of work that
+/// overlaps a slow copy.
+std::unique_ptr<Device> make_sim_device(size_t capacity_bytes, int64_t copy_delay_us = 0);
 
 /// True when this build has the CUDA backend and a CUDA device is present.
 bool cuda_available();

@@ -61,6 +61,8 @@ struct ModelBenchOptions {
   int32_t stream_min_tokens = -1;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
+  /// --residency-swaps: ExpertSlotsOptions::max_swaps_per_step (expert slots come from the plan).
+  int32_t residency_swaps = 4;
   /// HybridOptions::warm_workers_us (0: off; -1: HybridOptions' default).
   int64_t warm_workers_us = -1;
   /// HybridOptions::handoff: "auto", "flags" or "callback".

@@ -78,10 +78,19 @@ struct MoeWeights {
 /// the weights are pinned host memory; a single-token call first copies the matrices of the
 /// experts its slots select into its workspace (large coalesced reads over PCIe) and computes
 /// from there (moe_workspace_bytes counts the room). Ignored for more than one token.
+///
+/// `by_table` (a layer with expert slots, residency/expert_slots.h): the weights are the slot
+/// arrays, gate/up/down each [n_slots] experts' matrices as stored, and the call computes the
+/// pairs whose expert e has table[e] >= 0, reading slot table[e]'s matrices (table: int32
+/// [n_expert] in device memory, read when the call runs, so a captured graph follows its
+/// changes). The expert mask is then unused. `table` may be null when only sizing a workspace.
 struct MoeSlots {
   int32_t begin = 0;
   int32_t end = -1;
   bool stage = false;
+  bool by_table = false;
+  const int32_t* table = nullptr;
+  int32_t n_slots = 0;
 };
 
 }  // namespace berth

@@ -220,6 +220,10 @@ size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& s
 /// device memory; the weights in device memory or (slots.stage, or reading in place) pinned
 /// host memory. Tokens are gathered per expert (several tokens may pick one expert; an expert
 /// no token picks costs nothing) and each expert's tokens go through grouped GEMV/GEMM.
+/// With slots.by_table (expert slots), w.gate/up/down are the slot arrays ([n_slots] experts'
+/// matrices each, as stored) and the pairs computed are those whose expert e has
+/// slots.table[e] in [0, n_slots) (device memory, read by the kernels: a captured graph follows
+/// its changes), reading slot table[e]; expert_mask is ignored.
 /// Throws Error(invalid_argument) for a bad shape, slot range or too small a workspace.
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,

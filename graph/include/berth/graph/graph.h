@@ -99,9 +99,11 @@ enum class OpKind {
   /// output. Weights (MoeParams) are stacked expert tensors: gate/up ne = {n_embd, n_ff_exp,
   /// n_expert}, down ne = {n_ff_exp, n_embd, n_expert}; expert e's matrix is rows
   /// [e * n_out, (e + 1) * n_out) of the 2-D view. out[t] = sum over the token's slots j (in slot
-  /// order) whose expert is in MoeParams::experts of w_j * down_e(silu(gate_e h_t) * up_e h_t);
-  /// zero when none is. Each expert is separate work an executor may place on its own device:
-  /// two ops over disjoint expert sets add up to the whole layer.
+  /// order) of MoeParams' slot range whose expert the op computes (MoeParams::set: all, a list,
+  /// or the experts a layer's slot table marks resident / not resident at run time) of
+  /// w_j * down_e(silu(gate_e h_t) * up_e h_t); zero when none is. Each expert is separate work
+  /// an executor may place on its own device: two ops over disjoint expert sets add up to the
+  /// whole layer.
   moe_experts,
 };
 
@@ -123,6 +125,20 @@ struct AttentionParams {
   float scale = 1.0f;  ///< applied to q.k, usually 1/sqrt(head_dim)
 };
 
+/// Which experts a moe_experts op computes (MoeParams::set).
+enum class ExpertSet : uint8_t {
+  all,   ///< every expert
+  list,  ///< the experts in MoeParams::experts (ascending)
+  /// The experts the layer's expert->slot table marks resident (slot >= 0) at the step that
+  /// runs the op: the device's side of a layer with expert slots (residency/expert_slots.h),
+  /// reading each expert's matrices from its slot. Known only at run time.
+  resident,
+  /// The experts that table marks not resident (slot -1): the CPU's side of such a layer, reading
+  /// the table's host mirror as of the step. Known only at run time.
+  not_resident,
+};
+std::string_view expert_set_name(ExpertSet s);  ///< "all", "list", "resident", "not resident"
+
 struct MoeParams {
   int32_t n_expert = 0;
   int32_t n_expert_used = 0;
@@ -130,14 +146,22 @@ struct MoeParams {
   WeightId gate = kNoWeight;  ///< moe_experts: ffn_gate_exps
   WeightId up = kNoWeight;    ///< moe_experts: ffn_up_exps
   WeightId down = kNoWeight;  ///< moe_experts: ffn_down_exps
-  std::vector<int32_t>
-      experts;  ///< moe_experts: the expert ids this op computes (ascending); empty = all
+  /// moe_experts: which experts this op computes (see ExpertSet). A non-empty `experts` with
+  /// set == all means list (the older spelling).
+  ExpertSet set = ExpertSet::all;
+  std::vector<int32_t> experts;  ///< moe_experts, set == list: the expert ids (ascending)
+  /// moe_experts, set == resident: the slots of the layer's table (C; expert ids map to [0, C)).
+  int32_t n_slots = 0;
   /// moe_experts: the route slots this op computes, [slot_begin, slot_end) of each token's
   /// n_expert_used (top-k order; slot_end -1 = all). Ops over disjoint slot ranges (or disjoint
   /// expert sets) of one route add up to the layer.
   int32_t slot_begin = 0;
   int32_t slot_end = -1;
-  /// True when this op computes expert e.
+  /// Whether the experts this op computes are fixed by the graph (set all or list), not by a
+  /// run-time table.
+  bool static_experts() const { return set == ExpertSet::all || set == ExpertSet::list; }
+  /// True when this op computes expert e (static_experts() only). Throws Error(internal) for the
+  /// run-time sets (resident, not_resident): their answer is in the layer's slot table.
   bool has_expert(int32_t e) const;
   /// True when this op computes route slot j (0 <= j < n_expert_used).
   bool has_slot(int32_t j) const { return j >= slot_begin && (slot_end < 0 || j < slot_end); }

@@ -29,6 +29,18 @@
 // do), and nothing when none fits or scratch + margin alone exceed the budget. Tensors that
 // -ot, --cpu-moe or --n-cpu-moe pin are honoured and not counted in the units. The automatic
 // plan only fails (out_of_memory) when -ot pins more to the GPU than the budget holds.
+//
+// Residency (`--residency static|adaptive`, berth's own): `static` is the above, exactly.
+// `adaptive` (the default when the budget, min(device free, --vram-budget), cannot hold every
+// weight with its KV cache, scratch and margin) gives the CPU-held routed experts expert slots
+// (residency/expert_slots.h: experts that move between the host and the device while decoding):
+// the automatic plan places the non-expert units as above but no whole layer's routed experts,
+// and the room left in the budget goes to slots, the same count C per MoE layer whose experts
+// stay on the CPU (1 <= C < n_expert; none when not even one fits); with explicit -ngl,
+// --cpu-moe or --n-cpu-moe the room their plan leaves goes to slots the same way; layers whose
+// routed experts an -ot rule placed get none. The slots count in the GPU totals (slot_bytes), so
+// the budget holds. Without a device, with --residency static, or for a model whose routed-expert
+// tensors do not stack a known expert count (TensorEntry::n_expert), no slots and the plan above.
 #pragma once
 
 #include <cstddef>
@@ -56,17 +68,29 @@ struct TensorEntry {
   /// moves with it; embedding, the layer -1 norm (the output norm) and head are the global ones.
   graph::WeightRole role = graph::WeightRole::other;
   std::string type;  ///< ggml type name for the table ("q4_K"); may be empty
+  /// Routed experts: how many experts the tensor stacks (ne[2]); each expert's slice is
+  /// bytes / n_expert. 0 otherwise (or unknown: such a layer gets no expert slots).
+  int32_t n_expert = 0;
   bool routed_expert() const { return role == graph::WeightRole::routed_expert; }
 };
+
+/// --residency: static (whole tensors, decided once), adaptive (expert slots), or automatic
+/// (the default: adaptive when the budget cannot hold every weight, else static).
+enum class ResidencyMode : uint8_t { automatic, fixed, adaptive };
+/// "auto", "static", "adaptive".
+std::string_view residency_mode_name(ResidencyMode m);
+/// Parses --residency's value; throws Error(invalid_argument) naming the flag and the value.
+ResidencyMode parse_residency_mode(std::string_view s);
 
 /// Placement flags as the CLI parses them.
 struct Flags {
   int32_t n_gpu_layers = -1;  ///< -ngl; -1 = automatic; more than n_layer = all (e.g. 99)
   /// -ot rules (regex, device as typed: "CPU", "GPU", "CUDA0", any case), in order.
   std::vector<std::pair<std::string, std::string>> overrides;
-  bool cpu_moe = false;               ///< --cpu-moe
-  int32_t n_cpu_moe = 0;              ///< --n-cpu-moe (layers)
-  std::optional<size_t> vram_budget;  ///< --vram-budget, bytes
+  bool cpu_moe = false;                                ///< --cpu-moe
+  int32_t n_cpu_moe = 0;                               ///< --n-cpu-moe (layers)
+  std::optional<size_t> vram_budget;                   ///< --vram-budget, bytes
+  ResidencyMode residency = ResidencyMode::automatic;  ///< --residency
 };
 
 /// Everything make_plan needs; plan_request() (runtime/plan_request.h) fills it from a model.
@@ -94,12 +118,20 @@ struct Plan {
   size_t gpu_kv_bytes = 0, cpu_kv_bytes = 0;
   size_t scratch_bytes = 0, margin_bytes = 0;  ///< 0 when nothing is on the GPU
   std::string how;  ///< "automatic", "-ngl 12", "-ngl 99 --cpu-moe", ... (for the table)
+  /// --residency as resolved: static or adaptive.
+  ResidencyMode residency = ResidencyMode::fixed;
+  /// Expert slots per MoE layer that has them (C; 0: none), per layer (n_layer entries): C for
+  /// layers whose routed experts stay on the CPU without an -ot rule placing them, else 0.
+  int32_t expert_slots = 0;
+  std::vector<int32_t> layer_slots;
+  /// Device bytes of the slots and their expert->slot tables (int32 per expert per layer).
+  size_t slot_bytes = 0;
   /// Remarks shown with the plan (flags ignored for lack of a GPU, an automatic plan that fell
   /// back to the CPU); make_plan also logs them as warnings. Callers may append their own.
   std::vector<std::string> notes;
   /// Total device bytes the plan needs.
   size_t gpu_total() const {
-    return gpu_weight_bytes + gpu_kv_bytes + scratch_bytes + margin_bytes;
+    return gpu_weight_bytes + slot_bytes + gpu_kv_bytes + scratch_bytes + margin_bytes;
   }
 };
 
@@ -128,15 +160,20 @@ void add_override(Flags& flags, std::string_view arg);
 /// and bench as log warnings).
 Plan make_plan(const Request& req);
 
-/// Human-readable table: the notes, one line per tensor (name, type, MiB, home), the KV cache as
-/// runs of consecutive layers with the same home, then totals per device (weights, KV cache,
-/// scratch, margin, total; the GPU's against the budget).
-std::string plan_table(const Request& req, const Plan& plan);
+/// Human-readable table: the notes; per MoE layer how many of its experts are on the GPU (all:
+/// its expert tensors are there; C of n: C expert slots; 0: none) and, with `tensors`, one line
+/// per tensor (name, type, MiB, home); the KV cache as runs of consecutive layers with the same
+/// home, then totals per device (weights, expert slots, KV cache, scratch, margin, total; the
+/// GPU's against the budget).
+std::string plan_table(const Request& req, const Plan& plan, bool tensors = false);
 /// The same as JSON (sizes in bytes): {"how", "budget_bytes", "notes": [...],
 /// "devices": {"GPU": {"name", "weights_bytes", "kv_bytes", "scratch_bytes", "margin_bytes",
 /// "total_bytes", "budget_bytes"}, "CPU": {"weights_bytes", "kv_bytes", "total_bytes"}},
 /// "tensors": [{"name", "role", "type", "bytes", "layer", "home"}...],
-/// "kv": [{"layer", "bytes", "home"}...]}; "GPU" is absent when the request has no device.
+/// "kv": [{"layer", "bytes", "home"}...], "residency": "static"|"adaptive", "expert_slots" (C),
+/// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "slots", "home"}...] (home of its
+/// expert tensors; experts_on_gpu = n_expert on the GPU, else its slots)}; "GPU" (with
+/// "slot_bytes") is absent when the request has no device.
 std::string plan_json(const Request& req, const Plan& plan);
 
 }  // namespace berth::placement

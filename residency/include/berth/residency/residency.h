@@ -8,18 +8,22 @@
 //   can read over PCIe, for streaming (prefill) and the decode share; on a host of one NUMA node
 //   the CPU then reads the copy too (cpu_weights()), so host memory holds those experts once;
 // - the stage: two device buffers that streamed layers' expert tensors are copied into, one
-//   layer ahead of the layer that computes.
+//   layer ahead of the layer that computes;
+// - expert slots (expert_slots.h): with enable_expert_slots, C experts of each CPU-held MoE layer
+//   on the device, swapped between steps.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string_view>
 #include <vector>
 
 #include "berth/backends/device.h"
 #include "berth/graph/graph.h"
 #include "berth/placement/plan.h"
+#include "berth/residency/expert_slots.h"
 
 namespace berth {
 
@@ -91,6 +95,17 @@ class Residency {
   /// Device bytes of the uploaded weights.
   size_t device_weight_bytes() const { return dev_weight_bytes_; }
 
+  /// The MoE layers of step graph `g` that can have expert slots: moe_experts ops over stacked
+  /// tensors (n_expert > 1) whose gate, up and down are CPU-held with page-locked memory here
+  /// (pinned()), in graph order. Empty when the experts are not pinned.
+  std::vector<SlotLayer> slot_layers(const graph::Graph& g) const;
+  /// Gives every layer of slot_layers(g) options.slots_per_layer expert slots
+  /// (residency/expert_slots.h); nothing when it is empty or the count is 0. Call before the
+  /// Scheduler is made. Throws what ExpertSlots throws (Error(out_of_memory) naming the layer).
+  void enable_expert_slots(const graph::Graph& g, ExpertSlotsOptions options);
+  /// The expert slots, or null.
+  ExpertSlots* expert_slots() const { return slots_.get(); }
+
   /// Makes both stage buffers at least `bytes` long (reallocating: call between steps).
   void reserve_stage(size_t bytes);
   void* stage(int buf) const { return stage_[buf]; }
@@ -116,6 +131,7 @@ class Residency {
   void* stage_[2] = {nullptr, nullptr};
   size_t stage_bytes_ = 0;
   size_t dev_weight_bytes_ = 0;
+  std::unique_ptr<ExpertSlots> slots_;
 };
 
 }  // namespace berth

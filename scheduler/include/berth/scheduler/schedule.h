@@ -7,12 +7,19 @@
 // concurrency of the two sides is berth's own.)
 //
 // How a step is cut (partition):
-// 1. The decode share (options.host_expert_share f > 0, single-token steps): each moe_experts op
-//    whose experts stay on the CPU, pinned (capabilities.pinned), with the norm before it on the
-//    device, becomes the CPU's op over the first slots of each token's route, the device's op over
-//    the last round((c + 1) f k) - round(c f k) slots (the c-th such layer, k its slots: f k = 1.5
-//    alternates 2 and 1), reading the experts from page-locked host memory, and an add. Ops over
-//    disjoint slot ranges add up to the layer (the graph's contract).
+// 1. Expert slots and the decode share. A moe_experts op of a layer with expert slots
+//    (capabilities.slotted: residency/expert_slots.h) becomes the device's op over the experts
+//    the layer's slot table marks resident (ExpertSet::resident, reading the slots), the CPU's op
+//    over the others (ExpertSet::not_resident, reading the table's host mirror) and an add
+//    (device part first, as below); except in a step that streams CPU-held experts (>= N tokens,
+//    more than one), which keeps the whole op and may stream it (step 2). The decode share
+//    (options.host_expert_share f > 0, single-token steps): each moe_experts op whose experts stay
+//    on the CPU, pinned (capabilities.pinned), with the norm before it on the device, becomes the
+//    CPU's op over the first slots of each token's route, the device's op over the last round((c +
+//    1) f k) - round(c f k) slots (the c-th such layer, k its slots: f k = 1.5 alternates 2 and 1),
+//    reading the experts from page-locked host memory, and an add. Ops over disjoint slot ranges
+//    (or expert sets) add up to the layer (the graph's contract). Layers with expert slots take no
+//    share.
 // 2. Sides: an op with a weight runs where the weight lives (moe_experts: where its expert
 //    tensors live; they must live together), attention where its layer's KV cache lives; with
 //    streaming (options.stream_experts_min_tokens N > 0), a moe_experts op of CPU-held, pinned
@@ -58,6 +65,8 @@ enum class Cause : uint8_t {
   kv_cache,        ///< attention: its layer's KV cache lives there
   streamed,        ///< device: CPU-held experts streamed to it (a prefill step of >= N tokens)
   host_share,      ///< device: its slots of CPU-held experts, read from page-locked host memory
+  expert_slots,    ///< device: the layer's slot-resident experts, read from the expert slots
+  not_resident,    ///< CPU: the layer's experts not in its expert slots
   device_input,    ///< weightless: an input was produced on the device
   host_inputs,     ///< weightless: every input (if any) was produced on the CPU
   unsupported,     ///< CPU: the device cannot run this op
@@ -85,6 +94,9 @@ struct Capabilities {
   /// Per WeightId: page-locked host memory the device can read holds this CPU-held tensor
   /// (Residency::pinned); empty: none.
   std::vector<bool> pinned;
+  /// Per WeightId: this ffn_gate_exps's layer has expert slots, C of them (0: none); empty: no
+  /// layer has.
+  std::vector<int32_t> slotted;
 };
 
 struct ScheduleOptions {
@@ -117,6 +129,7 @@ struct Schedule {
   std::vector<Side> value_side;   ///< where each value is produced
   std::vector<uint8_t> streamed;  ///< per op: CPU-held experts streamed to the device
   std::vector<uint8_t> host_w;    ///< per op: device op reading experts from host memory
+  std::vector<uint8_t> slotted;   ///< per op: the device or CPU part of a layer with slots
   std::vector<CpuSegment> segments;
   /// The device's calls in enqueue order (empty without a device). Fused by the device where
   /// it can when made by make_schedule with a device.

@@ -72,6 +72,12 @@ struct HybridOptions {
   int64_t warm_workers_us = kAutoWarmWorkersUs;
   /// ResidencyOptions::copy_host_experts.
   bool copy_host_experts = true;
+  /// Expert slots (residency/expert_slots.h; `--residency adaptive`): slots_per_layer > 0 gives
+  /// each CPU-held MoE layer that many experts on the device, swapped between steps by the
+  /// policy (at most max_swaps_per_step per layer per step); the layer's moe_experts ops split
+  /// by the slot table (schedule.h, step 1). Needs the CPU-held experts pinned (the Session
+  /// pins them). 0: off.
+  ExpertSlotsOptions expert_slots;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
