@@ -338,7 +338,8 @@ size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w)
   switch (op.kind) {
     case OpKind::matmul: {
       const TensorView& t = w[op.weight];
-      return gpu::matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows, g.decode_rows(rows));
+      return gpu::matmul_workspace_bytes(t.type, t.ne[0], t.n_rows(), rows, g.decode_rows(rows),
+                                         g.batch_invariant);
     }
     case OpKind::attention:
       return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim,
@@ -379,10 +380,11 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
       const TensorView& w = weights[op.weight];
       if (x_q8) {
         const MatmulJob job{w.type, wdev(op.weight), w.n_rows(), out};
-        gpu::matmul_group(&job, 1, w.ne[0], in(0), rows, b.ws, b.ws_bytes, s, true, n_dec);
+        gpu::matmul_group(&job, 1, w.ne[0], in(0), rows, b.ws, b.ws_bytes, s, true, n_dec,
+                          g.batch_invariant);
       } else {
         gpu::matmul(w.type, wdev(op.weight), w.ne[0], w.n_rows(), in(0), rows, out, b.ws,
-                    b.ws_bytes, s, n_dec);
+                    b.ws_bytes, s, n_dec, g.batch_invariant);
       }
       return false;
     }
@@ -462,7 +464,8 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
       const ValueId x = op_at(0).inputs[0];
       const int64_t rows = g.values[static_cast<size_t>(x)].rows;
       gpu::matmul_group(jobs.data(), static_cast<int>(jobs.size()), weights[op_at(0).weight].ne[0],
-                        dv(x), rows, b.ws, b.ws_bytes, s, false, g.decode_rows(rows));
+                        dv(x), rows, b.ws, b.ws_bytes, s, false, g.decode_rows(rows),
+                        g.batch_invariant);
       return;
     }
     case CallKind::add_norm:

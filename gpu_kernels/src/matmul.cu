@@ -20,14 +20,19 @@
 // kChunkBytes (F16 weights are read directly), and gemm_f16_kernel, a WMMA tensor-core GEMM of our
 // own, multiplies each chunk: f16 inputs, f32 accumulation, each output element accumulated over
 // k in ascending steps of 16 by one warp's mma_sync, so its bits depend on its row of x and its
-// column of W only, never on how many rows the call has. (cuBLAS chooses its algorithm, tiles and
-// split-K by shape, so its rows' bits may change with the row count; it is not used here.)
+// column of W only, never on how many rows the call has. cuBLAS chooses its algorithm, tiles and
+// split-K by shape, so its rows' bits may change with the row count: it multiplies the prompt
+// rows only when the caller does not need that (matmul's `invariant` false: a session of one
+// sequence), where it is faster (pp512 5036 against 2986 tok/s on the H200, docs/performance.md).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <mma.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -726,6 +731,31 @@ bool supports(GgmlType t) {
 
 namespace {
 
+constexpr size_t kCublasWs = size_t{32} << 20;  // cuBLAS workspace (its Hopper recommendation)
+
+#define BERTH_CUBLAS_CHECK(call)                                                                \
+  do {                                                                                          \
+    cublasStatus_t berth_st_ = (call);                                                          \
+    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      throw Error(ErrorCategory::internal,                                                      \
+                  std::string("cuBLAS: ") + #call + ": " + cublasGetStatusString(berth_st_)); \
+  } while (0)
+
+// One handle per (device, stream), created on first use; the map is guarded by a mutex.
+// Handles live until the process ends (a stream whose address is reused gets the same handle
+// back, re-bound to it below).
+cublasHandle_t cublas_handle(cudaStream_t s) {
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  cublasHandle_t& h = handles[{dev, s}];
+  if (h == nullptr) BERTH_CUBLAS_CHECK(cublasCreate(&h));
+  BERTH_CUBLAS_CHECK(cublasSetStream(h, s));
+  return h;
+}
+
 // The decode rows of a matmul call (matmul's n_decode, resolved).
 int64_t matmul_decode_rows(GgmlType type, int64_t n_tok, int64_t n_decode, const char* what) {
   if (n_decode < -1 || n_decode > n_tok)
@@ -744,16 +774,18 @@ int64_t gemv_rows(GgmlType type, int64_t n_tok, int64_t n_dec) {
 // The workspace of a call: the decode rows' 8-bit activations first (matmul_group's x_q8 reads
 // them at the start), then the prompt rows' f16 activations, then a chunk of f16 weights.
 struct MatmulWs {
-  size_t q8 = 0, xh = 0, wh = 0;
-  size_t total() const { return q8 + xh + wh; }
+  size_t q8 = 0, xh = 0, cublas = 0, wh = 0;
+  size_t total() const { return q8 + xh + cublas + wh; }
 };
-MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, int64_t n_dec) {
+MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, int64_t n_dec,
+                   bool invariant) {
   MatmulWs m;
   if (n_tok <= 0 || n_out <= 0 || n_in == 0) return m;
   const int64_t n_pre = n_tok - n_dec;
   if (n_dec > 0 && is_quantized(type)) m.q8 = align_up(qact_bytes(n_dec, n_in));
   if (n_pre > 0) {
     m.xh = align_up(static_cast<size_t>(n_pre * n_in) * 2);
+    if (!invariant) m.cublas = kCublasWs;
     if (type != GgmlType::F16)
       m.wh = align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
   }
@@ -763,21 +795,21 @@ MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, in
 }  // namespace
 
 size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok,
-                              int64_t n_decode) {
+                              int64_t n_decode, bool invariant) {
   check_type(type, n_in, "matmul_workspace_bytes");
   if (n_tok <= 0) return 0;
   const int64_t n_dec = matmul_decode_rows(type, n_tok, n_decode, "matmul_workspace_bytes");
-  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec)).total();
+  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec), invariant).total();
 }
 
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
             int64_t n_tok, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-            int64_t n_decode) {
+            int64_t n_decode, bool invariant) {
   check_type(type, n_in, "matmul");
   if (n_tok <= 0 || n_out <= 0) return;
   const int64_t n_dec = gemv_rows(type, n_tok, matmul_decode_rows(type, n_tok, n_decode, "matmul"));
   const int64_t n_pre = n_tok - n_dec;
-  const MatmulWs L = matmul_ws(type, n_in, n_out, n_tok, n_dec);
+  const MatmulWs L = matmul_ws(type, n_in, n_out, n_tok, n_dec, invariant);
   const size_t need = L.total();
   if (workspace_bytes < need || (need > 0 && workspace == nullptr))
     throw Error(ErrorCategory::invalid_argument, "matmul: workspace of " +
@@ -791,8 +823,13 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
   if (n_pre > 0) {
     // Prompt rows: the tensor-core GEMM on f16 copies.
     auto* xh = reinterpret_cast<__half*>(ws + L.q8);
-    auto* wh = reinterpret_cast<__half*>(ws + L.q8 + L.xh);
+    auto* wh = reinterpret_cast<__half*>(ws + L.q8 + L.xh + L.cublas);
     to_half(x, n_pre, n_in, nullptr, 1, nullptr, xh, stream);
+    cublasHandle_t h = nullptr;
+    if (!invariant) {
+      h = cublas_handle(stream);
+      BERTH_CUBLAS_CHECK(cublasSetWorkspace(h, ws + L.q8 + L.xh, kCublasWs));
+    }
     const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
     for (int64_t r0 = 0; r0 < n_out; r0 += step) {
       const int64_t rows = std::min(step, n_out - r0);
@@ -801,7 +838,18 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
         dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
         a = wh;
       }
-      gemm_f16(xh, a, n_pre, rows, n_in, out + r0, n_out, stream);
+      if (invariant) {
+        gemm_f16(xh, a, n_pre, rows, n_in, out + r0, n_out, stream);
+      } else {
+        // Column-major view: C [rows x n_pre] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x
+        // n_pre).
+        const float alpha = 1.0f, beta = 0.0f;
+        BERTH_CUBLAS_CHECK(cublasGemmEx(
+            h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n_pre),
+            static_cast<int>(n_in), &alpha, a, CUDA_R_16F, static_cast<int>(n_in), xh, CUDA_R_16F,
+            static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F, static_cast<int>(n_out),
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }
     }
   }
   if (n_dec > 0) {
@@ -825,7 +873,7 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
                   void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8,
-                  int64_t n_decode) {
+                  int64_t n_decode, bool invariant) {
   bool all_decode = n_tok > 0 && n_in > 0, any_q = false;
   for (int j = 0; j < n_jobs; ++j) {
     check_type(jobs[j].type, n_in, "matmul_group");
@@ -839,7 +887,7 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
   if (!all_decode || !any_q || (n_jobs < 2 && !x_q8)) {
     for (int j = 0; j < n_jobs; ++j)
       matmul(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, n_tok, jobs[j].out, workspace,
-             workspace_bytes, stream, n_decode);
+             workspace_bytes, stream, n_decode, invariant);
     return;
   }
   const size_t need = qact_bytes(n_tok, n_in);

@@ -50,6 +50,7 @@ const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs, int3
   graphs_.push_back(
       CachedGraph{n_tokens, n_outputs, n_decode, model_.build_step(n_tokens, n_outputs)});
   graphs_.back().g.n_decode = n_decode;
+  graphs_.back().g.batch_invariant = params_.n_seq > 1;
   return graphs_.back().g;
 }
 

@@ -318,12 +318,13 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
     }
     Dev<uint8_t> dw(w);
     // rows [r0, r0 + n) of x as a call with `dec` decode rows; returns its output.
-    auto call = [&](int64_t r0, int64_t n, int64_t dec) {
-      const size_t ws_bytes = gpu::matmul_workspace_bytes(t, n_in, n_out, n, dec);
+    auto call = [&](int64_t r0, int64_t n, int64_t dec, bool invariant = true) {
+      const size_t ws_bytes = gpu::matmul_workspace_bytes(t, n_in, n_out, n, dec, invariant);
       Dev<uint8_t> ws(ws_bytes);
       Dev<float> out(static_cast<size_t>(n * n_out));
       out.poison();
-      gpu::matmul(t, dw.p, n_in, n_out, dx.p + r0 * n_in, n, out.p, ws.p, ws_bytes, nullptr, dec);
+      gpu::matmul(t, dw.p, n_in, n_out, dx.p + r0 * n_in, n, out.p, ws.p, ws_bytes, nullptr, dec,
+                  invariant);
       return out.down();
     };
     const std::vector<float> mixed = call(0, n_tok, n_dec);  // 10 prompt rows, 11 decode rows
@@ -355,6 +356,14 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
     // Both paths near the same product: the activations' 8-bit blocks (decode, quantized
     // weights) cost about 1e-5 of NMSE, f16 activations (prompt) about 1e-7.
     CHECK(nmse(call(0, n_tok, 0), call(0, n_tok, n_tok)) <= 1e-3);
+    // invariant false (a session of one sequence): cuBLAS multiplies the prompt rows, near our
+    // GEMM's result (the same f16 inputs, f32 accumulation in another order); decode rows as
+    // before, bit for bit.
+    const std::vector<float> cub = call(0, n_tok, n_dec, false);
+    for (float f : cub) REQUIRE(std::isfinite(f));
+    CHECK(nmse(std::vector<float>(mixed.begin(), mixed.begin() + n_pre * n_out),
+               std::vector<float>(cub.begin(), cub.begin() + n_pre * n_out)) <= 1e-8);
+    CHECK(same_rows(mixed, n_pre, cub, n_pre, n_dec, n_out));
   }
   CHECK_THROWS_AS(gpu::matmul_workspace_bytes(GgmlType::Q8_0, 64, 8, 4, 5), Error);
 }

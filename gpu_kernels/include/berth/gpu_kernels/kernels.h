@@ -43,7 +43,7 @@ bool supports(GgmlType t);
 /// decode rows (quantized activations, f16 activations, dequantized weight tiles). 0 is a valid
 /// answer. n_decode -1: as matmul resolves it.
 size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok,
-                              int64_t n_decode = -1);
+                              int64_t n_decode = -1, bool invariant = true);
 
 /// out [n_tok, n_out] = x [n_tok, n_in] times w^T, w = n_out rows of n_in elements of `type`.
 /// Each row takes the path of its kind, so its bits depend on its kind and its own values only,
@@ -56,13 +56,17 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
 ///   each output element the same instructions whatever the row count; cuBLAS picks algorithms
 ///   by shape, so it is not used). F32 weights: prompt rows take the GEMV too (f32 activations,
 ///   as the CPU path; the kinds then compute alike).
+/// With `invariant` false, prompt rows take cuBLAS instead (cublasGemmEx on the same f16 copies,
+/// f32 accumulation: faster, but its algorithm, tiles and split-K follow the shape, so a prompt
+/// row's bits may change with the number of rows; for a session of one sequence, where no other
+/// sequence shares a step). Decode rows are the same either way.
 /// n_decode -1: every row is a decode row when n_tok <= 8 (quantized weights) or <= 3 (float
 /// weights), else none. `workspace` holds at least matmul_workspace_bytes(...). Errors:
 /// Error(invalid_argument) for n_decode outside [-1, n_tok] or a short workspace, unsupported
 /// types as supports().
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
             int64_t n_tok, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-            int64_t n_decode = -1);
+            int64_t n_decode = -1, bool invariant = true);
 
 /// The matmuls of `jobs[0..n_jobs)` on one input x [n_tok, n_in], in job order: each job's out
 /// is what matmul() writes for it. When every job takes the GEMV path (small n_tok) and one is
@@ -72,10 +76,10 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
 /// producer of x: attention with a q8_ws that returned true),
 /// so they are not made again; only for n_tok == 1 and at most 3 jobs, Error(invalid_argument)
 /// otherwise. n_decode: as matmul (the group path serves steps of decode rows only; other steps
-/// run matmul per job). Errors: as matmul.
+/// run matmul per job); invariant as matmul. Errors: as matmul.
 void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* x, int64_t n_tok,
                   void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8 = false,
-                  int64_t n_decode = -1);
+                  int64_t n_decode = -1, bool invariant = true);
 
 /// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
 /// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows

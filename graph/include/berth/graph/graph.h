@@ -198,6 +198,10 @@ struct Graph {
   /// a row by its kind, never by the step's size (issue 19: per-sequence results never depend
   /// on the batch). -1 (the default): 1 for a one-token step, else 0 (decode_rows()).
   int32_t n_decode = -1;
+  /// Whether a prompt row's bits must not depend on the step's size either (a session of several
+  /// sequences, whose prompt chunks share steps with other sequences' tokens). False (a session
+  /// of one sequence): a device may multiply prompt rows by shape-dependent means (cuBLAS).
+  bool batch_invariant = true;
 
   /// The decode rows among the last `rows` rows of a value (n_decode resolved as documented).
   int64_t decode_rows(int64_t rows) const {
