@@ -25,8 +25,8 @@
 // rows only when the caller does not need that (matmul's `invariant` false: a session of one
 // sequence), where it is faster (pp512 5036 against 2986 tok/s on the H200, docs/performance.md).
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
 
@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
           // Rounding pinned with intrinsics (never contracted or reordered by the compiler), so
           // the one-token and the several-token instantiations give a row the same bits (with
           // plain operators nvcc fused the mins' products differently in the two for Q4_K).
-          const float dot = __fmaf_rn(q.sc1, static_cast<float>(s1),
-                                      __fmul_rn(q.sc0, static_cast<float>(s0)));
+          const float dot =
+              __fmaf_rn(q.sc1, static_cast<float>(s1), __fmul_rn(q.sc0, static_cast<float>(s0)));
           const float mins = __fmaf_rn(q.m1, m.z, __fmul_rn(q.m0, m.y));
           acc[t] = __fadd_rn(acc[t], __fmaf_rn(m.x, dot, mins));
         }
@@ -733,11 +733,11 @@ namespace {
 
 constexpr size_t kCublasWs = size_t{32} << 20;  // cuBLAS workspace (its Hopper recommendation)
 
-#define BERTH_CUBLAS_CHECK(call)                                                                \
-  do {                                                                                          \
-    cublasStatus_t berth_st_ = (call);                                                          \
-    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      throw Error(ErrorCategory::internal,                                                      \
+#define BERTH_CUBLAS_CHECK(call)                                                              \
+  do {                                                                                        \
+    cublasStatus_t berth_st_ = (call);                                                        \
+    if (berth_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
+      throw Error(ErrorCategory::internal,                                                    \
                   std::string("cuBLAS: ") + #call + ": " + cublasGetStatusString(berth_st_)); \
   } while (0)
 
@@ -767,8 +767,11 @@ int64_t matmul_decode_rows(GgmlType type, int64_t n_tok, int64_t n_decode, const
 }
 // The rows the GEMV computes: the decode rows, and with F32 weights every row (their prompt rows
 // keep f32 activations, as the CPU path does, instead of rounding them to f16 for the GEMM).
-int64_t gemv_rows(GgmlType type, int64_t n_tok, int64_t n_dec) {
-  return type == GgmlType::F32 ? n_tok : n_dec;
+// Only where prompt rows must be invariant: in launches of 8 rows the GEMV is slow for a long
+// prompt (a q4_k_m file's F32 router matrices: 45 ms of a 512-token ubatch, against cuBLAS's
+// share of 6 ms), so a session of one sequence takes the tensor-core path for them.
+int64_t gemv_rows(GgmlType type, int64_t n_tok, int64_t n_dec, bool invariant) {
+  return type == GgmlType::F32 && invariant ? n_tok : n_dec;
 }
 
 // The workspace of a call: the decode rows' 8-bit activations first (matmul_group's x_q8 reads
@@ -799,7 +802,8 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
   check_type(type, n_in, "matmul_workspace_bytes");
   if (n_tok <= 0) return 0;
   const int64_t n_dec = matmul_decode_rows(type, n_tok, n_decode, "matmul_workspace_bytes");
-  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec), invariant).total();
+  return matmul_ws(type, n_in, n_out, n_tok, gemv_rows(type, n_tok, n_dec, invariant), invariant)
+      .total();
 }
 
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
@@ -807,7 +811,8 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
             int64_t n_decode, bool invariant) {
   check_type(type, n_in, "matmul");
   if (n_tok <= 0 || n_out <= 0) return;
-  const int64_t n_dec = gemv_rows(type, n_tok, matmul_decode_rows(type, n_tok, n_decode, "matmul"));
+  const int64_t n_dec =
+      gemv_rows(type, n_tok, matmul_decode_rows(type, n_tok, n_decode, "matmul"), invariant);
   const int64_t n_pre = n_tok - n_dec;
   const MatmulWs L = matmul_ws(type, n_in, n_out, n_tok, n_dec, invariant);
   const size_t need = L.total();

@@ -133,8 +133,8 @@ std::span<const float> Session::eval_step(std::span<const int32_t> tokens,
 }
 
 int32_t Session::eval_step_argmax(std::span<const int32_t> tokens,
-                                  std::span<const int32_t> positions,
-                                  std::span<const int32_t> seqs, int32_t n_decode) {
+                                  std::span<const int32_t> positions, std::span<const int32_t> seqs,
+                                  int32_t n_decode) {
   const int32_t n_dec = check_step(tokens, positions, seqs, 1, n_decode);
   const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), 1, n_dec);
   return scheduler_->run_argmax(g, tokens, positions, seqs);

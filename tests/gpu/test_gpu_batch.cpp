@@ -361,8 +361,10 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
     // before, bit for bit.
     const std::vector<float> cub = call(0, n_tok, n_dec, false);
     for (float f : cub) REQUIRE(std::isfinite(f));
+    // (F32 weights: the invariant rows are f32 GEMV rows, cuBLAS's f16 ones.)
     CHECK(nmse(std::vector<float>(mixed.begin(), mixed.begin() + n_pre * n_out),
-               std::vector<float>(cub.begin(), cub.begin() + n_pre * n_out)) <= 1e-8);
+               std::vector<float>(cub.begin(), cub.begin() + n_pre * n_out)) <=
+          (t == GgmlType::F32 ? 1e-5 : 1e-8));
     CHECK(same_rows(mixed, n_pre, cub, n_pre, n_dec, n_out));
   }
   CHECK_THROWS_AS(gpu::matmul_workspace_bytes(GgmlType::Q8_0, 64, 8, 4, 5), Error);

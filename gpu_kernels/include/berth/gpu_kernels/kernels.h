@@ -56,14 +56,13 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
 ///   each output element the same instructions whatever the row count; cuBLAS picks algorithms
 ///   by shape, so it is not used). F32 weights: prompt rows take the GEMV too (f32 activations,
 ///   as the CPU path; the kinds then compute alike).
-/// With `invariant` false, prompt rows take cuBLAS instead (cublasGemmEx on the same f16 copies,
-/// f32 accumulation: faster, but its algorithm, tiles and split-K follow the shape, so a prompt
-/// row's bits may change with the number of rows; for a session of one sequence, where no other
-/// sequence shares a step). Decode rows are the same either way.
-/// n_decode -1: every row is a decode row when n_tok <= 8 (quantized weights) or <= 3 (float
-/// weights), else none. `workspace` holds at least matmul_workspace_bytes(...). Errors:
-/// Error(invalid_argument) for n_decode outside [-1, n_tok] or a short workspace, unsupported
-/// types as supports().
+/// With `invariant` false, prompt rows take cuBLAS instead, F32 weights' too (cublasGemmEx on
+/// f16 copies, f32 accumulation: faster, but its algorithm, tiles and split-K follow the shape, so
+/// a prompt row's bits may change with the number of rows; for a session of one sequence, where no
+/// other sequence shares a step). Decode rows are the same either way. n_decode -1: every row is a
+/// decode row when n_tok <= 8 (quantized weights) or <= 3 (float weights), else none. `workspace`
+/// holds at least matmul_workspace_bytes(...). Errors: Error(invalid_argument) for n_decode outside
+/// [-1, n_tok] or a short workspace, unsupported types as supports().
 void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* x,
             int64_t n_tok, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
             int64_t n_decode = -1, bool invariant = true);
