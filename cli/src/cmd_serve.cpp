@@ -213,6 +213,7 @@ int serve(ServeOptions& o) {
   RunningServer srv(o);
   while (!wait_signal(500)) {
   }
+  srv.http().begin_shutdown();  // refusing before saying so: a request after the line gets 503
   std::fprintf(stderr, "berth: shutting down: finishing %lld requests (at most %.0f s)\n",
                static_cast<long long>(srv.engine().n_in_flight()), o.shutdown_grace_s);
   std::atomic<bool> drained{false};

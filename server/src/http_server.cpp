@@ -416,11 +416,16 @@ void HttpServer::set_ready(ModelContext model, Engine& engine) {
   impl_->ready.store(true);
 }
 
+void HttpServer::begin_shutdown() {
+  Impl& m = *impl_;
+  if (m.engine) m.engine->close();
+  m.draining.store(true);  // after close(): draining() implies refusals
+}
+
 void HttpServer::shutdown(std::chrono::milliseconds grace) {
   Impl& m = *impl_;
   using Clock = std::chrono::steady_clock;
-  if (m.engine) m.engine->close();
-  m.draining.store(true);  // after close(): draining() implies refusals
+  begin_shutdown();
   if (m.engine) {
     const auto until = Clock::now() + grace;
     auto idle = [&] { return m.engine->n_in_flight() == 0 && m.active.load() == 0; };

@@ -66,6 +66,10 @@ class HttpServer {
   /// outlive the server (or its stop()).
   void set_ready(ModelContext model, Engine& engine);
 
+  /// First half of shutdown(): from its return on, new completion requests are refused (503).
+  /// Idempotent; shutdown() calls it.
+  void begin_shutdown();
+
   /// Graceful end (SIGTERM): refuses new completion requests (503), lets the ones in flight
   /// finish for up to `grace`, then cancels the rest (a stream then ends with an error event),
   /// waits for their responses to be written, and stops listening. Returns after the
