@@ -198,11 +198,13 @@ TEST_CASE("routing: a replayed trace forces its experts, the same on the CPU and
   }
   // The forcing took effect: the free run routed otherwise.
   CHECK(free_trace.ids != got[0].ids);
-  // The same experts wherever the routers run. The weights come from the router's logits: the
-  // same bits where the router runs on the same side (both device runs), near the CPU's
-  // elsewhere (the device's activations take other rounding steps).
+  // The same experts wherever the routers run. The weights come from the router's logits: on
+  // the simulated device the same bits where the router runs on the device (both device runs),
+  // near the CPU's elsewhere (the device's activations take other rounding steps); on CUDA the
+  // two device runs' routers are different kernels (the fused decode router beside CPU-held
+  // experts), so there only near.
   for (size_t i = 1; i < got.size(); ++i) CHECK(got[i].ids == got[0].ids);
-  CHECK(got[1].weights == got[2].weights);
+  if (!use_cuda()) CHECK(got[1].weights == got[2].weights);
   float worst = 0;
   for (size_t j = 0; j < got[0].weights.size(); ++j)
     worst = std::max(worst, std::fabs(got[0].weights[j] - got[1].weights[j]));
