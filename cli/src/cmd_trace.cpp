@@ -32,6 +32,7 @@ struct TraceOptions {
   // stats, dump
   std::string file;
   double half_life = 64.0;
+  double margin = 0.0;
   int64_t first = 0, count = -1;
 };
 
@@ -79,7 +80,7 @@ int trace_stats(const TraceOptions& o) {
   out += fmt::format("routed calls: {} ({} per MoE layer)\n", tr.n_tokens() * s.ids_per_token(),
                      tr.n_tokens() * s.n_expert_used);
   LruPolicy lru;
-  LfuDecayPolicy lfu(o.half_life);
+  LfuDecayPolicy lfu(o.half_life, o.margin);
   for (ExpertCachePolicy* p :
        {static_cast<ExpertCachePolicy*>(&lru), static_cast<ExpertCachePolicy*>(&lfu)}) {
     for (double f : {0.125, 0.25}) {
@@ -151,6 +152,11 @@ Runner add_trace(CLI::App& app) {
       "the share of experts that covers 90% of routed calls");
   o->stats = st;
   st->add_option("file", o->file, "trace file")->required();
+  st->add_option("--margin", o->margin,
+                 "the LFU policy's margin z: an expert displaces a resident one only when its "
+                 "score exceeds it by z standard deviations of the difference (0: any excess)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   st->add_option("--half-life", o->half_life, "half-life of the LFU policy's counts, in tokens")
       ->capture_default_str()
       ->check(range(1e-3, 1e12));

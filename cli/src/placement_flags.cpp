@@ -85,8 +85,8 @@ void add_residency_swaps(CLI::App& cmd, int32_t& swaps) {
 void add_residency_policy(CLI::App& cmd, std::string& policy) {
   cmd.add_option("--residency-policy", policy,
                  "--residency adaptive: which experts the slots hold: lfu-decay (the default; "
-                 "half-life 64 tokens), lfu-decay:H, lru, or frequency:TRACE (the experts a "
-                 "calibration routing trace called most, fixed)");
+                 "half-life 64 tokens, margin 3), lfu-decay:H[:Z], lru, or frequency:TRACE (the "
+                 "experts a calibration routing trace called most, fixed)");
 }
 
 CLI::Validator unit_fraction() {

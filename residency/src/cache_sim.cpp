@@ -89,15 +89,22 @@ int32_t LruPolicy::update(int32_t layer, std::span<const uint16_t> ids) {
 // ---------------------------------------------------------------------------------------------
 // LFU with decay
 
-LfuDecayPolicy::LfuDecayPolicy(double half_life_tokens) : half_life_(half_life_tokens) {
+LfuDecayPolicy::LfuDecayPolicy(double half_life_tokens, double margin)
+    : half_life_(half_life_tokens), margin_(margin) {
   if (!(half_life_tokens > 0.0) || std::isinf(half_life_tokens))
     throw Error(
         ErrorCategory::invalid_argument,
         fmt::format("LFU half-life {} must be a finite number of tokens > 0", half_life_tokens));
+  if (!(margin >= 0.0) || std::isinf(margin))
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("LFU margin {} must be a finite number >= 0", margin));
   decay_ = std::pow(0.5, 1.0 / half_life_tokens);
 }
 
-std::string LfuDecayPolicy::name() const { return fmt::format("lfu-decay(h={:g})", half_life_); }
+std::string LfuDecayPolicy::name() const {
+  return margin_ > 0 ? fmt::format("lfu-decay(h={:g},z={:g})", half_life_, margin_)
+                     : fmt::format("lfu-decay(h={:g})", half_life_);
+}
 
 void LfuDecayPolicy::reset(int32_t n_layer, int32_t n_expert, int32_t capacity) {
   BERTH_CHECK(n_layer >= 0 && n_expert >= 0 && capacity >= 0 && capacity <= n_expert);
@@ -141,7 +148,11 @@ int32_t LfuDecayPolicy::update(int32_t layer, std::span<const uint16_t> ids) {
     size_t lo = 0;
     for (size_t i = 1; i < set.size(); ++i)
       if (score_[base + set[i]] < score_[base + set[lo]]) lo = i;
-    if (score_[base + e] > score_[base + set[lo]]) {
+    const double se = score_[base + e], sr = score_[base + set[lo]];
+    // In decayed calls: divide by inc_ (scores grow by inc_ per call).
+    const bool passes =
+        margin_ > 0 ? (se - sr) / inc_[li] > margin_ * std::sqrt((se + sr) / inc_[li]) : se > sr;
+    if (passes) {
       in_[base + set[lo]] = 0;
       set[lo] = e;
       in_[base + e] = 1;

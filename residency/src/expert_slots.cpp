@@ -46,7 +46,8 @@ std::vector<int32_t> RotatingSlotPolicy::target(int32_t layer) {
 }
 
 std::unique_ptr<SlotPolicy> default_slot_policy() {
-  return std::make_unique<CacheSlotPolicy>(std::make_unique<residency::LfuDecayPolicy>(64.0));
+  return std::make_unique<CacheSlotPolicy>(
+      std::make_unique<residency::LfuDecayPolicy>(kDefaultHalfLife, kDefaultMargin));
 }
 
 FrequencySlotPolicy::FrequencySlotPolicy(const residency::RoutingTrace& calibration,
@@ -100,19 +101,28 @@ std::vector<int32_t> FrequencySlotPolicy::target(int32_t layer) {
 std::shared_ptr<SlotPolicy> make_slot_policy(const std::string& spec) {
   const auto bad = [&] {
     return Error(ErrorCategory::invalid_argument,
-                 fmt::format("residency policy '{}': use lfu-decay, lfu-decay:H (half-life in "
-                             "tokens, > 0), lru or frequency:TRACE",
+                 fmt::format("residency policy '{}': use lfu-decay, lfu-decay:H or lfu-decay:H:Z "
+                             "(half-life in tokens, > 0; margin >= 0), lru or frequency:TRACE",
                              spec));
   };
   if (spec == "lfu-decay") return std::shared_ptr<SlotPolicy>(default_slot_policy());
   if (spec == "lru")
     return std::make_shared<CacheSlotPolicy>(std::make_unique<residency::LruPolicy>());
   if (spec.rfind("lfu-decay:", 0) == 0) {
-    const std::string h = spec.substr(10);
-    char* end = nullptr;
-    const double v = std::strtod(h.c_str(), &end);
-    if (h.empty() || *end != '\0' || !(v > 0) || !std::isfinite(v)) throw bad();
-    return std::make_shared<CacheSlotPolicy>(std::make_unique<residency::LfuDecayPolicy>(v));
+    // lfu-decay:H or lfu-decay:H:Z
+    const std::string rest = spec.substr(10);
+    const size_t colon = rest.find(':');
+    const auto number = [&](const std::string& t, bool positive) {
+      char* end = nullptr;
+      const double v = std::strtod(t.c_str(), &end);
+      if (t.empty() || *end != '\0' || !std::isfinite(v) || (positive ? !(v > 0) : !(v >= 0)))
+        throw bad();
+      return v;
+    };
+    const double h = number(rest.substr(0, colon), true);
+    const double z =
+        colon == std::string::npos ? kDefaultMargin : number(rest.substr(colon + 1), false);
+    return std::make_shared<CacheSlotPolicy>(std::make_unique<residency::LfuDecayPolicy>(h, z));
   }
   if (spec.rfind("frequency:", 0) == 0 && spec.size() > 10) {
     const std::string path = spec.substr(10);

@@ -61,18 +61,22 @@ class LruPolicy final : public ExpertCachePolicy {
 /// Least frequently used with exponential decay: each expert's score is the number of calls it
 /// had, each weighted by 0.5^(age in tokens / half_life); the `capacity` experts of highest
 /// score are resident (ties keep the resident one). Experts enter only through a call, so the
-/// set changes only when a called expert's score passes the lowest resident one.
+/// set changes only when a called expert's score passes the lowest resident one. With a margin
+/// z > 0 it must pass it by more than noise: a called expert e replaces the lowest resident r
+/// only when s_e - s_r > z * sqrt(s_e + s_r) (scores in decayed calls; the difference of two
+/// Poisson counts has that standard deviation), so routing without favourites (a uniform trace)
+/// stops moving experts while hot experts still displace cold ones.
 class LfuDecayPolicy final : public ExpertCachePolicy {
  public:
-  /// `half_life_tokens` > 0 (throws Error(invalid_argument) otherwise).
-  explicit LfuDecayPolicy(double half_life_tokens);
+  /// `half_life_tokens` > 0, `margin` >= 0 (throws Error(invalid_argument) otherwise).
+  explicit LfuDecayPolicy(double half_life_tokens, double margin = 0.0);
   std::string name() const override;
   void reset(int32_t n_layer, int32_t n_expert, int32_t capacity) override;
   bool resident(int32_t layer, int32_t expert) const override;
   int32_t update(int32_t layer, std::span<const uint16_t> ids) override;
 
  private:
-  double half_life_, decay_;
+  double half_life_, decay_, margin_;
   int32_t n_expert_ = 0, capacity_ = 0;
   // Scores in units that grow by 1/decay per token (instead of decaying every score):
   // [n_layer][n_expert]; inc_ per layer; rescaled when inc_ grows large.

@@ -128,12 +128,18 @@ class FrequencySlotPolicy final : public SlotPolicy {
   std::vector<std::vector<int32_t>> want_;    // per layer with slots
 };
 
-/// The default slot policy: LFU with decay, half-life 64 tokens (docs/residency.md: best on the
-/// locality trace at 12.5% and 25% of experts).
+/// The default slot policy's LFU half-life (tokens) and margin (residency::LfuDecayPolicy).
+inline constexpr double kDefaultHalfLife = 64.0;
+inline constexpr double kDefaultMargin = 3.0;
+
+/// The default slot policy: LFU with decay, half-life 64 tokens, margin 3 (docs/residency.md: on
+/// the locality trace within 1-2 points of the best hit rate at a twentieth of the loads; on the
+/// uniform trace no swaps after the slots fill).
 std::unique_ptr<SlotPolicy> default_slot_policy();
 
-/// A policy by name (`--residency-policy`): "lfu-decay" (half-life 64 tokens) or "lfu-decay:H"
-/// (H tokens, > 0), "lru", or "frequency:TRACE" (FrequencySlotPolicy of the routing trace file
+/// A policy by name (`--residency-policy`): "lfu-decay" (the default: half-life 64 tokens,
+/// margin 3), "lfu-decay:H" (H tokens, > 0, margin 3), "lfu-decay:H:Z" (margin Z >= 0; 0: swap on
+/// any excess), "lru", or "frequency:TRACE" (FrequencySlotPolicy of the routing trace file
 /// TRACE). Throws Error(invalid_argument) naming the accepted forms for another name, the trace
 /// reader's errors for a bad file.
 std::shared_ptr<SlotPolicy> make_slot_policy(const std::string& spec);
