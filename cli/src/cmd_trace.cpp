@@ -27,6 +27,7 @@ struct TraceOptions {
   std::string preset = "locality", out;
   int64_t tokens = 0, n_prompt = 0;
   uint64_t seed = 0;
+  int64_t popularity_seed = -1;
   std::optional<int32_t> n_layer, n_expert, n_expert_used, window;
   std::optional<double> zipf, reuse, lag_exponent;
   // stats, dump
@@ -48,6 +49,7 @@ int trace_gen(const TraceOptions& o) {
   s.n_tokens = o.tokens;
   s.n_prompt = o.n_prompt;
   s.seed = o.seed;
+  s.popularity_seed = o.popularity_seed;
   validate_trace_gen_spec(s);
   write_generated_trace(s, o.out);
   TraceShape shape;
@@ -135,6 +137,12 @@ Runner add_trace(CLI::App& app) {
   g->add_option("--tokens", o->tokens, "tokens to generate")->required();
   g->add_option("--n-prompt", o->n_prompt, "the first N tokens are marked prefill (default 0)");
   g->add_option("-s,--seed", o->seed, "random seed (same seed, same bytes)")->capture_default_str();
+  g->add_option("--popularity-seed", o->popularity_seed,
+                "seed of the experts' popularity order only (-1: from --seed): traces with one "
+                "popularity seed share their hot experts (a calibration trace for "
+                "--residency-policy frequency:TRACE)")
+      ->capture_default_str()
+      ->check(range(int64_t{-1}, int64_t{1} << 62));
   g->add_option("-o,--output", o->out, "trace file to write")->required();
   g->add_option("--n-layer", o->n_layer, "MoE layers (default 48, qwen3-30b-a3b)");
   g->add_option("--n-expert", o->n_expert, "experts per layer (default 128)");

@@ -127,11 +127,17 @@ TraceGenerator::TraceGenerator(const TraceGenSpec& spec) : spec_(spec) {
   // Left unnormalised: draws scale by the CDF at the lags available.
   perm_.resize(static_cast<size_t>(spec_.n_layer) * n);
   rank_of_.resize(perm_.size());
+  Rng pop{};  // the popularity order's own generator, when it has its own seed
+  if (spec_.popularity_seed >= 0) {
+    uint64_t y = static_cast<uint64_t>(spec_.popularity_seed);
+    for (uint64_t& w : pop.s) w = splitmix64(y);
+  }
+  Rng& order_rng = spec_.popularity_seed >= 0 ? pop : rng_;
   for (int32_t l = 0; l < spec_.n_layer; ++l) {
     uint16_t* p = perm_.data() + static_cast<size_t>(l) * n;
     for (int32_t e = 0; e < n; ++e) p[e] = static_cast<uint16_t>(e);
     for (int32_t i = n - 1; i > 0; --i)  // Fisher-Yates
-      std::swap(p[i], p[rng_.below(static_cast<uint32_t>(i + 1))]);
+      std::swap(p[i], p[order_rng.below(static_cast<uint32_t>(i + 1))]);
     for (int32_t r = 0; r < n; ++r)
       rank_of_[static_cast<size_t>(l) * n + p[r]] = static_cast<uint16_t>(r);
   }

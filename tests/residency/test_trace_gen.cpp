@@ -192,3 +192,49 @@ TEST_CASE("trace generator: presets and argument errors name the flag") {
   s.lag_exponent = -1;
   expect(s, "--lag-exponent -1");
 }
+
+namespace {
+// The 16 most called experts of MoE layer `l` of `t` (ties: lower id), sorted.
+std::vector<int> hot16(const berth::residency::RoutingTrace& t, int32_t l) {
+  std::vector<int64_t> c(static_cast<size_t>(t.shape.n_expert), 0);
+  for (int64_t i = 0; i < t.n_tokens(); ++i)
+    for (uint16_t e : t.token_ids(i, l)) ++c[e];
+  std::vector<int> order(c.size());
+  for (size_t e = 0; e < c.size(); ++e) order[e] = static_cast<int>(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return c[a] > c[b]; });
+  order.resize(16);
+  std::sort(order.begin(), order.end());
+  return order;
+}
+size_t overlap(const std::vector<int>& a, const std::vector<int>& b) {
+  std::vector<int> both;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(both));
+  return both.size();
+}
+}  // namespace
+
+TEST_CASE(
+    "trace gen: a popularity seed of its own gives calibration traces with the same hot experts") {
+  using namespace berth::residency;
+  TraceGenSpec s = trace_preset("locality");
+  s.n_tokens = 2000;
+  s.seed = 1;
+  const RoutingTrace a = generate_routing_trace(s);
+  s.seed = 2;
+  const RoutingTrace b = generate_routing_trace(s);  // another popularity order
+  s.popularity_seed = 1;
+  s.seed = 5;
+  const RoutingTrace c = generate_routing_trace(s);
+  s.seed = 6;
+  const RoutingTrace d = generate_routing_trace(s);
+  CHECK(c.ids != d.ids);  // other tokens
+  size_t same = 0, other = 0;
+  for (int32_t l = 0; l < a.shape.n_layer; ++l) {
+    same += overlap(hot16(c, l), hot16(d, l));
+    other += overlap(hot16(a, l), hot16(b, l));
+  }
+  MESSAGE("hot-16 overlap per layer: same popularity seed ", same / 48.0, ", different ",
+          other / 48.0);
+  CHECK(same >= 48 * 12);  // mostly the same hot experts
+  CHECK(other <= 48 * 5);  // about chance (16 x 16 / 128 = 2)
+}

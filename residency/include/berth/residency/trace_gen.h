@@ -43,6 +43,11 @@ struct TraceGenSpec {
   int64_t n_tokens = 0;  ///< 1..kMaxGenTokens
   int64_t n_prompt = 0;  ///< the first n_prompt tokens are prefill, 0..n_tokens
   uint64_t seed = 0;
+  /// Seed of the popularity order (which expert has which rank, per layer); -1: drawn from
+  /// `seed` like everything else. Two traces with one popularity seed and different seeds share
+  /// their hot experts but not their tokens (a calibration trace for a frequency-static
+  /// placement, `--residency-policy frequency:TRACE`).
+  int64_t popularity_seed = -1;
   double zipf = 0.0;          ///< Zipf exponent of popularity, 0..8
   double reuse = 0.0;         ///< probability that a slot re-uses a recent call, 0..1
   int32_t window = 1;         ///< tokens a re-use reaches back, 1..4096
