@@ -279,6 +279,9 @@ TEST_CASE("routing: berth run --dump-routing and bench model --routing-trace") {
   CHECK(res["total"]["routed_calls"] == 10 * 2 * 2);  // tokens x MoE layers x top-2
   REQUIRE(res["windows"].size() == 3);                // 4 + 4 + 2 decode steps
   CHECK(res["windows"][2]["n_tokens"] == 2);
+  // The bound counts the slots' share of the routed bytes on the device's side.
+  CHECK(res["total"]["device_calls"].get<int64_t>() > 0);
+  CHECK(j["decode_slot_bytes"].get<uint64_t>() > 0);
   // A trace of another model's shape is refused, naming the file.
   const std::string other = (dir / "other.trace").string();
   r = run_command(bin +

@@ -141,6 +141,11 @@ struct ModelBenchResult {
   /// Per decode token: CPU-held expert bytes the device reads over PCIe (host_expert_share,
   /// counted out of decode_cpu_bytes).
   uint64_t decode_share_bytes = 0;
+  /// With expert slots (tg_residency): per decode token, the CPU-held routed expert bytes the
+  /// slots served (the measured device share of routed calls times those bytes; counted in
+  /// decode_gpu_bytes, not decode_cpu_bytes), and the bytes copied into slots (counted in
+  /// decode_cpu_bytes: the copies read host DRAM).
+  uint64_t decode_slot_bytes = 0, decode_swap_bytes = 0;
   double hbm_gbps = 0;  ///< device-to-device copy, bytes read + written per s
   double h2d_gbps = 0;  ///< pinned host-to-device copy
   /// Decode bound with the per-layer dependency (the experts wait for attention and the reverse;
