@@ -311,6 +311,21 @@ void ExpertSlots::start_copy(Layer& L, int32_t slot, int32_t expert) {
   ++stats_.swaps;
 }
 
+void ExpertSlots::observe_prefill(int32_t l, const float* route, int64_t n_tokens) {
+  Layer& L = layers_.at(static_cast<size_t>(l));
+  const int32_t k = L.ids.n_expert_used;
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int32_t j = 0; j < k; ++j) {
+      const float id = route[t * 2 * k + j];
+      if (!(id >= 0 && id < static_cast<float>(L.ids.n_expert)))
+        throw Error(
+            ErrorCategory::internal,
+            fmt::format("expert slots: route id {} of a prefill token is not an expert", id));
+      L.route_log.push_back(static_cast<uint16_t>(id));
+    }
+  L.seat = true;
+}
+
 void ExpertSlots::between_steps() {
   ++stats_.boundaries;
   std::vector<uint8_t> dirty(layers_.size(), 0);
@@ -349,8 +364,12 @@ void ExpertSlots::between_steps() {
     for (int32_t e : want)
       if (e >= 0 && e < L.ids.n_expert) wanted[static_cast<size_t>(e)] = 1;
     int32_t swaps = 0;
+    const int32_t limit =
+        L.seat ? std::max(capacity(), opt_.max_swaps_per_step) : opt_.max_swaps_per_step;
+    const bool seating = L.seat;
+    L.seat = false;
     for (int32_t e : want) {
-      if (swaps >= opt_.max_swaps_per_step) break;
+      if (swaps >= limit) break;
       if (e < 0 || e >= L.ids.n_expert || L.host_table[e] >= 0 ||
           std::find(L.loading.begin(), L.loading.end(), e) != L.loading.end())
         continue;
@@ -374,6 +393,7 @@ void ExpertSlots::between_steps() {
       }
       start_copy(L, victim, e);
       ++swaps;
+      if (seating) ++stats_.seated;
     }
     // (c) The table the step's kernels read, ahead of them on the main stream.
     if (dirty[l])

@@ -50,6 +50,8 @@ struct Scheduler::Step {
   uint64_t last_use = 0;  // Scheduler::use_clock_ when last run
   double cpu_seconds = 0;
   std::exception_ptr error;
+  // Streamed layers with expert slots: (slot layer, its route value), read after the step.
+  std::vector<std::pair<int32_t, graph::ValueId>> seat;
 };
 
 Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights) {
@@ -306,10 +308,20 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const Schedule& s = st.s;
   const graph::Graph& sg = s.g;
   const size_t n_val = sg.values.size(), n_ops = sg.ops.size();
-  std::vector<graph::ValueId> keep;  // routes recorded after the step
+  std::vector<graph::ValueId> keep;  // routes read after the step
   if (routing_.record)
     for (const Op& op : sg.ops)
       if (op.kind == OpKind::moe_route) keep.push_back(op.output);
+  // Prompt-time seating: a streamed layer with expert slots tells them its routing.
+  const ExpertSlots* xs = res_ ? res_->expert_slots() : nullptr;
+  for (const Call& c : s.calls)
+    if (xs && c.streamed && !c.ops.empty()) {
+      const Op& op = sg.ops[static_cast<size_t>(c.ops[0])];
+      if (xs->layer_of(op.moe.gate) >= 0) {
+        keep.push_back(op.inputs[1]);
+        st.seat.emplace_back(xs->layer_of(op.moe.gate), op.inputs[1]);
+      }
+    }
   st.m = plan_memory(s, weights_, keep);
   const MemoryPlan& m = st.m;
   StepBindings& b = st.b;
@@ -641,6 +653,17 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = st.cpu_seconds;
   if (st.error) std::rethrow_exception(st.error);
+  if (!st.seat.empty() && !skip_cpu_) {
+    // The streamed layers' routes, for their expert slots' next boundary.
+    ExpertSlots* xs = res_->expert_slots();
+    for (const auto& [layer, v] : st.seat) {
+      const graph::ValueInfo& vi = st.s.g.values[static_cast<size_t>(v)];
+      seat_buf_.resize(static_cast<size_t>(vi.rows * vi.cols));
+      dev_->copy(kMain, seat_buf_.data(), st.b.value[static_cast<size_t>(v)], seat_buf_.size() * 4);
+      dev_->synchronize(kMain);
+      xs->observe_prefill(layer, seat_buf_.data(), vi.rows);
+    }
+  }
   route_after(st.s.g, &st);
   return st;
 }

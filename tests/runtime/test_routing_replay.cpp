@@ -371,3 +371,46 @@ TEST_CASE("routing: the frequency-static policy holds a calibration trace's most
   CHECK(share > 0.85);
   CHECK(after.swaps == before.swaps);  // fixed: nothing moves once the slots hold them
 }
+
+TEST_CASE("expert slots: a streamed prefill seats the prompt's hottest experts for decode") {
+  // Routing forced to experts {3, 5} in layer 0 and {6, 2} in layer 1 for every token; two
+  // slots per layer holding experts 0 and 1 at first; one swap per layer per step otherwise.
+  // The 100-token prompt streams both layers' experts (prefill), so the slots' CPU side sees no
+  // routing; with seating the boundary after it fills both slots of each layer at once, the
+  // copies land during the first decode step, and every later decode call is served from the
+  // device. Without seating (the policy learning from decode steps, margin 3) the first decode
+  // steps would all run on the CPU.
+  if (use_cuda()) return;  // streaming from 64 tokens is the simulated device's setting here
+  gguf::File file = gguf::File::open(moe_file("tiny-qwen3moe"));
+  auto model = load_model(file);
+  const std::vector<int32_t> blocks = {0, 1};
+  REQUIRE(routing_shape(*model, true).blocks == blocks);
+  std::vector<std::array<uint16_t, 2>> l0(7, {3, 5}), l1(7, {6, 2});
+  const residency::RoutingTrace forced = hand_trace({l0, l1});
+  auto dev = test_device();
+  SessionParams sp = params(*model, dev.get(), Where::cpu_moe, 512);
+  sp.hybrid.stream_experts_min_tokens = 64;
+  sp.hybrid.expert_slots = {.slots_per_layer = 2, .max_swaps_per_step = 1};
+  Session s(*model, sp);
+  ExpertSlots* xs = s.residency()->expert_slots();
+  REQUIRE(xs != nullptr);
+  attach_routing(s, *model, std::make_shared<residency::RoutingReplay>(forced, "f", blocks, 8, 2),
+                 nullptr);
+  std::vector<int32_t> prompt = prompt_of(100);
+  (void)s.eval(prompt);
+  CHECK(s.scheduler().streamed_ops() > 0);  // the prompt streamed the layers
+  const ExpertSlots::Stats p = xs->stats();
+  CHECK(p.calls == 0);  // the stream served the prompt, not the slots
+  int32_t t = 7;
+  (void)s.eval(std::span<const int32_t>(&t, 1));  // boundary: seat; copies race this step
+  const ExpertSlots::Stats first = xs->stats();
+  CHECK(first.seated == 4);  // two experts in each of two layers
+  CHECK(first.swaps == 4);
+  for (int i = 0; i < 8; ++i) (void)s.eval(std::span<const int32_t>(&t, 1));
+  const ExpertSlots::Stats after = xs->stats();
+  CHECK(after.calls - first.calls == 8 * 2 * 2);
+  CHECK(after.device_calls - first.device_calls == 8 * 2 * 2);  // every later call on the device
+  CHECK(after.swaps == first.swaps);                            // and nothing moves again
+  CHECK(xs->slot_experts(0) == std::vector<int32_t>{3, 5});
+  CHECK(xs->slot_experts(1) == std::vector<int32_t>{2, 6});
+}

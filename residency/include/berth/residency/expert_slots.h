@@ -170,6 +170,7 @@ class ExpertSlots {
     int64_t calls = 0;         ///< routed calls of the layers with slots (see file comment)
     int64_t device_calls = 0;  ///< of those, whose expert was slot-resident at that step
     int64_t boundaries = 0;    ///< between_steps() calls
+    int64_t seated = 0;        ///< of the swaps, started at a boundary after a streamed prefill
   };
 
   /// Allocates options.slots_per_layer slots per layer of `layers` on `dev` and their tables,
@@ -207,6 +208,14 @@ class ExpertSlots {
   /// The protocol's steps (a)-(c) of the file comment. Call between steps only: after the
   /// previous step's main and aux work completed, before anything of the next is enqueued.
   void between_steps();
+  /// Prompt-time seating: layer l ran the step's `n_tokens` tokens with all its experts
+  /// streamed to the device (a prefill ubatch; its CPU op did not run, so nothing was logged),
+  /// and `route` is that step's moe_route output, [n_tokens][2 * n_expert_used] in host memory
+  /// (ids as exact floats). The policy observes these tokens at the next boundary, which may
+  /// then start up to C swaps in the layer instead of S, so that decode starts with the prompt's
+  /// hottest experts in the slots (their copies overlap the first decode steps, which compute
+  /// them on the CPU until they land). Not counted in calls (the stream served them).
+  void observe_prefill(int32_t l, const float* route, int64_t n_tokens);
   /// The counts so far (the last step's routed calls included).
   Stats stats() const;
   /// The share of routed calls served from slots, device_calls / calls (0 without calls).
@@ -232,6 +241,7 @@ class ExpertSlots {
     std::vector<Pending> pending;
     std::vector<uint16_t> route_log;
     int64_t calls = 0, device_calls = 0;
+    bool seat = false;  // a streamed prefill's routing arrived: the next boundary may fill all
   };
   const Layer& at(int32_t l) const { return layers_.at(static_cast<size_t>(l)); }
   void start_copy(Layer& L, int32_t slot, int32_t expert);

@@ -210,6 +210,7 @@ class Scheduler {
   std::vector<int32_t> forced_cpu_;  // without a device
   float* route_copy_ = nullptr;      // page-locked: device routes copied for record
   std::vector<const float*> route_ptrs_;
+  std::vector<float> seat_buf_;  // a streamed layer's route, copied for its expert slots
   std::vector<std::unique_ptr<Step>> steps_;
   uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
   double last_step_s_ = 0, last_cpu_s_ = 0;
