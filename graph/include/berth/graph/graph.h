@@ -29,7 +29,8 @@ enum class WeightRole : uint8_t {
   other,          ///< none of the below (placement keeps it with its layer)
   embedding,      ///< token embeddings (token_embd)
   norm,           ///< a norm's scale (per layer, or the output norm with layer -1)
-  attention,      ///< attention projections, their biases and per-head norms
+  attention,      ///< attention projections, their biases and per-head norms; a Gated
+                  ///< DeltaNet's projections, conv and gates (the layer's token mixer)
   dense_ffn,      ///< a dense feed-forward's matrices
   router,         ///< a MoE layer's router (ffn_gate_inp)
   routed_expert,  ///< stacked routed experts (ffn_{gate,up,down}_exps)
