@@ -358,6 +358,26 @@ TEST_CASE("qwen35: placements on the device give the CPU-only tokens; GDN ops st
   }
 }
 
+TEST_CASE("qwen35: with the FFN on the device, a sequence beside others is bit-identical") {
+  gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
+  std::unique_ptr<Model> m = load_model(f);
+  const std::vector<int32_t> prompt = prompt_of(19, 9, static_cast<int32_t>(m->hparams().n_vocab));
+  auto dev = test_device();
+  using R = graph::WeightRole;
+  // Everything but the GDN layers' weights on the device (attention layers' KV there too).
+  const Homes h = homes_by(
+      *m, [&](R r, int32_t l) { return r != R::attention || (l + 1) % 4 == 0; }, true);
+  const Run alone = loop_run(*m, prompt, 10, 0, 0, 512, dev.get(), &h.w, &h.kv);
+  REQUIRE(alone.tokens.size() == 10);
+  for (const auto& [n_others, n_ubatch] : {std::pair{3, 512}, std::pair{4, 5}}) {
+    CAPTURE(n_others);
+    CAPTURE(n_ubatch);
+    const Run got = loop_run(*m, prompt, 10, n_others, 1, n_ubatch, dev.get(), &h.w, &h.kv);
+    CHECK(got.tokens == alone.tokens);
+    CHECK(same_bits(got, alone));
+  }
+}
+
 TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") {
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35"));
   std::unique_ptr<Model> m = load_model(f);
