@@ -141,13 +141,13 @@ ValueId attention_block(graph::Builder& b, const Hparams& hp, int32_t l, const A
   auto nm = [&](const char* t) { return fmt::format("blk.{}.{}", l, t); };
   ValueId h = b.rms_norm(x, w.norm, eps, nm("attn_norm"));
   ValueId q = b.matmul(h, w.q, nm("attn_q"));
+  ValueId k = b.matmul(h, w.k, nm("attn_k"));  // consecutive matmuls of h: one parallel region
+  ValueId v = b.matmul(h, w.v, nm("attn_v"));
   ValueId gate = graph::kNoValue;
   if (spec.output_gate) {  // per head: D query columns, then D gate columns
     gate = b.head_slice(q, {.group = 2 * D, .offset = D, .len = D}, nm("attn_gate"));
     q = b.head_slice(q, {.group = 2 * D, .offset = 0, .len = D}, nm("attn_q_heads"));
   }
-  ValueId k = b.matmul(h, w.k, nm("attn_k"));
-  ValueId v = b.matmul(h, w.v, nm("attn_v"));
   if (spec.qkv_bias) {
     q = b.add_bias(q, w.bq, nm("attn_q_bias"));
     k = b.add_bias(k, w.bk, nm("attn_k_bias"));
