@@ -234,11 +234,12 @@ struct Op {
   std::vector<ValueId> inputs;
   ValueId output = kNoValue;
   WeightId weight = kNoWeight;
-  float eps = 0.0f;        ///< rms_norm
+  float eps = 0.0f;        ///< rms_norm, rms_norm_gated
   int32_t n_out = 0;       ///< take_last_rows
   RopeParams rope;         ///< rope
   AttentionParams attn;    ///< attention
-  int32_t norm_group = 0;  ///< rms_norm: > 0 normalises each run of this many columns
+  int32_t norm_group = 0;  ///< rms_norm: > 0 normalises each run of this many columns;
+                           ///< rms_norm_gated: the group (required)
   MoeParams moe;           ///< moe_route, moe_experts
   SliceParams slice;       ///< head_slice
   SsmParams ssm;           ///< ssm_conv, gated_delta
