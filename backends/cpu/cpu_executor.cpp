@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "berth/core/error.h"
+#include "berth/cpu_kernels/gdn.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
 
@@ -291,6 +292,58 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       moe_experts(op.moe, buf(op.inputs[0]), buf(op.inputs[1]), rows, out);
       return;
     }
+    case OpKind::head_slice: {
+      const graph::SliceParams& p = op.slice;
+      const float* x = buf(op.inputs[0]);
+      const int64_t in_cols = g.values[static_cast<size_t>(op.inputs[0])].cols;
+      const int64_t n_group = in_cols / p.group;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n_group; ++j)
+          std::memcpy(out + r * cols + j * p.len, x + r * in_cols + j * p.group + p.offset,
+                      static_cast<size_t>(p.len) * sizeof(float));
+      return;
+    }
+    case OpKind::sigmoid_mul: {
+      const float* x = buf(op.inputs[0]);
+      const float* gate = buf(op.inputs[1]);
+      const bool per_row = g.values[static_cast<size_t>(op.inputs[1])].cols == 1 && cols != 1;
+      pool_.parallel_for(rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+        float* row = per_row ? worker_scratch(static_cast<size_t>(cols)) : nullptr;
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* gr = gate + r * cols;
+          if (per_row) {  // the row's one gate broadcast over the columns
+            std::fill_n(row, cols, gate[r]);
+            gr = row;
+          }
+          cpu::sigmoid_gate(x + r * cols, gr, out + r * cols, cols);
+        }
+      });
+      return;
+    }
+    case OpKind::ssm_conv: {
+      ssm_conv(op, buf(op.inputs[0]), rows, cols, out, positions, seqs);
+      return;
+    }
+    case OpKind::gated_delta: {
+      gated_delta(op, buf(op.inputs[0]), buf(op.inputs[1]), buf(op.inputs[2]), rows, out, positions,
+                  seqs);
+      return;
+    }
+    case OpKind::rms_norm_gated: {
+      const TensorView& w = weights_[op.weight];
+      small_weight_.resize(static_cast<size_t>(w.ne[0]));
+      cpu::get_row(w, 0, small_weight_.data());
+      const float* x = buf(op.inputs[0]);
+      const float* z = buf(op.inputs[1]);
+      const int64_t len = op.norm_group;
+      pool_.parallel_for(rows * (cols / len), std::max<int64_t>(1, 16384 / len),
+                         [&](int64_t r0, int64_t r1) {
+                           for (int64_t r = r0; r < r1; ++r)
+                             cpu::rms_norm_gated(x + r * len, small_weight_.data(), z + r * len,
+                                                 out + r * len, len, op.eps);
+                         });
+      return;
+    }
     case OpKind::take_last_rows: {
       const graph::ValueInfo& in = g.values[static_cast<size_t>(op.inputs[0])];
       const float* x = buf(op.inputs[0]) + (in.rows - rows) * cols;
@@ -382,6 +435,99 @@ void CpuExecutor::attention(const Op& op, const float* q, const float* k, const 
           q + t0 * cols + h * hd, cols, nq, positions[static_cast<size_t>(t0)],
           kc + r.base * kl.k_dim + hk * hd, kl.k_dim, vc + r.base * kl.v_dim + hk * hd, kl.v_dim,
           p.head_dim, p.scale, out + t0 * cols + h * hd, cols, scratch);
+    }
+  });
+}
+
+void CpuExecutor::seq_runs(int64_t n_tok, std::span<const int32_t> seqs) {
+  const auto seq_of = [&](int64_t t) { return seqs.empty() ? 0 : seqs[static_cast<size_t>(t)]; };
+  runs_.clear();
+  for (int64_t t = 0; t < n_tok; ++t) {
+    if (t > 0 && seq_of(t) == seq_of(t - 1)) {
+      ++runs_.back().n;
+      continue;
+    }
+    runs_.push_back(Run{t, 1, seq_of(t)});
+  }
+}
+
+void CpuExecutor::ssm_conv(const Op& op, const float* x, int64_t n_tok, int64_t cols, float* out,
+                           std::span<const int32_t> positions, std::span<const int32_t> seqs) {
+  const int32_t l = op.ssm.layer;
+  const TensorView& w = weights_[op.weight];
+  const auto kernel = static_cast<int32_t>(w.ne[0]);
+  const KvLayer& kl = kv_.layer(l);
+  if (kl.conv_dim != (kernel - 1) * cols || !kv_.conv.at(static_cast<size_t>(l)))
+    throw Error(ErrorCategory::internal,
+                fmt::format("{}: layer {} keeps {} floats of conv state per sequence, the op "
+                            "needs {} ({} channels, kernel {})",
+                            op.name, l, kl.conv_dim, (kernel - 1) * cols, cols, kernel));
+  seq_runs(n_tok, seqs);
+  // A sequence starts from zero at its position 0 (only a run's first token can be at 0).
+  for (const Run& r : runs_)
+    if (positions[static_cast<size_t>(r.t0)] == 0)
+      std::fill_n(kv_.conv_state(l, static_cast<int32_t>(r.base)), kl.conv_dim, 0.0f);
+  const auto* wp = static_cast<const float*>(w.data);
+  // Channel blocks in parallel; each walks the runs in ubatch order (a sequence's runs in order).
+  constexpr int64_t kBlock = 64;
+  pool_.parallel_for((cols + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t c0 = b0 * kBlock, c1 = std::min(cols, b1 * kBlock);
+    for (const Run& r : runs_)
+      cpu::conv1d_causal(x + r.t0 * cols, cols, out + r.t0 * cols, cols, r.n, wp, kernel,
+                         kv_.conv_state(l, static_cast<int32_t>(r.base)), cols, c0, c1, true);
+  });
+}
+
+void CpuExecutor::gated_delta(const Op& op, const float* y, const float* alpha, const float* b,
+                              int64_t n_tok, float* out, std::span<const int32_t> positions,
+                              std::span<const int32_t> seqs) {
+  const graph::SsmParams& p = op.ssm;
+  const int32_t l = p.layer;
+  const KvLayer& kl = kv_.layer(l);
+  const int64_t hk = p.n_k_head, hv = p.n_v_head, dk = p.d_k, dv = p.d_v;
+  if (kl.ssm_dim != hv * dk * dv || !kv_.ssm.at(static_cast<size_t>(l)))
+    throw Error(ErrorCategory::internal,
+                fmt::format("{}: layer {} keeps {} floats of delta-rule state per sequence, the "
+                            "op needs {} ({} V heads of {} x {})",
+                            op.name, l, kl.ssm_dim, hv * dk * dv, hv, dk, dv));
+  const int64_t y_cols = 2 * hk * dk + hv * dv, qk_cols = 2 * hk * dk, out_cols = hv * dv;
+  seq_runs(n_tok, seqs);
+  for (const Run& r : runs_)
+    if (positions[static_cast<size_t>(r.t0)] == 0)
+      std::fill_n(kv_.ssm_state(l, static_cast<int32_t>(r.base)), kl.ssm_dim, 0.0f);
+  // Per token: the L2-normalised q and k heads and the gates.
+  gdn_qk_.resize(static_cast<size_t>(n_tok * qk_cols));
+  gdn_g_.resize(static_cast<size_t>(n_tok * hv));
+  gdn_beta_.resize(gdn_g_.size());
+  const auto* ssm_a = static_cast<const float*>(weights_[op.weight].data);
+  const auto* dt_bias = static_cast<const float*>(weights_[p.dt_bias].data);
+  pool_.parallel_for(n_tok, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < 2 * hk; ++j)
+        cpu::l2_norm(y + t * y_cols + j * dk, gdn_qk_.data() + t * qk_cols + j * dk, dk, p.eps);
+      cpu::gdn_gates(alpha + t * hv, b + t * hv, dt_bias, ssm_a, gdn_g_.data() + t * hv,
+                     gdn_beta_.data() + t * hv, hv);
+    }
+  });
+  // Tasks of (V head, block of state columns); each walks the runs in ubatch order. A column's
+  // bits depend only on the column (cpu::gated_delta_rule), so the split never changes them.
+  const int64_t col_block = std::min<int64_t>(dv, 32);
+  const int64_t per_head = (dv + col_block - 1) / col_block;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const float* qk = gdn_qk_.data();
+  pool_.parallel_for(hv * per_head, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / per_head, j = h % hk;  // V head h reads K head h mod H_k
+      const auto c0 = static_cast<int32_t>((i % per_head) * col_block);
+      const auto c1 = static_cast<int32_t>(std::min<int64_t>(dv, c0 + col_block));
+      for (const Run& r : runs_)
+        cpu::gated_delta_rule(qk + r.t0 * qk_cols + j * dk, qk_cols,
+                              qk + r.t0 * qk_cols + hk * dk + j * dk, qk_cols,
+                              y + r.t0 * y_cols + qk_cols + h * dv, y_cols,
+                              gdn_g_.data() + r.t0 * hv + h, gdn_beta_.data() + r.t0 * hv + h, hv,
+                              r.n, static_cast<int32_t>(dk), static_cast<int32_t>(dv), scale,
+                              kv_.ssm_state(l, static_cast<int32_t>(r.base)) + h * dk * dv,
+                              out + r.t0 * out_cols + h * dv, out_cols, c0, c1);
     }
   });
 }

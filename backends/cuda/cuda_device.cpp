@@ -239,7 +239,11 @@ class CudaDevice final : public backend_detail::StreamDevice {
           "cudaGraphLaunch");
   }
 
-  bool supports(const graph::Op&) const override { return true; }
+  bool supports(const graph::Op& op) const override {
+    // The recurrent and gating ops of the Qwen3.5 hybrids run on the CPU (cpu_executor.cpp):
+    // no kernels here yet, so placement keeps them there (their state is host memory).
+    return !graph::is_hybrid_op(op.kind);
+  }
   size_t op_workspace(const StepView& view, const graph::Op& op, bool host_w) const override;
   void enqueue(const Call& c, const StepBindings& b) override;
 
@@ -432,6 +436,12 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
                        moe_slots(op, host_w, backend_detail::slot_table_of(b, i)));
       return false;
     }
+    case OpKind::head_slice:
+    case OpKind::sigmoid_mul:
+    case OpKind::ssm_conv:
+    case OpKind::gated_delta:
+    case OpKind::rms_norm_gated:
+      break;  // not supported here (supports() is false): placement keeps them on the CPU
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
 }

@@ -500,7 +500,11 @@ class SimDevice final : public backend_detail::StreamDevice {
   }
 
   // --- Compute: every op kind; fused calls run as their parts, one after the other. ---------
-  bool supports(const Op&) const override { return true; }
+  bool supports(const Op& op) const override {
+    // The recurrent and gating ops of the Qwen3.5 hybrids run on the CPU (cpu_executor.cpp):
+    // no kernels here yet, so placement keeps them there (their state is host memory).
+    return !graph::is_hybrid_op(op.kind);
+  }
 
   size_t op_workspace(const StepView& view, const Op& op, bool host_w) const override {
     const graph::WeightTable& w = *view.weights;
@@ -603,6 +607,12 @@ class SimDevice final : public backend_detail::StreamDevice {
                     b.ws);
         return;
       }
+      case OpKind::head_slice:
+      case OpKind::sigmoid_mul:
+      case OpKind::ssm_conv:
+      case OpKind::gated_delta:
+      case OpKind::rms_norm_gated:
+        break;  // not supported here (supports() is false): placement keeps them on the CPU
     }
     throw Error(ErrorCategory::internal, fmt::format("SIM0: op '{}' has an unknown kind", op.name));
   }

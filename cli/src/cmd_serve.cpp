@@ -76,16 +76,20 @@ bool wait_signal(int ms) {
 }
 
 // -c not given: the model's context_length, lowered so that the KV cache (f32 K and V on the
-// CPU) takes at most half of the memory left beside the model file.
+// CPU) takes at most half of the memory left beside the model file and the slots' recurrent
+// state (hybrid models).
 int64_t default_context(const Model& model, uint64_t file_bytes, int32_t n_slots) {
   const Hparams& hp = model.hparams();
   int64_t n = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
-  size_t per_token = 0;
-  for (const KvLayer& l : model.kv_layers())
+  size_t per_token = 0, per_slot = 0;  // per_slot: recurrent layers' state (Qwen3.5)
+  for (const KvLayer& l : model.kv_layers()) {
     per_token += static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
+    per_slot += static_cast<size_t>(l.conv_dim + l.ssm_dim) * sizeof(float);
+  }
   const size_t phys = physical_memory_bytes();
   if (per_token > 0 && phys > 0) {
-    const size_t left = phys > file_bytes ? phys - file_bytes : 0;
+    const size_t fixed = file_bytes + per_slot * static_cast<size_t>(n_slots);
+    const size_t left = phys > fixed ? phys - fixed : 0;
     const int64_t fit = static_cast<int64_t>(left / 2 / per_token);
     if (fit < n) {
       const int64_t lowered = std::max<int64_t>(fit / 256 * 256, 2 * n_slots);

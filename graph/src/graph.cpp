@@ -32,6 +32,16 @@ std::string_view op_name(OpKind k) {
       return "moe_route";
     case OpKind::moe_experts:
       return "moe_experts";
+    case OpKind::head_slice:
+      return "head_slice";
+    case OpKind::sigmoid_mul:
+      return "sigmoid_mul";
+    case OpKind::ssm_conv:
+      return "ssm_conv";
+    case OpKind::gated_delta:
+      return "gated_delta";
+    case OpKind::rms_norm_gated:
+      return "rms_norm_gated";
   }
   return "?";
 }
@@ -258,6 +268,74 @@ void Graph::validate(const WeightTable& weights) const {
         if (out.rows != h.rows || out.cols != h.cols) bad(op, "output shape");
         break;
       }
+      case OpKind::head_slice: {
+        need_inputs(1);
+        const ValueInfo& x = values[op.inputs[0]];
+        const SliceParams& p = op.slice;
+        if (p.group <= 0 || p.len <= 0 || p.offset < 0 || p.offset + p.len > p.group ||
+            x.cols % p.group != 0)
+          bad(op, fmt::format("slice [{}, {}) of groups of {} does not fit {} columns", p.offset,
+                              p.offset + p.len, p.group, x.cols));
+        if (out.rows != x.rows || out.cols != x.cols / p.group * p.len) bad(op, "output shape");
+        break;
+      }
+      case OpKind::sigmoid_mul: {
+        need_inputs(2);
+        const ValueInfo& a = values[op.inputs[0]];
+        const ValueInfo& b = values[op.inputs[1]];
+        if (a.rows != b.rows || (b.cols != a.cols && b.cols != 1))
+          bad(op, "the gate needs the input's shape or one column");
+        if (out.rows != a.rows || out.cols != a.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::ssm_conv: {
+        need_inputs(1);
+        need_weight();
+        const ValueInfo& x = values[op.inputs[0]];
+        if (x.rows != n_tokens) bad(op, "ssm_conv input must have one row per token");
+        if (w->type != GgmlType::F32 || w->ne[1] != x.cols || w->ne[0] < 1 || w->ne[0] > 8 ||
+            w->ne[2] != 1)
+          bad(op, fmt::format("conv weight '{}' must be F32 {{kernel <= 8, {}}}", w->name, x.cols));
+        if (op.ssm.layer < 0) bad(op, "layer");
+        if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
+      case OpKind::gated_delta: {
+        need_inputs(3);
+        need_weight();
+        const SsmParams& p = op.ssm;
+        const ValueInfo& y = values[op.inputs[0]];
+        const ValueInfo& a = values[op.inputs[1]];
+        const ValueInfo& b = values[op.inputs[2]];
+        if (p.n_k_head <= 0 || p.n_v_head <= 0 || p.n_v_head % p.n_k_head != 0 || p.d_k <= 0 ||
+            p.d_v <= 0 || p.layer < 0)
+          bad(op, "need H_v a positive multiple of H_k, d_k, d_v > 0, layer >= 0");
+        if (y.rows != n_tokens || a.rows != n_tokens || b.rows != n_tokens)
+          bad(op, "inputs need one row per token");
+        if (y.cols != 2 * int64_t{p.n_k_head} * p.d_k + int64_t{p.n_v_head} * p.d_v)
+          bad(op, "y needs 2 * H_k * d_k + H_v * d_v columns");
+        if (a.cols != p.n_v_head || b.cols != p.n_v_head) bad(op, "alpha and b need H_v columns");
+        if (p.dt_bias < 0 || p.dt_bias >= static_cast<WeightId>(weights.size()))
+          bad(op, "dt_bias weight id");
+        for (const TensorView* t : {w, &weights[p.dt_bias]})
+          if (t->type != GgmlType::F32 || t->ne[0] != p.n_v_head || t->n_rows() != 1)
+            bad(op, fmt::format("'{}' must be F32 {{{}}}", t->name, p.n_v_head));
+        if (out.rows != y.rows || out.cols != int64_t{p.n_v_head} * p.d_v) bad(op, "output shape");
+        break;
+      }
+      case OpKind::rms_norm_gated: {
+        need_inputs(2);
+        need_weight();
+        const ValueInfo& x = values[op.inputs[0]];
+        const ValueInfo& z = values[op.inputs[1]];
+        if (op.norm_group <= 0 || x.cols % op.norm_group != 0)
+          bad(op, "norm_group does not divide the row");
+        if (z.rows != x.rows || z.cols != x.cols) bad(op, "z needs x's shape");
+        if (w->ne[0] != op.norm_group || w->n_rows() != 1)
+          bad(op, "norm weight length differs from the group");
+        if (out.rows != x.rows || out.cols != x.cols) bad(op, "output shape");
+        break;
+      }
     }
   }
   if (output == kNoValue || !written.at(static_cast<size_t>(output)))
@@ -381,6 +459,55 @@ ValueId Builder::moe_experts(ValueId h, ValueId route, const MoeParams& p, std::
                       .inputs = {h, route},
                       .output = out,
                       .moe = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::head_slice(ValueId x, const SliceParams& p, std::string name) {
+  const ValueInfo& in = info(x);
+  ValueId out = g_.add_value(in.rows, p.group > 0 ? in.cols / p.group * p.len : 0, name);
+  return g_.add_op(Op{.kind = OpKind::head_slice,
+                      .inputs = {x},
+                      .output = out,
+                      .slice = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::sigmoid_mul(ValueId x, ValueId gate, std::string name) {
+  ValueId out = g_.add_value(info(x).rows, info(x).cols, name);
+  return g_.add_op(
+      Op{.kind = OpKind::sigmoid_mul, .inputs = {x, gate}, .output = out, .name = std::move(name)});
+}
+
+ValueId Builder::ssm_conv(ValueId x, WeightId conv1d, const SsmParams& p, std::string name) {
+  ValueId out = g_.add_value(info(x).rows, info(x).cols, name);
+  return g_.add_op(Op{.kind = OpKind::ssm_conv,
+                      .inputs = {x},
+                      .output = out,
+                      .weight = conv1d,
+                      .ssm = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::gated_delta(ValueId y, ValueId alpha, ValueId b, WeightId ssm_a,
+                             const SsmParams& p, std::string name) {
+  ValueId out = g_.add_value(info(y).rows, int64_t{p.n_v_head} * p.d_v, name);
+  return g_.add_op(Op{.kind = OpKind::gated_delta,
+                      .inputs = {y, alpha, b},
+                      .output = out,
+                      .weight = ssm_a,
+                      .ssm = p,
+                      .name = std::move(name)});
+}
+
+ValueId Builder::rms_norm_gated(ValueId x, ValueId z, WeightId w, int32_t group, float eps,
+                                std::string name) {
+  ValueId out = g_.add_value(info(x).rows, info(x).cols, name);
+  return g_.add_op(Op{.kind = OpKind::rms_norm_gated,
+                      .inputs = {x, z},
+                      .output = out,
+                      .weight = w,
+                      .eps = eps,
+                      .norm_group = group,
                       .name = std::move(name)});
 }
 

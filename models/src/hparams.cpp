@@ -18,8 +18,27 @@ Hparams read_hparams(const gguf::File& f) {
   hp.n_embd = req("embedding_length");
   hp.n_layer = req("block_count");
   hp.n_head = req("attention.head_count");
-  hp.n_head_kv = opt("attention.head_count_kv").value_or(hp.n_head);
-  hp.n_ff = req("feed_forward_length");
+  // attention.head_count_kv: a scalar, or (Qwen3.5 hybrids) one value per layer with 0 on the
+  // layers without attention; the non-zero entries must agree.
+  const gguf::Value* kv_val = f.find(p + "attention.head_count_kv");
+  if (kv_val && kv_val->type() == gguf::ValueType::array) {
+    hp.n_head_kv_layer = f.get_int_array(p + "attention.head_count_kv");
+    hp.n_head_kv = 0;
+    for (int64_t v : hp.n_head_kv_layer) {
+      if (v < 0 || (v > 0 && hp.n_head_kv > 0 && v != hp.n_head_kv))
+        throw Error(ErrorCategory::unsupported,
+                    fmt::format("{}: {}attention.head_count_kv holds per-layer values {} and {}: "
+                                "only one non-zero value is supported",
+                                f.path(), p, hp.n_head_kv, v));
+      if (v > 0) hp.n_head_kv = v;
+    }
+    if (hp.n_head_kv == 0) hp.n_head_kv = hp.n_head;  // no attention layer at all
+  } else {
+    hp.n_head_kv = opt("attention.head_count_kv").value_or(hp.n_head);
+  }
+  // qwen35moe files may leave out the dense FFN width (every layer has experts).
+  hp.n_ff =
+      hp.arch == "qwen35moe" ? opt("feed_forward_length").value_or(0) : req("feed_forward_length");
   hp.n_ctx_train = req("context_length");
   hp.rms_eps = static_cast<float>(f.get_float(p + "attention.layer_norm_rms_epsilon"));
   hp.rope_freq_base = static_cast<float>(f.get_float_opt(p + "rope.freq_base").value_or(10000.0));
@@ -35,7 +54,7 @@ Hparams read_hparams(const gguf::File& f) {
   positive(hp.n_layer, "block_count");
   positive(hp.n_head, "attention.head_count");
   positive(hp.n_head_kv, "attention.head_count_kv");
-  positive(hp.n_ff, "feed_forward_length");
+  if (hp.n_ff != 0 || hp.arch != "qwen35moe") positive(hp.n_ff, "feed_forward_length");
   positive(hp.n_ctx_train, "context_length");
   // Every layer needs tensors of its own, so a file cannot have more layers than tensors.
   if (hp.n_layer > static_cast<int64_t>(f.tensors().size()))

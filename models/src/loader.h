@@ -26,6 +26,7 @@ class WeightLoader {
   std::optional<graph::WeightId> maybe(const std::string& name, std::vector<int64_t> ne,
                                        graph::WeightRole role, int32_t layer = -1);
   const gguf::File& file() const { return file_; }
+  const graph::WeightTable& table() const { return table_; }
 
  private:
   const gguf::File& file_;

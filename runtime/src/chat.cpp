@@ -66,6 +66,8 @@ std::string ChatSession::respond(std::string_view user_text, int32_t n_predict,
   const size_t n = std::min(cache_.size(), prompt.size());
   while (prefix < n && cache_[prefix] == prompt[prefix]) ++prefix;
   if (prefix == prompt.size()) --prefix;
+  // A recurrent state cannot be cut back: the conversation is evaluated again from the start.
+  if (!session_.can_truncate() && static_cast<int64_t>(prefix) < session_.n_past()) prefix = 0;
   session_.truncate(static_cast<int64_t>(prefix));
   cache_.resize(prefix);
 

@@ -39,6 +39,15 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_se
       v_.push_back(std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n_rows * l.v_dim)));
       view_.k.push_back(k_.back().get());
       view_.v.push_back(v_.back().get());
+      // The recurrent state is small next to a long context's KV rows: allocated zeroed.
+      conv_.push_back(l.conv_dim > 0 ? std::make_unique<float[]>(
+                                           static_cast<size_t>(int64_t{n_seq} * l.conv_dim))
+                                     : nullptr);
+      ssm_.push_back(
+          l.ssm_dim > 0 ? std::make_unique<float[]>(static_cast<size_t>(int64_t{n_seq} * l.ssm_dim))
+                        : nullptr);
+      view_.conv.push_back(conv_.back().get());
+      view_.ssm.push_back(ssm_.back().get());
     }
   } catch (const std::bad_alloc&) {
     throw Error(ErrorCategory::out_of_memory,
@@ -64,6 +73,7 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
       const KvLayer& kl = view_.layers[l];
       const size_t kb = static_cast<size_t>(view_.n_rows() * kl.k_dim) * 2;
       const size_t vb = static_cast<size_t>(view_.n_rows() * kl.v_dim) * 2;
+      if (kb + vb == 0) continue;  // a recurrent layer: no K/V rows (its state stays on the host)
       view_.dev_k[l] =
           static_cast<uint16_t*>(dev.alloc(kb, fmt::format("the K cache of layer {}", l)));
       view_.dev_v[l] =
@@ -89,7 +99,8 @@ void KvCache::release_device() {
 size_t KvCache::bytes() const {
   size_t total = 0;
   for (const KvLayer& l : view_.layers)
-    total += static_cast<size_t>(view_.n_rows()) * static_cast<size_t>(l.k_dim + l.v_dim) *
+    total += (static_cast<size_t>(view_.n_rows()) * static_cast<size_t>(l.k_dim + l.v_dim) +
+              static_cast<size_t>(view_.n_seq) * static_cast<size_t>(l.conv_dim + l.ssm_dim)) *
              sizeof(float);
   return total;
 }
@@ -105,6 +116,7 @@ int32_t KvCache::acquire() {
   for (size_t s = 0; s < used_.size(); ++s)
     if (!used_[s]) {
       used_[s] = 1;
+      reset_state(static_cast<int32_t>(s));
       return static_cast<int32_t>(s);
     }
   throw Error(ErrorCategory::out_of_memory,
@@ -134,6 +146,13 @@ void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
   if (n == 0) return;
   for (size_t l = 0; l < view_.layers.size(); ++l) {
     const KvLayer& kl = view_.layers[l];
+    const auto li = static_cast<int32_t>(l);
+    if (kl.conv_dim > 0)
+      std::memcpy(view_.conv_state(li, dst), view_.conv_state(li, src),
+                  static_cast<size_t>(kl.conv_dim) * sizeof(float));
+    if (kl.ssm_dim > 0)
+      std::memcpy(view_.ssm_state(li, dst), view_.ssm_state(li, src),
+                  static_cast<size_t>(kl.ssm_dim) * sizeof(float));
     const size_t ks = static_cast<size_t>(n * kl.k_dim), vs = static_cast<size_t>(n * kl.v_dim);
     const int64_t s0 = view_.row(src, 0), d0 = view_.row(dst, 0);
     std::memcpy(view_.k[l] + d0 * kl.k_dim, view_.k[l] + s0 * kl.k_dim, ks * sizeof(float));
@@ -141,6 +160,56 @@ void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
     if (view_.dev_k[l]) {
       dev_->copy(kSync, view_.dev_k[l] + d0 * kl.k_dim, view_.dev_k[l] + s0 * kl.k_dim, ks * 2);
       dev_->copy(kSync, view_.dev_v[l] + d0 * kl.v_dim, view_.dev_v[l] + s0 * kl.v_dim, vs * 2);
+    }
+  }
+}
+
+bool KvCache::recurrent() const {
+  return std::any_of(view_.layers.begin(), view_.layers.end(),
+                     [](const KvLayer& l) { return l.recurrent(); });
+}
+
+void KvCache::reset_state(int32_t seq) {
+  check_seq(seq, "reset_state");
+  for (int32_t l = 0; l < n_layer(); ++l) {
+    const KvLayer& kl = view_.layer(l);
+    if (kl.conv_dim > 0) std::fill_n(view_.conv_state(l, seq), kl.conv_dim, 0.0f);
+    if (kl.ssm_dim > 0) std::fill_n(view_.ssm_state(l, seq), kl.ssm_dim, 0.0f);
+  }
+}
+
+std::vector<float> KvCache::save_state(int32_t seq) const {
+  check_seq(seq, "save_state");
+  std::vector<float> out;
+  for (int32_t l = 0; l < n_layer(); ++l) {
+    const KvLayer& kl = view_.layer(l);
+    if (kl.conv_dim > 0)
+      out.insert(out.end(), view_.conv_state(l, seq), view_.conv_state(l, seq) + kl.conv_dim);
+    if (kl.ssm_dim > 0)
+      out.insert(out.end(), view_.ssm_state(l, seq), view_.ssm_state(l, seq) + kl.ssm_dim);
+  }
+  return out;
+}
+
+void KvCache::restore_state(int32_t seq, std::span<const float> state) {
+  check_seq(seq, "restore_state");
+  size_t total = 0;
+  for (const KvLayer& kl : view_.layers) total += static_cast<size_t>(kl.conv_dim + kl.ssm_dim);
+  if (state.size() != total)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("restore_state: {} floats given, the recurrent state of a sequence "
+                            "has {}",
+                            state.size(), total));
+  const float* p = state.data();
+  for (int32_t l = 0; l < n_layer(); ++l) {
+    const KvLayer& kl = view_.layer(l);
+    if (kl.conv_dim > 0) {
+      std::copy_n(p, kl.conv_dim, view_.conv_state(l, seq));
+      p += kl.conv_dim;
+    }
+    if (kl.ssm_dim > 0) {
+      std::copy_n(p, kl.ssm_dim, view_.ssm_state(l, seq));
+      p += kl.ssm_dim;
     }
   }
 }

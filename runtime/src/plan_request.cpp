@@ -54,7 +54,8 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
   req.kv_bytes.assign(static_cast<size_t>(req.n_layer), 0);
   for (size_t l = 0; l < kv.size() && l < req.kv_bytes.size(); ++l)
     req.kv_bytes[l] =
-        static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx);
+        static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx) +
+        static_cast<size_t>(kv[l].conv_dim + kv[l].ssm_dim) * sizeof(float);
   req.scratch_bytes = device_scratch_bytes(model, n_ubatch, n_ctx) +
                       expert_stage_bytes(model, stream_experts_min_tokens, host_expert_share);
   req.has_device = has_device;

@@ -166,6 +166,12 @@ void Session::truncate(int64_t n) {
   if (n < 0 || n > n_past_)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("truncate({}) outside 0..{}", n, n_past_));
+  if (n > 0 && n < n_past_ && kv_.recurrent())
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("truncate({}): the recurrent state of {} cannot be cut back from {} "
+                            "to {} tokens (only to 0)",
+                            n, model_.hparams().arch, n_past_, n));
+  if (n == 0 && kv_.recurrent()) kv_.reset_state(0);
   n_past_ = n;
 }
 

@@ -72,7 +72,11 @@ BatchEngine::BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOp
     Slot& s = slots_[static_cast<size_t>(i)];
     s.id = session_->kv().acquire();  // the lowest free one: i
     BERTH_CHECK(s.id == i, fmt::format("BatchEngine: slot {} got KV sequence {}", i, s.id));
-    s.state = std::make_unique<KvSequenceState>(n_ctx_slot_);
+    // Recurrent layers (Qwen3.5) cannot truncate: their prefix reuse goes through checkpoints.
+    if (session_->kv().recurrent())
+      s.state = std::make_unique<RecurrentSequenceState>(n_ctx_slot_, session_->kv(), s.id);
+    else
+      s.state = std::make_unique<KvSequenceState>(n_ctx_slot_);
     s.cache = std::make_unique<SlotCache>(*s.state);
     info_[static_cast<size_t>(i)] = SlotInfo{i, n_ctx_slot_, false, 0, 0};
   }

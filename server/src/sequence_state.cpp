@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "berth/core/error.h"
+#include "berth/runtime/kv_cache.h"
 
 namespace berth::server {
 
@@ -29,6 +30,37 @@ void KvSequenceState::advance(int64_t n) {
         ErrorCategory::invalid_argument,
         fmt::format("{} tokens after {} exceed the sequence's context of {}", n, n_past_, n_ctx_));
   n_past_ += n;
+}
+
+void RecurrentSequenceState::truncate_to(int64_t n) {
+  if (n < 0 || n > n_past_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("truncate_to({}) outside 0..{}", n, n_past_));
+  if (n == n_past_) return;
+  if (n > 0)
+    throw Error(ErrorCategory::unsupported,
+                fmt::format("sequence {}: a recurrent state of {} tokens cannot be cut back to {} "
+                            "(only restored from a checkpoint)",
+                            seq_, n_past_, n));
+  kv_.reset_state(seq_);
+  n_past_ = 0;
+}
+
+Checkpoint RecurrentSequenceState::save() {
+  const uint64_t h = next_handle_++;
+  saved_[h] = {n_past_, kv_.save_state(seq_)};
+  return Checkpoint{n_past_, h};
+}
+
+void RecurrentSequenceState::restore(const Checkpoint& cp) {
+  const auto it = saved_.find(cp.handle);
+  if (it == saved_.end() || it->second.first != cp.n_past || cp.n_past > n_past_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("sequence {}: no checkpoint {} at position {} to restore (the "
+                            "sequence holds {} tokens)",
+                            seq_, cp.handle, cp.n_past, n_past_));
+  kv_.restore_state(seq_, it->second.second);
+  n_past_ = cp.n_past;
 }
 
 SlotCache::SlotCache(SequenceState& state, int max_checkpoints)

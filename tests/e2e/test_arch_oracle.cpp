@@ -10,14 +10,14 @@
 #include <numeric>
 #include <random>
 
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/thread_pool.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/backends/cpu_executor.h"
 #include "berth/runtime/kv_cache.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
-#include "berth/backends/thread_pool.h"
 #include "naive_llama.h"
 #include "test_util.h"
 #include "upcycle.h"
@@ -133,11 +133,23 @@ TEST_CASE("every architecture matches the double-precision oracle over 32 greedy
   // an error); tests/runtime/test_moe.cpp checks quantized expert math against double
   // precision with the routing fixed.
   const Case cases[] = {
-      {"tiny-llama", "f32", 0, 1e-5, 1e-11},      {"tiny-qwen2", "f32", 0, 1e-5, 1e-11},
-      {"tiny-qwen3", "f32", 0, 1e-5, 1e-11},      {"tiny-qwen3moe", "f32", 0, 1e-5, 1e-11},
-      {"tiny-qwen3moe", "f32", 1.0, 1e-5, 1e-11}, {"tiny-mixtral", "f32", 0, 1e-5, 1e-11},
-      {"tiny-llama", "q8_0", 0, 0.1, 5e-3},       {"tiny-llama", "q4_k", 0, 0.1, 5e-3},
-      {"tiny-qwen3", "q4_k", 0, 0.1, 5e-3},       {"tiny-qwen2", "q8_0", 0, 0.1, 5e-3},
+      {"tiny-llama", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen2", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen3", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen3moe", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen3moe", "f32", 1.0, 1e-5, 1e-11},
+      {"tiny-mixtral", "f32", 0, 1e-5, 1e-11},
+      {"tiny-llama", "q8_0", 0, 0.1, 5e-3},
+      {"tiny-llama", "q4_k", 0, 0.1, 5e-3},
+      {"tiny-qwen3", "q4_k", 0, 0.1, 5e-3},
+      {"tiny-qwen2", "q8_0", 0, 0.1, 5e-3},
+      // The Qwen3.5 hybrids (H_k != H_v in tiny-qwen35 and tiny-qwen35moe). Measured: f32 max rel
+      // 1.2e-6; q8_0 max rel 0.060, NMSE 3.1e-3, about 5x the dense files' (not yet explained;
+      // a guess: the recurrent state carries the activations' rounding from token to token).
+      // q4_k (NMSE 1.1e-2) is outside the dense band and not listed.
+      {"tiny-qwen35", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen35moe", "f32", 0, 1e-5, 1e-11},
+      {"tiny-qwen35", "q8_0", 0, 0.1, 5e-3},
   };
   for (const Case& c : cases) {
     INFO(c.preset, " ", c.type, " skew ", c.skew);

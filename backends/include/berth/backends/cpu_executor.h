@@ -140,6 +140,16 @@ class CpuExecutor {
   void attention(const graph::Op& op, const float* q, const float* k, const float* v, int64_t n_tok,
                  int64_t cols, float* out, std::span<const int32_t> positions,
                  std::span<const int32_t> seqs);
+  /// ssm_conv / gated_delta over the step's tokens: each sequence's tokens in ubatch order
+  /// against its recurrent state of op.ssm.layer (KvView::conv / ssm), zeroed at position 0.
+  void ssm_conv(const graph::Op& op, const float* x, int64_t n_tok, int64_t cols, float* out,
+                std::span<const int32_t> positions, std::span<const int32_t> seqs);
+  void gated_delta(const graph::Op& op, const float* y, const float* alpha, const float* b,
+                   int64_t n_tok, float* out, std::span<const int32_t> positions,
+                   std::span<const int32_t> seqs);
+  /// runs_ for the step: maximal stretches of adjacent tokens of one sequence; Run::base holds
+  /// the sequence id.
+  void seq_runs(int64_t n_tok, std::span<const int32_t> seqs);
   float* buf(graph::ValueId v) { return ptrs_[static_cast<size_t>(v)]; }
   const int32_t* forced_ids_ = nullptr;
   int64_t forced_tokens_ = 0;
@@ -190,7 +200,10 @@ class CpuExecutor {
   int32_t rope_n_rot_ = 0;
   float rope_base_ = 0;
   uint64_t run_count_ = 0, rope_run_ = 0;
-  static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::moe_experts) + 1;
+  static constexpr size_t kOpKinds = static_cast<size_t>(graph::OpKind::rms_norm_gated) + 1;
+  // gated_delta: L2-normalised q and k heads [n_tok, 2 * H_k * d_k], gates g and beta
+  // [n_tok, H_v] each.
+  std::vector<float> gdn_qk_, gdn_g_, gdn_beta_;
   bool profiling_ = false;
   std::array<OpTime, kOpKinds> prof_{};
   MoeTiming moe_timing_;

@@ -115,7 +115,9 @@ class Device {
   virtual void replay(int graph) = 0;
 
   // --- Compute --------------------------------------------------------------------------------
-  /// Whether this device runs `op` (the scheduler runs ops it does not on the CPU).
+  /// Whether this device runs `op` (the scheduler runs ops it does not on the CPU). The CUDA and
+  /// simulated devices answer false for graph::is_hybrid_op kinds (the Qwen3.5 GDN and gating
+  /// ops, whose recurrent state lives on the host).
   virtual bool supports(const graph::Op& op) const = 0;
   /// A step's calls as this device will enqueue them: with `fuse`, neighbouring calls one launch
   /// can do with the same bits replaced by the fused kinds of CallKind; each call's ws_bytes set

@@ -20,11 +20,23 @@ struct KvView {
   std::vector<float*> k, v;
   /// Device f16 rows of the layers whose attention runs on the device, same shapes, or null.
   std::vector<uint16_t*> dev_k, dev_v;
+  /// Host f32 recurrent state of each layer with KvLayer::recurrent() (else null): sequence s's
+  /// conv state at conv[l] + s * conv_dim, its delta-rule state at ssm[l] + s * ssm_dim. The
+  /// CPU executor's ssm_conv / gated_delta ops read and write them (and zero a sequence's state
+  /// at its position 0). Always on the host in this version: the devices do not run those ops.
+  std::vector<float*> conv, ssm;
 
   /// Rows of every layer: n_seq * n_ctx.
   int64_t n_rows() const { return n_ctx * n_seq; }
   /// The row of sequence `seq` at position `pos`.
   int64_t row(int32_t seq, int64_t pos) const { return seq * n_ctx + pos; }
+
+  float* conv_state(int32_t l, int32_t seq) const {
+    return conv.at(static_cast<size_t>(l)) + seq * layer(l).conv_dim;
+  }
+  float* ssm_state(int32_t l, int32_t seq) const {
+    return ssm.at(static_cast<size_t>(l)) + seq * layer(l).ssm_dim;
+  }
 
   int32_t n_layer() const { return static_cast<int32_t>(layers.size()); }
   const KvLayer& layer(int32_t l) const { return layers.at(static_cast<size_t>(l)); }

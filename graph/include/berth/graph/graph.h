@@ -29,7 +29,8 @@ enum class WeightRole : uint8_t {
   other,          ///< none of the below (placement keeps it with its layer)
   embedding,      ///< token embeddings (token_embd)
   norm,           ///< a norm's scale (per layer, or the output norm with layer -1)
-  attention,      ///< attention projections, their biases and per-head norms
+  attention,      ///< attention projections, their biases and per-head norms; a Gated
+                  ///< DeltaNet's projections, conv and gates (the layer's token mixer)
   dense_ffn,      ///< a dense feed-forward's matrices
   router,         ///< a MoE layer's router (ffn_gate_inp)
   routed_expert,  ///< stacked routed experts (ffn_{gate,up,down}_exps)
@@ -105,9 +106,52 @@ enum class OpKind {
   /// an executor may place on its own device: two ops over disjoint expert sets add up to the
   /// whole layer.
   moe_experts,
+  /// Columns of each group: in0 [rows, n_group * group]; out [rows, n_group * SliceParams::len],
+  /// out[r, j * len + i] = in0[r, j * group + offset + i] (0 <= offset, offset + len <= group).
+  /// Splits interleaved per-head blocks, e.g. Qwen3.5's attn_q output, per head 256 query
+  /// columns then 256 gate columns: offset 0 gives the queries, offset 256 the gates.
+  head_slice,
+  /// out = in0 * sigmoid(in1), sigmoid(z) = 1 / (1 + exp(-z)). in1 has in0's shape (an
+  /// elementwise gate: the attention output gate of Qwen3.5 / Qwen3-Next) or [rows, 1] (one
+  /// gate per row, broadcast over the columns: the shared-expert gate of qwen35moe). out has
+  /// in0's shape.
+  sigmoid_mul,
+  /// Causal depthwise conv1d over a per-sequence rolling state, then SiLU (the short
+  /// convolution of a Gated DeltaNet layer). in0 = x [n_tokens, C]; weight = ssm_conv1d
+  /// (ne {kernel, C}, F32: channel c's taps at [c * kernel + i], i = 0 the oldest input).
+  /// State: the conv state of layer SsmParams::layer (KvView::conv), kernel - 1 rows of C per
+  /// sequence, row kernel - 2 the newest input. Each token t of sequence s (Graph inputs' seq
+  /// ids) is computed in ubatch order against s's state: out[t, c] = silu(sum_i w[c, i] *
+  /// window_t,c[i]) where the window is the last `kernel` inputs of s up to and including t;
+  /// the state then holds s's last kernel - 1 inputs. A sequence's state is taken as zero at
+  /// position 0 (its first token). out [n_tokens, C].
+  ssm_conv,
+  /// The gated delta rule of a Gated DeltaNet layer (arXiv:2412.06464), with its gates and the
+  /// L2 norm of q and k. in0 = y [n_tokens, 2 * H_k * d_k + H_v * d_v], the conv output: the
+  /// q heads, then the k heads (H_k of d_k each), then the v heads (H_v of d_v); in1 = alpha
+  /// [n_tokens, H_v] (W_ssm_alpha x), in2 = b [n_tokens, H_v] (W_ssm_beta x); weight = ssm_a
+  /// (ne {H_v}, F32, stored as -exp(A_log)), SsmParams::dt_bias = ssm_dt.bias (ne {H_v}, F32).
+  /// Per token (of sequence s, in ubatch order) and V head h, with K head j = h mod H_k:
+  ///   q, k = l2_norm(q_j), l2_norm(k_j) (eps SsmParams::eps); beta = sigmoid(b_h);
+  ///   g = ssm_a_h * softplus(alpha_h + dt_bias_h);  S_h = exp(g) S_h;
+  ///   S_h += k (beta (v_h - S_h^T k))^T;  out[t, h * d_v + i] = (S_h^T q)_i / sqrt(d_k)
+  /// S_h: sequence s's f32 state of layer SsmParams::layer (KvView::ssm), d_k x d_v per V head
+  /// (d_v contiguous), zero at position 0. out [n_tokens, H_v * d_v].
+  gated_delta,
+  /// Gated RMSNorm per group (the GDN output norm, "norm before gate"): in0 = x, in1 = z (same
+  /// shape [rows, n * g], g = Op::norm_group), weight ne {g}: out = x / sqrt(mean_group(x^2) +
+  /// eps) * weight * silu(z), each run of g columns normalised on its own. out: x's shape.
+  rms_norm_gated,
 };
 
 std::string_view op_name(OpKind k);
+
+/// The ops the Qwen3.5 hybrids added (head_slice, sigmoid_mul, ssm_conv, gated_delta,
+/// rms_norm_gated): only the CPU executor runs them so far (Device::supports is false).
+constexpr bool is_hybrid_op(OpKind k) {
+  return k == OpKind::head_slice || k == OpKind::sigmoid_mul || k == OpKind::ssm_conv ||
+         k == OpKind::gated_delta || k == OpKind::rms_norm_gated;
+}
 
 struct RopeParams {
   int32_t n_head = 0;
@@ -167,17 +211,38 @@ struct MoeParams {
   bool has_slot(int32_t j) const { return j >= slot_begin && (slot_end < 0 || j < slot_end); }
 };
 
+/// head_slice: which columns of each group of `group` are kept.
+struct SliceParams {
+  int32_t group = 0;
+  int32_t offset = 0;
+  int32_t len = 0;
+};
+
+/// ssm_conv and gated_delta: the recurrent layer and its shapes.
+struct SsmParams {
+  int32_t layer = 0;     ///< the layer whose recurrent state (KvView::conv / ssm) the op uses
+  int32_t n_k_head = 0;  ///< gated_delta: H_k (ssm.group_count)
+  int32_t n_v_head = 0;  ///< gated_delta: H_v (ssm.time_step_rank), a multiple of H_k
+  int32_t d_k = 0;       ///< gated_delta: K head size (ssm.state_size)
+  int32_t d_v = 0;       ///< gated_delta: V head size (ssm.inner_size / H_v)
+  float eps = 0.0f;      ///< gated_delta: the L2 norm's eps
+  WeightId dt_bias = kNoWeight;  ///< gated_delta: ssm_dt.bias
+};
+
 struct Op {
   OpKind kind;
   std::vector<ValueId> inputs;
   ValueId output = kNoValue;
   WeightId weight = kNoWeight;
-  float eps = 0.0f;        ///< rms_norm
+  float eps = 0.0f;        ///< rms_norm, rms_norm_gated
   int32_t n_out = 0;       ///< take_last_rows
   RopeParams rope;         ///< rope
   AttentionParams attn;    ///< attention
-  int32_t norm_group = 0;  ///< rms_norm: > 0 normalises each run of this many columns
+  int32_t norm_group = 0;  ///< rms_norm: > 0 normalises each run of this many columns;
+                           ///< rms_norm_gated: the group (required)
   MoeParams moe;           ///< moe_route, moe_experts
+  SliceParams slice;       ///< head_slice
+  SsmParams ssm;           ///< ssm_conv, gated_delta
   std::string name;        ///< for traces, e.g. "blk.3.attn_q"
 };
 
@@ -241,6 +306,13 @@ class Builder {
   ValueId add_bias(ValueId x, WeightId bias, std::string name);
   ValueId moe_route(ValueId router_logits, const MoeParams& p, std::string name);
   ValueId moe_experts(ValueId h, ValueId route, const MoeParams& p, std::string name);
+  ValueId head_slice(ValueId x, const SliceParams& p, std::string name);
+  ValueId sigmoid_mul(ValueId x, ValueId gate, std::string name);
+  ValueId ssm_conv(ValueId x, WeightId conv1d, const SsmParams& p, std::string name);
+  ValueId gated_delta(ValueId y, ValueId alpha, ValueId b, WeightId ssm_a, const SsmParams& p,
+                      std::string name);
+  ValueId rms_norm_gated(ValueId x, ValueId z, WeightId w, int32_t group, float eps,
+                         std::string name);
 
   const ValueInfo& info(ValueId v) const { return g_.values.at(static_cast<size_t>(v)); }
   /// Sets the output and returns the finished, validated graph.

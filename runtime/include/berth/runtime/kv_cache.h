@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "berth/backends/device.h"
@@ -24,6 +26,12 @@ namespace berth {
 /// sequence 0 without acquiring it. Throws Error(out_of_memory) naming the MiB when the host
 /// rows would not fit in the machine's physical memory or the allocation fails,
 /// Error(invalid_argument) for n_ctx < 1 or n_seq < 1.
+///
+/// Recurrent layers (KvLayer::recurrent(): Gated DeltaNet) hold, per sequence, their conv and
+/// delta-rule state on the host, n_seq * (conv_dim + ssm_dim) * 4 bytes per layer (counted by
+/// bytes()), zeroed when a sequence is acquired and by reset_state(); the executors also start a
+/// sequence from zero at its position 0. Such a state summarises every position processed and
+/// cannot be cut back: save_state() / restore_state() keep and bring back a whole sequence.
 class KvCache {
  public:
   KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq = 1);
@@ -51,9 +59,22 @@ class KvCache {
   int32_t n_free() const;
   bool in_use(int32_t seq) const { return used_.at(static_cast<size_t>(seq)) != 0; }
   /// Copies positions [0, n) of sequence `src` to sequence `dst` in every layer, host and device
-  /// rows (forking a shared prefix). Throws Error(invalid_argument) for ids outside [0, n_seq),
-  /// src == dst, or n outside [0, n_ctx].
+  /// rows (forking a shared prefix), and, when n > 0, src's whole recurrent state (which stands
+  /// for every position src has processed: the fork is exact only when n is src's length).
+  /// Throws Error(invalid_argument) for ids outside [0, n_seq), src == dst, or n outside
+  /// [0, n_ctx].
   void copy(int32_t src, int32_t dst, int64_t n);
+  /// Whether any layer keeps a recurrent state.
+  bool recurrent() const;
+  /// Zeroes sequence `seq`'s recurrent state (every recurrent layer). Throws
+  /// Error(invalid_argument) for an id outside [0, n_seq).
+  void reset_state(int32_t seq);
+  /// Sequence `seq`'s recurrent state, every recurrent layer's conv state then delta-rule state
+  /// in layer order (sum over those layers of conv_dim + ssm_dim floats; empty without them).
+  std::vector<float> save_state(int32_t seq) const;
+  /// Writes back a save_state() of this cache into sequence `seq` (any sequence), bit for bit.
+  /// Throws Error(invalid_argument) for an id outside [0, n_seq) or a size that differs.
+  void restore_state(int32_t seq, std::span<const float> state);
   int32_t n_layer() const { return view_.n_layer(); }
   const KvLayer& layer(int32_t l) const { return view_.layer(l); }
   float* k(int32_t l) { return view_.k.at(static_cast<size_t>(l)); }
@@ -67,7 +88,7 @@ class KvCache {
   void release_device();
   void check_seq(int32_t seq, const char* what) const;
   KvView view_;
-  std::vector<std::unique_ptr<float[]>> k_, v_;
+  std::vector<std::unique_ptr<float[]>> k_, v_, conv_, ssm_;
   std::vector<uint8_t> used_;  // per sequence: acquired
   Device* dev_ = nullptr;
   size_t device_bytes_ = 0;

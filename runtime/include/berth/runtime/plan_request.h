@@ -17,7 +17,8 @@ namespace berth {
 /// - tensors: model.weights() in order (a name appearing twice is listed once), with their
 ///   stored bytes, type, and the layer and role the model declares for it (WeightTable);
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
-///   (model.kv_layers(); a layer without an entry gets 0);
+///   (model.kv_layers(); a layer without an entry gets 0), plus a recurrent layer's f32 state of
+///   one sequence, (conv_dim + ssm_dim) * 4 bytes;
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
 ///   stream_experts_min_tokens, host_expert_share) (scheduler/memory.h, residency/residency.h:
 ///   --stream-experts and

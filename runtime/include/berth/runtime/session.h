@@ -93,9 +93,13 @@ class Session {
   int64_t n_vocab() const { return model_.hparams().n_vocab; }
   const SessionParams& params() const { return params_; }
   /// Forgets positions >= n (0 <= n <= n_past()): later evals overwrite them. reset() ==
-  /// truncate(0).
+  /// truncate(0). A model with recurrent layers (KvCache::recurrent()) can only go back to 0
+  /// (its state is zeroed) or stay at n_past(): other n throw Error(unsupported), see
+  /// can_truncate().
   void truncate(int64_t n);
   void reset() { truncate(0); }
+  /// Whether truncate() reaches every 0 <= n <= n_past() (false with recurrent layers).
+  bool can_truncate() const { return !kv_.recurrent(); }
 
   /// Tokens evaluated so far in steps of more than one token (prefill) and one token (decode).
   int64_t n_prefill_tokens() const { return n_prefill_tokens_; }

@@ -5,8 +5,13 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <span>
 #include <vector>
+
+namespace berth {
+class KvCache;
+}
 
 namespace berth::server {
 
@@ -60,9 +65,34 @@ class KvSequenceState : public SequenceState {
   /// Error(invalid_argument) past the sequence's n_ctx.
   void advance(int64_t n);
 
- private:
+ protected:
   int64_t n_ctx_;
   int64_t n_past_ = 0;
+};
+
+/// One sequence of a model with recurrent layers (KvCache::recurrent(): Qwen3.5's Gated
+/// DeltaNet), stepped like KvSequenceState: its recurrent state summarises every position, so
+/// it cannot truncate (truncate_to(0) zeroes it; other n throw Error(unsupported)); save()
+/// copies the sequence's whole recurrent state (KvCache::save_state, host memory) and restore()
+/// writes it back bit for bit, the attention layers' KV rows before the checkpoint being still
+/// valid (SlotCache's guarantee). `kv` must outlive the state.
+class RecurrentSequenceState : public KvSequenceState {
+ public:
+  RecurrentSequenceState(int64_t n_ctx, KvCache& kv, int32_t seq)
+      : KvSequenceState(n_ctx), kv_(kv), seq_(seq) {}
+  bool can_truncate() const override { return false; }
+  void truncate_to(int64_t n) override;
+  Checkpoint save() override;
+  void restore(const Checkpoint& cp) override;
+  void drop(const Checkpoint& cp) override { saved_.erase(cp.handle); }
+  /// Checkpoints held (for tests).
+  size_t n_saved() const { return saved_.size(); }
+
+ private:
+  KvCache& kv_;
+  int32_t seq_;
+  uint64_t next_handle_ = 1;
+  std::map<uint64_t, std::pair<int64_t, std::vector<float>>> saved_;  // handle: n_past, state
 };
 
 /// What one slot's state holds (its token ids) and how much of a new prompt it can reuse: the
