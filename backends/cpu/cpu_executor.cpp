@@ -613,7 +613,6 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     }
   };
   bool combine_in_region = false;
-  double region = 0;
   const auto t_region = clock::now();
   moe_spans_.assign(static_cast<size_t>(n_threads), ThreadSpan{});
   for (size_t gi = 0; gi < n_groups; ++gi) {
@@ -717,7 +716,6 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
       if (took) span.last = t_off + secs(t_group, clock::now());
       span.wait += waited;
     });
-    region += secs(t_group, clock::now());
   }
   const auto t_region_end = clock::now();
   // Combine per token in slot order (fixed, so threads and ubatches never change the bits).
@@ -731,7 +729,7 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   mt.combined_in_region += combine_in_region;
   mt.total += secs(t_entry, t_exit);
   mt.before += secs(t_entry, t_region);
-  mt.region += region;
+  mt.region += whole;  // the groups' regions and the reads between them
   mt.after += secs(t_region_end, t_exit);
   for (const ThreadSpan& sp : moe_spans_) {
     if (sp.first < 0) continue;

@@ -385,7 +385,7 @@ void add_disk_tier(const Request& req, Plan& plan) {
   plan.disk_weight_bytes = tier_bytes;
   plan.cpu_weight_bytes -= tier_bytes;
   plan.ram_slot_bytes = per_slot * c;
-  plan.how += fmt::format(" disk tier: {} RAM expert slots per MoE layer", c);
+  plan.how += fmt::format("; disk tier: {} RAM expert slots per MoE layer", c);
 }
 
 }  // namespace

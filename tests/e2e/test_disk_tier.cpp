@@ -5,11 +5,12 @@
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <spawn.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,7 @@ void drop_cache(const std::string& path) {
 }
 
 // Runs berth with `args` (no shell), stdout and stderr to files; returns the exit code and sets
-// `peak_kib` to the child's peak resident memory (wait4's ru_maxrss: its VmHWM).
+// `peak_kib` to the child's peak resident memory (VmHWM), KiB.
 int run_peak(const std::vector<std::string>& args, const std::filesystem::path& dir, long& peak_kib,
              std::string& out, std::string& err) {
   std::vector<char*> argv;
@@ -51,10 +52,23 @@ int run_peak(const std::vector<std::string>& args, const std::filesystem::path& 
   const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   REQUIRE(rc == 0);
+  // VmHWM of the child's own memory, sampled every millisecond until it exits (a high-water mark,
+  // so only growth in its last millisecond could be missed). Not wait4's ru_maxrss: Linux keeps
+  // the spawning process's peak in it across exec.
   int status = 0;
-  rusage ru{};
-  REQUIRE(::wait4(pid, &status, 0, &ru) == pid);
-  peak_kib = ru.ru_maxrss;
+  peak_kib = 0;
+  const std::string status_path = "/proc/" + std::to_string(pid) + "/status";
+  for (;;) {
+    {
+      std::ifstream in(status_path);
+      for (std::string line; std::getline(in, line);)
+        if (line.rfind("VmHWM:", 0) == 0) peak_kib = std::max(peak_kib, std::stol(line.substr(6)));
+    }
+    const pid_t w = ::waitpid(pid, &status, WNOHANG);
+    REQUIRE(w >= 0);
+    if (w == pid) break;
+    ::usleep(1000);
+  }
   out = berth::test::read_file(o);
   err = berth::test::read_file(e);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
