@@ -353,6 +353,21 @@ void add_disk_tier(const Request& req, Plan& plan) {
   }
   const size_t fixed = plan.cpu_weight_bytes - tier_bytes + plan.cpu_kv_bytes;
   const std::string budget = fmt::format("--ram-budget {}", mib(req.ram_budget_bytes));
+  const size_t c_fit =
+      fixed > req.ram_budget_bytes || per_slot == 0
+          ? 0
+          : std::min<size_t>((req.ram_budget_bytes - fixed) / per_slot, static_cast<size_t>(max_c));
+  if (!req.flags.ram_budget && c_fit < 1) {
+    // The default budget (MemAvailable minus the margin) is a guess, not a demand: a model it
+    // cannot tier runs from the mapping as before, with a note.
+    plan.notes.push_back(fmt::format(
+        "the CPU-held weights ({}) and KV cache ({}) exceed the default RAM budget of {} "
+        "(MemAvailable minus 1 GiB) and the disk tier cannot make up the difference (what must "
+        "stay in RAM: {}): the file is mapped and pages in and out; --ram-budget SIZE asks for "
+        "the tier",
+        mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(req.ram_budget_bytes), mib(fixed)));
+    return;
+  }
   if (fixed > req.ram_budget_bytes)
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("what must stay in RAM does not fit the {}: CPU-held weights other "
@@ -361,8 +376,7 @@ void add_disk_tier(const Request& req, Plan& plan) {
                             budget, mib(plan.cpu_weight_bytes - tier_bytes), mib(plan.cpu_kv_bytes),
                             mib(fixed), mib(tier_bytes)));
   const size_t room = req.ram_budget_bytes - fixed;
-  const size_t c =
-      per_slot == 0 ? 0 : std::min<size_t>(room / per_slot, static_cast<size_t>(max_c));
+  const size_t c = c_fit;
   if (c < 1)
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("the {} leaves {} for routed experts after the CPU-held weights "

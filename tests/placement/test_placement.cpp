@@ -1057,14 +1057,22 @@ TEST_CASE("--ram-budget: routed experts beyond the budget go to the disk tier") 
   CHECK(j["moe_layers"][0]["experts_on_disk"] == 6);
   CHECK(j["moe_layers"][0]["ram_slots"] == 4);
 
-  // What must stay in RAM does not fit; then room for less than one slot per layer.
-  std::string what;
+  // What must stay in RAM does not fit; then room for less than one slot per layer: errors
+  // when --ram-budget was given, a note and no tier with the default budget.
   r.ram_budget_bytes = 250 * MiB;
+  const Plan pdef = make_plan(r);
+  CHECK(pdef.ram_slots == 0);
+  CHECK(std::any_of(pdef.notes.begin(), pdef.notes.end(), [](const std::string& n) {
+    return n.find("exceed the default RAM budget of 250.0 MiB") != std::string::npos;
+  }));
+  std::string what;
+  r.flags.ram_budget = 250 * MiB;
   CHECK(category_of([&] { (void)make_plan(r); }, &what) == ErrorCategory::out_of_memory);
   CHECK(what.find("what must stay in RAM does not fit the --ram-budget 250.0 MiB: CPU-held "
                   "weights other than routed experts 211.0 MiB + KV cache 40.0 MiB") !=
         std::string::npos);
   r.ram_budget_bytes = 260 * MiB;
+  r.flags.ram_budget = 260 * MiB;
   CHECK(category_of([&] { (void)make_plan(r); }, &what) == ErrorCategory::out_of_memory);
   CHECK(what.find("not enough for one RAM slot per MoE layer") != std::string::npos);
 
