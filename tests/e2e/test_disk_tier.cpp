@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,28 @@ TEST_CASE("disk tier: same greedy tokens from disk (io_uring and pread), clean r
     CHECK(f.err.find("ffn_") != std::string::npos);
     CHECK(f.err.find("_exps.weight (expert ") != std::string::npos);
     CHECK(f.err.find("offset") != std::string::npos);
+  }
+
+  // bench model reports the tier: bytes per token, read-ahead, achieved and drive bandwidth.
+  r = run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(file) +
+                  " -p 0 -n 4 -r 1 -t 2 --dram-mib 8 --ram-budget 1500K --disk-bench 0.2 "
+                  "--json -");
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  {
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    const nlohmann::json& d = j.at("disk_tier");
+    REQUIRE(d.is_object());
+    CHECK(d["layers"] == 3);
+    CHECK(d["ram_slots_per_layer"] == 2);
+    CHECK(d["tg_tokens"] == 4);
+    CHECK(d["bytes_per_token"].get<double>() > 0);
+    CHECK(d["reads_on_demand"].get<int64_t>() + d["reads_ahead_used"].get<int64_t>() > 0);
+    CHECK(d["achieved_gbps"].get<double>() > 0);
+    if (d["backend"] == "io_uring") {
+      CHECK(d["drive_odirect_qd32_gbps"].get<double>() > 0);
+      CHECK(d["fraction_of_drive"].get<double>() > 0);
+    }
+    CHECK(r.err.find("read-ahead hit rate") != std::string::npos);
   }
 
   // A budget too small for what must stay in RAM: a clear error naming the sizes.
