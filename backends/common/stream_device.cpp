@@ -80,6 +80,10 @@ const int32_t* slot_table_of(const StepBindings& b, size_t i) {
   return i < b.slot_table.size() ? b.slot_table[i] : nullptr;
 }
 
+const int32_t* forced_route_of(const StepBindings& b, size_t i) {
+  return i < b.forced_route.size() ? b.forced_route[i] : nullptr;
+}
+
 std::vector<Call> StreamDevice::prepare(const StepView& view, std::vector<Call> calls,
                                         bool fuse) const {
   if (fuse) calls = fuse_calls(view, std::move(calls));

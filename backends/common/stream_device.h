@@ -60,5 +60,7 @@ MoeWeights moe_weights(const graph::WeightTable& w, const graph::MoeParams& p,
 MoeSlots moe_slots(const graph::Op& op, bool host_w, const int32_t* table = nullptr);
 /// The slot table of op i in `b` (null when the bindings have none).
 const int32_t* slot_table_of(const StepBindings& b, size_t i);
+/// The forced experts of op i (a moe_route) in `b` (null: the router selects).
+const int32_t* forced_route_of(const StepBindings& b, size_t i);
 
 }  // namespace berth::backend_detail

@@ -272,9 +272,25 @@ void CpuExecutor::run_op(const graph::Graph& g, const Op& op, std::span<const in
       const graph::MoeParams& p = op.moe;
       const int32_t k = p.n_expert_used;
       std::vector<int32_t> ids(static_cast<size_t>(k));
+      const int32_t* forced = nullptr;
+      if (forced_ids_) {
+        if (rows != forced_tokens_)
+          throw Error(ErrorCategory::internal,
+                      fmt::format("{}: forced routes for {} tokens, the op has {} rows", op.name,
+                                  forced_tokens_, rows));
+        int64_t r = 0;  // this op's number among the graph's moe_route ops
+        for (const Op* o = g.ops.data(); o != &op; ++o) r += o->kind == OpKind::moe_route;
+        forced = forced_ids_ + r * forced_tokens_ * k;
+      }
       for (int64_t t = 0; t < rows; ++t) {
         float* o = out + t * cols;
-        cpu::moe_topk(logits + t * p.n_expert, p.n_expert, k, p.norm_weights, ids.data(), o + k);
+        if (forced) {
+          std::copy_n(forced + t * k, k, ids.data());
+          cpu::moe_forced(logits + t * p.n_expert, p.n_expert, k, p.norm_weights, ids.data(),
+                          o + k);
+        } else {
+          cpu::moe_topk(logits + t * p.n_expert, p.n_expert, k, p.norm_weights, ids.data(), o + k);
+        }
         for (int32_t j = 0; j < k; ++j) o[j] = static_cast<float>(ids[static_cast<size_t>(j)]);
       }
       return;

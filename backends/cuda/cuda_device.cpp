@@ -422,7 +422,7 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
       return false;
     case OpKind::moe_route:
       gpu::moe_route(in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights, out,
-                     s);
+                     s, backend_detail::forced_route_of(b, i));
       return false;
     case OpKind::moe_experts: {
       const std::array<const void*, 3>& o = b.moe_w.at(i);
@@ -508,7 +508,8 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
       if (small(out.data(), static_cast<int>(out.size()))) {
         gpu::moe_route_signal(dv(op.inputs[0]), op.moe.n_expert, op.moe.n_expert_used,
                               op.moe.norm_weights, dv(op.output), out.data(),
-                              static_cast<int>(out.size()), ready, 1, s);
+                              static_cast<int>(out.size()), ready, 1, s,
+                              backend_detail::forced_route_of(b, static_cast<size_t>(c.ops[0])));
       } else {
         enqueue_op(b, c.ops[0], false);
         copy_out_signal(kMain, out.data(), static_cast<int>(out.size()), ready, 1);
@@ -526,7 +527,8 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
         gpu::router_route_signal(w.type, b.weight.at(static_cast<size_t>(mm.weight)), w.ne[0],
                                  dv(mm.inputs[0]), op.moe.n_expert, op.moe.n_expert_used,
                                  op.moe.norm_weights, dv(mm.output), dv(op.output), out.data(),
-                                 static_cast<int>(out.size()), ready, 1, s);
+                                 static_cast<int>(out.size()), ready, 1, s,
+                                 backend_detail::forced_route_of(b, static_cast<size_t>(c.ops[1])));
       } else {
         enqueue_op(b, c.ops[0], false);
         enqueue_op(b, c.ops[1], false);

@@ -391,12 +391,17 @@ class SimDevice final : public backend_detail::StreamDevice {
     });
   }
   void moe_route(int s, const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
-                 float* out) {
+                 float* out, const int32_t* forced) {
     enqueue(s, [=] {
       std::vector<int32_t> ids(static_cast<size_t>(k));
       for (int64_t t = 0; t < n_tok; ++t) {
         float* o = out + t * 2 * k;
-        cpu::moe_topk(logits + t * n_expert, n_expert, k, norm, ids.data(), o + k);
+        if (forced) {
+          std::copy_n(forced + t * k, k, ids.data());
+          cpu::moe_forced(logits + t * n_expert, n_expert, k, norm, ids.data(), o + k);
+        } else {
+          cpu::moe_topk(logits + t * n_expert, n_expert, k, norm, ids.data(), o + k);
+        }
         for (int32_t j = 0; j < k; ++j) o[j] = static_cast<float>(ids[static_cast<size_t>(j)]);
       }
     });
@@ -588,7 +593,7 @@ class SimDevice final : public backend_detail::StreamDevice {
         return;
       case OpKind::moe_route:
         moe_route(kMain, in(0), rows, op.moe.n_expert, op.moe.n_expert_used, op.moe.norm_weights,
-                  out);
+                  out, backend_detail::forced_route_of(b, i));
         return;
       case OpKind::moe_experts: {
         const std::array<const void*, 3>& o = b.moe_w.at(i);

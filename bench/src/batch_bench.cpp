@@ -12,6 +12,7 @@
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
+#include "berth/residency/expert_slots.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 
@@ -92,6 +93,8 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
     sp.hybrid.host_expert_share = o.host_expert_share;
     sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
+    if (!o.residency_policy.empty())
+      sp.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
     PlacementSetup placed = place(*model, o.placement, sp, false);
     set_step_options(o, sp);
     r.placement = placed.plan.how;

@@ -20,7 +20,10 @@
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
+#include "berth/residency/expert_slots.h"
+#include "berth/residency/routing_trace.h"
 #include "berth/runtime/placed.h"
+#include "berth/runtime/routing_io.h"
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 
@@ -245,6 +248,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
   sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
+  if (!o.residency_policy.empty())
+    sp.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
   use_disk_tier(file, *model, placed.plan, sp);
   set_step_options(o, sp);
@@ -262,6 +267,38 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     say(placed.summary());
   }
   Session session(*model, sp);
+  if (!o.routing_trace.empty()) {
+    const residency::TraceShape shape = routing_shape(*model, false);
+    auto replay = std::make_shared<residency::RoutingReplay>(
+        residency::read_routing_trace(o.routing_trace), o.routing_trace, shape.blocks,
+        shape.n_expert, shape.n_expert_used);
+    r.routing_trace_tokens = replay->trace().n_tokens();
+    attach_routing(session, *model, replay, nullptr);
+    say(
+        fmt::format("routing forced from the trace {} ({} tokens; the run's token i takes its "
+                    "token i mod {}): only the routers' picks change",
+                    o.routing_trace, r.routing_trace_tokens, r.routing_trace_tokens));
+  }
+  const ExpertSlots* slots = session.residency() ? session.residency()->expert_slots() : nullptr;
+  const auto slot_counts = [&] {
+    ModelBenchResult::ResidencyWindow w;
+    if (!slots) return w;
+    const ExpertSlots::Stats st = slots->stats();
+    w.calls = st.calls;
+    w.device_calls = st.device_calls;
+    w.swaps = st.swaps;
+    w.bytes_moved = st.bytes_moved;
+    return w;
+  };
+  const auto minus = [](ModelBenchResult::ResidencyWindow a,
+                        const ModelBenchResult::ResidencyWindow& b) {
+    a.calls -= b.calls;
+    a.device_calls -= b.device_calls;
+    a.swaps -= b.swaps;
+    a.bytes_moved -= b.bytes_moved;
+    return a;
+  };
+  r.tg_residency.slots = slots != nullptr;
   r.n_threads = session.pool().n_threads();
   o.n_threads = r.n_threads;
   say(fmt::format("model  {} ({}), {} of weights, {} threads", r.model_name, r.arch,
@@ -329,14 +366,28 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     filled = t.n_depth;
   };
   // One run of a test after its depth: returns its seconds, adds CPU segment seconds to cpu_s.
-  auto run_once = [&](const BenchTest& t, double& cpu_s) {
+  // windows: where the decode steps' residency windows go (null: not recorded).
+  auto run_once = [&](const BenchTest& t, double& cpu_s,
+                      std::vector<ModelBenchResult::ResidencyWindow>* windows) {
     to_depth(t);
     const std::vector<int32_t> p = tokens(t.n_prompt), g = tokens(t.n_gen);
     const auto t0 = clock::now();
     eval_steps(p, t, &cpu_s);
-    for (int32_t id : g) {
-      (void)session.eval(std::span<const int32_t>(&id, 1));
+    ModelBenchResult::ResidencyWindow at = slot_counts();
+    int64_t first = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      (void)session.eval(std::span<const int32_t>(&g[i], 1));
       if (session.device()) cpu_s += session.scheduler().last_cpu_seconds();
+      const auto n = static_cast<int64_t>(i + 1);
+      if (windows && (n - first == o.residency_window || i + 1 == g.size())) {
+        const ModelBenchResult::ResidencyWindow now = slot_counts();
+        ModelBenchResult::ResidencyWindow w = minus(now, at);
+        w.first_token = first;
+        w.n_tokens = n - first;
+        windows->push_back(w);
+        at = now;
+        first = n;
+      }
     }
     return seconds_since(t0);
   };
@@ -348,11 +399,15 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     tr.test = t;
     tr.test_time = utc_now();
     std::vector<double> secs;
+    ModelBenchResult::ResidencyWindow slots_before;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       if (rep == 1 && (is_pp || is_tg)) session.executor().reset_profile(), reset_gpu();
       if (rep == 1 && is_tg && session.disk_tier()) session.disk_tier()->reset_stats();
+      if (rep == 1 && is_tg) slots_before = slot_counts();
       double cpu_s = 0;
-      const double s = run_once(t, cpu_s);
+      const bool last_tg = is_tg && slots && rep == o.repetitions;
+      if (last_tg) r.tg_residency.windows.clear();
+      const double s = run_once(t, cpu_s, last_tg ? &r.tg_residency.windows : nullptr);
       if (rep > 0) {
         secs.push_back(s);
         tr.samples_ns.push_back(static_cast<uint64_t>(std::llround(s * 1e9)));
@@ -371,6 +426,11 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     }
     if (is_tg) {
       r.tg_tok_s = rate_of(secs, t.n_gen);
+      if (slots) {
+        // The timed runs' prompts count too: a tg test has none unless -pg.
+        r.tg_residency.total = minus(slot_counts(), slots_before);
+        r.tg_residency.total.n_tokens = int64_t{t.n_gen} * o.repetitions;
+      }
       r.tg_cpu_busy = tr.cpu_busy;
       r.tg_profile = shares(session.executor().profile(), o.repetitions);
       r.tg_gpu_profile = gpu_shares();
@@ -516,6 +576,29 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   return r;
 }
 
+namespace {
+
+nlohmann::json residency_json(const ModelBenchResult& r) {
+  if (!r.tg_residency.slots) return nullptr;
+  const auto one = [](const ModelBenchResult::ResidencyWindow& w) {
+    const double n = static_cast<double>(std::max<int64_t>(1, w.n_tokens));
+    return nlohmann::json{{"first_token", w.first_token},
+                          {"n_tokens", w.n_tokens},
+                          {"routed_calls", w.calls},
+                          {"device_calls", w.device_calls},
+                          {"device_fraction", w.device_fraction()},
+                          {"swaps", w.swaps},
+                          {"swaps_per_token", static_cast<double>(w.swaps) / n},
+                          {"bytes_moved", w.bytes_moved},
+                          {"bytes_moved_per_token", static_cast<double>(w.bytes_moved) / n}};
+  };
+  nlohmann::json windows = nlohmann::json::array();
+  for (const auto& w : r.tg_residency.windows) windows.push_back(one(w));
+  return {{"total", one(r.tg_residency.total)}, {"windows", windows}};
+}
+
+}  // namespace
+
 nlohmann::json to_json(const ModelBenchResult& r) {
   using nlohmann::json;
   auto prof = [](const std::vector<OpShare>& p) {
@@ -609,6 +692,10 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"handoff", r.handoff},
       {"stream_min_tokens_in_effect", r.stream_experts_min_tokens},
       {"host_experts_pinning", r.host_experts_pinning},
+      {"routing_trace", r.options.routing_trace},
+      {"residency_policy", r.options.residency_policy},
+      {"routing_trace_tokens", r.routing_trace_tokens},
+      {"tg_residency", residency_json(r)},
       {"pp_gpu_profile", prof(r.pp_gpu_profile)},
       {"tg_gpu_profile", prof(r.tg_gpu_profile)},
       {"pp_profile", prof(r.pp_profile)},
@@ -695,6 +782,24 @@ std::string format_text(const ModelBenchResult& r) {
   if (r.tg_test >= 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,
                      r.device.empty() ? "DRAM " : "hybrid ");
+  if (r.routing_trace_tokens > 0)
+    s += fmt::format("routing: forced from {} ({} tokens, repeated as needed)\n",
+                     r.options.routing_trace, r.routing_trace_tokens);
+  if (r.tg_residency.slots && r.tg_test >= 0) {
+    const auto& t = r.tg_residency.total;
+    const double n = static_cast<double>(std::max<int64_t>(1, t.n_tokens));
+    s += fmt::format(
+        "expert slots (tg, timed runs): {:.1f}% of routed calls on the device, {:.2f} swaps and "
+        "{:.2f} MiB moved per token\n",
+        100 * t.device_fraction(), static_cast<double>(t.swaps) / n,
+        static_cast<double>(t.bytes_moved) / n / (1024.0 * 1024.0));
+    std::string line;
+    for (const auto& w : r.tg_residency.windows)
+      line += fmt::format(" {:.0f}%", 100 * w.device_fraction());
+    if (!line.empty())
+      s += fmt::format("  on the device per {} decode steps of the last run:{}\n",
+                       r.options.residency_window, line);
+  }
   if (r.tg_moe.calls > 0) {
     const auto& m = r.tg_moe;
     s += fmt::format(

@@ -119,9 +119,10 @@ void parse_model_lists(BenchOptions& o) {
   if (!o.n_parallel.empty() &&
       (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_ubatch.size() != 1 ||
        l.n_depth != std::vector<int>{0} || l.n_batch != std::vector<int>{bench::kDefaultBatch} ||
-       !l.pg.empty() || o.output != "md" || o.m.profile))
+       !l.pg.empty() || o.output != "md" || o.m.profile || !o.m.routing_trace.empty()))
     throw CLI::ValidationError(
-        "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o or --profile");
+        "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o, --profile or "
+        "--routing-trace");
   if (o.json_path == "-" && o.format != bench::OutputFormat::md)
     throw CLI::ValidationError(fmt::format(
         "--json - and -o {} both write to standard output (give --json a file)", o.output));
@@ -299,6 +300,16 @@ Runner add_bench(CLI::App& app) {
                 "random-read bandwidth at queue depth 32 for expert-slice reads for SECONDS, so "
                 "the tier's achieved bandwidth is a fraction within this run (0: off)")
       ->check(CLI::Range(0.0, 600.0));
+  add_residency_policy(*m, o->m.residency_policy);
+  m->add_option("--routing-trace", o->m.routing_trace,
+                "replay this routing trace's expert choices (berth trace gen, run "
+                "--dump-routing): the run's token i takes the trace's token i mod its length; "
+                "only the routers' picks change")
+      ->check(CLI::ExistingFile);
+  m->add_option("--residency-window", o->m.residency_window,
+                "decode steps per window of the expert-slot report (--residency adaptive)")
+      ->capture_default_str()
+      ->check(range(1, 1 << 20));
   add_handoff(*m, o->m.handoff);
   add_placement_flags(*m, o->m.placement);
   add_stream_experts(*m, o->m.stream_min_tokens);

@@ -16,8 +16,10 @@
 #include "berth/models/chat.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
+#include "berth/residency/expert_slots.h"
 #include "berth/runtime/chat.h"
 #include "berth/runtime/placed.h"
+#include "berth/runtime/routing_io.h"
 #include "berth/runtime/sampler.h"
 #include "berth/runtime/session.h"
 #include "commands.h"
@@ -60,9 +62,11 @@ struct RunOptions {
   bool display_prompt = false;
   bool no_bos = false;
   int64_t seed = -1;
-  bool chat = false;          ///< --chat / -cnv: conversation mode
-  std::string chat_template;  ///< --chat-template NAME (empty: from tokenizer.chat_template)
-  std::string system_prompt;  ///< -sys / --system-prompt
+  bool chat = false;             ///< --chat / -cnv: conversation mode
+  std::string chat_template;     ///< --chat-template NAME (empty: from tokenizer.chat_template)
+  std::string dump_routing;      ///< --dump-routing FILE: the run's routing trace
+  std::string residency_policy;  ///< --residency-policy (empty: the default)
+  std::string system_prompt;     ///< -sys / --system-prompt
 };
 
 std::string read_text_file(const std::string& path) {
@@ -195,6 +199,8 @@ int run(const RunOptions& o) {
   if (std::string c = context_note(n_ctx, model->hparams()); !c.empty()) log::warn("{}", c);
 
   SessionParams params = o.session;
+  if (!o.residency_policy.empty())
+    params.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
   params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room
   params.hybrid.host_expert_share = o.host_expert_share;
   const PlacementSetup placed = place(*model, o.placement, params, true);
@@ -209,6 +215,12 @@ int run(const RunOptions& o) {
             o.model, model->hparams().arch, file.get_string_opt("general.name").value_or(""),
             model->hparams().n_layer, model->hparams().n_embd, model->hparams().n_vocab,
             session.n_ctx(), static_cast<double>(session.kv_bytes()) / (1024.0 * 1024.0));
+  std::shared_ptr<residency::RoutingTraceWriter> routing_out;
+  if (!o.dump_routing.empty()) {
+    routing_out = std::make_shared<residency::RoutingTraceWriter>(o.dump_routing,
+                                                                  routing_shape(*model, true));
+    attach_routing(session, *model, nullptr, routing_out);
+  }
   if (o.chat) return run_chat(o, *tok, session, sampler, chat_format);
   if (o.display_prompt && !write_stdout(prompt)) return 0;
 
@@ -230,6 +242,11 @@ int run(const RunOptions& o) {
                session.pool().n_threads(),
                sp.temp > 0 ? fmt::format(" | seed {}", sampler.seed()).c_str() : "");
   print_residency(session);
+  if (routing_out) {
+    routing_out->finish();
+    std::fprintf(stderr, "berth: routing of %lld tokens written to %s\n",
+                 static_cast<long long>(routing_out->n_tokens()), o.dump_routing.c_str());
+  }
   if (st.stop == StopReason::context_full)
     std::fprintf(stderr, "berth: stopped: the context of %lld tokens is full (raise -c)\n",
                  static_cast<long long>(session.n_ctx()));
@@ -265,6 +282,7 @@ Runner add_run(CLI::App& app) {
   add_host_expert_share(*sub, o->host_expert_share);
   add_warm_workers(*sub, o->warm_workers_us);
   add_residency_swaps(*sub, o->session.hybrid.expert_slots.max_swaps_per_step);
+  add_residency_policy(*sub, o->residency_policy);
   sub->add_option("--temp", o->sampling.temp, "temperature (0: greedy)")->capture_default_str();
   sub->add_option("--top-k", o->sampling.top_k, "top-k sampling (0: off)")
       ->capture_default_str()
@@ -286,6 +304,9 @@ Runner add_run(CLI::App& app) {
       "--chat", o->chat,
       "conversation mode (-cnv): user turns from -p/-f, then stdin line by line until EOF or "
       "/exit; the KV cache is kept between turns");
+  sub->add_option("--dump-routing", o->dump_routing,
+                  "write every step's expert choices (ids and weights, per MoE layer) to this "
+                  "routing trace file (docs/routing-traces.md)");
   sub->add_option("--chat-template", o->chat_template,
                   "chat format for --chat: " + chat_format_names() +
                       " (default: detected from the model's tokenizer.chat_template)")

@@ -104,6 +104,13 @@ void add_residency_swaps(CLI::App& cmd, int32_t& swaps) {
       ->check(CLI::Range(1, 1 << 16));
 }
 
+void add_residency_policy(CLI::App& cmd, std::string& policy) {
+  cmd.add_option("--residency-policy", policy,
+                 "--residency adaptive: which experts the slots hold: lfu-decay (the default; "
+                 "half-life 64 tokens), lfu-decay:H, lru, or frequency:TRACE (the experts a "
+                 "calibration routing trace called most, fixed)");
+}
+
 CLI::Validator unit_fraction() {
   return CLI::Validator(
       [](std::string& in) -> std::string {

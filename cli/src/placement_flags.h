@@ -32,6 +32,9 @@ void add_host_expert_share(CLI::App& cmd, double& share);
 void add_warm_workers(CLI::App& cmd, int64_t& us);
 /// --residency-swaps N: ExpertSlotsOptions::max_swaps_per_step (1..65536).
 void add_residency_swaps(CLI::App& cmd, int32_t& swaps);
+/// --residency-policy NAME: the expert slots' policy, as make_slot_policy (residency/
+/// expert_slots.h) takes it: lfu-decay[:H], lru, frequency:TRACE. Empty: the default.
+void add_residency_policy(CLI::App& cmd, std::string& policy);
 
 /// Registers `--stream-experts N|auto` (run and bench model): prefill ubatches of at least N
 /// tokens compute CPU-held experts on the GPU, streaming their weights; 0: off; auto (stored as

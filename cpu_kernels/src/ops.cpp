@@ -42,6 +42,30 @@ void get_row(const TensorView& w, int64_t row, float* dst) {
   }
 }
 
+namespace {
+
+// The weights of the experts `ids` (slot order): p = softmax(key) in double over all experts,
+// then p or p / sum of the selected p, each rounded once to float.
+void route_weights(const float* logits, int32_t n_expert, int32_t k, bool renormalise,
+                   const int32_t* ids, float* weights) {
+  auto key = [&](int32_t e) {
+    const float l = logits[e];
+    return std::isnan(l) ? -std::numeric_limits<double>::infinity() : static_cast<double>(l);
+  };
+  double max = -std::numeric_limits<double>::infinity();
+  for (int32_t e = 0; e < n_expert; ++e) max = std::max(max, key(e));
+  double sum = 0.0;
+  for (int32_t e = 0; e < n_expert; ++e) sum += std::exp(key(e) - max);
+  double sel = 0.0;
+  for (int32_t j = 0; j < k; ++j) sel += std::exp(key(ids[j]) - max) / sum;
+  for (int32_t j = 0; j < k; ++j) {
+    const double p = std::exp(key(ids[j]) - max) / sum;
+    weights[j] = static_cast<float>(renormalise ? p / sel : p);
+  }
+}
+
+}  // namespace
+
 void moe_topk(const float* logits, int32_t n_expert, int32_t k, bool renormalise, int32_t* ids,
               float* weights) {
   BERTH_CHECK(k >= 1 && k <= n_expert);
@@ -56,18 +80,15 @@ void moe_topk(const float* logits, int32_t n_expert, int32_t k, bool renormalise
     const double ka = key(a), kb = key(b);
     return ka > kb || (ka == kb && a < b);
   });
-  double max = -std::numeric_limits<double>::infinity();
-  for (int32_t e = 0; e < n_expert; ++e) max = std::max(max, key(e));
-  double sum = 0.0;
-  for (int32_t e = 0; e < n_expert; ++e) sum += std::exp(key(e) - max);
-  double sel = 0.0;
-  for (int32_t j = 0; j < k; ++j) sel += std::exp(key(order[static_cast<size_t>(j)]) - max) / sum;
-  for (int32_t j = 0; j < k; ++j) {
-    const int32_t e = order[static_cast<size_t>(j)];
-    const double p = std::exp(key(e) - max) / sum;
-    ids[j] = e;
-    weights[j] = static_cast<float>(renormalise ? p / sel : p);
-  }
+  std::copy_n(order.begin(), k, ids);
+  route_weights(logits, n_expert, k, renormalise, ids, weights);
+}
+
+void moe_forced(const float* logits, int32_t n_expert, int32_t k, bool renormalise,
+                const int32_t* ids, float* weights) {
+  BERTH_CHECK(k >= 1 && k <= n_expert);
+  for (int32_t j = 0; j < k; ++j) BERTH_CHECK(ids[j] >= 0 && ids[j] < n_expert);
+  route_weights(logits, n_expert, k, renormalise, ids, weights);
 }
 
 }  // namespace berth::cpu

@@ -325,7 +325,7 @@ constexpr int kRouterWarps = 16;
 template <GgmlType T>
 __global__ void __launch_bounds__(kRouterWarps * 32)
     router_route_kernel(GemvArgs a, int32_t k, bool norm, float* route, Copies cp, uint32_t* flag,
-                        uint32_t value) {
+                        uint32_t value, const int32_t* forced) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -350,7 +350,8 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   if (rank != 0) return;
   for (int64_t e = threadIdx.x; e < a.n_out; e += blockDim.x) logit_s[e] = __ldcg(a.out + e);
   __syncthreads();
-  if (warp == 0) route_one_token(logit_s, static_cast<int32_t>(a.n_out), k, norm, route, route_ex);
+  if (warp == 0)
+    route_one_token(logit_s, static_cast<int32_t>(a.n_out), k, norm, route, route_ex, forced);
   __syncthreads();  // the route's stores are visible to the block's copies
   copy_out_and_signal(cp, flag, value);
 #endif
@@ -473,11 +474,12 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
 
 template <GgmlType T>
 void launch_router_t(const GemvArgs& a, int32_t k, bool norm, float* route, const Copies& cp,
-                     uint32_t* flag, uint32_t value, size_t smem, cudaStream_t s) {
+                     uint32_t* flag, uint32_t value, size_t smem, cudaStream_t s,
+                     const int32_t* forced) {
   if constexpr (is_float_type(T))
     launch_in_clusters("router_route_kernel", router_route_kernel<T>, dim3(kRouterCluster),
                        kRouterWarps * 32, smem, s, kRouterCluster, a, k, norm, route, cp, flag,
-                       value);
+                       value, forced);
 }
 
 template <GgmlType T>
@@ -574,7 +576,7 @@ void to_half(const float* x, int64_t rows, int64_t n, const int32_t* src_rows, i
 void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float* x,
                          int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
                          const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
-                         cudaStream_t s) {
+                         cudaStream_t s, const int32_t* forced) {
   if (!is_float_type(type))
     throw Error(ErrorCategory::invalid_argument,
                 "gpu::router_route_signal: router weights of type " + std::string(type_name(type)) +
@@ -586,12 +588,12 @@ void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float
   if (!cluster_kernels_available() || smem > 48 * 1024) {
     detail::gemv(type, w, n_in, n_expert, x, detail::QAct{}, 1, logits, n_expert,
                  detail::GemvRoute{}, s);
-    moe_route_signal(logits, n_expert, k, norm, route, copies, n, flag, value, s);
+    moe_route_signal(logits, n_expert, k, norm, route, copies, n, flag, value, s, forced);
     return;
   }
   const detail::GemvArgs a = detail::gemv_args(type, w, n_in, n_expert, x, detail::QAct{}, 1,
                                                logits, n_expert, detail::GemvRoute{});
-  BERTH_DISPATCH(type, detail::launch_router_t, a, k, norm, route, cp, flag, value, smem, s)
+  BERTH_DISPATCH(type, detail::launch_router_t, a, k, norm, route, cp, flag, value, smem, s, forced)
 }
 
 using namespace detail;

@@ -62,14 +62,27 @@ constexpr int kRoutePer = 8;
 
 // The route of one token by one warp (lane = threadIdx.x % 32): l [n_expert] logits, o [2k]
 // (ids as exact floats, then weights), ex: n_expert doubles of scratch (shared memory). Every
-// lane of the warp must call it.
+// lane of the warp must call it. `forced` (null: the router selects): the token's k experts,
+// given (a routing trace replayed); their weights are computed as for selected ones.
 __device__ __forceinline__ void route_one_token(const float* l, int32_t n_expert, int32_t k,
-                                                bool norm, float* o, double* ex) {
+                                                bool norm, float* o, double* ex,
+                                                const int32_t* forced = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   constexpr unsigned kAll = 0xffffffffu;
   int32_t my_id = -1;  // lane j: slot j's expert
 
-  if (n_expert <= 32 * kRoutePer) {
+  if (forced != nullptr) {
+    float mx = -CUDART_INF_F;
+    for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+    const double mxd = mx;
+    for (int32_t e = lane; e < n_expert; e += 32)
+      ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
+    if (lane < k) {
+      my_id = forced[lane];
+      o[lane] = static_cast<float>(my_id);
+    }
+  } else if (n_expert <= 32 * kRoutePer) {
     // Fast path: lane's experts lane + 32u in registers, loaded together; each slot is the
     // largest key (one redux) and, among lanes holding it, the lowest id (another redux).
     float key[kRoutePer];

@@ -23,11 +23,12 @@ void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argum
 template <bool kSignal>
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
-                     Copies cp, uint32_t* flag, uint32_t value) {
+                     Copies cp, uint32_t* flag, uint32_t value, const int32_t* forced) {
   pdl_enter();
   extern __shared__ double ex[];  // n_expert: exp(key - max)
   route_one_token(logits + static_cast<int64_t>(blockIdx.x) * n_expert, n_expert, k, norm,
-                  out + static_cast<int64_t>(blockIdx.x) * 2 * k, ex);
+                  out + static_cast<int64_t>(blockIdx.x) * 2 * k, ex,
+                  forced ? forced + static_cast<int64_t>(blockIdx.x) * k : nullptr);
   if constexpr (kSignal) {
     __syncthreads();  // the route's stores above are visible to the block's copies
     copy_out_and_signal(cp, flag, value);
@@ -149,23 +150,23 @@ int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 }  // namespace
 
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
-               float* out, cudaStream_t stream) {
+               float* out, cudaStream_t stream, const int32_t* forced) {
   check_route(n_expert, k);
   if (n_tok <= 0) return;
   if (n_tok > 0x7fffffff) bad_arg("gpu::moe_route: too many tokens");
   const size_t smem = static_cast<size_t>(n_expert) * sizeof(double);
   launch("moe_route_kernel", moe_route_kernel<false>, static_cast<unsigned>(n_tok), kRouteThreads,
-         smem, stream, logits, n_expert, k, norm, out, Copies{}, nullptr, 0u);
+         smem, stream, logits, n_expert, k, norm, out, Copies{}, nullptr, 0u, forced);
 }
 
 void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
                       const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const int32_t* forced) {
   check_route(n_expert, k);
   const Copies cp = pack_copies(copies, n, "gpu::moe_route_signal");
   launch("moe_route_kernel (signal)", moe_route_kernel<true>, 1, kRouteThreads,
          static_cast<size_t>(n_expert) * sizeof(double), stream, logits, n_expert, k, norm, out, cp,
-         flag, value);
+         flag, value, forced);
 }
 
 void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream) {

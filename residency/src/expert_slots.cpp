@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 
 #include "berth/core/error.h"
 
@@ -45,6 +47,78 @@ std::vector<int32_t> RotatingSlotPolicy::target(int32_t layer) {
 
 std::unique_ptr<SlotPolicy> default_slot_policy() {
   return std::make_unique<CacheSlotPolicy>(std::make_unique<residency::LfuDecayPolicy>(64.0));
+}
+
+FrequencySlotPolicy::FrequencySlotPolicy(const residency::RoutingTrace& calibration,
+                                         std::string name)
+    : name_(std::move(name)),
+      trace_n_expert_(calibration.shape.n_expert),
+      trace_blocks_(calibration.shape.blocks) {
+  const residency::TraceShape& sh = calibration.shape;
+  counts_.assign(static_cast<size_t>(sh.n_layer),
+                 std::vector<int64_t>(static_cast<size_t>(sh.n_expert), 0));
+  for (int64_t t = 0; t < calibration.n_tokens(); ++t)
+    for (int32_t l = 0; l < sh.n_layer; ++l)
+      for (uint16_t e : calibration.token_ids(t, l)) ++counts_[static_cast<size_t>(l)][e];
+}
+
+void FrequencySlotPolicy::set_blocks(std::span<const int32_t> blocks) {
+  blocks_.assign(blocks.begin(), blocks.end());
+}
+
+void FrequencySlotPolicy::reset(int32_t n_layer, int32_t n_expert, int32_t capacity) {
+  if (n_expert != trace_n_expert_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("{}: the calibration trace has n_expert {}, the model {}", name_,
+                            trace_n_expert_, n_expert));
+  if (static_cast<int32_t>(blocks_.size()) != n_layer)
+    throw Error(ErrorCategory::internal,
+                fmt::format("frequency policy: {} layers with slots, {} blocks given", n_layer,
+                            blocks_.size()));
+  want_.clear();
+  for (int32_t block : blocks_) {
+    const auto it = std::find(trace_blocks_.begin(), trace_blocks_.end(), block);
+    if (it == trace_blocks_.end())
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("{}: the calibration trace does not record MoE layer {} (blk.{})",
+                              name_, block, block));
+    const std::vector<int64_t>& c = counts_[static_cast<size_t>(it - trace_blocks_.begin())];
+    std::vector<int32_t> order(static_cast<size_t>(n_expert));
+    for (int32_t e = 0; e < n_expert; ++e) order[static_cast<size_t>(e)] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return c[static_cast<size_t>(a)] > c[static_cast<size_t>(b)];
+    });
+    order.resize(static_cast<size_t>(std::min(capacity, n_expert)));
+    want_.push_back(std::move(order));
+  }
+}
+
+std::vector<int32_t> FrequencySlotPolicy::target(int32_t layer) {
+  return want_.at(static_cast<size_t>(layer));
+}
+
+std::shared_ptr<SlotPolicy> make_slot_policy(const std::string& spec) {
+  const auto bad = [&] {
+    return Error(ErrorCategory::invalid_argument,
+                 fmt::format("residency policy '{}': use lfu-decay, lfu-decay:H (half-life in "
+                             "tokens, > 0), lru or frequency:TRACE",
+                             spec));
+  };
+  if (spec == "lfu-decay") return std::shared_ptr<SlotPolicy>(default_slot_policy());
+  if (spec == "lru")
+    return std::make_shared<CacheSlotPolicy>(std::make_unique<residency::LruPolicy>());
+  if (spec.rfind("lfu-decay:", 0) == 0) {
+    const std::string h = spec.substr(10);
+    char* end = nullptr;
+    const double v = std::strtod(h.c_str(), &end);
+    if (h.empty() || *end != '\0' || !(v > 0) || !std::isfinite(v)) throw bad();
+    return std::make_shared<CacheSlotPolicy>(std::make_unique<residency::LfuDecayPolicy>(v));
+  }
+  if (spec.rfind("frequency:", 0) == 0 && spec.size() > 10) {
+    const std::string path = spec.substr(10);
+    return std::make_shared<FrequencySlotPolicy>(residency::read_routing_trace(path), path);
+  }
+  throw bad();
 }
 
 namespace {
@@ -144,6 +218,9 @@ ExpertSlots::ExpertSlots(Device& dev, const graph::WeightTable& weights,
       }
       dev_.upload(M.dev_table, M.host_table, static_cast<size_t>(ids.n_expert) * 4);
     }
+    std::vector<int32_t> blocks;
+    for (const Layer& L : layers_) blocks.push_back(weights.layer(L.ids.gate));
+    opt_.policy->set_blocks(blocks);
     opt_.policy->reset(n_layers(), n_expert, c);
   } catch (...) {
     release();

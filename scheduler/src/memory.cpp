@@ -48,7 +48,8 @@ size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_
   return total;
 }
 
-MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w) {
+MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w,
+                       std::span<const graph::ValueId> keep) {
   const graph::Graph& g = s.g;
   const size_t n_val = g.values.size();
   MemoryPlan m;
@@ -98,6 +99,8 @@ MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w) {
     m.ws_bytes = std::max(m.ws_bytes, c.ws_bytes);
   }
   if (s.value_side[out] == Side::device) death[out] = n_calls;
+  for (ValueId v : keep)
+    if (m.on_device[static_cast<size_t>(v)]) death[static_cast<size_t>(v)] = n_calls;
   std::vector<size_t> sizes(n_val, 0);
   for (size_t v = 0; v < n_val; ++v) {
     if (m.on_device[v]) sizes[v] = value_bytes(g.values[v]);

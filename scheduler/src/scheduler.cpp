@@ -149,6 +149,92 @@ void Scheduler::release() {
   if (positions_dev_) dev_->dealloc(positions_dev_), positions_dev_ = nullptr;
   if (seqs_host_) dev_->dealloc_host(seqs_host_), seqs_host_ = nullptr;
   if (seqs_dev_) dev_->dealloc(seqs_dev_), seqs_dev_ = nullptr;
+  if (forced_host_) dev_->dealloc_host(forced_host_), forced_host_ = nullptr;
+  if (forced_dev_) dev_->dealloc(forced_dev_), forced_dev_ = nullptr;
+  if (route_copy_) dev_->dealloc_host(route_copy_), route_copy_ = nullptr;
+}
+
+void Scheduler::set_routing(int32_t n_route, int32_t k, RoutingHooks hooks) {
+  if (stepped_)
+    throw Error(ErrorCategory::invalid_argument, "routing hooks must be set before the first step");
+  if (n_route < 1 || k < 1)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("routing hooks for {} routes of {} experts", n_route, k));
+  const size_t ids =
+      static_cast<size_t>(kv_.n_rows()) * static_cast<size_t>(n_route) * static_cast<size_t>(k);
+  if (dev_) {
+    if (forced_host_) dev_->dealloc_host(forced_host_), forced_host_ = nullptr;
+    if (forced_dev_) dev_->dealloc(forced_dev_), forced_dev_ = nullptr;
+    if (route_copy_) dev_->dealloc_host(route_copy_), route_copy_ = nullptr;
+    if (hooks.force) {
+      forced_host_ = static_cast<int32_t*>(dev_->alloc_host(ids * 4, "forced routes"));
+      forced_dev_ = static_cast<int32_t*>(dev_->alloc(ids * 4, "forced routes"));
+    }
+    if (hooks.record)
+      route_copy_ = static_cast<float*>(dev_->alloc_host(
+          static_cast<size_t>(kv_.n_rows()) * 2 * static_cast<size_t>(k) * 4, "recorded routes"));
+  } else if (hooks.force) {
+    forced_cpu_.assign(ids, 0);
+  }
+  routing_ = std::move(hooks);
+  n_route_ = n_route;
+  route_k_ = k;
+}
+
+void Scheduler::route_before(const graph::Graph& g) {
+  stepped_ = true;
+  if (!routing_.force && !routing_.record) return;
+  int32_t n = 0;
+  for (const Op& op : g.ops) n += op.kind == OpKind::moe_route;
+  if (n != n_route_)
+    throw Error(
+        ErrorCategory::invalid_argument,
+        fmt::format("the routing hooks are for {} MoE layers; the step has {}", n_route_, n));
+  if (!routing_.force) return;
+  int32_t* ids = dev_ ? forced_host_ : forced_cpu_.data();
+  routing_.force(g, ids);
+  cpu_.set_forced_routes(ids, g.n_tokens);
+}
+
+void Scheduler::route_after(const graph::Graph& g, const Step* st) {
+  if (!routing_.record) return;
+  route_ptrs_.clear();
+  const size_t k2 = static_cast<size_t>(2 * route_k_);
+  const size_t per = static_cast<size_t>(g.n_tokens) * k2;
+  // Device routes first, one copy each into its own stretch of route_copy_ (n_rows tokens'
+  // worth: n_route * n_tokens of them fit when n_tokens * n_route <= n_rows; else in turns).
+  std::vector<std::pair<size_t, graph::ValueId>> on_dev;
+  for (size_t i = 0; i < g.ops.size(); ++i) {
+    const Op& op = g.ops[i];
+    if (op.kind != OpKind::moe_route) continue;
+    if (!st) {
+      route_ptrs_.push_back(cpu_.value(g, op.output).data());
+    } else if (st->s.op_side[i] == Side::device) {
+      route_ptrs_.push_back(nullptr);
+      on_dev.emplace_back(route_ptrs_.size() - 1, op.output);
+    } else {
+      route_ptrs_.push_back(st->host_val[static_cast<size_t>(op.output)]);
+    }
+  }
+  if (on_dev.empty()) {
+    routing_.record(g, route_ptrs_);
+    return;
+  }
+  // Copies in batches that fit route_copy_ (n_rows tokens of 2k floats).
+  const size_t fit = std::max<size_t>(1, static_cast<size_t>(kv_.n_rows()) * k2 / per);
+  std::vector<std::vector<float>> held(on_dev.size());
+  for (size_t j0 = 0; j0 < on_dev.size(); j0 += fit) {
+    const size_t j1 = std::min(on_dev.size(), j0 + fit);
+    for (size_t j = j0; j < j1; ++j)
+      dev_->copy(kMain, route_copy_ + (j - j0) * per,
+                 st->b.value[static_cast<size_t>(on_dev[j].second)], per * 4);
+    dev_->synchronize(kMain);
+    for (size_t j = j0; j < j1; ++j) {
+      held[j].assign(route_copy_ + (j - j0) * per, route_copy_ + (j - j0 + 1) * per);
+      route_ptrs_[on_dev[j].first] = held[j].data();
+    }
+  }
+  routing_.record(g, route_ptrs_);
 }
 
 void Scheduler::free_step(Step& st) {
@@ -220,7 +306,11 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const Schedule& s = st.s;
   const graph::Graph& sg = s.g;
   const size_t n_val = sg.values.size(), n_ops = sg.ops.size();
-  st.m = plan_memory(s, weights_);
+  std::vector<graph::ValueId> keep;  // routes recorded after the step
+  if (routing_.record)
+    for (const Op& op : sg.ops)
+      if (op.kind == OpKind::moe_route) keep.push_back(op.output);
+  st.m = plan_memory(s, weights_, keep);
   const MemoryPlan& m = st.m;
   StepBindings& b = st.b;
   try {
@@ -281,6 +371,13 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     // read instead of a device copy.
     b.mask.assign(n_ops, nullptr);
     b.slot_table.assign(n_ops, nullptr);
+    b.forced_route.assign(n_ops, nullptr);
+    if (forced_dev_) {
+      int64_t r = 0;
+      for (size_t i = 0; i < n_ops; ++i)
+        if (sg.ops[i].kind == OpKind::moe_route)
+          b.forced_route[i] = forced_dev_ + r++ * sg.n_tokens * route_k_;
+    }
     st.masks.assign(n_ops, nullptr);
     b.moe_w.assign(n_ops, {nullptr, nullptr, nullptr});
     int streamed = 0;
@@ -363,6 +460,10 @@ void Scheduler::enqueue_step(Step& st) {
   dev_->copy(kMain, tokens_dev_, tokens_host_, tb);
   dev_->copy(kMain, positions_dev_, positions_host_, tb);
   if (kv_.n_seq > 1) dev_->copy(kMain, seqs_dev_, seqs_host_, tb);
+  if (forced_dev_)
+    dev_->copy(kMain, forced_dev_, forced_host_,
+               static_cast<size_t>(st.n_tokens) * static_cast<size_t>(n_route_) *
+                   static_cast<size_t>(route_k_) * 4);
   // Streamed experts: op j of the list copies into stage j % 2 on the copy stream once op j - 2
   // has finished with it; the main stream waits for op j's copy only.
   std::vector<size_t> streamed;
@@ -415,8 +516,10 @@ std::span<const float> Scheduler::run(const graph::Graph& g, std::span<const int
                                       std::span<const int32_t> seqs) {
   if (!dev_) {
     const auto t0 = std::chrono::steady_clock::now();
+    route_before(g);
     std::span<const float> out = cpu_.run(g, tokens, positions, seqs);
     last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    route_after(g, nullptr);
     return out;
   }
   Step& st = step(g, tokens, positions, seqs, false);
@@ -472,6 +575,7 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   }
   st.error = nullptr;
   st.cpu_seconds = 0;
+  route_before(st.s.g);
   cpu_.begin_external(st.s.g, st.host_val);  // every segment of this step works on these buffers
   for (SegmentRun& r : st.seg_runs)
     if (st.s.segments[r.index].fork_after < 0) run_segment(&r);
@@ -537,6 +641,7 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = st.cpu_seconds;
   if (st.error) std::rethrow_exception(st.error);
+  route_after(st.s.g, &st);
   return st;
 }
 

@@ -101,6 +101,12 @@ struct StepBindings {
   /// memory (int32 [n_expert], MoeSlots::table); moe_w then points at the slot arrays. Null
   /// otherwise.
   std::vector<const int32_t*> slot_table;
+  /// Per op (moe_route), when the routing is forced (a routing trace replayed; Scheduler::
+  /// set_routing): the experts to select, int32 [rows][n_expert_used] in device memory (token t's
+  /// slot j at [t * k + j]), each distinct per token and < n_expert; the route's weights are the
+  /// router's for those experts (cpu::moe_forced's arithmetic). Empty, or null for an op: the
+  /// router selects.
+  std::vector<const int32_t*> forced_route;
   /// Per value: where device ops read and write it (null: never on the device), and its
   /// page-locked host buffer (null: it does not cross).
   std::vector<float*> value, host;

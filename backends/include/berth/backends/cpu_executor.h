@@ -115,6 +115,17 @@ class CpuExecutor {
   /// Error(invalid_argument) for a null table or a weight id outside the table.
   void bind_expert_table(graph::WeightId gate, const ExpertTable& t);
 
+  /// Forced routing (a routing trace replayed): from now on, moe_route op number r of a step's
+  /// graph (r counts the graph's moe_route ops in op order) selects, for the step's token t, the
+  /// experts ids[(r * n_tokens + t) * k + j], j < k (k = the op's n_expert_used; each id in
+  /// [0, n_expert), distinct per token: the caller's check), with the weights moe_topk would give
+  /// them (cpu::moe_forced). `n_tokens` must be the step's token count. Null `ids`: the router
+  /// selects again. The memory must stay valid while steps run.
+  void set_forced_routes(const int32_t* ids, int64_t n_tokens) {
+    forced_ids_ = ids;
+    forced_tokens_ = n_tokens;
+  }
+
   /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
   /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
   std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
@@ -161,6 +172,8 @@ class CpuExecutor {
                  int64_t cols, float* out, std::span<const int32_t> positions,
                  std::span<const int32_t> seqs);
   float* buf(graph::ValueId v) { return ptrs_[static_cast<size_t>(v)]; }
+  const int32_t* forced_ids_ = nullptr;
+  int64_t forced_tokens_ = 0;
   float* worker_scratch(size_t floats);
   /// Matmul ops reading the same input (one op, or consecutive ones such as Q/K/V), run as one
   /// parallel region: out [n_tok, n_rows(w)] = x [n_tok, ne0(w)] times w's rows for each op;

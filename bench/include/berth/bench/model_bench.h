@@ -63,6 +63,8 @@ struct ModelBenchOptions {
   double host_expert_share = 0;
   /// --residency-swaps: ExpertSlotsOptions::max_swaps_per_step (expert slots come from the plan).
   int32_t residency_swaps = 4;
+  /// --residency-policy: make_slot_policy's name (empty: the default policy).
+  std::string residency_policy;
   /// HybridOptions::warm_workers_us (0: off; -1: HybridOptions' default).
   int64_t warm_workers_us = -1;
   /// HybridOptions::handoff: "auto", "flags" or "callback".
@@ -72,6 +74,12 @@ struct ModelBenchOptions {
   /// method, `disk_bench_seconds` per run, one run) after the tests, so the tier's achieved
   /// bandwidth is a fraction within one run. 0: not measured.
   double disk_bench_seconds = 0;
+  /// --routing-trace FILE: every step's routers select this trace's experts (runtime/
+  /// routing_io.h: the run's token i takes the trace's token i mod its length; the weights and
+  /// the experts' arithmetic stay the model's). Empty: the model routes.
+  std::string routing_trace;
+  /// Decode steps per window of the residency report (tg_residency).
+  int32_t residency_window = 16;
   std::function<void(std::string_view)> progress;
   /// Called after each test with the result so far (its records' shared fields are set) and the
   /// test's result (the last of result.tests).
@@ -178,6 +186,24 @@ struct ModelBenchResult {
     double bytes_per_token = 0, ahead_hit_rate = 0, achieved_gbps = 0, wait_s_per_token = 0;
     double drive_gbps = 0, fraction = 0;
   } disk;
+  /// Routing forced from options.routing_trace: its tokens (0: the model routed).
+  int64_t routing_trace_tokens = 0;
+  /// Expert slots (--residency adaptive) in the first tg test's timed runs: routed calls of the
+  /// layers with slots and the share served from the device, swaps started and bytes copied into
+  /// slots per generated token; and per window of options.residency_window decode steps of its
+  /// last timed run, the same counts (how fast the slots warm up). slots == false: no slots.
+  struct ResidencyWindow {
+    int64_t first_token = 0, n_tokens = 0;
+    int64_t calls = 0, device_calls = 0, swaps = 0, bytes_moved = 0;
+    double device_fraction() const {
+      return calls > 0 ? static_cast<double>(device_calls) / static_cast<double>(calls) : 0;
+    }
+  };
+  struct Residency {
+    bool slots = false;
+    ResidencyWindow total;  ///< over all timed runs (first_token 0, n_tokens all generated)
+    std::vector<ResidencyWindow> windows;
+  } tg_residency;
 };
 
 /// Loads the model and runs the measurements above. Throws what loading throws (GgufError,

@@ -101,6 +101,13 @@ void add(const float* a, const float* b, float* out, int64_t n);
 void moe_topk(const float* logits, int32_t n_expert, int32_t k, bool renormalise, int32_t* ids,
               float* weights);
 
+/// moe_topk with the selection forced: the k experts are `ids` (given, in that slot order, each
+/// in [0, n_expert) and distinct: the caller's check), their weights the same p (or p / sum of
+/// the selected p) moe_topk computes for an expert it selects, in the same arithmetic. Used to
+/// replay a routing trace: only the router's picks change, not the math of the step.
+void moe_forced(const float* logits, int32_t n_expert, int32_t k, bool renormalise,
+                const int32_t* ids, float* weights);
+
 }  // namespace berth::cpu
 
 namespace berth::ref {

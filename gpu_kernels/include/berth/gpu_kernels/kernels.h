@@ -185,17 +185,19 @@ bool& attention_cluster_decode();
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
 /// the k largest p selected in descending order (ties: lowest id first), weights = selected p,
 /// divided by their sum when `norm`. out [n_tok, 2k]: ids as exact floats, then weights
-/// (double rounded once to float). Matches berth::cpu::moe_topk exactly.
+/// (double rounded once to float). Matches berth::cpu::moe_topk exactly. `forced` (device
+/// int32 [n_tok, k], or null): the experts to select instead (a routing trace replayed; each
+/// row distinct ids < n_expert, unchecked here), weighted as cpu::moe_forced weights them.
 void moe_route(const float* logits, int64_t n_tok, int32_t n_expert, int32_t k, bool norm,
-               float* out, cudaStream_t stream);
+               float* out, cudaStream_t stream, const int32_t* forced = nullptr);
 
 /// moe_route of one token (logits [1, n_expert] -> out [1, 2k]), then, in the same launch,
 /// copy_out_signal(copies, n, flag, value): a decode step's route (copies may name `out`) and
 /// hidden state reach the host with the ready flag of the CPU segment that reads them. Errors:
-/// as moe_route and copy_out_signal.
+/// as moe_route and copy_out_signal. `forced`: as moe_route's (one row).
 void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool norm, float* out,
                       const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const int32_t* forced = nullptr);
 
 /// The router's matmul and moe_route_signal of one token in one launch (a thread block cluster;
 /// on devices without clusters the two launches): logits [1, n_expert] = W x, W [n_expert, n_in]
@@ -203,10 +205,11 @@ void moe_route_signal(const float* logits, int32_t n_expert, int32_t k, bool nor
 /// the bits matmul computes; then as moe_route_signal (route [1, 2k], copies, flag). Two
 /// launches (matmul's GEMV, moe_route_signal) without cluster kernels or past 4096 experts.
 /// Errors: Error(invalid_argument) for a quantized W, and as matmul and moe_route_signal.
+/// `forced`: as moe_route's (one row).
 void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float* x,
                          int32_t n_expert, int32_t k, bool norm, float* logits, float* route,
                          const HostCopy* copies, int n, uint32_t* flag, uint32_t value,
-                         cudaStream_t stream);
+                         cudaStream_t stream, const int32_t* forced = nullptr);
 
 /// Stacked expert weights of one MoE layer: berth::MoeWeights (core/tensor.h).
 using berth::MoeWeights;

@@ -46,6 +46,7 @@
 #include "berth/backends/device.h"
 #include "berth/graph/graph.h"
 #include "berth/residency/cache_sim.h"
+#include "berth/residency/routing_trace.h"
 
 namespace berth {
 
@@ -62,6 +63,10 @@ class SlotPolicy {
   virtual void observe(int32_t layer, std::span<const uint16_t> ids) = 0;
   /// A step boundary: called once before the boundary's target() calls.
   virtual void next_step() {}
+  /// Called before reset() with the model layer (GGUF blk.N) of each layer with slots, in the
+  /// order reset() counts them. A policy that knows experts by model layer (FrequencySlotPolicy)
+  /// keeps them; the others ignore it.
+  virtual void set_blocks(std::span<const int32_t> /*blocks*/) {}
   /// The experts `layer`'s slots should hold now (distinct, < n_expert, at most capacity), the
   /// most wanted first.
   virtual std::vector<int32_t> target(int32_t layer) = 0;
@@ -100,9 +105,38 @@ class RotatingSlotPolicy final : public SlotPolicy {
   int64_t boundary_ = -1;
 };
 
+/// The frequency-static baseline: each layer's slots hold the experts a calibration trace called
+/// most (ties: the lower id), fixed for the whole run (after the first boundaries have copied
+/// them in); routing is ignored. Throws Error(invalid_argument) from set_blocks()/reset() when
+/// the trace does not record a layer with slots or has another n_expert.
+class FrequencySlotPolicy final : public SlotPolicy {
+ public:
+  /// `name`: the trace's file, for messages.
+  FrequencySlotPolicy(const residency::RoutingTrace& calibration, std::string name);
+  std::string name() const override { return "frequency(" + name_ + ")"; }
+  void set_blocks(std::span<const int32_t> blocks) override;
+  void reset(int32_t n_layer, int32_t n_expert, int32_t capacity) override;
+  void observe(int32_t, std::span<const uint16_t>) override {}
+  std::vector<int32_t> target(int32_t layer) override;
+
+ private:
+  std::string name_;
+  int32_t trace_n_expert_ = 0;
+  std::vector<int32_t> trace_blocks_;
+  std::vector<std::vector<int64_t>> counts_;  // [trace layer][expert]: calls
+  std::vector<int32_t> blocks_;               // per layer with slots: its model layer
+  std::vector<std::vector<int32_t>> want_;    // per layer with slots
+};
+
 /// The default slot policy: LFU with decay, half-life 64 tokens (docs/residency.md: best on the
 /// locality trace at 12.5% and 25% of experts).
 std::unique_ptr<SlotPolicy> default_slot_policy();
+
+/// A policy by name (`--residency-policy`): "lfu-decay" (half-life 64 tokens) or "lfu-decay:H"
+/// (H tokens, > 0), "lru", or "frequency:TRACE" (FrequencySlotPolicy of the routing trace file
+/// TRACE). Throws Error(invalid_argument) naming the accepted forms for another name, the trace
+/// reader's errors for a bad file.
+std::shared_ptr<SlotPolicy> make_slot_policy(const std::string& spec);
 
 struct ExpertSlotsOptions {
   int32_t slots_per_layer = 0;     ///< C, 1..n_expert - 1

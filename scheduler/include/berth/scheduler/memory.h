@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "berth/backends/device.h"
@@ -32,8 +33,10 @@ size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_
 
 /// The memory plan of schedule `s` (with a device; its calls' ws_bytes already set). A value
 /// lives on the device from the call that writes it (its producing call, or the fork or upload
-/// that copies it there) to the last call that reads it; the graph's output to the end.
-MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& weights);
+/// that copies it there) to the last call that reads it; the graph's output, and the device
+/// values in `keep` (e.g. routes recorded after the step), to the end.
+MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& weights,
+                       std::span<const graph::ValueId> keep = {});
 
 /// Device bytes the scheduler needs besides weights and KV cache for steps of the shape of `g`
 /// (the step graph of a full ubatch, as a model builds it) with a context of `n_ctx`: the peak

@@ -147,6 +147,26 @@ class Scheduler {
   int64_t streamed_ops() const { return n_streamed_; }
   /// Device ops enqueued that read expert weights from page-locked host memory (the share).
   int64_t host_expert_ops() const { return n_host_w_; }
+  /// Routing traces (residency/routing_trace.h): hooks around every step's moe_route ops. Route
+  /// r is the graph's r-th moe_route op in op order (one per MoE layer, in layer order).
+  struct RoutingHooks {
+    /// Before each step, fills ids [n_route][g.n_tokens][k] (k = n_expert_used; the step's
+    /// tokens in order; each token's ids distinct and < n_expert, unchecked here): the experts
+    /// every route of the step selects, wherever it runs; their weights stay the router's
+    /// (cpu::moe_forced). Null: the router selects.
+    std::function<void(const graph::Graph& g, int32_t* ids)> force;
+    /// After each step, routes[r] = route r's output [g.n_tokens][2k] (graph.h, moe_route: ids as
+    /// exact floats, then weights) in host memory valid during the call. Null: not recorded.
+    std::function<void(const graph::Graph& g, std::span<const float* const> routes)> record;
+  };
+  /// Installs `hooks` for graphs with `n_route` moe_route ops of n_expert_used `k`. Call before
+  /// the first step (captured decode graphs read the forced ids from a buffer bound when they
+  /// are made). Throws Error(invalid_argument) after a step ran or for n_route or k < 1, and the
+  /// device's Error(out_of_memory) for the buffers (n_ctx * n_seq tokens' worth of ids and, when
+  /// recording, of routes). A step whose graph has another number of moe_route ops throws
+  /// Error(invalid_argument).
+  void set_routing(int32_t n_route, int32_t k, RoutingHooks hooks);
+
   CpuExecutor& cpu() { return cpu_; }
   Device* device() const { return dev_; }
   const HybridOptions& options() const { return opt_; }
@@ -163,6 +183,9 @@ class Scheduler {
   void release_flags(Step& st, size_t from);       // sets the done flags of segments >= from
   void free_step(Step& st);
   void release();  // frees everything on the device (destructor, failed constructor)
+  // Routing hooks around a step of schedule graph `g` (the partitioned one).
+  void route_before(const graph::Graph& g);
+  void route_after(const graph::Graph& g, const Step* st);
 
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
@@ -179,6 +202,14 @@ class Scheduler {
   int32_t* positions_dev_ = nullptr;
   int32_t* seqs_host_ = nullptr;  // sequence ids, with a multi-sequence KV cache
   int32_t* seqs_dev_ = nullptr;
+  RoutingHooks routing_;
+  int32_t n_route_ = 0, route_k_ = 0;
+  bool stepped_ = false;            // a step ran (route_before)
+  int32_t* forced_host_ = nullptr;  // [n_route][n_tokens][k]: page-locked with a device
+  int32_t* forced_dev_ = nullptr;
+  std::vector<int32_t> forced_cpu_;  // without a device
+  float* route_copy_ = nullptr;      // page-locked: device routes copied for record
+  std::vector<const float*> route_ptrs_;
   std::vector<std::unique_ptr<Step>> steps_;
   uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
   double last_step_s_ = 0, last_cpu_s_ = 0;
