@@ -87,6 +87,14 @@ void CpuExecutor::bind_expert_table(graph::WeightId gate, const ExpertTable& t) 
   expert_tables_[static_cast<size_t>(gate)] = t;
 }
 
+void CpuExecutor::bind_expert_source(graph::WeightId gate, ExpertSource* src) {
+  if (gate < 0 || static_cast<size_t>(gate) >= weights_.size())
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bind_expert_source: weight {} of {}", gate, weights_.size()));
+  if (expert_sources_.size() < weights_.size()) expert_sources_.resize(weights_.size(), nullptr);
+  expert_sources_[static_cast<size_t>(gate)] = src;
+}
+
 void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> value_ptrs) {
   if (value_ptrs.size() != g.values.size())
     throw Error(ErrorCategory::internal, "begin_external: one pointer per value expected");
@@ -690,8 +698,33 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   // all of the expert's tokens (grouped GEMM), so every weight byte is read once per step.
   using Task = MoeTask;
   const int64_t n_threads = pool_.n_threads();
+  // The experts this op computes, and where their weights are: the stacked tensors, or (a layer
+  // with an expert source: the disk tier) what the source gives, in groups of at most its
+  // capacity, one parallel region each.
+  moe_active_.clear();
+  moe_tok_count_.clear();
+  for (int32_t e = 0; e < p.n_expert; ++e)
+    if (moe_first_[e + 1] > moe_first_[e]) {
+      moe_active_.push_back(e);
+      moe_tok_count_.push_back(moe_first_[e + 1] - moe_first_[e]);
+    }
+  ExpertSource* src = static_cast<size_t>(p.gate) < expert_sources_.size()
+                          ? expert_sources_[static_cast<size_t>(p.gate)]
+                          : nullptr;
+  moe_wptr_.resize(static_cast<size_t>(p.n_expert));
+  if (src) {
+    src->will_need(moe_active_, moe_tok_count_, h, n_tok);
+  } else {
+    for (int32_t e : moe_active_)
+      moe_wptr_[static_cast<size_t>(e)] = {wg.row(int64_t{e} * n_ff), wu.row(int64_t{e} * n_ff),
+                                           wd.row(int64_t{e} * n_embd)};
+  }
+  const size_t rb_g = wg.row_bytes(), rb_u = wu.row_bytes(), rb_d = wd.row_bytes();
+  const size_t group_cap = src ? static_cast<size_t>(std::max(1, src->capacity()))
+                               : std::max<size_t>(1, moe_active_.size());
+  const size_t n_groups = std::max<size_t>(1, (moe_active_.size() + group_cap - 1) / group_cap);
+  std::span<const int32_t> group;  // the experts of the current region
   int32_t n_active = 0;
-  for (int32_t e = 0; e < p.n_expert; ++e) n_active += moe_first_[e + 1] > moe_first_[e];
   // Fills `tasks` (kept between calls: no allocation per layer); returns the row block size.
   auto make_tasks = [&](int64_t n_rows, std::vector<Task>& tasks) {
     tasks.clear();
@@ -702,11 +735,9 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
         std::max<int64_t>(1, (n_threads * 4 + n_active - 1) / std::max<int64_t>(1, n_active));
     int64_t grain = (n_rows + want - 1) / want;
     grain = (grain + cpu::kGemmRowTile - 1) / cpu::kGemmRowTile * cpu::kGemmRowTile;
-    for (int32_t e = 0; e < p.n_expert; ++e) {
-      if (moe_first_[e + 1] == moe_first_[e]) continue;
+    for (int32_t e : group)
       for (int64_t r = 0; r < n_rows; r += grain)
         tasks.push_back({e, r, std::min(n_rows, r + grain)});
-    }
     return grain;
   };
 
@@ -725,99 +756,129 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
   // over tokens after it. Either way each output is the same sum in slot order.
   const std::vector<Task>& t_up = moe_tasks_up_;
   const std::vector<Task>& t_down = moe_tasks_down_;
-  const int64_t up_grain = make_tasks(n_ff, moe_tasks_up_);
-  const int64_t down_grain = make_tasks(n_embd, moe_tasks_down_);
-  const int64_t n_blocks = (n_embd + down_grain - 1) / down_grain;
-  const bool combine_in_region = n_active > 0 && n_blocks >= 2;
   uint8_t* act_d = moe_act_d_.data();
   if (moe_n_flags_ < p.n_expert) {  // kept between calls: no allocation per layer
     moe_up_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
     moe_ready_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(p.n_expert));
     moe_n_flags_ = p.n_expert;
   }
-  if (combine_in_region && moe_n_blocks_ < n_blocks) {
-    moe_block_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(n_blocks));
-    moe_n_blocks_ = n_blocks;
-  }
-  std::atomic<int32_t>* block_left = moe_block_left_.get();
-  if (combine_in_region)
-    for (int64_t b = 0; b < n_blocks; ++b) block_left[b].store(n_active, std::memory_order_relaxed);
+  std::atomic<int32_t>* up_left = moe_up_left_.get();
+  std::atomic<int32_t>* ready = moe_ready_.get();
   const auto combine = [&](int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
     moe_combine_rows(route, k, p, computes, moe_y_.data(), n_embd, t0, t1, c0, c1, out);
   };
-  std::atomic<int32_t>* up_left = moe_up_left_.get();
-  std::atomic<int32_t>* ready = moe_ready_.get();
-  // Only the active experts' flags are read (by their tasks): the others are left as they are.
-  const auto up_per_expert = static_cast<int32_t>((n_ff + up_grain - 1) / up_grain);
-  for (int32_t e = 0; e < p.n_expert; ++e) {
-    if (moe_first_[e + 1] == moe_first_[e]) continue;
-    up_left[static_cast<size_t>(e)].store(up_per_expert, std::memory_order_relaxed);
-    ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
-  }
-  const int64_t n_up = static_cast<int64_t>(t_up.size());
-  const int64_t n_tasks = n_up + static_cast<int64_t>(t_down.size());
-  std::atomic<int64_t> next{0};
-  auto run_up = [&](const Task& tk) {
-    const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
-    const int64_t r = int64_t{tk.e} * n_ff + tk.r0;
-    const auto a0 = static_cast<size_t>(act_row0(first));
-    cpu::gemm_rows(wg.type, wg.row(r), tk.r1 - tk.r0, act_g + a0 * arb_g, arb_g, n, n_embd,
-                   moe_gate_.data() + first * n_ff + tk.r0, n_ff);
-    cpu::gemm_rows(wu.type, wu.row(r), tk.r1 - tk.r0, act_u + a0 * arb_u, arb_u, n, n_embd,
-                   moe_up_.data() + first * n_ff + tk.r0, n_ff);
-    if (up_left[static_cast<size_t>(tk.e)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      for (int64_t i = first; i < first + n; ++i) {
-        float* g = moe_gate_.data() + i * n_ff;
-        cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
-        cpu::quantize_activation(wd.type, g, act_d + static_cast<size_t>(i) * arb_d, n_ff);
-      }
-      ready[static_cast<size_t>(tk.e)].store(1, std::memory_order_release);
+  // A source's experts of the current group are released however the region ends.
+  struct Release {
+    ExpertSource* src = nullptr;
+    ~Release() {
+      if (src) src->release();
     }
   };
-  // Down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
-  auto run_down = [&](const Task& tk, double& waited) {
-    if (ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0) {
-      const auto w0 = clock::now();
-      for (int spins = 0; ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0;
-           ++spins) {
-        if (spins < 4096) {
-#if defined(__x86_64__) || defined(__i386__)
-          __builtin_ia32_pause();
-#endif
-        } else {
-          std::this_thread::yield();
-        }
-      }
-      waited += secs(w0, clock::now());
-    }
-    const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
-    float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
-    cpu::gemm_rows(wd.type, wd.row(int64_t{tk.e} * n_embd + tk.r0), tk.r1 - tk.r0,
-                   act_d + static_cast<size_t>(first) * arb_d, arb_d, n, n_ff, tmp, tk.r1 - tk.r0);
-    for (int64_t s = 0; s < n; ++s)
-      std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
-                  tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
-    if (combine_in_region &&
-        block_left[tk.r0 / down_grain].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      combine(0, n_tok, tk.r0, tk.r1);
-  };
-  moe_spans_.assign(static_cast<size_t>(n_threads), ThreadSpan{});
+  bool combine_in_region = false;
   const auto t_region = clock::now();
-  pool_.parallel_for(std::min<int64_t>(n_threads, n_tasks), 1, [&](int64_t, int64_t) {
-    ThreadSpan& span = moe_spans_[static_cast<size_t>(ThreadPool::worker_index())];
-    bool took = false;
-    double waited = 0;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
-      if (!took && span.first < 0) span.first = secs(t_region, clock::now());
-      took = true;
-      if (i < n_up)
-        run_up(t_up[static_cast<size_t>(i)]);
-      else
-        run_down(t_down[static_cast<size_t>(i - n_up)], waited);
+  moe_spans_.assign(static_cast<size_t>(n_threads), ThreadSpan{});
+  for (size_t gi = 0; gi < n_groups; ++gi) {
+    const size_t g0 = std::min(moe_active_.size(), gi * group_cap);
+    group = std::span<const int32_t>(moe_active_)
+                .subspan(g0, std::min(group_cap, moe_active_.size() - g0));
+    n_active = static_cast<int32_t>(group.size());
+    Release rel;
+    if (src && !group.empty()) {
+      src->acquire(group, std::span(moe_wptr_).first(group.size()));
+      rel.src = src;
+      // acquire() wrote the group's pointers in group order: move them to their experts.
+      for (size_t i = group.size(); i-- > 0;) {
+        const auto e = static_cast<size_t>(group[i]);
+        if (e != i) moe_wptr_[e] = moe_wptr_[i];
+      }
     }
-    if (took) span.last = secs(t_region, clock::now());
-    span.wait += waited;
-  });
+    const int64_t up_grain = make_tasks(n_ff, moe_tasks_up_);
+    const int64_t down_grain = make_tasks(n_embd, moe_tasks_down_);
+    const int64_t n_blocks = (n_embd + down_grain - 1) / down_grain;
+    combine_in_region = n_groups == 1 && n_active > 0 && n_blocks >= 2;
+    if (combine_in_region && moe_n_blocks_ < n_blocks) {
+      moe_block_left_ = std::make_unique<std::atomic<int32_t>[]>(static_cast<size_t>(n_blocks));
+      moe_n_blocks_ = n_blocks;
+    }
+    std::atomic<int32_t>* block_left = moe_block_left_.get();
+    if (combine_in_region)
+      for (int64_t bl = 0; bl < n_blocks; ++bl)
+        block_left[bl].store(n_active, std::memory_order_relaxed);
+    // Only the active experts' flags are read (by their tasks): the others are left as they are.
+    const auto up_per_expert = static_cast<int32_t>((n_ff + up_grain - 1) / up_grain);
+    for (int32_t e : group) {
+      up_left[static_cast<size_t>(e)].store(up_per_expert, std::memory_order_relaxed);
+      ready[static_cast<size_t>(e)].store(0, std::memory_order_relaxed);
+    }
+    const int64_t n_up = static_cast<int64_t>(t_up.size());
+    const int64_t n_tasks = n_up + static_cast<int64_t>(t_down.size());
+    std::atomic<int64_t> next{0};
+    auto run_up = [&](const Task& tk) {
+      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+      const std::array<const uint8_t*, 3>& w = moe_wptr_[static_cast<size_t>(tk.e)];
+      const auto a0 = static_cast<size_t>(act_row0(first));
+      cpu::gemm_rows(wg.type, w[0] + static_cast<size_t>(tk.r0) * rb_g, tk.r1 - tk.r0,
+                     act_g + a0 * arb_g, arb_g, n, n_embd, moe_gate_.data() + first * n_ff + tk.r0,
+                     n_ff);
+      cpu::gemm_rows(wu.type, w[1] + static_cast<size_t>(tk.r0) * rb_u, tk.r1 - tk.r0,
+                     act_u + a0 * arb_u, arb_u, n, n_embd, moe_up_.data() + first * n_ff + tk.r0,
+                     n_ff);
+      if (up_left[static_cast<size_t>(tk.e)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        for (int64_t i = first; i < first + n; ++i) {
+          float* g = moe_gate_.data() + i * n_ff;
+          cpu::swiglu(g, moe_up_.data() + i * n_ff, g, n_ff);
+          cpu::quantize_activation(wd.type, g, act_d + static_cast<size_t>(i) * arb_d, n_ff);
+        }
+        ready[static_cast<size_t>(tk.e)].store(1, std::memory_order_release);
+      }
+    };
+    // Down: expert outputs land in y[token * k + slot] (gathered rows, scattered by a row map).
+    auto run_down = [&](const Task& tk, double& waited) {
+      if (ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0) {
+        const auto w0 = clock::now();
+        for (int spins = 0; ready[static_cast<size_t>(tk.e)].load(std::memory_order_acquire) == 0;
+             ++spins) {
+          if (spins < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+          } else {
+            std::this_thread::yield();
+          }
+        }
+        waited += secs(w0, clock::now());
+      }
+      const int64_t first = moe_first_[tk.e], n = moe_first_[tk.e + 1] - first;
+      float* tmp = worker_scratch(static_cast<size_t>(n * (tk.r1 - tk.r0)));
+      cpu::gemm_rows(wd.type,
+                     moe_wptr_[static_cast<size_t>(tk.e)][2] + static_cast<size_t>(tk.r0) * rb_d,
+                     tk.r1 - tk.r0, act_d + static_cast<size_t>(first) * arb_d, arb_d, n, n_ff, tmp,
+                     tk.r1 - tk.r0);
+      for (int64_t s = 0; s < n; ++s)
+        std::memcpy(moe_y_.data() + moe_slots_[static_cast<size_t>(first + s)] * n_embd + tk.r0,
+                    tmp + s * (tk.r1 - tk.r0), static_cast<size_t>(tk.r1 - tk.r0) * sizeof(float));
+      if (combine_in_region &&
+          block_left[tk.r0 / down_grain].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        combine(0, n_tok, tk.r0, tk.r1);
+    };
+    const auto t_group = clock::now();
+    const double t_off = secs(t_region, t_group);
+    pool_.parallel_for(std::min<int64_t>(n_threads, n_tasks), 1, [&](int64_t, int64_t) {
+      ThreadSpan& span = moe_spans_[static_cast<size_t>(ThreadPool::worker_index())];
+      bool took = false;
+      double waited = 0;
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+        if (!took && span.first < 0) span.first = t_off + secs(t_group, clock::now());
+        took = true;
+        if (i < n_up)
+          run_up(t_up[static_cast<size_t>(i)]);
+        else
+          run_down(t_down[static_cast<size_t>(i - n_up)], waited);
+      }
+      if (took) span.last = t_off + secs(t_group, clock::now());
+      span.wait += waited;
+    });
+  }
   const auto t_region_end = clock::now();
   // Combine per token in slot order (fixed, so threads and ubatches never change the bits).
   if (!combine_in_region)
@@ -825,19 +886,19 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
                        [&](int64_t t0, int64_t t1) { combine(t0, t1, 0, n_embd); });
   const auto t_exit = clock::now();
   MoeTiming& mt = moe_timing_;
-  const double region = secs(t_region, t_region_end);
+  const double whole = secs(t_region, t_region_end);
   ++mt.calls;
   mt.combined_in_region += combine_in_region;
   mt.total += secs(t_entry, t_exit);
   mt.before += secs(t_entry, t_region);
-  mt.region += region;
+  mt.region += whole;  // the groups' regions and the reads between them
   mt.after += secs(t_region_end, t_exit);
   for (const ThreadSpan& sp : moe_spans_) {
     if (sp.first < 0) continue;
     ++mt.thread_calls;
     mt.join += sp.first;
     mt.wait += sp.wait;
-    mt.tail += std::max(0.0, region - sp.last);
+    mt.tail += std::max(0.0, whole - sp.last);
   }
 }
 

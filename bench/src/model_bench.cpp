@@ -15,6 +15,7 @@
 #include <span>
 
 #include "berth/backends/thread_pool.h"
+#include "berth/bench/disk_bench.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
@@ -266,6 +267,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (!o.residency_policy.empty())
     sp.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
   PlacementSetup placed = place(*model, o.placement, sp, static_cast<bool>(options.progress));
+  use_disk_tier(file, *model, placed.plan, sp);
   set_step_options(o, sp);
   for (const std::string& note :
        device_option_notes(*model, sp, o.handoff != "auto", o.warm_workers_us >= 0))
@@ -416,6 +418,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     ModelBenchResult::ResidencyWindow slots_before;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       if (rep == 1 && (is_pp || is_tg)) session.executor().reset_profile(), reset_gpu();
+      if (rep == 1 && is_tg && session.disk_tier()) session.disk_tier()->reset_stats();
       if (rep == 1 && is_tg) slots_before = slot_counts();
       double cpu_s = 0;
       const bool last_tg = is_tg && slots && rep == o.repetitions;
@@ -461,6 +464,17 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
         m.wait_us = 1e6 * mt.wait / tc;
         m.tail_us = 1e6 * mt.tail / tc;
       }
+      if (DiskTier* d = session.disk_tier()) {
+        const DiskTier::Stats st = d->stats();
+        auto& x = r.disk;
+        x.tokens = static_cast<int64_t>(t.n_gen) * o.repetitions;
+        x.calls = st.calls, x.hits = st.hits, x.reads_demand = st.reads_demand;
+        x.reads_ahead = st.reads_ahead, x.ahead_used = st.ahead_used;
+        x.bytes_per_token = static_cast<double>(st.bytes_read) / std::max<int64_t>(1, x.tokens);
+        x.ahead_hit_rate = st.ahead_hit_rate();
+        x.achieved_gbps = st.bandwidth() / 1e9;
+        x.wait_s_per_token = st.wait_seconds / std::max<int64_t>(1, x.tokens);
+      }
       if (session.device() && r.tg_cpu_busy > 0) {
         // The device alone: the same steps with the CPU segments skipped (timing only; the
         // outputs and the KV rows they write are wrong, so the cache is cut back to the depth
@@ -488,6 +502,36 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     }
     r.tests.push_back(std::move(tr));
     if (options.on_test) options.on_test(r, r.tests.back());
+  }
+  if (DiskTier* d = session.disk_tier()) {
+    auto& x = r.disk;
+    x.used = true;
+    x.backend = std::string(io::backend_name(d->reader().backend()));
+    x.layers = d->n_layers();
+    x.slots_per_layer = d->slots_per_layer();
+    x.arena_bytes = d->arena_bytes();
+    const DiskTierLayer& l0 = sp.disk.layers.front();
+    x.read_bytes_per_expert = 0;
+    size_t slice = 0;
+    for (graph::WeightId id : l0.weights) {
+      const TensorView& w = model->weights()[id];
+      slice = std::max<size_t>(slice, w.n_bytes / static_cast<size_t>(w.ne[2]));
+      x.read_bytes_per_expert += w.n_bytes / static_cast<size_t>(w.ne[2]);
+    }
+    if (o.disk_bench_seconds > 0) {
+      DiskBenchOptions db;
+      db.path = o.model_path;
+      db.queue_depth = 32;
+      db.block_bytes = {(slice + 4095) / 4096 * 4096};
+      db.seconds = o.disk_bench_seconds;
+      const DiskBenchResult dr = run_disk_bench(db);
+      for (const DiskBenchSummary& m : dr.summary)
+        if (m.method == "io_uring O_DIRECT" && m.depth == 32) x.drive_gbps = m.gbps_median;
+      if (x.drive_gbps <= 0) log::warn("--disk-bench: no io_uring O_DIRECT run ({})", dr.io_uring);
+      x.fraction = x.drive_gbps > 0 ? x.achieved_gbps / x.drive_gbps : 0;
+      say(fmt::format("disk   O_DIRECT QD32 {} KiB reads  {:8.2f} GB/s", db.block_bytes[0] / 1024,
+                      x.drive_gbps));
+    }
   }
   const size_t llc = r.machine.llc_bytes;
   r.dram =
@@ -656,6 +700,24 @@ nlohmann::json to_json(const ModelBenchResult& r) {
         {"join_us", r.tg_moe.join_us},
         {"wait_us", r.tg_moe.wait_us},
         {"tail_us", r.tg_moe.tail_us}}},
+      {"disk_tier", r.disk.used ? json{{"backend", r.disk.backend},
+                                       {"layers", r.disk.layers},
+                                       {"ram_slots_per_layer", r.disk.slots_per_layer},
+                                       {"arena_bytes", r.disk.arena_bytes},
+                                       {"read_bytes_per_expert", r.disk.read_bytes_per_expert},
+                                       {"tg_tokens", r.disk.tokens},
+                                       {"expert_uses", r.disk.calls},
+                                       {"ram_hits", r.disk.hits},
+                                       {"reads_on_demand", r.disk.reads_demand},
+                                       {"reads_ahead", r.disk.reads_ahead},
+                                       {"reads_ahead_used", r.disk.ahead_used},
+                                       {"bytes_per_token", r.disk.bytes_per_token},
+                                       {"ahead_hit_rate", r.disk.ahead_hit_rate},
+                                       {"achieved_gbps", r.disk.achieved_gbps},
+                                       {"wait_s_per_token", r.disk.wait_s_per_token},
+                                       {"drive_odirect_qd32_gbps", r.disk.drive_gbps},
+                                       {"fraction_of_drive", r.disk.fraction}}
+                                : json(nullptr)},
       {"stream_min_tokens", r.options.stream_min_tokens},
       {"host_expert_share", r.options.host_expert_share},
       {"warm_workers_us", r.warm_workers_us},
@@ -782,6 +844,24 @@ std::string format_text(const ModelBenchResult& r) {
         "us, tail {:.1f} us\n",
         m.total_us, m.before_us, m.region_us, m.after_us, m.threads, m.join_us, m.wait_us,
         m.tail_us);
+  }
+  if (r.disk.used) {
+    const auto& d = r.disk;
+    s += fmt::format(
+        "disk tier ({}, {} MoE layers x {} RAM slots, {:.1f} MiB): tg reads {:.2f} MB/token "
+        "from disk ({:.1f} experts/token; {:.1f}% of expert uses hit RAM), read-ahead hit rate "
+        "{:.1f}% ({} ahead, {} used; {} on demand), achieved {:.2f} GB/s{}, waits {:.1f} "
+        "ms/token\n",
+        d.backend, d.layers, d.slots_per_layer, static_cast<double>(d.arena_bytes) / (1 << 20),
+        d.bytes_per_token / 1e6,
+        static_cast<double>(d.reads_demand + d.reads_ahead) /
+            static_cast<double>(std::max<int64_t>(1, d.tokens)),
+        d.calls > 0 ? 100.0 * static_cast<double>(d.hits) / static_cast<double>(d.calls) : 0.0,
+        100 * d.ahead_hit_rate, d.reads_ahead, d.ahead_used, d.reads_demand, d.achieved_gbps,
+        d.drive_gbps > 0 ? fmt::format(" = {:.0f}% of the drive's O_DIRECT QD32 {:.2f} GB/s",
+                                       100 * d.fraction, d.drive_gbps)
+                         : std::string(),
+        1e3 * d.wait_s_per_token);
   }
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {
     // Nothing measured: no table.

@@ -295,6 +295,11 @@ Runner add_bench(CLI::App& app) {
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
   add_residency_swaps(*m, o->m.residency_swaps);
+  m->add_option("--disk-bench", o->m.disk_bench_seconds,
+                "with a disk tier (--ram-budget): after the tests, measure the drive's O_DIRECT "
+                "random-read bandwidth at queue depth 32 for expert-slice reads for SECONDS, so "
+                "the tier's achieved bandwidth is a fraction within this run (0: off)")
+      ->check(CLI::Range(0.0, 600.0));
   add_residency_policy(*m, o->m.residency_policy);
   m->add_option("--routing-trace", o->m.routing_trace,
                 "replay this routing trace's expert choices (berth trace gen, run "

@@ -96,6 +96,8 @@ std::string join_counts(const std::vector<int64_t>& v) {
 void print_residency(Session& session) {
   const Residency* r = session.residency();
   if (r && r->expert_slots()) std::fprintf(stderr, "%s\n", r->expert_slots()->summary().c_str());
+  if (const DiskTier* d = session.disk_tier())
+    std::fprintf(stderr, "berth: %s\n", d->summary().c_str());
 }
 
 /// `--chat`: user turns from -p/-f and then stdin, one per line, until EOF or "/exit"; replies
@@ -202,6 +204,7 @@ int run(const RunOptions& o) {
   params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room
   params.hybrid.host_expert_share = o.host_expert_share;
   const PlacementSetup placed = place(*model, o.placement, params, true);
+  use_disk_tier(file, *model, placed.plan, params);
   params.hybrid.warm_workers_us = o.warm_workers_us;
   for (const std::string& note :
        device_option_notes(*model, params, false, o.warm_workers_us != kAutoWarmWorkersUs))

@@ -152,6 +152,7 @@ class RunningServer {
     params.hybrid.stream_experts_min_tokens = o.stream_min;
     params.hybrid.host_expert_share = o.host_expert_share;
     placed_ = place(*model_, o.placement, params, true);
+    use_disk_tier(file_, *model_, placed_.plan, params);
     params.hybrid.warm_workers_us = o.warm_workers_us;
     for (const std::string& note :
          device_option_notes(*model_, params, false, o.warm_workers_us != kAutoWarmWorkersUs))

@@ -71,6 +71,28 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
             }
           },
           "SIZE"));
+  cmd.add_option_function<std::string>(
+         "--ram-budget",
+         [&f](const std::string& s) {
+           f.ram_budget = s == "none" || s == "0" ? placement::kNoRamBudget
+                                                  : placement::parse_size(s, "--ram-budget");
+         },
+         "host memory for CPU-held weights, their KV cache and the RAM cache of disk-held "
+         "experts (24G, 1.5GiB, 512M, bytes; none or 0: no limit); routed experts beyond it "
+         "stay on disk and are read on demand (O_DIRECT); default: MemAvailable minus 1 GiB")
+      ->check(CLI::Validator(
+          [](std::string& s) -> std::string {
+            if (s == "none" || s == "0") return {};
+            try {
+              (void)placement::parse_size(s, "--ram-budget");
+              return {};
+            } catch (const Error& e) {
+              std::string m = e.what();
+              const std::string flag = "--ram-budget ";
+              return m.rfind(flag, 0) == 0 ? m.substr(flag.size()) : m;
+            }
+          },
+          "SIZE"));
 }
 
 void add_residency_swaps(CLI::App& cmd, int32_t& swaps) {

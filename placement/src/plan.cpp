@@ -310,6 +310,98 @@ void add_expert_slots(const Request& req, Plan& plan, const std::vector<bool>& o
     if (c.expert_bytes[l] > 0) plan.layer_slots[l] = n;
 }
 
+// One expert's slice of a stacked tensor of `bytes` over `n_expert`, as the RAM cache stores it:
+// at most 4 KiB of padding in front (direct_layout's pad) and rounded up to 4 KiB.
+size_t padded_slice(size_t bytes, int32_t n_expert) {
+  const size_t slice = bytes / static_cast<size_t>(n_expert);
+  return (slice + 4095) / 4096 * 4096 + 4096;
+}
+
+// The disk tier (plan.h, make_plan's comment on it).
+void add_disk_tier(const Request& req, Plan& plan) {
+  const auto n_layer = static_cast<size_t>(req.n_layer);
+  plan.ram_budget_bytes = req.ram_budget_bytes;
+  plan.layer_ram_slots.assign(n_layer, 0);
+  plan.layer_n_expert.assign(n_layer, 0);
+  std::vector<int32_t> n_exps(n_layer, 0);  // CPU-held stacked expert tensors per layer
+  std::vector<bool> no(n_layer, false);
+  for (size_t i = 0; i < req.tensors.size(); ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (!t.routed_expert() || t.layer < 0) continue;
+    const auto l = static_cast<size_t>(t.layer);
+    plan.layer_n_expert[l] = std::max(plan.layer_n_expert[l], t.n_expert);
+    if (plan.home[i] != Home::cpu || t.n_expert < 2 ||
+        (n_exps[l] > 0 && plan.layer_n_expert[l] != t.n_expert))
+      no[l] = true;
+    else
+      ++n_exps[l];
+  }
+  if (req.ram_budget_bytes == kNoRamBudget ||
+      plan.cpu_weight_bytes + plan.cpu_kv_bytes <= req.ram_budget_bytes)
+    return;
+  // Candidates: layers with exactly gate, up and down stacked and CPU-held.
+  size_t tier_bytes = 0, per_slot = 0;
+  int32_t max_c = std::numeric_limits<int32_t>::max();
+  std::vector<bool> cand(n_layer, false);
+  for (size_t l = 0; l < n_layer; ++l) cand[l] = !no[l] && n_exps[l] == 3;
+  for (size_t i = 0; i < req.tensors.size(); ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (!t.routed_expert() || t.layer < 0 || !cand[static_cast<size_t>(t.layer)]) continue;
+    tier_bytes += t.bytes;
+    per_slot += padded_slice(t.bytes, t.n_expert);
+    max_c = std::min(max_c, t.n_expert - 1);
+  }
+  const size_t fixed = plan.cpu_weight_bytes - tier_bytes + plan.cpu_kv_bytes;
+  const std::string budget = fmt::format("--ram-budget {}", mib(req.ram_budget_bytes));
+  const size_t c_fit =
+      fixed > req.ram_budget_bytes || per_slot == 0
+          ? 0
+          : std::min<size_t>((req.ram_budget_bytes - fixed) / per_slot, static_cast<size_t>(max_c));
+  if (!req.flags.ram_budget && c_fit < 1) {
+    // The default budget (MemAvailable minus the margin) is a guess, not a demand: a model it
+    // cannot tier runs from the mapping as before, with a note.
+    plan.notes.push_back(fmt::format(
+        "the CPU-held weights ({}) and KV cache ({}) exceed the default RAM budget of {} "
+        "(MemAvailable minus 1 GiB) and the disk tier cannot make up the difference (what must "
+        "stay in RAM: {}): the file is mapped and pages in and out; --ram-budget SIZE asks for "
+        "the tier",
+        mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(req.ram_budget_bytes), mib(fixed)));
+    return;
+  }
+  if (fixed > req.ram_budget_bytes)
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("what must stay in RAM does not fit the {}: CPU-held weights other "
+                            "than routed experts {} + KV cache {} = {} (routed experts that can "
+                            "go to the disk tier: {}); raise --ram-budget or put more on the GPU",
+                            budget, mib(plan.cpu_weight_bytes - tier_bytes), mib(plan.cpu_kv_bytes),
+                            mib(fixed), mib(tier_bytes)));
+  const size_t room = req.ram_budget_bytes - fixed;
+  const size_t c = c_fit;
+  if (c < 1)
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("the {} leaves {} for routed experts after the CPU-held weights "
+                            "other than routed experts ({}) and the KV cache ({}): not enough "
+                            "for one RAM slot per MoE layer ({})",
+                            budget, mib(room), mib(plan.cpu_weight_bytes - tier_bytes),
+                            mib(plan.cpu_kv_bytes), mib(per_slot)));
+  if (plan.expert_slots > 0) {
+    plan.notes.push_back(fmt::format(
+        "the disk tier turns the {} GPU expert slots per layer off (they need the experts "
+        "pinned in RAM)",
+        plan.expert_slots));
+    plan.expert_slots = 0;
+    plan.slot_bytes = 0;
+    plan.layer_slots.assign(n_layer, 0);
+  }
+  plan.ram_slots = static_cast<int32_t>(c);
+  for (size_t l = 0; l < n_layer; ++l)
+    if (cand[l]) plan.layer_ram_slots[l] = plan.ram_slots;
+  plan.disk_weight_bytes = tier_bytes;
+  plan.cpu_weight_bytes -= tier_bytes;
+  plan.ram_slot_bytes = per_slot * c;
+  plan.how += fmt::format("; disk tier: {} RAM expert slots per MoE layer", c);
+}
+
 }  // namespace
 
 Plan make_plan(const Request& req) {
@@ -619,6 +711,7 @@ Plan make_plan(const Request& req) {
                     mib(plan.gpu_weight_bytes), mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes),
                     mib(plan.margin_bytes), describe_flags(f), refusal_hint(req, plan, has_exps)));
   }
+  add_disk_tier(req, plan);
   return plan;
 }
 

@@ -21,8 +21,9 @@ double to_mib(size_t bytes) { return static_cast<double>(bytes) / kMiB; }
 // Per MoE layer (layers with routed-expert tensors): its expert count, the home of its expert
 // tensors, its expert slots.
 struct MoeLayer {
-  int32_t layer = 0, n_expert = 0, slots = 0;
+  int32_t layer = 0, n_expert = 0, slots = 0, ram_slots = 0;
   Home home = Home::cpu;
+  int32_t on_disk() const { return ram_slots > 0 ? n_expert - ram_slots : 0; }
   int32_t on_gpu() const { return home == Home::gpu ? n_expert : slots; }
 };
 std::vector<MoeLayer> moe_layers(const Request& req, const Plan& plan) {
@@ -37,6 +38,8 @@ std::vector<MoeLayer> moe_layers(const Request& req, const Plan& plan) {
       out.push_back(MoeLayer{.layer = t.layer, .home = plan.home.at(i)});
       if (static_cast<size_t>(t.layer) < plan.layer_slots.size())
         out.back().slots = plan.layer_slots[static_cast<size_t>(t.layer)];
+      if (static_cast<size_t>(t.layer) < plan.layer_ram_slots.size())
+        out.back().ram_slots = plan.layer_ram_slots[static_cast<size_t>(t.layer)];
     }
     out[static_cast<size_t>(k)].n_expert =
         std::max(out[static_cast<size_t>(k)].n_expert, t.n_expert);
@@ -78,7 +81,7 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
       size_t b = a + 1;
       while (b < moe.size() && moe[b].layer == moe[b - 1].layer + 1 &&
              moe[b].on_gpu() == moe[a].on_gpu() && moe[b].n_expert == moe[a].n_expert &&
-             moe[b].home == moe[a].home)
+             moe[b].home == moe[a].home && moe[b].ram_slots == moe[a].ram_slots)
         ++b;
       const std::string layers = b - a == 1
                                      ? fmt::format("blk.{}", moe[a].layer)
@@ -92,7 +95,11 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
               ? fmt::format("{} of {} (expert slots; the rest on the CPU)", m.slots, m.n_expert)
           : m.n_expert > 0 ? fmt::format("0 of {} (expert tensors on the CPU)", m.n_expert)
                            : std::string("none (expert tensors on the CPU)");
-      out += fmt::format("{:<16}  {}\n", layers, what);
+      const std::string disk = m.ram_slots > 0
+                                   ? fmt::format("; on disk: {} of {} (RAM cache of {} slots)",
+                                                 m.on_disk(), m.n_expert, m.ram_slots)
+                                   : std::string();
+      out += fmt::format("{:<16}  {}{}\n", layers, what, disk);
       a = b;
     }
   }
@@ -137,6 +144,17 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   out += fmt::format("{:<6} {:>14.3f} {:>14} {:>14.3f} {:>14} {:>14} {:>14.3f} {:>14}\n", "CPU",
                      to_mib(plan.cpu_weight_bytes), "-", to_mib(plan.cpu_kv_bytes), "-", "-",
                      to_mib(plan.cpu_weight_bytes + plan.cpu_kv_bytes), "-");
+  if (plan.ram_budget_bytes != kNoRamBudget || plan.ram_slots > 0) {
+    out += fmt::format("{:<6} {:>14} {:>14.3f} {:>14} {:>14} {:>14} {:>14.3f} {:>14.3f}\n", "RAM",
+                       "-", to_mib(plan.ram_slot_bytes), "-", "-", "-", to_mib(plan.ram_total()),
+                       to_mib(plan.ram_budget_bytes == kNoRamBudget ? 0 : plan.ram_budget_bytes));
+    out += fmt::format(
+        "tiers: VRAM {:.3f} MiB, RAM {:.3f} MiB (CPU weights, KV cache, RAM expert slots), disk "
+        "{:.3f} MiB (routed experts read on demand{})\n",
+        to_mib(plan.gpu_weight_bytes + plan.slot_bytes), to_mib(plan.ram_total()),
+        to_mib(plan.disk_weight_bytes),
+        plan.ram_slots > 0 ? fmt::format(", {} RAM slots per MoE layer", plan.ram_slots) : "");
+  }
   return out;
 }
 
@@ -185,8 +203,18 @@ std::string plan_json(const Request& req, const Plan& plan) {
                    {"n_expert", m.n_expert},
                    {"experts_on_gpu", m.on_gpu()},
                    {"slots", m.slots},
-                   {"home", std::string(home_name(m.home))}});
+                   {"home", std::string(home_name(m.home))},
+                   {"ram_slots", m.ram_slots},
+                   {"experts_on_disk", m.on_disk()}});
   j["moe_layers"] = std::move(moe);
+  j["tiers"] = {
+      {"vram_bytes", plan.gpu_weight_bytes + plan.slot_bytes},
+      {"ram_bytes", plan.ram_total()},
+      {"disk_bytes", plan.disk_weight_bytes},
+      {"ram_budget_bytes",
+       plan.ram_budget_bytes == kNoRamBudget ? json(nullptr) : json(plan.ram_budget_bytes)},
+      {"ram_slots", plan.ram_slots},
+      {"ram_slot_bytes", plan.ram_slot_bytes}};
   // Names come from the file: replace invalid UTF-8 rather than throw.
   return j.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }

@@ -77,6 +77,48 @@ std::string auto_stream_off(const Model& model, const placement::Plan& plan, siz
       gib(plan.cpu_weight_bytes), gib(pinned), gib(host_available));
 }
 
+size_t default_ram_budget() {
+  const size_t avail = host_available_bytes();
+  return avail > placement::kRamMargin ? avail - placement::kRamMargin : 0;
+}
+
+void use_disk_tier(const gguf::File& file, const Model& model, const placement::Plan& plan,
+                   SessionParams& params, const io::DiskReaderOptions& reader) {
+  params.disk = {};
+  if (plan.ram_slots <= 0) return;
+  const graph::WeightTable& w = model.weights();
+  params.disk.path = file.path();
+  params.disk.slots_per_layer = plan.ram_slots;
+  params.disk.reader = reader;
+  for (size_t l = 0; l < plan.layer_ram_slots.size(); ++l) {
+    if (plan.layer_ram_slots[l] <= 0) continue;
+    DiskTierLayer d;
+    d.layer = static_cast<int32_t>(l);
+    d.n_expert_used = static_cast<int32_t>(model.hparams().n_expert_used);
+    const std::array<std::string, 3> kinds{"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (w.layers[i] != static_cast<int32_t>(l)) continue;
+      if (w.roles[i] == graph::WeightRole::router) d.router = static_cast<graph::WeightId>(i);
+      if (w.roles[i] != graph::WeightRole::routed_expert) continue;
+      for (size_t t = 0; t < 3; ++t)
+        if (w[static_cast<graph::WeightId>(i)].name.find(kinds[t]) != std::string::npos) {
+          const gguf::TensorInfo* ti = file.find_tensor(w[static_cast<graph::WeightId>(i)].name);
+          if (!ti)
+            throw Error(ErrorCategory::internal,
+                        fmt::format("disk tier: tensor '{}' is not in {}",
+                                    w[static_cast<graph::WeightId>(i)].name, file.path()));
+          d.weights[t] = static_cast<graph::WeightId>(i);
+          d.file_offset[t] = file.data_offset() + ti->offset;
+        }
+    }
+    for (size_t t = 0; t < 3; ++t)
+      if (d.weights[t] == graph::kNoWeight)
+        throw Error(ErrorCategory::internal,
+                    fmt::format("disk tier: layer {} has no blk.{}.{}.weight", l, l, kinds[t]));
+    params.disk.layers.push_back(d);
+  }
+}
+
 std::unique_ptr<Device> default_device() {
   if (cuda_available()) return make_cuda_device(0);
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim)
@@ -108,6 +150,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     }
   }
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
+  // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin.
+  const size_t ram_budget = flags.ram_budget ? *flags.ram_budget : default_ram_budget();
   // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
   // the room otherwise).
@@ -119,6 +163,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     s.request =
         plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags, device_name,
                      free_bytes, has_device, stream, params.hybrid.host_expert_share);
+    s.request.ram_budget_bytes = ram_budget;
     s.plan = placement::make_plan(s.request);
   };
   const auto info = [&](std::string line) {
@@ -157,6 +202,18 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       // Not a warning: the user asked for nothing; prefill keeps the CPU path.
       if (off != "-") info(fmt::format("--stream-experts auto: off: {}", off));
     }
+  }
+  // The disk tier reads its experts into its own RAM slots: nothing may pin or stream the
+  // whole expert tensors (that would read every page of them).
+  if (s.plan.ram_slots > 0) {
+    if (stream > 0 && !auto_stream)
+      info(
+          fmt::format("--stream-experts {}: off: the routed experts are on the disk tier", stream));
+    stream = 0;
+    if (params.hybrid.host_expert_share > 0)
+      info("--host-expert-share: off: the routed experts are on the disk tier");
+    params.hybrid.host_expert_share = 0;
+    make();
   }
   // Expert slots (--residency adaptive): the plan's count, on its layers.
   ExpertSlotsOptions& xs = params.hybrid.expert_slots;

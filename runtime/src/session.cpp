@@ -40,6 +40,10 @@ Session::Session(const Model& model, SessionParams params)
   }
   scheduler_ = std::make_unique<Scheduler>(*pool_, model.weights(), kv_.view(), residency_.get(),
                                            params_.kv_home, params_.hybrid);
+  if (!params_.disk.layers.empty()) {
+    disk_ = std::make_unique<DiskTier>(model.weights(), params_.disk);
+    disk_->bind(scheduler_->cpu());
+  }
 }
 
 const graph::Graph& Session::graph_for(int32_t n_tokens, int32_t n_outputs, int32_t n_decode) {

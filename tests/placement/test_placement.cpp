@@ -1022,3 +1022,69 @@ TEST_CASE("--residency adaptive with -ngl, --cpu-moe, --n-cpu-moe and -ot") {
   CHECK(category_of([] { (void)parse_residency_mode("dynamic"); }) ==
         ErrorCategory::invalid_argument);
 }
+
+TEST_CASE("--ram-budget: routed experts beyond the budget go to the disk tier") {
+  // No device: CPU weights 571 MiB, of them 360 MiB routed experts (4 layers x 10 experts x 9
+  // MiB); the CPU KV cache 40 MiB (f32). What must stay in RAM: 211 + 40 = 251 MiB.
+  Request r = stacked_moe_request();
+  r.has_device = false;
+  const Plan all = make_plan(r);  // no budget: no tier
+  CHECK(all.ram_slots == 0);
+  CHECK(all.disk_weight_bytes == 0);
+  r.ram_budget_bytes = 1000 * MiB;  // fits: no tier
+  CHECK(make_plan(r).ram_slots == 0);
+
+  // 400 MiB: 149 MiB of room; a slot is 3 slices of 3 MiB, each padded by 4 KiB, per layer.
+  r.ram_budget_bytes = 400 * MiB;
+  const Plan p = make_plan(r);
+  const size_t per_slot = 4 * 3 * (3 * MiB + 4096);
+  CHECK(p.ram_slots == 4);
+  CHECK(p.layer_ram_slots == std::vector<int32_t>{4, 4, 4, 4});
+  CHECK(p.ram_slot_bytes == 4 * per_slot);
+  CHECK(p.disk_weight_bytes == 360 * MiB);
+  CHECK(p.cpu_weight_bytes == 211 * MiB);
+  CHECK(p.ram_total() <= 400 * MiB);
+  CHECK(p.how.find("disk tier: 4 RAM expert slots per MoE layer") != std::string::npos);
+  const std::string table = plan_table(r, p);
+  CHECK(table.find("on disk: 6 of 10 (RAM cache of 4 slots)") != std::string::npos);
+  CHECK(table.find("tiers: VRAM 0.000 MiB, RAM ") != std::string::npos);
+  CHECK(table.find("disk 360.000 MiB") != std::string::npos);
+  const auto j = nlohmann::json::parse(plan_json(r, p));
+  CHECK(j["tiers"]["disk_bytes"] == 360 * MiB);
+  CHECK(j["tiers"]["ram_budget_bytes"] == 400 * MiB);
+  CHECK(j["tiers"]["ram_slots"] == 4);
+  CHECK(j["tiers"]["ram_bytes"] == p.ram_total());
+  CHECK(j["moe_layers"][0]["experts_on_disk"] == 6);
+  CHECK(j["moe_layers"][0]["ram_slots"] == 4);
+
+  // What must stay in RAM does not fit; then room for less than one slot per layer: errors
+  // when --ram-budget was given, a note and no tier with the default budget.
+  r.ram_budget_bytes = 250 * MiB;
+  const Plan pdef = make_plan(r);
+  CHECK(pdef.ram_slots == 0);
+  CHECK(std::any_of(pdef.notes.begin(), pdef.notes.end(), [](const std::string& n) {
+    return n.find("exceed the default RAM budget of 250.0 MiB") != std::string::npos;
+  }));
+  std::string what;
+  r.flags.ram_budget = 250 * MiB;
+  CHECK(category_of([&] { (void)make_plan(r); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("what must stay in RAM does not fit the --ram-budget 250.0 MiB: CPU-held "
+                  "weights other than routed experts 211.0 MiB + KV cache 40.0 MiB") !=
+        std::string::npos);
+  r.ram_budget_bytes = 260 * MiB;
+  r.flags.ram_budget = 260 * MiB;
+  CHECK(category_of([&] { (void)make_plan(r); }, &what) == ErrorCategory::out_of_memory);
+  CHECK(what.find("not enough for one RAM slot per MoE layer") != std::string::npos);
+
+  // With a device and adaptive residency, the tier drops the GPU expert slots (with a note).
+  Request d = stacked_moe_request();
+  d.flags.vram_budget = 400 * MiB;
+  d.ram_budget_bytes = 300 * MiB;
+  const Plan pd = make_plan(d);
+  CHECK(pd.ram_slots >= 1);
+  CHECK(pd.expert_slots == 0);
+  CHECK(pd.slot_bytes == 0);
+  CHECK(std::any_of(pd.notes.begin(), pd.notes.end(), [](const std::string& n) {
+    return n.find("the disk tier turns the 2 GPU expert slots per layer off") != std::string::npos;
+  }));
+}

@@ -80,6 +80,37 @@ class CpuExecutor {
     int64_t* calls = nullptr;
     int64_t* device_calls = nullptr;
   };
+  /// Where a moe_experts op finds its experts' weights when they are not all in the tensors'
+  /// own memory (the disk tier's RAM cache, residency/disk_tier.h). Called on the thread that
+  /// runs the op, once per op: will_need(), then per group of at most capacity() experts
+  /// acquire() ... release().
+  class ExpertSource {
+   public:
+    virtual ~ExpertSource() = default;
+    /// The most experts one acquire() may hold (>= 1).
+    virtual int32_t capacity() const = 0;
+    /// The routing of this op is known: `experts` (distinct, ascending) will be computed,
+    /// `tokens[i]` tokens routed to experts[i]; `h` is the op's input [n_tok, n_embd] (f32,
+    /// row-major). Lets the source start reads early (and guess the next layer's). Must not
+    /// throw for I/O: read errors are reported by acquire().
+    virtual void will_need(std::span<const int32_t> experts, std::span<const int64_t> tokens,
+                           const float* h, int64_t n_tok) = 0;
+    /// Makes `experts` (a subset of will_need's, at most capacity()) readable and writes each
+    /// one's gate, up and down slice addresses (as stored: expert e's rows of the stacked
+    /// tensors, gate/up n_ff rows of n_embd, down n_embd rows of n_ff) to out[i]; they stay
+    /// valid and unchanged until release(). May block on reads. Throws Error(io) naming the
+    /// file, tensor and offset of a failed read.
+    virtual void acquire(std::span<const int32_t> experts,
+                         std::span<std::array<const uint8_t*, 3>> out) = 0;
+    /// The experts of the last acquire() are no longer read.
+    virtual void release() = 0;
+  };
+  /// Binds `src` (not owned; null unbinds; must outlive the executor's steps) to the layer whose
+  /// ffn_gate_exps is weight `gate`: its moe_experts ops read expert weights through it, in
+  /// groups of at most src->capacity() experts (one parallel region per group). Throws
+  /// Error(invalid_argument) for a weight id outside the table.
+  void bind_expert_source(graph::WeightId gate, ExpertSource* src);
+
   /// Binds `t` to the layer whose ffn_gate_exps is weight `gate`. Throws
   /// Error(invalid_argument) for a null table or a weight id outside the table.
   void bind_expert_table(graph::WeightId gate, const ExpertTable& t);
@@ -179,8 +210,12 @@ class CpuExecutor {
   // quantized activations for up (when its format differs from gate's) and down, gate/up
   // outputs by pair, expert outputs by slot.
   std::vector<int64_t> moe_first_, moe_slots_, moe_fill_;
-  std::vector<uint8_t> moe_mask_;           // per expert: this op computes it
-  std::vector<ExpertTable> expert_tables_;  // per WeightId (gate) of layers with expert slots
+  std::vector<uint8_t> moe_mask_;              // per expert: this op computes it
+  std::vector<ExpertTable> expert_tables_;     // per WeightId (gate) of layers with expert slots
+  std::vector<ExpertSource*> expert_sources_;  // per WeightId (gate) of layers with a source
+  std::vector<std::array<const uint8_t*, 3>> moe_wptr_;  // per expert: gate, up, down slice
+  std::vector<int32_t> moe_active_;                      // experts the op computes
+  std::vector<int64_t> moe_tok_count_;                   // tokens per active expert
   struct MoeTask {  // one (expert, block of output rows) of gate+up or of down
     int32_t e;
     int64_t r0, r1;

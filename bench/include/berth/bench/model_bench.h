@@ -69,6 +69,11 @@ struct ModelBenchOptions {
   int64_t warm_workers_us = -1;
   /// HybridOptions::handoff: "auto", "flags" or "callback".
   std::string handoff = "auto";
+  /// --disk-bench SECONDS: with a disk tier, also measure the drive's O_DIRECT random-read
+  /// bandwidth at queue depth 32 for reads of one expert slice (berth bench disk's io_uring
+  /// method, `disk_bench_seconds` per run, one run) after the tests, so the tier's achieved
+  /// bandwidth is a fraction within one run. 0: not measured.
+  double disk_bench_seconds = 0;
   /// --routing-trace FILE: every step's routers select this trace's experts (runtime/
   /// routing_io.h: the run's token i takes the trace's token i mod its length; the weights and
   /// the experts' arithmetic stay the model's). Empty: the model routes.
@@ -171,6 +176,21 @@ struct ModelBenchResult {
     double threads = 0, total_us = 0, before_us = 0, region_us = 0, after_us = 0;
     double join_us = 0, wait_us = 0, tail_us = 0;
   } tg_moe;
+  /// The disk tier (residency/disk_tier.h) over the first tg test's timed runs; used false: no
+  /// tier. bytes_per_token: bytes read from the file per decode token; ahead_hit_rate: reads
+  /// issued before they were needed / all needed reads (DiskTier::Stats::ahead_hit_rate);
+  /// achieved_gbps: bytes read / seconds with a read outstanding (1e9 B/s; a lower bound);
+  /// drive_gbps: the drive's O_DIRECT QD32 random-read rate for expert-slice reads measured in
+  /// the same run (--disk-bench; 0: not measured); fraction = achieved / drive.
+  struct DiskTierResult {
+    bool used = false;
+    std::string backend;
+    int32_t layers = 0, slots_per_layer = 0;
+    uint64_t arena_bytes = 0, read_bytes_per_expert = 0;
+    int64_t tokens = 0, calls = 0, hits = 0, reads_demand = 0, reads_ahead = 0, ahead_used = 0;
+    double bytes_per_token = 0, ahead_hit_rate = 0, achieved_gbps = 0, wait_s_per_token = 0;
+    double drive_gbps = 0, fraction = 0;
+  } disk;
   /// Routing forced from options.routing_trace: its tokens (0: the model routed).
   int64_t routing_trace_tokens = 0;
   /// Expert slots (--residency adaptive) in the first tg test's timed runs: routed calls of the

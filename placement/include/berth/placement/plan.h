@@ -91,7 +91,17 @@ struct Flags {
   int32_t n_cpu_moe = 0;                               ///< --n-cpu-moe (layers)
   std::optional<size_t> vram_budget;                   ///< --vram-budget, bytes
   ResidencyMode residency = ResidencyMode::automatic;  ///< --residency
+  /// --ram-budget, bytes: host memory the plan may fill with CPU-held weights, their KV cache
+  /// and the RAM cache of disk-held experts. nullopt: the default (place(): MemAvailable minus
+  /// kRamMargin); kNoRamBudget ("--ram-budget none" or 0): no limit, no disk tier.
+  std::optional<size_t> ram_budget;
 };
+
+/// Flags::ram_budget's "no limit".
+inline constexpr size_t kNoRamBudget = static_cast<size_t>(-1);
+/// What the default --ram-budget leaves of MemAvailable, bytes (1 GiB): activations, executor
+/// scratch, the process itself and whatever else runs on the machine.
+inline constexpr size_t kRamMargin = size_t{1} << 30;
 
 /// Everything make_plan needs; plan_request() (runtime/plan_request.h) fills it from a model.
 struct Request {
@@ -107,6 +117,9 @@ struct Request {
   bool has_device = false;       ///< a GPU is present (or planned for with --vram-budget)
   std::string device_name;       ///< for messages, e.g. "CUDA0 (NVIDIA H200)"
   size_t device_free_bytes = 0;  ///< what the device reports free
+  /// Host bytes the plan may fill (the resolved --ram-budget; kNoRamBudget: no limit). See
+  /// make_plan for the disk tier it gives a model that does not fit.
+  size_t ram_budget_bytes = kNoRamBudget;
   Flags flags;
 };
 
@@ -126,6 +139,19 @@ struct Plan {
   std::vector<int32_t> layer_slots;
   /// Device bytes of the slots and their expert->slot tables (int32 per expert per layer).
   size_t slot_bytes = 0;
+  /// The disk tier (only when the CPU-held weights and KV cache exceed Request::ram_budget_bytes):
+  /// the routed-expert tensors (ffn_{gate,up,down}_exps) of the MoE layers with
+  /// layer_ram_slots[l] > 0 stay in the file and are read on demand (O_DIRECT) into a RAM cache
+  /// of that many expert slots per layer (residency/disk_tier.h); their home stays Home::cpu.
+  /// At any time at least n_expert - layer_ram_slots[l] experts of such a layer are disk-held.
+  size_t ram_budget_bytes = kNoRamBudget;  ///< as resolved (kNoRamBudget: none)
+  int32_t ram_slots = 0;                   ///< slots per tiered layer (0: no disk tier)
+  std::vector<int32_t> layer_ram_slots;    ///< per layer (n_layer entries)
+  std::vector<int32_t> layer_n_expert;     ///< per layer: routed experts (0: not a MoE layer)
+  size_t disk_weight_bytes = 0;  ///< bytes of the tiered tensors (not in cpu_weight_bytes)
+  size_t ram_slot_bytes = 0;     ///< the RAM cache's slots (4 KiB-padded expert slices)
+  /// Host bytes the plan holds: cpu weights + CPU KV cache + the RAM cache's slots.
+  size_t ram_total() const { return cpu_weight_bytes + cpu_kv_bytes + ram_slot_bytes; }
   /// Remarks shown with the plan (flags ignored for lack of a GPU, an automatic plan that fell
   /// back to the CPU); make_plan also logs them as warnings. Callers may append their own.
   std::vector<std::string> notes;
@@ -160,6 +186,17 @@ void add_override(Flags& flags, std::string_view arg);
 /// and bench as log warnings).
 Plan make_plan(const Request& req);
 
+/// Disk tier (Request::ram_budget_bytes): when cpu weights + CPU KV cache exceed the budget,
+/// the CPU-held routed-expert tensors of every MoE layer whose three stacked expert tensors are
+/// CPU-held (-ot CPU included) move to the disk tier with the same number C of RAM slots per
+/// layer: the most that the budget's room (budget - other CPU weights - CPU KV cache) holds,
+/// each slot one expert's three slices padded to 4 KiB, C < n_expert. Which experts the slots
+/// hold is decided while running (the hottest: residency/disk_tier.h), so the coldest are the
+/// disk-held ones. GPU expert slots (--residency adaptive) are then dropped with a note. Throws
+/// Error(out_of_memory) naming the sizes when what must stay in RAM (weights other than those
+/// routed experts, the KV cache) exceeds the budget, or the room holds not even one slot per
+/// layer.
+///
 /// Human-readable table: the notes; per MoE layer how many of its experts are on the GPU (all:
 /// its expert tensors are there; C of n: C expert slots; 0: none) and, with `tensors`, one line
 /// per tensor (name, type, MiB, home); the KV cache as runs of consecutive layers with the same
@@ -171,9 +208,11 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// "total_bytes", "budget_bytes"}, "CPU": {"weights_bytes", "kv_bytes", "total_bytes"}},
 /// "tensors": [{"name", "role", "type", "bytes", "layer", "home"}...],
 /// "kv": [{"layer", "bytes", "home"}...], "residency": "static"|"adaptive", "expert_slots" (C),
-/// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "slots", "home"}...] (home of its
-/// expert tensors; experts_on_gpu = n_expert on the GPU, else its slots)}; "GPU" (with
-/// "slot_bytes") is absent when the request has no device.
+/// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "slots", "home", "ram_slots",
+/// "experts_on_disk"}...] (home of its expert tensors; experts_on_gpu = n_expert on the GPU,
+/// else its slots; experts_on_disk = n_expert - ram_slots for a tiered layer, else 0),
+/// "tiers": {"vram_bytes", "ram_bytes", "disk_bytes", "ram_budget_bytes" (null: none),
+/// "ram_slots"}}; "GPU" (with "slot_bytes") is absent when the request has no device.
 std::string plan_json(const Request& req, const Plan& plan);
 
 }  // namespace berth::placement

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "berth/backends/device.h"
+#include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
 #include "berth/runtime/session.h"
@@ -32,8 +33,8 @@ struct PlacementSetup {
 };
 
 /// The device to plan for: the first CUDA device when this build and machine have one; else, when
-/// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a simulated device of that size
-/// (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU); else
+/// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a simulated device of that
+/// size (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU); else
 /// none. Throws Error(invalid_argument) for a bad BERTH_SIM_DEVICE.
 std::unique_ptr<Device> default_device();
 
@@ -55,6 +56,17 @@ std::unique_ptr<Device> default_device();
 /// bar is set.
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
                      bool progress_to_stderr, bool plan_only = false);
+
+/// The default --ram-budget: MemAvailable of /proc/meminfo minus placement::kRamMargin (0 when
+/// less is available), bytes.
+size_t default_ram_budget();
+
+/// Fills params.disk (the disk tier) from `plan`'s tiered layers (Plan::layer_ram_slots): each
+/// layer's ffn_{gate,up,down}_exps with its file offset in `file` (the file `model` was loaded
+/// from), its router for read-ahead, `reader` as the reader's options. Clears params.disk when
+/// the plan has no disk tier. Throws Error(internal) when a tiered layer lacks its tensors.
+void use_disk_tier(const gguf::File& file, const Model& model, const placement::Plan& plan,
+                   SessionParams& params, const io::DiskReaderOptions& reader = {});
 
 /// The schedules the Scheduler would run under `setup` and `params` (as place() left them): of a
 /// decode step (1 token) and of a full prefill ubatch (params.n_ubatch tokens, capped at the

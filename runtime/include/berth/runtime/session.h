@@ -13,6 +13,7 @@
 #include "berth/backends/thread_pool.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
+#include "berth/residency/disk_tier.h"
 #include "berth/residency/residency.h"
 #include "berth/runtime/kv_cache.h"
 #include "berth/runtime/sampler.h"
@@ -33,6 +34,10 @@ struct SessionParams {
   Device* device = nullptr;
   std::vector<placement::Home> weight_home, kv_home;
   HybridOptions hybrid;
+  /// The disk tier (residency/disk_tier.h; use_disk_tier() in runtime/placed.h fills it from
+  /// the plan): its layers' moe_experts ops read their experts through a RAM cache of slots
+  /// filled from the file. Empty layers: none.
+  DiskTierOptions disk;
 };
 
 /// Default context when -c is 0: as llama.cpp, 4096 unless the model was trained on fewer.
@@ -113,6 +118,8 @@ class Session {
   Device* device() const { return params_.device; }
   /// Where the weights are (with a device), or nullptr.
   Residency* residency() { return residency_.get(); }
+  /// The disk tier, or nullptr.
+  DiskTier* disk_tier() { return disk_.get(); }
   size_t kv_bytes() const { return kv_.bytes(); }
   /// Device bytes of the KV cache's device rows.
   size_t kv_device_bytes() const { return kv_.device_bytes(); }
@@ -129,6 +136,7 @@ class Session {
   KvCache kv_;
   std::unique_ptr<Residency> residency_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<DiskTier> disk_;  // bound to scheduler_'s CPU executor
   int64_t n_past_ = 0;
   int64_t n_prefill_tokens_ = 0, n_decode_tokens_ = 0;
   std::vector<float> logits_;

@@ -1,0 +1,397 @@
+#include "berth/residency/disk_tier.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <numeric>
+
+#include "berth/core/error.h"
+#include "berth/core/log.h"
+
+namespace berth {
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+constexpr size_t kAlign = io::kDirectAlignment;
+size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+class DiskTier::Layer final : public CpuExecutor::ExpertSource {
+ public:
+  Layer(DiskTier& tier, const DiskTierLayer& spec, uint8_t* base, int32_t n_slots,
+        const std::array<size_t, 3>& slice, const std::array<size_t, 3>& area)
+      : tier_(tier), spec_(spec), base_(base), slice_(slice), area_(area) {
+    const TensorView& g = tier.weights_[spec.weights[0]];
+    n_expert_ = static_cast<int32_t>(g.ne[2]);
+    slot_bytes_ = area[0] + area[1] + area[2];
+    slots_.resize(static_cast<size_t>(n_slots));
+    expert_slot_.assign(static_cast<size_t>(n_expert_), -1);
+    score_.assign(static_cast<size_t>(n_expert_), 0.0);
+    needed_.assign(static_cast<size_t>(n_expert_), 0);
+    for (size_t t = 0; t < 3; ++t) names_[t] = tier.weights_[spec.weights[t]].name;
+  }
+
+  int32_t capacity() const override { return static_cast<int32_t>(slots_.size()); }
+
+  void will_need(std::span<const int32_t> experts, std::span<const int64_t> tokens, const float* h,
+                 int64_t n_tok) override {
+    poll_loading();
+    // Scores: each call counts inc_, which grows by 2^(1/half-life) per token (the same as
+    // decaying every score), rescaled before it overflows.
+    inc_ *= std::exp2(static_cast<double>(n_tok) / tier_.opt_.half_life_tokens);
+    if (inc_ > 1e200) {
+      for (double& s : score_) s /= inc_;
+      inc_ = 1.0;
+    }
+    std::fill(needed_.begin(), needed_.end(), 0);
+    for (size_t i = 0; i < experts.size(); ++i) {
+      score_[static_cast<size_t>(experts[i])] += inc_ * static_cast<double>(tokens[i]);
+      needed_[static_cast<size_t>(experts[i])] = 1;
+    }
+    // On demand: the first group's missing experts (later groups read at their acquire()).
+    const size_t first = std::min(experts.size(), slots_.size());
+    for (size_t i = 0; i < first; ++i) {
+      const int32_t e = experts[i];
+      if (expert_slot_[static_cast<size_t>(e)] >= 0) continue;
+      const int32_t s = victim(/*for_ahead=*/false);
+      if (s < 0) break;  // every slot holds a needed expert or is being read
+      start_read(s, e, /*ahead=*/false);
+    }
+    // Ahead: the next tiered layer's likely experts, from this layer's input (decode only).
+    if (next_ && tier_.opt_.read_ahead && n_tok == 1 && h) next_->read_ahead(h);
+  }
+
+  void acquire(std::span<const int32_t> experts,
+               std::span<std::array<const uint8_t*, 3>> out) override {
+    release();
+    const double t0 = now_s();
+    // Every expert of the group gets a slot (the group is at most capacity()).
+    for (int32_t e : experts) {
+      int32_t s = expert_slot_[static_cast<size_t>(e)];
+      if (s < 0) {
+        s = victim(/*for_ahead=*/false, experts);
+        if (s < 0) s = settle_one(experts);
+        if (s < 0)
+          throw Error(
+              ErrorCategory::internal,
+              fmt::format("disk tier, layer {}: no free RAM slot for expert {}", spec_.layer, e));
+        start_read(s, e, /*ahead=*/false);
+      }
+      slots_[static_cast<size_t>(s)].pinned = true;
+      pinned_list_.push_back(s);
+    }
+    // Wait for the reads; the first error is thrown after all of the group's reads ended.
+    std::exception_ptr err;
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const int32_t e = experts[i];
+      Slot& sl = slots_[static_cast<size_t>(expert_slot_[static_cast<size_t>(e)])];
+      if (sl.ticket != 0) {
+        try {
+          tier_.reader_->wait(sl.ticket);
+          sl.ticket = 0;
+          tier_.note_done();
+        } catch (...) {
+          sl.ticket = 0;
+          tier_.note_done();
+          if (!err) err = std::current_exception();
+          drop(sl);
+          continue;
+        }
+      }
+      if (sl.error) {  // a read-ahead that failed: the error is this use's
+        if (!err) err = sl.error;
+        drop(sl);
+        continue;
+      }
+      ++tier_.stats_.calls;
+      if (sl.ahead) {
+        ++tier_.stats_.ahead_used;
+        sl.ahead = false;
+      } else if (!sl.fresh) {
+        ++tier_.stats_.hits;
+      }
+      sl.fresh = false;
+      const uint8_t* b = base_ + static_cast<size_t>(&sl - slots_.data()) * slot_bytes_;
+      out[i] = {b + pad(0, e), b + area_[0] + pad(1, e), b + area_[0] + area_[1] + pad(2, e)};
+    }
+    tier_.stats_.wait_seconds += now_s() - t0;
+    if (err) {
+      release();
+      std::rethrow_exception(err);
+    }
+  }
+
+  void release() override {
+    for (int32_t s : pinned_list_)
+      if (s >= 0) slots_[static_cast<size_t>(s)].pinned = false;
+    pinned_list_.clear();
+  }
+
+  void set_next(Layer* next) { next_ = next; }
+
+  // Reads this layer's predicted experts for a token whose previous-layer input is h: this
+  // layer's router applied to h, top n_expert_used, those not in RAM into slots that are free or
+  // hold the coldest experts (never one being read, never waiting).
+  void read_ahead(const float* h) {
+    if (spec_.router == graph::kNoWeight) return;
+    const TensorView& r = tier_.weights_[spec_.router];
+    if (r.type != GgmlType::F32 || r.ne[1] != n_expert_) return;
+    poll_loading();
+    const int64_t n_embd = r.ne[0];
+    logits_.resize(static_cast<size_t>(n_expert_));
+    for (int32_t e = 0; e < n_expert_; ++e) {
+      const auto* w = reinterpret_cast<const float*>(r.row(e));
+      float acc = 0;
+      for (int64_t i = 0; i < n_embd; ++i) acc += w[i] * h[i];
+      logits_[static_cast<size_t>(e)] = acc;
+    }
+    order_.resize(static_cast<size_t>(n_expert_));
+    std::iota(order_.begin(), order_.end(), 0);
+    const auto k = static_cast<size_t>(std::clamp(spec_.n_expert_used, 1, n_expert_));
+    std::partial_sort(order_.begin(), order_.begin() + static_cast<long>(k), order_.end(),
+                      [&](int32_t a, int32_t b) {
+                        return logits_[static_cast<size_t>(a)] > logits_[static_cast<size_t>(b)];
+                      });
+    std::fill(needed_.begin(), needed_.end(), 0);
+    for (size_t i = 0; i < k; ++i) needed_[static_cast<size_t>(order_[i])] = 1;
+    for (size_t i = 0; i < k; ++i) {
+      const int32_t e = order_[i];
+      if (expert_slot_[static_cast<size_t>(e)] >= 0) continue;
+      const int32_t s = victim(/*for_ahead=*/true);
+      if (s < 0) break;
+      start_read(s, e, /*ahead=*/true);
+    }
+  }
+
+  // Polls this layer's reads in flight (never blocks); a failed one keeps its error for the use.
+  void poll_loading() {
+    for (Slot& sl : slots_) {
+      if (sl.ticket == 0) continue;
+      try {
+        if (!tier_.reader_->poll(sl.ticket)) continue;
+      } catch (...) {
+        sl.error = std::current_exception();
+      }
+      sl.ticket = 0;
+      tier_.note_done();
+    }
+  }
+
+  // A slot being read (a read-ahead, or a later group's read) that holds no expert of `group`:
+  // waits for its read to end and returns it (a failed read leaves it empty). -1: none.
+  int32_t settle_one(std::span<const int32_t> group) {
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      Slot& sl = slots_[s];
+      if (sl.pinned || sl.ticket == 0) continue;
+      if (std::find(group.begin(), group.end(), sl.expert) != group.end()) continue;
+      try {
+        tier_.reader_->wait(sl.ticket);
+      } catch (...) {
+        sl.error = std::current_exception();
+      }
+      sl.ticket = 0;
+      tier_.note_done();
+      if (sl.error) drop(sl);
+      return static_cast<int32_t>(s);
+    }
+    return -1;
+  }
+
+  // Waits for every read in flight (destruction).
+  void drain() {
+    for (Slot& sl : slots_)
+      if (sl.ticket != 0) {
+        try {
+          tier_.reader_->wait(sl.ticket);
+        } catch (...) {
+        }
+        sl.ticket = 0;
+      }
+  }
+
+ private:
+  struct Slot {
+    int32_t expert = -1;
+    io::Ticket ticket = 0;  // a read in flight
+    bool pinned = false;    // acquired by the running op
+    bool ahead = false;     // read ahead, not used yet
+    bool fresh = false;     // read, not used yet
+    std::exception_ptr error;
+  };
+
+  size_t pad(size_t t, int32_t e) const {
+    return io::direct_layout(spec_.file_offset[t] + static_cast<uint64_t>(e) * slice_[t], slice_[t])
+        .pad;
+  }
+
+  // A slot for a new expert: not pinned, not being read, not holding an expert the op needs (or,
+  // in acquire, one of `group`); empty first, else the lowest score. -1: none.
+  int32_t victim(bool for_ahead, std::span<const int32_t> group = {}) {
+    int32_t best = -1;
+    double best_score = 0;
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      const Slot& sl = slots_[s];
+      if (sl.pinned || sl.ticket != 0) continue;
+      if (sl.expert < 0) return static_cast<int32_t>(s);
+      if (needed_[static_cast<size_t>(sl.expert)] && (for_ahead || group.empty())) continue;
+      if (!group.empty() && std::find(group.begin(), group.end(), sl.expert) != group.end())
+        continue;
+      const double sc = score_[static_cast<size_t>(sl.expert)];
+      if (best < 0 || sc < best_score) best = static_cast<int32_t>(s), best_score = sc;
+    }
+    return best;
+  }
+
+  void drop(Slot& sl) {
+    if (sl.expert >= 0) expert_slot_[static_cast<size_t>(sl.expert)] = -1;
+    sl.expert = -1;
+    sl.ahead = sl.fresh = false;
+    sl.error = nullptr;
+  }
+
+  void start_read(int32_t s, int32_t e, bool ahead) {
+    Slot& sl = slots_[static_cast<size_t>(s)];
+    drop(sl);
+    uint8_t* b = base_ + static_cast<size_t>(s) * slot_bytes_;
+    std::array<io::ReadRequest, 3> req;
+    std::array<std::string, 3> what;
+    size_t at = 0;
+    for (size_t t = 0; t < 3; ++t) {
+      const uint64_t off = spec_.file_offset[t] + static_cast<uint64_t>(e) * slice_[t];
+      what[t] = fmt::format("{} (expert {})", names_[t], e);
+      req[t] = io::ReadRequest{off, slice_[t], b + at + pad(t, e), what[t]};
+      at += area_[t];
+    }
+    sl.ticket = tier_.reader_->submit(req);
+    tier_.note_submit();
+    sl.expert = e;
+    sl.ahead = ahead;
+    sl.fresh = true;
+    expert_slot_[static_cast<size_t>(e)] = s;
+    tier_.stats_.bytes_read += static_cast<int64_t>(slice_[0] + slice_[1] + slice_[2]);
+    ++(ahead ? tier_.stats_.reads_ahead : tier_.stats_.reads_demand);
+  }
+
+  DiskTier& tier_;
+  DiskTierLayer spec_;
+  uint8_t* base_;
+  std::array<size_t, 3> slice_, area_;
+  std::array<std::string, 3> names_;
+  size_t slot_bytes_ = 0;
+  int32_t n_expert_ = 0;
+  std::vector<Slot> slots_;
+  std::vector<int32_t> expert_slot_;
+  std::vector<double> score_;
+  double inc_ = 1.0;
+  std::vector<uint8_t> needed_;
+  std::vector<int32_t> pinned_list_;
+  std::vector<float> logits_;
+  std::vector<int32_t> order_;
+  Layer* next_ = nullptr;
+};
+
+DiskTier::DiskTier(const graph::WeightTable& weights, DiskTierOptions options)
+    : weights_(weights), opt_(std::move(options)) {
+  const int32_t c = opt_.slots_per_layer;
+  struct Shape {
+    std::array<size_t, 3> slice, area;
+  };
+  std::vector<Shape> shapes;
+  size_t total = 0;
+  for (const DiskTierLayer& l : opt_.layers) {
+    Shape sh{};
+    int64_t n_expert = 0;
+    for (size_t t = 0; t < 3; ++t) {
+      const graph::WeightId id = l.weights[t];
+      if (id < 0 || static_cast<size_t>(id) >= weights.size())
+        throw Error(
+            ErrorCategory::invalid_argument,
+            fmt::format("disk tier: layer {} names weight {} of {}", l.layer, id, weights.size()));
+      const TensorView& w = weights[id];
+      if (t == 0) n_expert = w.ne[2];
+      if (w.ne[2] < 2 || w.ne[2] != n_expert || w.n_bytes % static_cast<size_t>(w.ne[2]) != 0)
+        throw Error(ErrorCategory::invalid_argument,
+                    fmt::format("disk tier: '{}' is not a stack of {} experts", w.name, n_expert));
+      sh.slice[t] = w.n_bytes / static_cast<size_t>(w.ne[2]);
+      sh.area[t] = round_up(sh.slice[t]) + kAlign;  // room for any direct_layout pad
+    }
+    if (c < 1 || c > n_expert)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("disk tier: {} RAM slots per layer for layer {} of {} experts", c,
+                              l.layer, n_expert));
+    shapes.push_back(sh);
+    total += (sh.area[0] + sh.area[1] + sh.area[2]) * static_cast<size_t>(c);
+  }
+  arena_ = io::AlignedBuffer(total);
+  io::DiskReaderOptions ro = opt_.reader;
+  if (total > 0) ro.fixed_buffers = {{arena_.data(), arena_.size()}};
+  reader_ = std::make_unique<io::DiskReader>(opt_.path, ro);
+  size_t at = 0;
+  for (size_t i = 0; i < opt_.layers.size(); ++i) {
+    layers_.push_back(std::make_unique<Layer>(*this, opt_.layers[i], arena_.data() + at, c,
+                                              shapes[i].slice, shapes[i].area));
+    at += (shapes[i].area[0] + shapes[i].area[1] + shapes[i].area[2]) * static_cast<size_t>(c);
+    if (i > 0) layers_[i - 1]->set_next(layers_[i].get());
+  }
+  // Drop what is resident of the tiered ranges: nothing reads them through the mapping.
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const int fd = ::open(opt_.path.c_str(), O_RDONLY | O_CLOEXEC);
+  for (const DiskTierLayer& l : opt_.layers)
+    for (size_t t = 0; t < 3; ++t) {
+      const TensorView& w = weights[l.weights[t]];
+      const auto a = reinterpret_cast<uintptr_t>(w.data);
+      const uintptr_t b = (a + page - 1) / page * page, e = (a + w.n_bytes) / page * page;
+      if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+      if (fd >= 0)
+        ::posix_fadvise(fd, static_cast<off_t>(l.file_offset[t]), static_cast<off_t>(w.n_bytes),
+                        POSIX_FADV_DONTNEED);
+    }
+  if (fd >= 0) ::close(fd);
+  log::info("{}", summary());
+}
+
+DiskTier::~DiskTier() {
+  for (auto& l : layers_) l->drain();
+}
+
+void DiskTier::bind(CpuExecutor& cpu) {
+  for (size_t i = 0; i < layers_.size(); ++i)
+    cpu.bind_expert_source(opt_.layers[i].weights[0], layers_[i].get());
+}
+
+void DiskTier::note_submit() {
+  if (outstanding_++ == 0) busy_start_ = now_s();
+}
+void DiskTier::note_done() {
+  if (outstanding_ > 0 && --outstanding_ == 0) stats_.busy_seconds += now_s() - busy_start_;
+}
+
+size_t DiskTier::arena_bytes() const { return arena_.size(); }
+int32_t DiskTier::n_layers() const { return static_cast<int32_t>(layers_.size()); }
+int32_t DiskTier::slots_per_layer() const { return opt_.slots_per_layer; }
+const io::DiskReader& DiskTier::reader() const { return *reader_; }
+DiskTier::Stats DiskTier::stats() const { return stats_; }
+void DiskTier::reset_stats() {
+  stats_ = {};
+  if (outstanding_ > 0) busy_start_ = now_s();
+}
+
+std::string DiskTier::summary() const {
+  const Stats& s = stats_;
+  return fmt::format(
+      "disk tier: {} MoE layers x {} RAM expert slots ({:.1f} MiB), {} reader: {} experts read "
+      "({:.1f} MiB), {:.1f}% read ahead, {} RAM hits",
+      layers_.size(), opt_.slots_per_layer, static_cast<double>(arena_.size()) / (1 << 20),
+      io::backend_name(reader_->backend()), s.reads_demand + s.reads_ahead,
+      static_cast<double>(s.bytes_read) / (1 << 20), 100.0 * s.ahead_hit_rate(), s.hits);
+}
+
+}  // namespace berth
