@@ -159,14 +159,15 @@ TEST_CASE("disk tier: same greedy tokens from disk (io_uring and pread), clean r
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("disk tier: peak resident memory within --ram-budget + 48 MiB, cold cache") {
+TEST_CASE(
+    "disk tier: peak resident memory within --ram-budget + 48 MiB over the floor, cold cache") {
   const auto dir = berth::test::temp_dir("disk-tier-rss");
   const std::string file = (dir / "moe.gguf").string();
-  // About 96 MiB of routed experts (4 layers x 64 experts x 3 x 144 KiB, q4_k), top 8: the
+  // About 192 MiB of routed experts (8 layers x 64 experts x 3 x 144 KiB, q4_k), top 8: the
   // prompt touches most of them, so the mmap path (no budget) holds far more than the budget.
   CommandResult r =
       run_command(berth::test::berth_bin() +
-                  " synth --preset tiny-qwen3moe --type q4_k -s 5 --n-layer 4 --n-embd 512 "
+                  " synth --preset tiny-qwen3moe --type q4_k -s 5 --n-layer 8 --n-embd 512 "
                   "--n-head 8 --n-head-kv 2 --n-ff-exp 512 --n-expert 64 --n-expert-used 8 -o " +
                   shell_quote(file));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -185,9 +186,15 @@ TEST_CASE("disk tier: peak resident memory within --ram-budget + 48 MiB, cold ca
                                       "-t",
                                       "2"};
   const long budget_kib = 24 * 1024;
-  const long overhead_kib = 48 * 1024;  // docs/disk.md: the process, activations, threads
-  long peak_ref = 0, peak_disk = 0;
-  std::string out_ref, err_ref, out_disk, err_disk;
+  const long overhead_kib = 48 * 1024;  // docs/disk.md: activations, threads, page tables
+  long peak_ref = 0, peak_disk = 0, floor = 0;
+  std::string out_ref, err_ref, out_disk, err_disk, out_floor, err_floor;
+  // The floor: the same executable and flags on a model of 1 MB (stories260K). In a build that
+  // links the CUDA libraries their pages are most of it (about 215 MiB here), which no budget
+  // of weights controls; the bound is on what a run holds above it.
+  std::vector<std::string> f = args;
+  f[2] = berth::test::stories260k().string();
+  REQUIRE_MESSAGE(run_peak(f, dir, floor, out_floor, err_floor) == 0, err_floor);
   drop_cache(file);
   std::vector<std::string> a = args;
   a.insert(a.end(), {"--ram-budget", "none"});
@@ -196,7 +203,8 @@ TEST_CASE("disk tier: peak resident memory within --ram-budget + 48 MiB, cold ca
   a = args;
   a.insert(a.end(), {"--ram-budget", "24M"});
   REQUIRE_MESSAGE(run_peak(a, dir, peak_disk, out_disk, err_disk) == 0, err_disk);
-  MESSAGE("peak resident KiB: mmap " << peak_ref << ", disk tier " << peak_disk);
+  MESSAGE("peak resident KiB: floor " << floor << ", mmap " << peak_ref << ", disk tier "
+                                      << peak_disk);
   CHECK(out_disk == out_ref);
   CHECK(err_disk.find("disk tier:") != std::string::npos);
 #if defined(__SANITIZE_ADDRESS__)
@@ -204,8 +212,8 @@ TEST_CASE("disk tier: peak resident memory within --ram-budget + 48 MiB, cold ca
   MESSAGE("AddressSanitizer build: peak memory not checked");
 #else
   // The check can fail: the mmap run's peak exceeds budget + overhead.
-  CHECK(peak_ref > budget_kib + overhead_kib);
-  CHECK(peak_disk <= budget_kib + overhead_kib);
+  CHECK(peak_ref - floor > budget_kib + overhead_kib);
+  CHECK(peak_disk - floor <= budget_kib + overhead_kib);
 #endif
   std::filesystem::remove_all(dir);
 }
