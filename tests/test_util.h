@@ -1,13 +1,30 @@
 // Helpers shared by the test suites.
 #pragma once
 
+#include <doctest/doctest.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <initializer_list>
 #include <string>
 
+#include "berth/core/error.h"
+
 namespace berth::test {
+
+/// Calls f; requires an Error of `cat` whose message contains every needle.
+template <class F>
+void expect_error(ErrorCategory cat, F&& f, std::initializer_list<std::string> needles) {
+  try {
+    f();
+    FAIL("no error thrown");
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.category() == cat);
+    for (const std::string& n : needles) CHECK(std::string(e.what()).find(n) != std::string::npos);
+  }
+}
 
 /// ../shared next to the repository (CI has it at the same relative path).
 inline std::filesystem::path shared_dir() { return BERTH_SHARED_DIR; }

@@ -60,6 +60,17 @@ __device__ __forceinline__ float route_key_z(float l) {
 // Experts per lane kept in registers by the fast path (n_expert <= 32 * kRoutePer).
 constexpr int kRoutePer = 8;
 
+// ex[e] = exp(key(l[e]) - max key) for every expert, by the warp's lanes (the general path's
+// softmax numerators; the fast path computes the same values from its registers).
+__device__ __forceinline__ void route_exp(const float* l, int32_t n_expert, int lane, double* ex) {
+  float mx = -CUDART_INF_F;
+  for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const double mxd = mx;
+  for (int32_t e = lane; e < n_expert; e += 32)
+    ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
+}
+
 // The route of one token by one warp (lane = threadIdx.x % 32): l [n_expert] logits, o [2k]
 // (ids as exact floats, then weights), ex: n_expert doubles of scratch (shared memory). Every
 // lane of the warp must call it. `forced` (null: the router selects): the token's k experts,
@@ -72,12 +83,7 @@ __device__ __forceinline__ void route_one_token(const float* l, int32_t n_expert
   int32_t my_id = -1;  // lane j: slot j's expert
 
   if (forced != nullptr) {
-    float mx = -CUDART_INF_F;
-    for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
-    const double mxd = mx;
-    for (int32_t e = lane; e < n_expert; e += 32)
-      ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
+    route_exp(l, n_expert, lane, ex);
     if (lane < k) {
       my_id = forced[lane];
       o[lane] = static_cast<float>(my_id);
@@ -129,12 +135,7 @@ __device__ __forceinline__ void route_one_token(const float* l, int32_t n_expert
       }
     }
   } else {
-    float mx = -CUDART_INF_F;
-    for (int32_t e = lane; e < n_expert; e += 32) mx = fmaxf(mx, route_key(l[e]));
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
-    const double mxd = mx;
-    for (int32_t e = lane; e < n_expert; e += 32)
-      ex[e] = exp(static_cast<double>(route_key(l[e])) - mxd);
+    route_exp(l, n_expert, lane, ex);
 
     // Slot j: the warp-wide best of the lanes' heads (each lane's best expert not yet chosen);
     // the lane that owned the winner moves its head on.

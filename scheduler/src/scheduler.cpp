@@ -153,7 +153,6 @@ void Scheduler::release() {
   if (seqs_dev_) dev_->dealloc(seqs_dev_), seqs_dev_ = nullptr;
   if (forced_host_) dev_->dealloc_host(forced_host_), forced_host_ = nullptr;
   if (forced_dev_) dev_->dealloc(forced_dev_), forced_dev_ = nullptr;
-  if (route_copy_) dev_->dealloc_host(route_copy_), route_copy_ = nullptr;
 }
 
 void Scheduler::set_routing(int32_t n_route, int32_t k, RoutingHooks hooks) {
@@ -167,14 +166,10 @@ void Scheduler::set_routing(int32_t n_route, int32_t k, RoutingHooks hooks) {
   if (dev_) {
     if (forced_host_) dev_->dealloc_host(forced_host_), forced_host_ = nullptr;
     if (forced_dev_) dev_->dealloc(forced_dev_), forced_dev_ = nullptr;
-    if (route_copy_) dev_->dealloc_host(route_copy_), route_copy_ = nullptr;
     if (hooks.force) {
       forced_host_ = static_cast<int32_t*>(dev_->alloc_host(ids * 4, "forced routes"));
       forced_dev_ = static_cast<int32_t*>(dev_->alloc(ids * 4, "forced routes"));
     }
-    if (hooks.record)
-      route_copy_ = static_cast<float*>(dev_->alloc_host(
-          static_cast<size_t>(kv_.n_rows()) * 2 * static_cast<size_t>(k) * 4, "recorded routes"));
   } else if (hooks.force) {
     forced_cpu_.assign(ids, 0);
   }
@@ -201,42 +196,28 @@ void Scheduler::route_before(const graph::Graph& g) {
 void Scheduler::route_after(const graph::Graph& g, const Step* st) {
   if (!routing_.record) return;
   route_ptrs_.clear();
-  const size_t k2 = static_cast<size_t>(2 * route_k_);
-  const size_t per = static_cast<size_t>(g.n_tokens) * k2;
-  // Device routes first, one copy each into its own stretch of route_copy_ (n_rows tokens'
-  // worth: n_route * n_tokens of them fit when n_tokens * n_route <= n_rows; else in turns).
-  std::vector<std::pair<size_t, graph::ValueId>> on_dev;
+  route_held_.resize(static_cast<size_t>(n_route_));
+  size_t r = 0;
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
     if (op.kind != OpKind::moe_route) continue;
-    if (!st) {
+    if (!st)
       route_ptrs_.push_back(cpu_.value(g, op.output).data());
-    } else if (st->s.op_side[i] == Side::device) {
-      route_ptrs_.push_back(nullptr);
-      on_dev.emplace_back(route_ptrs_.size() - 1, op.output);
-    } else {
+    else if (st->s.op_side[i] == Side::device)
+      route_ptrs_.push_back(value_to_host(*st, op.output, route_held_[r]));
+    else
       route_ptrs_.push_back(st->host_val[static_cast<size_t>(op.output)]);
-    }
-  }
-  if (on_dev.empty()) {
-    routing_.record(g, route_ptrs_);
-    return;
-  }
-  // Copies in batches that fit route_copy_ (n_rows tokens of 2k floats).
-  const size_t fit = std::max<size_t>(1, static_cast<size_t>(kv_.n_rows()) * k2 / per);
-  std::vector<std::vector<float>> held(on_dev.size());
-  for (size_t j0 = 0; j0 < on_dev.size(); j0 += fit) {
-    const size_t j1 = std::min(on_dev.size(), j0 + fit);
-    for (size_t j = j0; j < j1; ++j)
-      dev_->copy(kMain, route_copy_ + (j - j0) * per,
-                 st->b.value[static_cast<size_t>(on_dev[j].second)], per * 4);
-    dev_->synchronize(kMain);
-    for (size_t j = j0; j < j1; ++j) {
-      held[j].assign(route_copy_ + (j - j0) * per, route_copy_ + (j - j0 + 1) * per);
-      route_ptrs_[on_dev[j].first] = held[j].data();
-    }
+    ++r;
   }
   routing_.record(g, route_ptrs_);
+}
+
+const float* Scheduler::value_to_host(const Step& st, graph::ValueId v, std::vector<float>& out) {
+  const graph::ValueInfo& vi = st.s.g.values[static_cast<size_t>(v)];
+  out.resize(static_cast<size_t>(vi.rows * vi.cols));
+  // The step's streams are done; kSync copies to any host memory.
+  dev_->copy(kSync, out.data(), st.b.value[static_cast<size_t>(v)], out.size() * 4);
+  return out.data();
 }
 
 void Scheduler::free_step(Step& st) {
@@ -656,13 +637,9 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   if (!st.seat.empty() && !skip_cpu_) {
     // The streamed layers' routes, for their expert slots' next boundary.
     ExpertSlots* xs = res_->expert_slots();
-    for (const auto& [layer, v] : st.seat) {
-      const graph::ValueInfo& vi = st.s.g.values[static_cast<size_t>(v)];
-      seat_buf_.resize(static_cast<size_t>(vi.rows * vi.cols));
-      dev_->copy(kMain, seat_buf_.data(), st.b.value[static_cast<size_t>(v)], seat_buf_.size() * 4);
-      dev_->synchronize(kMain);
-      xs->observe_prefill(layer, seat_buf_.data(), vi.rows);
-    }
+    for (const auto& [layer, v] : st.seat)
+      xs->observe_prefill(layer, value_to_host(st, v, seat_buf_),
+                          st.s.g.values[static_cast<size_t>(v)].rows);
   }
   route_after(st.s.g, &st);
   return st;

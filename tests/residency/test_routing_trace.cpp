@@ -18,19 +18,7 @@ namespace {
 using berth::Error;
 using berth::ErrorCategory;
 using namespace berth::residency;
-
-// Calls f; requires an Error of `cat` whose message contains every needle.
-template <class F>
-void expect_error(ErrorCategory cat, F&& f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    FAIL("no error thrown");
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == cat);
-    for (const std::string& n : needles) CHECK(std::string(e.what()).find(n) != std::string::npos);
-  }
-}
+using berth::test::expect_error;
 
 std::vector<uint8_t> file_bytes(const std::filesystem::path& p) {
   const std::string s = berth::test::read_file(p);

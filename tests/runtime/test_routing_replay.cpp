@@ -31,6 +31,7 @@
 #include "test_util.h"
 
 using namespace berth;
+using berth::test::expect_error;
 using placement::Home;
 
 namespace {
@@ -55,19 +56,6 @@ std::string moe_file(const std::string& preset) {
   const auto path = test::temp_dir("routing") / fmt::format("{}-8x2.gguf", preset);
   if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
   return path.string();
-}
-
-// Calls f; requires an Error of `cat` whose message contains every needle.
-template <class F>
-void expect_error(ErrorCategory cat, F&& f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    FAIL("no error thrown");
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == cat);
-    for (const std::string& n : needles) CHECK(std::string(e.what()).find(n) != std::string::npos);
-  }
 }
 
 enum class Where { cpu, cpu_moe, all_device };

@@ -162,9 +162,8 @@ class Scheduler {
   /// Installs `hooks` for graphs with `n_route` moe_route ops of n_expert_used `k`. Call before
   /// the first step (captured decode graphs read the forced ids from a buffer bound when they
   /// are made). Throws Error(invalid_argument) after a step ran or for n_route or k < 1, and the
-  /// device's Error(out_of_memory) for the buffers (n_ctx * n_seq tokens' worth of ids and, when
-  /// recording, of routes). A step whose graph has another number of moe_route ops throws
-  /// Error(invalid_argument).
+  /// device's Error(out_of_memory) for the forced ids' buffers (n_ctx * n_seq tokens' worth). A
+  /// step whose graph has another number of moe_route ops throws Error(invalid_argument).
   void set_routing(int32_t n_route, int32_t k, RoutingHooks hooks);
 
   CpuExecutor& cpu() { return cpu_; }
@@ -186,6 +185,8 @@ class Scheduler {
   // Routing hooks around a step of schedule graph `g` (the partitioned one).
   void route_before(const graph::Graph& g);
   void route_after(const graph::Graph& g, const Step* st);
+  // Copies device value v of step `st` into `out` (after the step) and returns out.data().
+  const float* value_to_host(const Step& st, graph::ValueId v, std::vector<float>& out);
 
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
@@ -208,8 +209,8 @@ class Scheduler {
   int32_t* forced_host_ = nullptr;  // [n_route][n_tokens][k]: page-locked with a device
   int32_t* forced_dev_ = nullptr;
   std::vector<int32_t> forced_cpu_;  // without a device
-  float* route_copy_ = nullptr;      // page-locked: device routes copied for record
   std::vector<const float*> route_ptrs_;
+  std::vector<std::vector<float>> route_held_;  // device routes copied for record
   std::vector<float> seat_buf_;  // a streamed layer's route, copied for its expert slots
   std::vector<std::unique_ptr<Step>> steps_;
   uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
