@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <string>
@@ -348,8 +349,15 @@ size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w)
     case OpKind::attention:
       return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim,
                                             g.decode_rows(rows));
-    case OpKind::moe_experts:
-      return gpu::moe_workspace_bytes(moe_weights(w, op.moe, nullptr), rows, moe_slots(op, host_w));
+    case OpKind::moe_experts: {
+      const gpu::MoeWeights mw = moe_weights(w, op.moe, nullptr);
+      const gpu::MoeSlots sl = moe_slots(op, host_w);
+      if (!g.batch_invariant) return gpu::moe_workspace_bytes(mw, rows, sl);
+      // Rows by kind (enqueue_op): the prompt rows on the GEMM, the decode rows on the GEMV.
+      const int64_t n_dec = g.decode_rows(rows);
+      return std::max(gpu::moe_workspace_bytes(mw, rows - n_dec, sl, gpu::MoePath::gemm),
+                      gpu::moe_workspace_bytes(mw, n_dec, sl, gpu::MoePath::gemv));
+    }
     default:
       return 0;
   }
@@ -431,9 +439,19 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
     case OpKind::moe_experts: {
       const std::array<const void*, 3>& o = b.moe_w.at(i);
       const void* dw[3] = {wdev(op.moe.gate), wdev(op.moe.up), wdev(op.moe.down)};
-      gpu::moe_experts(moe_weights(weights, op.moe, o[0] ? o.data() : dw), in(0), in(1), rows,
-                       b.mask.at(i), out, b.ws, b.ws_bytes, s,
-                       moe_slots(op, host_w, backend_detail::slot_table_of(b, i)));
+      const gpu::MoeWeights mw = moe_weights(weights, op.moe, o[0] ? o.data() : dw);
+      const gpu::MoeSlots sl = moe_slots(op, host_w, backend_detail::slot_table_of(b, i));
+      if (!g.batch_invariant) {
+        gpu::moe_experts(mw, in(0), in(1), rows, b.mask.at(i), out, b.ws, b.ws_bytes, s, sl);
+        return false;
+      }
+      // Batch-invariant steps: a row's path depends on its kind, never on the step's size: the
+      // prompt rows (first) on the grouped GEMM, the decode rows (last n_dec) on the GEMV.
+      const int64_t n_prompt = rows - n_dec, k2 = 2 * static_cast<int64_t>(op.moe.n_expert_used);
+      gpu::moe_experts(mw, in(0), in(1), n_prompt, b.mask.at(i), out, b.ws, b.ws_bytes, s, sl,
+                       gpu::MoePath::gemm);
+      gpu::moe_experts(mw, in(0) + n_prompt * cols, in(1) + n_prompt * k2, n_dec, b.mask.at(i),
+                       out + n_prompt * cols, b.ws, b.ws_bytes, s, sl, gpu::MoePath::gemv);
       return false;
     }
     case OpKind::head_slice:
@@ -458,10 +476,11 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
       enqueue_op(b, c.ops[0], c.host_w);
       return;
     case CallKind::select: {
-      // Greedy selection on the device: 4 bytes travel instead of the vocabulary's logits.
+      // Greedy selection on the device: 4 bytes per output row travel instead of the
+      // vocabulary's logits.
       const graph::ValueInfo& oi = g.values[static_cast<size_t>(g.output)];
-      gpu::argmax(dv(g.output) + (oi.rows - 1) * oi.cols, 1, oi.cols, b.selected_dev, s);
-      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t));
+      gpu::argmax(dv(g.output), oi.rows, oi.cols, b.selected_dev, s);
+      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t) * static_cast<size_t>(oi.rows));
       return;
     }
     case CallKind::matmul_group: {

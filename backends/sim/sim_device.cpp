@@ -527,9 +527,8 @@ class SimDevice final : public backend_detail::StreamDevice {
     const graph::Graph& g = *b.view.g;
     if (c.kind == CallKind::select) {
       const graph::ValueInfo& oi = g.values[static_cast<size_t>(g.output)];
-      argmax(kMain, b.value[static_cast<size_t>(g.output)] + (oi.rows - 1) * oi.cols, 1, oi.cols,
-             b.selected_dev);
-      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t));
+      argmax(kMain, b.value[static_cast<size_t>(g.output)], oi.rows, oi.cols, b.selected_dev);
+      copy(kMain, b.selected_host, b.selected_dev, sizeof(int32_t) * static_cast<size_t>(oi.rows));
       return;
     }
     if (c.kind == CallKind::wait_add_norm) wait_flag(kMain, &b.flags[2 * c.seg + 1], 1);

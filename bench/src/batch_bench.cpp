@@ -141,6 +141,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
 
     std::vector<int32_t> seqs(static_cast<size_t>(n_seq));
     for (int q = 0; q < n_seq; ++q) seqs[static_cast<size_t>(q)] = session.kv().acquire();
+    if (dev) session.scheduler().set_profiling(o.profile);
     std::vector<double> secs;
     int64_t cpu_experts = 0, cpu_bytes = 0, dev_reads = 0, dev_bytes = 0;
     bool dev_counts = false;
@@ -155,6 +156,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
         }
       }
       session.executor().reset_moe_reads();
+      if (dev && o.profile && rep == 1) session.scheduler().reset_gpu_profile();
       const DeviceInfo before = dev ? dev->info() : DeviceInfo{};
       std::vector<int32_t> pos(static_cast<size_t>(n_seq));
       const auto t0 = std::chrono::steady_clock::now();
@@ -180,6 +182,10 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     }
     BatchRow row;
     row.n_seq = n_seq;
+    if (dev && o.profile)
+      for (const CpuExecutor::OpTime& p : session.scheduler().gpu_profile())
+        row.device_profile.emplace_back(
+            p.kind, p.seconds / (static_cast<double>(o.repetitions) * options.n_gen));
     row.agg_tok_s = rate_of(secs, static_cast<double>(n_seq) * options.n_gen);
     row.seq_tok_s = row.agg_tok_s.median / n_seq;
     const double steps = static_cast<double>(options.n_gen) * o.repetitions;
@@ -256,6 +262,16 @@ std::string format_text(const BatchBenchResult& r) {
                      x.bound_tok_s, 100 * x.fraction);
   if (std::any_of(r.rows.begin(), r.rows.end(), [](const BatchRow& x) { return !x.experts_exact; }))
     s += "* upper bound: the device does not count its expert reads\n";
+  for (const BatchRow& x : r.rows) {
+    if (x.device_profile.empty()) continue;
+    double total = 0;
+    for (const auto& [kind, sec] : x.device_profile) total += sec;
+    s += fmt::format("\nN={} device time by op per decode step (no graph replay): {:.1f} us\n",
+                     x.n_seq, 1e6 * total);
+    for (const auto& [kind, sec] : x.device_profile)
+      s += fmt::format("  {:<16} {:10.1f} us {:6.1f}%\n", kind, 1e6 * sec,
+                       total > 0 ? 100 * sec / total : 0.0);
+  }
   return s;
 }
 

@@ -119,10 +119,9 @@ void parse_model_lists(BenchOptions& o) {
   if (!o.n_parallel.empty() &&
       (l.n_prompt.size() != 1 || l.n_gen.size() != 1 || l.n_ubatch.size() != 1 ||
        l.n_depth != std::vector<int>{0} || l.n_batch != std::vector<int>{bench::kDefaultBatch} ||
-       !l.pg.empty() || o.output != "md" || o.m.profile || !o.m.routing_trace.empty()))
+       !l.pg.empty() || o.output != "md" || !o.m.routing_trace.empty()))
     throw CLI::ValidationError(
-        "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o, --profile or "
-        "--routing-trace");
+        "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o or --routing-trace");
   if (o.json_path == "-" && o.format != bench::OutputFormat::md)
     throw CLI::ValidationError(fmt::format(
         "--json - and -o {} both write to standard output (give --json a file)", o.output));

@@ -365,9 +365,9 @@ struct MoeLayout {
   size_t rt = 0;
   size_t end = 0;
 
-  MoeLayout(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) {
+  MoeLayout(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots, MoePath path) {
     const int64_t P = n_tok * w.n_expert_used;
-    decode = n_tok <= moe_gemv_max_tok();
+    decode = path == MoePath::gemv || (path == MoePath::by_count && n_tok <= moe_gemv_max_tok());
     stage = decode && slots.stage && n_tok == 1;
     auto take = [&](size_t bytes) {
       const size_t at = end;
@@ -429,18 +429,19 @@ void check_moe(const MoeWeights& w, const MoeSlots& slots) {
 
 }  // namespace
 
-size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots) {
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots,
+                           MoePath path) {
   check_moe(w, slots);
   if (n_tok <= 0) return 0;
-  return MoeLayout(w, n_tok, slots).end;
+  return MoeLayout(w, n_tok, slots, path).end;
 }
 
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, const MoeSlots& slots) {
+                 cudaStream_t stream, const MoeSlots& slots, MoePath path) {
   check_moe(w, slots);
   if (n_tok <= 0) return;
-  const MoeLayout L(w, n_tok, slots);
+  const MoeLayout L(w, n_tok, slots, path);
   if (workspace_bytes < L.end || workspace == nullptr)
     throw Error(ErrorCategory::invalid_argument, "moe_experts: workspace of " +
                                                      std::to_string(workspace_bytes) + " bytes, " +

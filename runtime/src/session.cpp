@@ -144,6 +144,15 @@ int32_t Session::eval_step_argmax(std::span<const int32_t> tokens,
   return scheduler_->run_argmax(g, tokens, positions, seqs);
 }
 
+std::span<const int32_t> Session::eval_step_select(std::span<const int32_t> tokens,
+                                                   std::span<const int32_t> positions,
+                                                   std::span<const int32_t> seqs, int32_t n_out,
+                                                   int32_t n_decode) {
+  const int32_t n_dec = check_step(tokens, positions, seqs, n_out, n_decode);
+  const graph::Graph& g = graph_for(static_cast<int32_t>(tokens.size()), n_out, n_dec);
+  return scheduler_->run_select(g, tokens, positions, seqs);
+}
+
 int32_t Session::eval_argmax(int32_t token) {
   if (!params_.device) {
     std::span<const float> l = eval(std::span<const int32_t>(&token, 1));

@@ -344,9 +344,10 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     b.ws = st.ws;
     b.ws_bytes = m.ws_bytes;
     if (s.select) {
-      b.selected_dev = static_cast<int32_t*>(dev_->alloc(sizeof(int32_t), "the selected token"));
-      b.selected_host =
-          static_cast<int32_t*>(dev_->alloc_host(sizeof(int32_t), "the selected token"));
+      const size_t bytes =
+          sizeof(int32_t) * static_cast<size_t>(sg.values[static_cast<size_t>(sg.output)].rows);
+      b.selected_dev = static_cast<int32_t*>(dev_->alloc(bytes, "the selected tokens"));
+      b.selected_host = static_cast<int32_t*>(dev_->alloc_host(bytes, "the selected tokens"));
       st.pinned.push_back(b.selected_host);
     }
     if (s.handoff == Handoff::flags && !s.segments.empty()) {
@@ -522,24 +523,32 @@ std::span<const float> Scheduler::run(const graph::Graph& g, std::span<const int
 
 int32_t Scheduler::run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
                               std::span<const int32_t> positions, std::span<const int32_t> seqs) {
-  const float* last = nullptr;
-  int64_t n_vocab = 0;
+  return run_select(g, tokens, positions, seqs).back();
+}
+
+std::span<const int32_t> Scheduler::run_select(const graph::Graph& g,
+                                               std::span<const int32_t> tokens,
+                                               std::span<const int32_t> positions,
+                                               std::span<const int32_t> seqs) {
+  const float* logits = nullptr;
+  const graph::ValueInfo& oi = g.values[static_cast<size_t>(g.output)];
+  const auto rows = static_cast<size_t>(oi.rows);
   if (!dev_) {
-    std::span<const float> out = run(g, tokens, positions, seqs);
-    n_vocab = g.values[static_cast<size_t>(g.output)].cols;
-    last = out.data() + out.size() - static_cast<size_t>(n_vocab);
+    logits = run(g, tokens, positions, seqs).data();
   } else {
     Step& st = step(g, tokens, positions, seqs, true);
-    if (st.b.selected_host) return *st.b.selected_host;
-    // The logits were made on the CPU: select there.
-    const graph::ValueInfo& oi = st.s.g.values[static_cast<size_t>(st.s.g.output)];
-    last = st.out_host + (oi.rows - 1) * oi.cols;
-    n_vocab = oi.cols;
+    if (st.b.selected_host) return {st.b.selected_host, rows};
+    logits = st.out_host;  // the logits were made on the CPU: select there
   }
-  int64_t best = 0;
-  for (int64_t i = 1; i < n_vocab; ++i)
-    if (last[i] > last[best] || (std::isnan(last[best]) && !std::isnan(last[i]))) best = i;
-  return static_cast<int32_t>(best);
+  selected_.resize(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    const float* l = logits + r * static_cast<size_t>(oi.cols);
+    int64_t best = 0;
+    for (int64_t i = 1; i < oi.cols; ++i)
+      if (l[i] > l[best] || (std::isnan(l[best]) && !std::isnan(l[i]))) best = i;
+    selected_[r] = static_cast<int32_t>(best);
+  }
+  return selected_;
 }
 
 Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t> tokens,

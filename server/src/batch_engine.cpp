@@ -312,24 +312,26 @@ void BatchEngine::step() {
   }
   packer_.pack(inputs_, options_.session.n_ubatch);
 
-  // A step with one output row whose slot samples greedily without penalties or logprobs (one
-  // slot generating, -np 1): the device picks the token and only its id comes back, instead of
-  // n_vocab logits to the host and a pass over them (the same choice: ties to the lower id).
-  int32_t picked = -1;
-  bool device_pick = false;
-  if (session_->device() != nullptr && packer_.n_out() == 1)
-    for (size_t i = 0; i < busy_.size(); ++i)
-      if (packer_.taken(i) > 0 && packer_.out_row(i) == 0) {
-        const SamplingSettings& ss = busy_[i]->req.sampling;
-        device_pick = ss.sampler.temp <= 0.0f && ss.sampler.repeat_penalty == 1.0f &&
-                      ss.presence_penalty == 0.0f && ss.frequency_penalty == 0.0f && !ss.logprobs;
-      }
+  // A step whose output rows all belong to slots that sample greedily without penalties or
+  // logprobs: the device picks each row's token and only the ids come back, instead of n_vocab
+  // logits per row to the host and a pass over each (the same choice: ties to the lower id).
+  std::span<const int32_t> picked;
+  int64_t n_rows = 0;  // output rows the slots take
+  bool device_pick = session_->device() != nullptr;
+  for (size_t i = 0; i < busy_.size() && device_pick; ++i)
+    if (packer_.taken(i) > 0 && packer_.out_row(i) >= 0) {
+      const SamplingSettings& ss = busy_[i]->req.sampling;
+      device_pick = ss.sampler.temp <= 0.0f && ss.sampler.repeat_penalty == 1.0f &&
+                    ss.presence_penalty == 0.0f && ss.frequency_penalty == 0.0f && !ss.logprobs;
+      ++n_rows;
+    }
+  device_pick = device_pick && n_rows > 0;
   const auto t0 = Clock::now();
   std::span<const float> logits;
   try {
     if (device_pick)
-      picked = session_->eval_step_argmax(packer_.tokens(), packer_.positions(), packer_.seqs(),
-                                          packer_.n_decode());
+      picked = session_->eval_step_select(packer_.tokens(), packer_.positions(), packer_.seqs(),
+                                          packer_.n_out(), packer_.n_decode());
     else
       logits = session_->eval_step(packer_.tokens(), packer_.positions(), packer_.seqs(),
                                    packer_.n_out(), packer_.n_decode());
@@ -344,7 +346,7 @@ void BatchEngine::step() {
     ++metrics_.n_decode_total;
     metrics_.n_step_seqs_total += packer_.n_seqs();
     metrics_.max_step_seqs = std::max(metrics_.max_step_seqs, packer_.n_seqs());
-    metrics_.tokens_device_picked_total += device_pick ? 1 : 0;
+    metrics_.tokens_device_picked_total += device_pick ? n_rows : 0;
   }
   const auto n_vocab = static_cast<size_t>(session_->n_vocab());
   for (size_t i = 0; i < busy_.size(); ++i) {
@@ -355,7 +357,7 @@ void BatchEngine::step() {
     const std::span<const float> row =
         r < 0 || device_pick ? std::span<const float>()
                              : logits.subspan(static_cast<size_t>(r) * n_vocab, n_vocab);
-    const int32_t pick = r < 0 ? -1 : picked;
+    const int32_t pick = r < 0 || !device_pick ? -1 : picked[static_cast<size_t>(r)];
     try {
       s.state->advance(n);
       s.cache->append(inputs_[i].tokens.first(static_cast<size_t>(n)));

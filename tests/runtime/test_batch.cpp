@@ -268,12 +268,6 @@ TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighb
     SUBCASE("CPU") { check_invariance(*model, {}); }
     SUBCASE("device") {
       auto dev = test_device();
-      if (use_cuda()) {
-        // The routed experts on the CPU (--cpu-moe), everything else of layer 1 and the rest on
-        // the GPU: the device's moe_experts is not yet per-row invariant (the case below).
-        check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true, true});
-        return;
-      }
       check_invariance(*model, {dev.get(), [](int l) { return l == 1; }, true});
     }
     SUBCASE("device, all layers, experts on the CPU") {
@@ -283,14 +277,11 @@ TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighb
   }
 }
 
-// The CUDA moe_experts picks its path by the call's token count (a GEMV per (token, expert)
-// pair up to moe_gemv_max_tok() tokens, the grouped WMMA GEMM above), so a row's bits change
-// with the step until it computes rows by kind (issue 19, the MoE part): this case shows where
-// that stands under BERTH_TEST_DEVICE=cuda. may_fail: it reports without failing the suite;
-// remove the decorator when the MoE kernel is per-row invariant. (The simulated device passes it,
-// as the "device" subcases above check with the experts of layer 1 there.)
-TEST_CASE("batch: a MoE sequence with its experts on the device does not depend on its neighbours" *
-          doctest::may_fail()) {
+// By count the CUDA moe_experts would take the per-pair GEMV up to moe_gemv_max_tok() tokens
+// and the grouped WMMA GEMM above, so a row's bits would change with the step; in a
+// batch-invariant step the device computes rows by kind (decode rows on the GEMV, prompt rows
+// on the GEMM). Every layer's experts on the device (BERTH_TEST_DEVICE=cuda: the GPU).
+TEST_CASE("batch: a MoE sequence with its experts on the device does not depend on its neighbours") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);
   auto dev = test_device();

@@ -139,10 +139,11 @@ TEST_CASE("BatchEngine: four requests share each step and each gets its tokens a
 }
 
 TEST_CASE(
-    "BatchEngine on a device: greedy alone is picked on the device, the same tokens as beside "
-    "others") {
-  // Alone (one output row, greedy, no penalties or logprobs) the device picks the token and only
-  // its id comes back; beside other slots the logits come back and the sampler picks: the same.
+    "BatchEngine on a device: greedy rows are picked on the device, the same tokens alone and "
+    "beside others") {
+  // Greedy slots without penalties or logprobs: the device picks each output row's token and
+  // only the ids come back, alone and beside other slots; a step with a slot that needs the
+  // logits (logprobs) takes every row's logits and the samplers pick: the same tokens.
   const LoadedModel& m = stories();
   std::unique_ptr<Device> dev = make_sim_device(size_t{1} << 30);
   std::vector<std::vector<int32_t>> alone;
@@ -158,6 +159,25 @@ TEST_CASE(
   for (const std::string& p : kPrompts) gens.push_back(e->submit(greedy(m, p, 24)));
   e->hold_queue(false);
   for (size_t i = 0; i < gens.size(); ++i) CHECK(drain(*gens[i]).ids() == alone[i]);
+  CHECK(e->metrics().tokens_device_picked_total == 4 * 24);
+  {  // one slot wants logprobs for its 8 tokens: those steps' rows come back as logits
+    auto mixed = make_engine(m, 4, 4 * 256, 512, 64, dev.get());
+    mixed->hold_queue(true);
+    std::vector<std::shared_ptr<server::Generation>> mg;
+    for (size_t i = 0; i < kPrompts.size(); ++i) {
+      GenerationRequest r = greedy(m, kPrompts[i], i == 0 ? 8 : 24);
+      r.sampling.logprobs = i == 0;
+      mg.push_back(mixed->submit(r));
+    }
+    mixed->hold_queue(false);
+    for (size_t i = 0; i < mg.size(); ++i) {
+      const std::vector<int32_t> want =
+          i == 0 ? std::vector<int32_t>(alone[0].begin(), alone[0].begin() + 8) : alone[i];
+      CHECK(drain(*mg[i]).ids() == want);
+    }
+    // 4 x 8 rows came back as logits, the other 3 x 16 were picked on the device
+    CHECK(mixed->metrics().tokens_device_picked_total == 3 * 16);
+  }
   // A logprobs request alone still takes the logits (its top tokens need them).
   auto lp = make_engine(m, 1, 512, 512, 64, dev.get());
   GenerationRequest r = greedy(m, kPrompts[0], 8);

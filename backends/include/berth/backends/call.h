@@ -124,8 +124,8 @@ struct StepBindings {
   /// Callback hand-off: run_segment(segment_arg[s]) runs CPU segment s on a host thread.
   void (*run_segment)(void*) = nullptr;
   std::vector<void*> segment_arg;
-  int32_t* selected_dev = nullptr;   ///< select: the token id on the device
-  int32_t* selected_host = nullptr;  ///< select: and its page-locked host copy
+  int32_t* selected_dev = nullptr;   ///< select: each output row's token id on the device
+  int32_t* selected_host = nullptr;  ///< select: and their page-locked host copy (rows ids)
 };
 
 }  // namespace berth

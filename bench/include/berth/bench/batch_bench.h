@@ -45,6 +45,9 @@ struct BatchRow {
   double host_bytes = 0, device_bytes = 0;  ///< per step
   double bound_tok_s = 0;                   ///< aggregate
   double fraction = 0;                      ///< agg_tok_s.median / bound_tok_s
+  /// --profile: device op time per decode step by op kind (steps run without graph replay,
+  /// each device op timed), seconds per step; empty without --profile or a device.
+  std::vector<std::pair<std::string, double>> device_profile;
 };
 
 struct BatchBenchResult {

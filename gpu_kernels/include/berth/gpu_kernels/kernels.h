@@ -216,8 +216,15 @@ using berth::MoeWeights;
 /// Slot range and staging of a moe_experts call: berth::MoeSlots (core/tensor.h).
 using berth::MoeSlots;
 
+/// Which path moe_experts takes: by_count picks by the token count (the per-pair GEMV up to
+/// moe_gemv_max_tok() tokens, the grouped GEMM above: fastest, but a row's bits then depend on
+/// how many tokens share its call); gemv and gemm force one, so that a row's bits depend only
+/// on its kind (decode rows on the GEMV, prompt rows on the GEMM) in batch-invariant steps.
+enum class MoePath { by_count, gemv, gemm };
+
 /// Workspace bytes of moe_experts for n_tok tokens (with `slots`: the staging room).
-size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots = {});
+size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& slots = {},
+                           MoePath path = MoePath::by_count);
 
 /// Routed experts: out [n_tok, n_embd] = for each token, the sum over its slots j (in slot
 /// order) in [slots.begin, slots.end) whose expert e = route[t, j] has expert_mask[e] != 0 of
@@ -231,9 +238,11 @@ size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& s
 /// slots.table[e] in [0, n_slots) (device memory, read by the kernels: a captured graph follows
 /// its changes), reading slot table[e]; expert_mask is ignored.
 /// Throws Error(invalid_argument) for a bad shape, slot range or too small a workspace.
+/// `path`: MoePath (the GEMM path also needs n_embd and n_ff multiples of 32).
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, const MoeSlots& slots = {});
+                 cudaStream_t stream, const MoeSlots& slots = {},
+                 MoePath path = MoePath::by_count);
 
 /// Greedy selection: ids[r] = argmax of logits row r ([rows, n_vocab]); ties: lowest id.
 void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream);

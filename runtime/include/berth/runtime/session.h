@@ -90,6 +90,16 @@ class Session {
   int32_t eval_step_argmax(std::span<const int32_t> tokens, std::span<const int32_t> positions,
                            std::span<const int32_t> seqs, int32_t n_decode = -1);
 
+  /// eval_step with every output row reduced to its argmax (ties: lowest id; NaN as -inf):
+  /// [n_out] token ids in row order, valid until the next step. On a device that makes the
+  /// logits the selection runs there and only the ids come back (Scheduler::run_select): a
+  /// server step of several greedy sequences copies 4 bytes per sequence instead of n_vocab
+  /// floats and skips a host pass over each row. Same errors as eval_step.
+  std::span<const int32_t> eval_step_select(std::span<const int32_t> tokens,
+                                            std::span<const int32_t> positions,
+                                            std::span<const int32_t> seqs, int32_t n_out,
+                                            int32_t n_decode = -1);
+
   /// The KV cache: its pool of sequences (acquire, release, copy).
   KvCache& kv() { return kv_; }
 

@@ -112,6 +112,12 @@ class Scheduler {
   int32_t run_argmax(const graph::Graph& g, std::span<const int32_t> tokens,
                      std::span<const int32_t> positions, std::span<const int32_t> seqs = {});
 
+  /// run_argmax for every output row: [rows of g's output] token ids, row order (valid until
+  /// the next step). On a device that makes the logits only the ids come back.
+  std::span<const int32_t> run_select(const graph::Graph& g, std::span<const int32_t> tokens,
+                                      std::span<const int32_t> positions,
+                                      std::span<const int32_t> seqs = {});
+
   /// The schedule steps of the shape of `g` run (made now if no step of that shape ran yet).
   const Schedule& schedule(const graph::Graph& g, bool select = false);
   /// Where op `i` of `g` runs.
@@ -211,6 +217,7 @@ class Scheduler {
   std::vector<int32_t> forced_cpu_;  // without a device
   std::vector<const float*> route_ptrs_;
   std::vector<std::vector<float>> route_held_;  // device routes copied for record
+  std::vector<int32_t> selected_;               // run_select's ids when the CPU selects
   std::vector<float> seat_buf_;  // a streamed layer's route, copied for its expert slots
   std::vector<std::unique_ptr<Step>> steps_;
   uint64_t use_clock_ = 0;  // counts step_for calls (least recently used eviction)
