@@ -145,10 +145,13 @@ Trace run_beside(const Model& m, const Placement& pl, const std::vector<int32_t>
   return traces[a_id];
 }
 
-/// The same sequence through Session::eval, one sequence, no loop.
+/// The same sequence through Session::eval (sequence 0), no loop. On the CPU and the simulated
+/// device a session of one sequence; with CUDA a session of two, because a one-sequence session
+/// (Graph::batch_invariant false) deliberately multiplies prompt rows by shape-dependent means
+/// (cuBLAS, the MoE path by token count) that a session of several sequences must not use.
 Trace run_alone_session(const Model& m, const Placement& pl, const std::vector<int32_t>& prompt,
                         int n_gen) {
-  Session s(m, params(m, pl, 1, 128, 512));
+  Session s(m, params(m, pl, use_cuda() && pl.dev ? 2 : 1, 128, 512));
   Trace t;
   std::span<const float> l = s.eval(prompt);
   for (int i = 0; i < n_gen; ++i) {
@@ -281,7 +284,8 @@ TEST_CASE("batch: a MoE sequence's tokens and logits do not depend on its neighb
 // and the grouped WMMA GEMM above, so a row's bits would change with the step; in a
 // batch-invariant step the device computes rows by kind (decode rows on the GEMV, prompt rows
 // on the GEMM). Every layer's experts on the device (BERTH_TEST_DEVICE=cuda: the GPU).
-TEST_CASE("batch: a MoE sequence with its experts on the device does not depend on its neighbours") {
+TEST_CASE(
+    "batch: a MoE sequence with its experts on the device does not depend on its neighbours") {
   gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
   auto model = load_model(file);
   auto dev = test_device();

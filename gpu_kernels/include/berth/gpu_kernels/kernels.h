@@ -241,8 +241,7 @@ size_t moe_workspace_bytes(const MoeWeights& w, int64_t n_tok, const MoeSlots& s
 /// `path`: MoePath (the GEMM path also needs n_embd and n_ff multiples of 32).
 void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_t n_tok,
                  const uint8_t* expert_mask, float* out, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream, const MoeSlots& slots = {},
-                 MoePath path = MoePath::by_count);
+                 cudaStream_t stream, const MoeSlots& slots = {}, MoePath path = MoePath::by_count);
 
 /// Greedy selection: ids[r] = argmax of logits row r ([rows, n_vocab]); ties: lowest id.
 void argmax(const float* logits, int64_t rows, int64_t n_vocab, int32_t* ids, cudaStream_t stream);
