@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <cmath>
 #include <string>
 
 #include "berth/backends/device.h"
@@ -40,10 +41,68 @@ size_t parse_capacity(std::string_view text, std::string_view spec) {
   return static_cast<size_t>(n * mult);
 }
 
+// A positive finite number for a rate setting of a unified spec.
+double parse_rate(std::string_view key, std::string_view text, std::string_view spec) {
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || !(v > 0) || !std::isfinite(v))
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("device '{}': {}={} is not a positive number", spec, key, text));
+  return v;
+}
+
 }  // namespace
+
+SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec) {
+  SimDeviceOptions o;
+  o.unified = true;
+  size_t comma = text.find(',');
+  o.capacity_bytes = parse_capacity(text.substr(0, comma), spec);
+  while (comma != std::string_view::npos) {
+    text = text.substr(comma + 1);
+    comma = text.find(',');
+    const std::string_view item = text.substr(0, comma);
+    const size_t eq = item.find('=');
+    const std::string_view key = item.substr(0, eq);
+    if (eq == std::string_view::npos)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("device '{}': '{}' is not KEY=VALUE (keys: available, free, "
+                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops)",
+                              spec, item));
+    const std::string_view value = item.substr(eq + 1);
+    if (key == "available")
+      o.os_available_bytes = parse_capacity(value, spec);
+    else if (key == "free")
+      o.reported_free_bytes = parse_capacity(value, spec);
+    else if (key == "gpu_gbps")
+      o.gpu_gbps = parse_rate(key, value, spec);
+    else if (key == "cpu_gbps")
+      o.cpu_gbps = parse_rate(key, value, spec);
+    else if (key == "gpu_tflops")
+      o.gpu_tflops = parse_rate(key, value, spec);
+    else if (key == "cpu_tflops")
+      o.cpu_tflops = parse_rate(key, value, spec);
+    else
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("device '{}': unknown setting '{}' (keys: available, free, "
+                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops)",
+                              spec, key));
+  }
+  if (o.capacity_bytes == 0)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("device '{}': the board's memory must be more than 0", spec));
+  if (o.os_available_bytes > o.capacity_bytes)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("device '{}': available={} bytes is more than the board's {} bytes",
+                            spec, o.os_available_bytes, o.capacity_bytes));
+  if (o.os_available_bytes == 0) o.os_available_bytes = o.capacity_bytes;
+  return o;
+}
 
 std::unique_ptr<Device> make_device(std::string_view spec) {
   if (spec.substr(0, 4) == "sim:") return make_sim_device(parse_capacity(spec.substr(4), spec));
+  if (spec.substr(0, 8) == "unified:")
+    return make_sim_device(parse_unified_sim(spec.substr(8), spec));
   if (spec.substr(0, 5) == "cuda:") {
     int index = -1;
     const std::string_view n = spec.substr(5);
@@ -54,7 +113,7 @@ std::unique_ptr<Device> make_device(std::string_view spec) {
     return make_cuda_device(index);
   }
   throw Error(ErrorCategory::invalid_argument,
-              fmt::format("device '{}': expected sim:SIZE or cuda:N", spec));
+              fmt::format("device '{}': expected sim:SIZE, unified:SIZE or cuda:N", spec));
 }
 
 }  // namespace berth

@@ -81,6 +81,15 @@ class CudaDevice final : public backend_detail::StreamDevice {
     cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, index);
     cudaGetLastError();
     register_ok_ = reg != 0 && ro != 0 && host_ptr != 0;
+    // Unified memory: an integrated device (GB10, Jetson Orin) that reads pageable memory or
+    // shares managed memory with the CPU concurrently holds weights once (DeviceInfo::unified).
+    int integrated = 0, pageable = 0, managed = 0;
+    cudaDeviceGetAttribute(&integrated, cudaDevAttrIntegrated, index);
+    cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, index);
+    cudaDeviceGetAttribute(&managed, cudaDevAttrConcurrentManagedAccess, index);
+    cudaGetLastError();
+    pageable_ = pageable != 0;
+    unified_ = integrated != 0 && (pageable != 0 || managed != 0);
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);
@@ -105,7 +114,9 @@ class CudaDevice final : public backend_detail::StreamDevice {
                       .flags = flags_,
                       .computes_on_host = false,
                       .can_register_host = register_ok_,
-                      .multi_seq = true};
+                      .multi_seq = true,
+                      .unified = unified_,
+                      .pageable_access = pageable_};
   }
 
   void* alloc(size_t bytes, Mem kind, std::string_view what) override {
@@ -308,6 +319,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
   std::string name_;
   std::vector<std::pair<const void*, void*>> registered_;  // register_host: key, page base
   bool register_ok_ = false;                               // can_register_host()
+  bool pageable_ = false, unified_ = false;                // DeviceInfo::pageable_access, unified
   std::array<cudaStream_t, kNumStreams> streams_{};
   std::vector<cudaEvent_t> events_;
   std::array<cudaEvent_t, kNumStreams * kNumStreams> pair_events_{};

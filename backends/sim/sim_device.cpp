@@ -50,9 +50,10 @@ using graph::OpKind;
 
 class SimDevice final : public backend_detail::StreamDevice {
  public:
-  SimDevice(size_t capacity, int64_t copy_delay_us)
-      : capacity_(capacity),
-        copy_delay_us_(copy_delay_us),
+  explicit SimDevice(const SimDeviceOptions& o)
+      : opt_(o),
+        capacity_(o.capacity_bytes),
+        copy_delay_us_(o.copy_delay_us),
         worker_([this] { work(0); }),
         copy_worker_([this] { work(1); }) {}
   ~SimDevice() override {
@@ -69,15 +70,24 @@ class SimDevice final : public backend_detail::StreamDevice {
   }
 
   DeviceInfo info() const override {
-    return DeviceInfo{.name = "SIM0",
+    return DeviceInfo{.name = opt_.unified ? "SIM0 (unified)" : "SIM0",
                       .total_bytes = capacity_,
-                      .free_bytes = capacity_ - used_,
+                      .free_bytes = opt_.reported_free_bytes > 0
+                                        ? std::min(opt_.reported_free_bytes, capacity_ - used_)
+                                        : capacity_ - used_,
                       .flags = true,
                       .computes_on_host = true,
                       .can_register_host = true,
                       .multi_seq = true,
                       .moe_expert_reads = moe_reads_.load(),
-                      .moe_expert_bytes = moe_bytes_.load()};
+                      .moe_expert_bytes = moe_bytes_.load(),
+                      .unified = opt_.unified,
+                      .pageable_access = true,
+                      .os_available_bytes = opt_.unified ? opt_.os_available_bytes : 0,
+                      .gpu_gbps = opt_.gpu_gbps,
+                      .cpu_gbps = opt_.cpu_gbps,
+                      .gpu_tflops = opt_.gpu_tflops,
+                      .cpu_tflops = opt_.cpu_tflops};
   }
   void* alloc(size_t bytes, Mem kind, std::string_view what) override {
     return kind == Mem::device ? alloc_device(bytes, what) : alloc_pinned(bytes, what);
@@ -684,6 +694,7 @@ class SimDevice final : public backend_detail::StreamDevice {
   std::unique_ptr<std::atomic<uint64_t>[]> reached_ =
       std::make_unique<std::atomic<uint64_t>[]>(kMarks);
   uint64_t next_mark_ = 0;
+  SimDeviceOptions opt_;
   size_t capacity_, used_ = 0;
   int64_t copy_delay_us_ = 0;
   std::atomic<int64_t> moe_reads_{0}, moe_bytes_{0};  // DeviceInfo::moe_expert_reads, _bytes
@@ -706,7 +717,14 @@ class SimDevice final : public backend_detail::StreamDevice {
 }  // namespace
 
 std::unique_ptr<Device> make_sim_device(size_t capacity_bytes, int64_t copy_delay_us) {
-  return std::make_unique<SimDevice>(capacity_bytes, copy_delay_us);
+  return std::make_unique<SimDevice>(
+      SimDeviceOptions{.capacity_bytes = capacity_bytes, .copy_delay_us = copy_delay_us});
+}
+
+std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options) {
+  SimDeviceOptions o = options;
+  if (o.unified && o.os_available_bytes == 0) o.os_available_bytes = o.capacity_bytes;
+  return std::make_unique<SimDevice>(o);
 }
 
 #ifndef BERTH_HAVE_CUDA

@@ -20,6 +20,7 @@ struct SynthOptions {
   uint64_t seed = 0;
   double router_skew = 0.0;
   int32_t n_threads = 0;
+  bool sparse = false;
   // Shape flags: nullopt when not given (the preset's value, or the default, applies).
   std::optional<int64_t> n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx,
       n_expert, n_expert_used, n_ff_exp, n_rot, full_attention_interval, ssm_d_conv, ssm_d_state,
@@ -92,6 +93,7 @@ int synth(const SynthOptions& o) {
   s.seed = o.seed;
   s.router_skew = o.router_skew;
   s.vocab_path = o.vocab;
+  s.sparse = o.sparse;
   validate_synth_spec(s);  // before any file work
 
   const bool tty = isatty(STDERR_FILENO) != 0;
@@ -186,6 +188,10 @@ Runner add_synth(CLI::App& app) {
                   "qwen35moe: expert_shared_feed_forward_length (0: no shared expert)");
   sub->add_option("--n-mtp", o->n_mtp,
                   "qwen35*: 1 writes the MTP block blk.{n_layer}.nextn.* (0: none)");
+  sub->add_flag("--sparse", o->sparse,
+                "write only the header and tensor infos; the tensor data is a hole of zeros (a "
+                "sparse file, no disk space): for `berth plan` on shapes larger than the disk, "
+                "not for running");
   return [o] { return synth(*o); };
 }
 

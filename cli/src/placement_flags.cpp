@@ -48,6 +48,14 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
          "experts move into while decoding; auto (the default): adaptive when the budget "
          "cannot hold every weight")
       ->check(CLI::IsMember({"auto", "static", "adaptive"}));
+  cmd.add_option_function<std::string>(
+         "--unified", [&f](const std::string& s) { f.unified = placement::parse_unified_mode(s); },
+         "unified memory (GB10, Jetson Orin): on: the GPU reads the weights it computes in place "
+         "from host memory, each weight held once in one pool (the OS's available memory minus "
+         "1 GiB) that --vram-budget and --ram-budget both draw on; off: copy weights to the GPU; "
+         "auto (the default): on when the device is integrated and reads pageable or managed "
+         "memory")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd.add_flag("--cpu-moe", f.cpu_moe, "-cmoe: every layer's routed experts on the CPU");
   cmd.add_option("--n-cpu-moe", f.n_cpu_moe,
                  "-ncmoe: the routed experts of the first N layers on the CPU")

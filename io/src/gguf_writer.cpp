@@ -260,7 +260,7 @@ void Writer::add_tensor(std::string name, GgmlType type, std::vector<int64_t> ne
       PendingTensor{std::move(name), type, std::move(ne), n_bytes, {}, std::move(produce)});
 }
 
-void Writer::write_to(const std::function<void(const void*, size_t)>& sink) const {
+uint64_t Writer::write_to(const std::function<void(const void*, size_t)>& sink, bool data) const {
   Out out(sink);
   bool has_alignment_key = false;
   for (const KeyValue& kv : kvs_) has_alignment_key = has_alignment_key || kv.key == kAlignmentKey;
@@ -295,6 +295,7 @@ void Writer::write_to(const std::function<void(const void*, size_t)>& sink) cons
     offset = align_up(offset + t.n_bytes, alignment_);
   }
   out.pad_to(alignment_);
+  if (!data) return out.written() + offset;
 
   // Tensor data, one tensor in memory at a time.
   std::vector<uint8_t> buf;
@@ -307,6 +308,21 @@ void Writer::write_to(const std::function<void(const void*, size_t)>& sink) cons
       out.bytes(t.bytes.data(), t.bytes.size());
     }
     out.pad_to(alignment_);
+  }
+  return out.written();
+}
+
+void Writer::write_sparse(const std::string& path) const {
+  FileSink file(path);
+  try {
+    const uint64_t size = write_to([&](const void* p, size_t n) { file.put(p, n); }, false);
+    file.close();
+    if (::truncate(path.c_str(), static_cast<off_t>(size)) != 0)
+      throw Error(ErrorCategory::io, fmt::format("{}: cannot extend to {} bytes: {}", path, size,
+                                                 std::strerror(errno)));
+  } catch (...) {
+    ::unlink(path.c_str());
+    throw;
   }
 }
 

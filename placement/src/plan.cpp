@@ -254,7 +254,65 @@ ResidencyMode parse_residency_mode(std::string_view s) {
   bad(fmt::format("--residency '{}': must be static, adaptive or auto", s));
 }
 
+std::string_view unified_mode_name(UnifiedMode m) {
+  switch (m) {
+    case UnifiedMode::automatic:
+      return "auto";
+    case UnifiedMode::on:
+      return "on";
+    case UnifiedMode::off:
+      return "off";
+  }
+  return "?";
+}
+
+UnifiedMode parse_unified_mode(std::string_view s) {
+  const std::string v = lower(s);
+  if (v == "auto") return UnifiedMode::automatic;
+  if (v == "on") return UnifiedMode::on;
+  if (v == "off") return UnifiedMode::off;
+  bad(fmt::format("--unified '{}': must be auto, on or off", s));
+}
+
 namespace {
+
+// Bytes per weight of a ggml type as stored (block bytes / block weights, ggml's layouts), for
+// the unified cost model's FLOP count; unknown types count as 4.5 bits.
+double bytes_per_weight(std::string_view type) {
+  const std::string t = lower(type);
+  if (t == "f32") return 4;
+  if (t == "f16" || t == "bf16") return 2;
+  if (t == "q8_0") return 34.0 / 32;
+  if (t == "q4_0") return 18.0 / 32;
+  if (t == "q4_1") return 20.0 / 32;
+  if (t == "q5_0") return 22.0 / 32;
+  if (t == "q5_1") return 24.0 / 32;
+  if (t == "q2_k") return 84.0 / 256;
+  if (t == "q3_k") return 110.0 / 256;
+  if (t == "q4_k") return 144.0 / 256;
+  if (t == "q5_k") return 176.0 / 256;
+  if (t == "q6_k") return 210.0 / 256;
+  if (t == "q8_k") return 292.0 / 256;
+  return 4.5 / 8;
+}
+
+// Modelled seconds per decoded token for reading `bytes` holding `weights` weights at `gbps` and
+// multiplying them at `tflops` (2 FLOP per weight).
+double unit_seconds(double bytes, double weights, double gbps, double tflops) {
+  return bytes / (gbps * 1e9) + 2 * weights / (tflops * 1e12);
+}
+
+std::string unified_terms(const Request& req, const Plan& plan) {
+  return fmt::format(
+      "weights {} held once ({} computed by the GPU, {} by the CPU) + GPU KV cache {} + CPU KV "
+      "cache {} + scratch {} + margin {} + RAM expert slots {}; the pool is the {} the OS "
+      "reports available minus a margin of {}, at most the board's memory (the device reports "
+      "{} free, which on unified memory counts the page cache as used: not used)",
+      mib(plan.gpu_weight_bytes + plan.cpu_weight_bytes), mib(plan.gpu_weight_bytes),
+      mib(plan.cpu_weight_bytes), mib(plan.gpu_kv_bytes), mib(plan.cpu_kv_bytes),
+      mib(plan.scratch_bytes), mib(plan.margin_bytes), mib(plan.ram_slot_bytes),
+      mib(req.os_available_bytes), mib(req.pool_margin_bytes), mib(req.device_reported_free_bytes));
+}
 
 // Per layer: bytes of one expert's routed-expert slices (gate + up + down), 0 for a layer that
 // cannot have slots (no routed experts on the CPU, experts placed by -ot, or of unknown count);
@@ -427,10 +485,11 @@ Plan make_plan(const Request& req) {
   // (Only for models whose routed-expert tensors stack a known number of experts: slots hold
   // one expert's slices.)
   bool adaptive = false;
+  const bool unified = req.unified && req.has_device;
   const bool stacked =
       std::any_of(req.tensors.begin(), req.tensors.end(),
                   [](const TensorEntry& t) { return t.routed_expert() && t.n_expert >= 2; });
-  if (req.has_device && stacked && f.residency != ResidencyMode::fixed) {
+  if (req.has_device && stacked && f.residency != ResidencyMode::fixed && !unified) {
     const size_t budget =
         std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
     size_t all = req.scratch_bytes + req.margin_bytes;
@@ -443,6 +502,14 @@ Plan make_plan(const Request& req) {
   plan.kv_home.assign(static_cast<size_t>(n_layer), Home::cpu);
   plan.how = describe_flags(f);
   const auto note = [&](std::string s) { plan.notes.push_back(std::move(s)); };
+  plan.unified = unified;
+  if (unified) {
+    plan.pool_bytes = req.pool_bytes;
+    if (f.residency == ResidencyMode::adaptive)
+      note(
+          "--residency adaptive ignored: on unified memory every expert is held once and the "
+          "GPU reads it in place; nothing moves");
+  }
 
   // Groups by role. Without a head of its own the model reads the embedding as its head, which
   // then belongs to the output.
@@ -573,6 +640,53 @@ Plan make_plan(const Request& req) {
               "runs on the CPU",
               mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget)));
         plan.how += " (the budget holds nothing: all on the CPU)";
+      } else if (unified && budget >= overhead + pinned_gpu) {
+        // Who computes each unit: the processor with the lower modelled time per token on the
+        // shared memory; by time saved per byte while the device's side fits the budget.
+        const UnifiedRates& r = req.rates;
+        struct Cand {
+          const Unit* u;
+          double gain, bytes;
+        };
+        std::vector<Cand> cand;
+        const auto consider = [&](const Unit& u) {
+          if (u.tensors.empty() && !u.has_kv) return;
+          double read = 0, weights = 0;
+          for (size_t i : u.tensors) {
+            const TensorEntry& t = req.tensors[i];
+            // A layer's routed experts: each token reads n_expert_used of n_expert.
+            const double share =
+                t.routed_expert() && t.n_expert > 0 && req.n_expert_used > 0
+                    ? std::min(1.0, static_cast<double>(req.n_expert_used) / t.n_expert)
+                    : 1.0;
+            read += static_cast<double>(t.bytes) * share;
+            weights += static_cast<double>(t.bytes) * share / bytes_per_weight(t.type);
+          }
+          const double gain = unit_seconds(read, weights, r.cpu_gbps, r.cpu_tflops) -
+                              unit_seconds(read, weights, r.gpu_gbps, r.gpu_tflops);
+          cand.push_back({&u, gain, static_cast<double>(std::max<size_t>(u.bytes, 1))});
+        };
+        consider(out_norm);
+        consider(out);
+        consider(embd);
+        for (int32_t l = n_layer - 1; l >= 0; --l) {
+          consider(attn[static_cast<size_t>(l)]);
+          consider(exps[static_cast<size_t>(l)]);
+        }
+        std::stable_sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
+          return a.gain / a.bytes > b.gain / b.bytes;
+        });
+        size_t on_gpu = 0, cpu_faster = 0;
+        for (const Cand& c : cand) {
+          if (c.gain < 0) {
+            ++cpu_faster;
+            continue;
+          }
+          if (try_place(*c.u)) ++on_gpu;
+        }
+        plan.how += fmt::format(
+            " (unified memory, cost model: the GPU computes {} of {} units{})", on_gpu, cand.size(),
+            cpu_faster > 0 ? fmt::format(", the CPU is faster for {}", cpu_faster) : "");
       } else if (budget >= overhead + pinned_gpu) {
         size_t all_attn = out_norm.bytes;
         for (const Unit& u : attn) all_attn += u.bytes;
@@ -626,6 +740,7 @@ Plan make_plan(const Request& req) {
     }
   }
 
+  if (unified && plan.how.find("unified") == std::string::npos) plan.how += " (unified memory)";
   // The executor runs a layer's routed experts as one op: its expert tensors must share a home.
   {
     std::vector<std::pair<int64_t, Home>> first(static_cast<size_t>(n_layer), {-1, Home::cpu});
@@ -696,6 +811,16 @@ Plan make_plan(const Request& req) {
   if (plan.expert_slots > 0)
     plan.how += fmt::format(" --residency adaptive: {} expert slots per CPU-held MoE layer",
                             plan.expert_slots);
+  if (unified && any_gpu && plan.gpu_total() > plan.budget_bytes) {
+    const bool by_flag = f.vram_budget && *f.vram_budget < req.pool_bytes;
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("plan needs {} on the GPU side of {}'s unified memory but {} is {} "
+                    "({}): {}; {}",
+                    mib(plan.gpu_total()), req.device_name, by_flag ? "--vram-budget" : "the pool",
+                    mib(plan.budget_bytes), describe_flags(f), unified_terms(req, plan),
+                    refusal_hint(req, plan, has_exps)));
+  }
   if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
     const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
     const std::string source =
@@ -711,7 +836,30 @@ Plan make_plan(const Request& req) {
                     mib(plan.gpu_weight_bytes), mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes),
                     mib(plan.margin_bytes), describe_flags(f), refusal_hint(req, plan, has_exps)));
   }
-  add_disk_tier(req, plan);
+  if (!unified) {
+    add_disk_tier(req, plan);
+    return plan;
+  }
+  // Unified memory: the CPU's side gets what the device's side leaves of the pool (and at most
+  // --ram-budget); routed experts beyond it go to the disk tier.
+  const size_t gpu_side = any_gpu ? plan.gpu_total() : 0;
+  Request cpu_side = req;
+  cpu_side.ram_budget_bytes = std::min(
+      req.ram_budget_bytes, req.pool_bytes > gpu_side ? req.pool_bytes - gpu_side : size_t{0});
+  try {
+    add_disk_tier(cpu_side, plan);
+  } catch (const Error& e) {
+    if (e.category() != ErrorCategory::out_of_memory) throw;
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({}); {}",
+                            mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
+                            unified_terms(req, plan), describe_flags(f), e.what()));
+  }
+  if (plan.pool_total() > req.pool_bytes)
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({})",
+                            mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
+                            unified_terms(req, plan), describe_flags(f)));
   return plan;
 }
 

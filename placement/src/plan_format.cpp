@@ -151,10 +151,20 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
     out += fmt::format(
         "tiers: VRAM {:.3f} MiB, RAM {:.3f} MiB (CPU weights, KV cache, RAM expert slots), disk "
         "{:.3f} MiB (routed experts read on demand{})\n",
-        to_mib(plan.gpu_weight_bytes + plan.slot_bytes), to_mib(plan.ram_total()),
-        to_mib(plan.disk_weight_bytes),
+        to_mib(plan.unified ? 0 : plan.gpu_weight_bytes + plan.slot_bytes),
+        to_mib(plan.ram_total()), to_mib(plan.disk_weight_bytes),
         plan.ram_slots > 0 ? fmt::format(", {} RAM slots per MoE layer", plan.ram_slots) : "");
   }
+  if (plan.unified)
+    out += fmt::format(
+        "unified memory: weights held once, {:.3f} MiB (the GPU computes {:.3f} MiB of them in "
+        "place, the CPU {:.3f} MiB; none copied); the plan holds {:.3f} MiB of a {:.3f} MiB pool "
+        "(the OS reports {:.3f} MiB available, minus a margin of {:.3f} MiB; the device reports "
+        "{:.3f} MiB free, not used)\n",
+        to_mib(plan.gpu_weight_bytes + plan.cpu_weight_bytes), to_mib(plan.gpu_weight_bytes),
+        to_mib(plan.cpu_weight_bytes), to_mib(plan.pool_total()), to_mib(plan.pool_bytes),
+        to_mib(req.os_available_bytes), to_mib(req.pool_margin_bytes),
+        to_mib(req.device_reported_free_bytes));
   return out;
 }
 
@@ -208,13 +218,24 @@ std::string plan_json(const Request& req, const Plan& plan) {
                    {"experts_on_disk", m.on_disk()}});
   j["moe_layers"] = std::move(moe);
   j["tiers"] = {
-      {"vram_bytes", plan.gpu_weight_bytes + plan.slot_bytes},
+      {"vram_bytes", plan.unified ? size_t{0} : plan.gpu_weight_bytes + plan.slot_bytes},
       {"ram_bytes", plan.ram_total()},
       {"disk_bytes", plan.disk_weight_bytes},
       {"ram_budget_bytes",
        plan.ram_budget_bytes == kNoRamBudget ? json(nullptr) : json(plan.ram_budget_bytes)},
       {"ram_slots", plan.ram_slots},
       {"ram_slot_bytes", plan.ram_slot_bytes}};
+  if (plan.unified)
+    j["unified"] = {{"pool_bytes", plan.pool_bytes},
+                    {"os_available_bytes", req.os_available_bytes},
+                    {"pool_margin_bytes", req.pool_margin_bytes},
+                    {"device_reported_free_bytes", req.device_reported_free_bytes},
+                    {"total_bytes", plan.pool_total()},
+                    {"weights_bytes", plan.gpu_weight_bytes + plan.cpu_weight_bytes},
+                    {"gpu_computes_bytes", plan.gpu_weight_bytes},
+                    {"cpu_computes_bytes", plan.cpu_weight_bytes}};
+  else
+    j["unified"] = nullptr;
   // Names come from the file: replace invalid UTF-8 rather than throw.
   return j.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
 }

@@ -65,6 +65,10 @@ Residency::Residency(Device& dev, const graph::WeightTable& weights, std::vector
                 fmt::format("placement names {} tensors but the model has {}", home_.size(),
                             weights_.size()));
   try {
+    if (opt_.unified) {
+      map_in_place();
+      return;
+    }
     size_t total = 0, done = 0;
     for (size_t i = 0; i < weights_.size(); ++i)
       if (home_[i] == Home::gpu) total += weights_.tensors[i].n_bytes;
@@ -106,6 +110,61 @@ Residency::Residency(Device& dev, const graph::WeightTable& weights, std::vector
 }
 
 Residency::~Residency() { release(); }
+
+void Residency::map_in_place() {
+  dev_weight_.assign(weights_.size(), nullptr);
+  owned_.assign(weights_.size(), nullptr);
+  const auto is_vector = [](const TensorView& w) {
+    return w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1 && w.type != GgmlType::F32;
+  };
+  // 1-D non-f32 tensors (norm scales, biases): f32 host copies, as the kernels take them, in one
+  // page-aligned buffer (so registering it shares no page with the weights).
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t f32_bytes = 0;
+  for (size_t i = 0; i < weights_.size(); ++i)
+    if (home_[i] == Home::gpu && is_vector(weights_.tensors[i]))
+      f32_bytes += static_cast<size_t>(weights_.tensors[i].ne[0]) * 4;
+  if (f32_bytes > 0) {
+    const size_t alloc = (f32_bytes + page - 1) / page * page;
+    host_f32_ = std::aligned_alloc(page, alloc);
+    if (!host_f32_)
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("cannot allocate {} bytes of f32 norm weights", alloc));
+  }
+  auto* f32 = static_cast<float*>(host_f32_);
+  uintptr_t lo = UINTPTR_MAX, hi = 0;  // the span of the in-place tensors
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    if (home_[i] != Home::gpu) continue;
+    const TensorView& w = weights_.tensors[i];
+    if (is_vector(w)) {
+      cpu::get_row(w, 0, f32);
+      dev_weight_[i] = f32;
+      in_place_bytes_ += static_cast<size_t>(w.ne[0]) * 4;
+      f32 += w.ne[0];
+      continue;
+    }
+    dev_weight_[i] = w.data;
+    in_place_bytes_ += w.n_bytes;
+    if (w.n_bytes == 0) continue;
+    const auto a = reinterpret_cast<uintptr_t>(w.data);
+    lo = std::min(lo, a);
+    hi = std::max<uintptr_t>(hi, a + w.n_bytes);
+  }
+  if (dev_.info().pageable_access) return;
+  // The device reads host memory only where it is registered: the span of the weights it
+  // computes (pages of a read-only file mapping) and the f32 copies.
+  const auto reg = [&](const void* p, size_t bytes, std::string_view what) {
+    if (!dev_.register_host(p, bytes))
+      throw Error(ErrorCategory::unsupported,
+                  fmt::format("{}: unified memory needs the device to read the host's memory in "
+                              "place, but it has no pageable memory access and registering the "
+                              "{:.1f} MiB of {} failed (run with --unified off)",
+                              dev_.name(), static_cast<double>(bytes) / (1 << 20), what));
+    registered_.push_back(p);
+  };
+  if (hi > lo) reg(reinterpret_cast<const void*>(lo), hi - lo, "weights");
+  if (host_f32_) reg(host_f32_, f32_bytes, "f32 norm weights");
+}
 
 void Residency::pin_host_experts() {
   // The CPU-held stacked expert tensors, streamed to the device (prefill) or read by it over
@@ -250,6 +309,9 @@ void Residency::release() {
   for (void*& p : stage_)
     if (p) dev_.dealloc(p), p = nullptr;
   stage_bytes_ = 0;
+  std::free(host_f32_);
+  host_f32_ = nullptr;
+  in_place_bytes_ = 0;
 }
 
 }  // namespace berth

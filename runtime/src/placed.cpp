@@ -121,8 +121,13 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
 
 std::unique_ptr<Device> default_device() {
   if (cuda_available()) return make_cuda_device(0);
-  if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim)
+  if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
+    const std::string_view spec(sim);
+    if (spec.substr(0, 8) == "unified:")
+      return make_sim_device(
+          parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + std::string(spec)));
     return make_sim_device(placement::parse_size(sim, "BERTH_SIM_DEVICE"));
+  }
   return nullptr;
 }
 
@@ -150,20 +155,71 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     }
   }
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin.
-  const size_t ram_budget = flags.ram_budget ? *flags.ram_budget : default_ram_budget();
+  std::vector<std::string> unified_notes;
+  // Unified memory (--unified, or a device that says it shares the host's memory): one pool,
+  // the OS's available memory minus the margin (at most the board's memory), not what the
+  // device reports free (on such boards cudaMemGetInfo counts the page cache as used).
+  const DeviceInfo dinfo = s.device ? s.device->info() : DeviceInfo{};
+  const bool unified =
+      has_device && (flags.unified == placement::UnifiedMode::on ||
+                     (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
+  size_t os_available = 0, pool = 0;
+  if (unified) {
+    os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : host_available_bytes();
+    pool = os_available > placement::kRamMargin ? os_available - placement::kRamMargin : 0;
+    if (s.device) pool = std::min(pool, dinfo.total_bytes);
+    if (!s.device && flags.vram_budget) pool = std::min(pool, *flags.vram_budget);
+    unified_notes.push_back(fmt::format(
+        "unified memory{}: weights held once; {} reads the weights it computes in place ({})",
+        flags.unified == placement::UnifiedMode::on ? " (--unified on)" : " (detected)",
+        device_name,
+        !s.device ? "planned"
+        : dinfo.pageable_access
+            ? "pageableMemoryAccess 1: the file's pages as they are"
+            : "pageableMemoryAccess 0: the weights' mapping registered with the device"));
+  } else if (flags.unified == placement::UnifiedMode::on) {
+    unified_notes.push_back("--unified on ignored: no GPU holds any weight (no device)");
+  }
+  // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin (unified: the
+  // pool, of which make_plan gives the CPU what the device's side leaves).
+  const size_t ram_budget = flags.ram_budget ? *flags.ram_budget
+                            : unified        ? pool
+                                             : default_ram_budget();
   // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
   // the room otherwise).
   int32_t& stream = params.hybrid.stream_experts_min_tokens;
-  const bool auto_stream = stream == kStreamExpertsAuto;
+  const bool auto_stream = stream == kStreamExpertsAuto && !unified;
+  if (unified) {
+    // Nothing is copied to the device: no streamed experts, no staged decode share.
+    if (stream > 0)
+      unified_notes.push_back(fmt::format(
+          "--stream-experts {} ignored: on unified memory no expert is copied to the GPU", stream));
+    if (params.hybrid.host_expert_share > 0)
+      unified_notes.push_back(
+          "--host-expert-share ignored: on unified memory no expert is copied to the GPU");
+    stream = 0;
+    params.hybrid.host_expert_share = 0;
+  }
   if (auto_stream) stream = kStreamExpertsAutoTokens;
   const auto make = [&] {
     // The KV cache holds n_seq sequences of n_ctx positions: plan for all of its rows.
-    s.request =
-        plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags, device_name,
-                     free_bytes, has_device, stream, params.hybrid.host_expert_share);
+    s.request = plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags,
+                             device_name, unified ? pool : free_bytes, has_device, stream,
+                             params.hybrid.host_expert_share);
     s.request.ram_budget_bytes = ram_budget;
+    if (unified) {
+      s.request.unified = true;
+      s.request.pool_bytes = pool;
+      s.request.os_available_bytes = os_available;
+      s.request.pool_margin_bytes = placement::kRamMargin;
+      s.request.device_reported_free_bytes = free_bytes;
+      s.request.n_expert_used = static_cast<int32_t>(model.hparams().n_expert_used);
+      if (dinfo.gpu_gbps > 0) s.request.rates.gpu_gbps = dinfo.gpu_gbps;
+      if (dinfo.cpu_gbps > 0) s.request.rates.cpu_gbps = dinfo.cpu_gbps;
+      if (dinfo.gpu_tflops > 0) s.request.rates.gpu_tflops = dinfo.gpu_tflops;
+      if (dinfo.cpu_tflops > 0) s.request.rates.cpu_tflops = dinfo.cpu_tflops;
+    }
     s.plan = placement::make_plan(s.request);
   };
   const auto info = [&](std::string line) {
@@ -172,6 +228,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     else
       log::info("{}", line);
   };
+  for (std::string& n : unified_notes) info(std::move(n));
   bool stream_refused = false;
   try {
     make();
@@ -238,9 +295,10 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     return s;
   }
   params.device = s.device.get();
+  params.unified = unified;
   params.weight_home = s.plan.home;
   params.kv_home = s.plan.kv_home;
-  if (progress_to_stderr) {
+  if (progress_to_stderr && !unified) {
     const bool tty = isatty(STDERR_FILENO) == 1;
     const std::string name = s.device->name();
     auto t0 =

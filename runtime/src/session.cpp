@@ -33,7 +33,8 @@ Session::Session(const Model& model, SessionParams params)
                                              h.host_expert_share > 0 ||
                                              h.expert_slots.slots_per_layer > 0,
                          .copy_host_experts = h.copy_host_experts,
-                         .progress = h.progress});
+                         .progress = h.progress,
+                         .unified = params_.unified});
     if (h.expert_slots.slots_per_layer > 0)
       residency_->enable_expert_slots(model.build_step(1, 1), h.expert_slots);
     kv_.allocate_device(*params_.device, params_.kv_home);

@@ -2,6 +2,7 @@
 // (versions 2 and 3, default and non-default alignment, every value type, several tensor types
 // and shapes), streaming producers to disk, and input validation.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -356,4 +357,40 @@ TEST_CASE("gguf writer: invalid inputs are invalid_argument") {
   const File f = File::from_memory(w.to_bytes());
   CHECK(f.tensors().size() == 1);
   CHECK(f.kvs().empty());
+}
+
+TEST_CASE("gguf writer: a sparse file has write()'s layout with the tensor data as a hole") {
+  // 64 MiB of f16 data: write() and write_sparse() give files of the same size, the same header
+  // and tensor infos; the sparse one's data reads as zeros, its producer never runs, and it
+  // takes far less disk than its size where the file system keeps holes.
+  const auto dir = berth::test::temp_dir("gguf-sparse");
+  Writer w;
+  w.set_string("general.architecture", "llama");
+  bool produced = false;
+  w.add_tensor("big", GgmlType::F16, {4096, 8192}, [&](std::span<uint8_t> dst) {
+    produced = true;
+    std::fill(dst.begin(), dst.end(), uint8_t{0});
+  });
+  w.add_tensor("small", GgmlType::F32, {3}, std::vector<uint8_t>(12, 0));
+  const std::string sparse = (dir / "sparse.gguf").string();
+  w.write_sparse(sparse);
+  CHECK_FALSE(produced);
+  const std::string full = (dir / "full.gguf").string();
+  w.write(full);
+  CHECK(produced);
+  REQUIRE(std::filesystem::file_size(sparse) == std::filesystem::file_size(full));
+  std::ifstream a(sparse, std::ios::binary), b(full, std::ios::binary);
+  const std::string sa((std::istreambuf_iterator<char>(a)), {}),
+      sb((std::istreambuf_iterator<char>(b)), {});
+  CHECK(sa == sb);  // the full file's data is zeros too
+  const File f = File::open(sparse);
+  REQUIRE(f.tensors().size() == 2);
+  CHECK(f.tensors()[0].name == "big");
+  struct stat st {};
+  REQUIRE(::stat(sparse.c_str(), &st) == 0);
+  MESSAGE("sparse file: ", st.st_size, " bytes, ", static_cast<int64_t>(st.st_blocks) * 512,
+          " on disk");
+  CHECK(static_cast<int64_t>(st.st_blocks) * 512 < st.st_size);
+  std::filesystem::remove(sparse);
+  std::filesystem::remove(full);
 }

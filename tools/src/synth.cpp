@@ -601,7 +601,7 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
       if (b > largest_bytes) largest_bytes = b, largest = &g;
     }
     const uint64_t phys = physical_memory_bytes();
-    if (largest && phys > 0 && largest_bytes > phys / 2)
+    if (largest && phys > 0 && largest_bytes > phys / 2 && !spec.sparse)
       bad(fmt::format(
           "tensor '{}' would be {:.1f} GB ({} {}), and it is held in memory while it is "
           "written: more than half of this machine's {:.1f} GB (check --n-embd, "
@@ -663,7 +663,7 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
     if (dir.empty()) dir = ".";
     const std::filesystem::space_info sp = std::filesystem::space(dir, sec);
     // An existing file at `path` is replaced only after the new one is complete.
-    if (!sec && st.tensor_bytes > sp.available)
+    if (!sec && st.tensor_bytes > sp.available && !spec.sparse)
       throw Error(ErrorCategory::io,
                   fmt::format("synth: '{}' needs {:.1f} GB of tensor data but {} has {:.1f} GB "
                               "free",
@@ -674,7 +674,10 @@ SynthStats write_synth_model(const SynthSpec& spec, const std::string& path, int
   // replaces an existing file with a partial one.
   const std::string partial = path + ".partial";
   try {
-    w.write(partial);
+    if (spec.sparse)
+      w.write_sparse(partial);
+    else
+      w.write(partial);
   } catch (...) {
     std::error_code ignore;
     std::filesystem::remove(partial, ignore);

@@ -60,6 +60,23 @@ struct DeviceInfo {
   /// counted once per call however many of the call's tokens it serves: the number of (call,
   /// expert) pairs and their weight bytes (gate + up + down, as stored). -1: not counted.
   int64_t moe_expert_reads = -1, moe_expert_bytes = -1;
+
+  // --- Unified memory (one physical memory for the CPU and the device: GB10, Jetson Orin) ----
+  /// The device and the CPU share one memory, as detected (CUDA: an integrated device with
+  /// pageable memory access or concurrent managed access) or simulated ("unified:SIZE"). The
+  /// plan then holds weights once (--unified, placement/plan.h).
+  bool unified = false;
+  /// The device's kernels read pageable host memory (a file mapping) in place (CUDA:
+  /// cudaDevAttrPageableMemoryAccess; the simulated device: always). Without it, unified mode
+  /// registers the weights' mapping (register_host) so the device reads it at the same addresses.
+  bool pageable_access = false;
+  /// The host memory the operating system reports available (MemAvailable), as the simulated
+  /// device's board would report it, bytes; 0: ask the operating system (/proc/meminfo).
+  size_t os_available_bytes = 0;
+  /// Modelled read bandwidth of the shared memory (GB/s) and dense compute (TFLOP/s) of the
+  /// device and of the CPU, for placement's cost model on unified memory (who computes what);
+  /// 0: placement's defaults (placement::UnifiedRates).
+  double gpu_gbps = 0, cpu_gbps = 0, gpu_tflops = 0, cpu_tflops = 0;
 };
 
 class Device {
@@ -144,15 +161,41 @@ class Device {
 };
 
 /// Opens a device by spec: "sim:SIZE" (a simulated device with SIZE of memory, e.g. "sim:1G";
-/// sizes as --vram-budget takes them) or "cuda:N" (CUDA device N). Throws Error(invalid_argument)
-/// for a bad spec, Error(unsupported) for "cuda:N" in a build without the CUDA backend, Error(io)
-/// naming the CUDA error when the device cannot be opened.
+/// sizes as --vram-budget takes them), "unified:SIZE[,KEY=VALUE...]" (a simulated unified-memory
+/// board of SIZE: parse_unified_sim) or "cuda:N" (CUDA device N). Throws
+/// Error(invalid_argument) for a bad spec, Error(unsupported) for "cuda:N" in a build without the
+/// CUDA backend, Error(io) naming the CUDA error when the device cannot be opened.
 std::unique_ptr<Device> make_device(std::string_view spec);
+
+/// A simulated device's settings.
+struct SimDeviceOptions {
+  size_t capacity_bytes = 0;  ///< its memory (total_bytes)
+  /// Each copy on the kCopy stream first sleeps this long (0: none): for tests of work that
+  /// overlaps a slow copy.
+  int64_t copy_delay_us = 0;
+  /// A unified-memory board (DeviceInfo::unified; pageable_access is always true). Its
+  /// os_available_bytes and rates are the DeviceInfo fields of the same names.
+  bool unified = false;
+  size_t os_available_bytes = 0;
+  /// What info().free_bytes reports, bytes (as cudaMemGetInfo would, which on a unified board
+  /// counts the page cache as used); 0: capacity minus allocations.
+  size_t reported_free_bytes = 0;
+  double gpu_gbps = 0, cpu_gbps = 0, gpu_tflops = 0, cpu_tflops = 0;
+};
+
+/// Parses the text after "unified:" of a simulated unified board's spec: "SIZE" then optional
+/// ",KEY=VALUE" settings: available=SIZE (the OS's MemAvailable; default SIZE), free=SIZE (what
+/// the device reports free; default: SIZE minus allocations), gpu_gbps=X, cpu_gbps=X,
+/// gpu_tflops=X, cpu_tflops=X (the cost model's rates). E.g. "128G", "8G,available=6G,free=2G".
+/// Throws Error(invalid_argument) naming `spec` and the bad part.
+SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec);
 
 /// A simulated device with `capacity_bytes` of memory (make_device("sim:SIZE")). Each copy on
 /// the kCopy stream first sleeps `copy_delay_us` microseconds (0: none): for tests of work that
 /// overlaps a slow copy.
 std::unique_ptr<Device> make_sim_device(size_t capacity_bytes, int64_t copy_delay_us = 0);
+/// A simulated device with `options`.
+std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options);
 
 /// True when this build has the CUDA backend and a CUDA device is present.
 bool cuda_available();

@@ -53,6 +53,11 @@ class Writer {
   /// followed by zero padding to the alignment. Throws Error(io) naming the path on failure;
   /// a failed write (I/O or a producer's exception, rethrown) removes the partial file.
   void write(const std::string& path) const;
+  /// Writes the file as write() lays it out, but only its header, keys and tensor infos: the
+  /// tensor data (zeros; producers are not called) is left as a hole of the file (ftruncate),
+  /// which takes no disk space on file systems with sparse files. For plans of model shapes
+  /// larger than the disk. Throws Error(io) naming the path; a failure removes the file.
+  void write_sparse(const std::string& path) const;
   /// The whole file as bytes (tests).
   std::vector<uint8_t> to_bytes() const;
 
@@ -65,7 +70,9 @@ class Writer {
     std::vector<uint8_t> bytes;  // empty when produce is set
     Producer produce;
   };
-  void write_to(const std::function<void(const void*, size_t)>& sink) const;
+  /// Writes through `sink`; with `data` false stops after the tensor infos' padding. Returns
+  /// the file's full size, bytes.
+  uint64_t write_to(const std::function<void(const void*, size_t)>& sink, bool data = true) const;
 
   uint32_t version_;
   uint64_t alignment_;

@@ -82,6 +82,26 @@ std::string_view residency_mode_name(ResidencyMode m);
 /// Parses --residency's value; throws Error(invalid_argument) naming the flag and the value.
 ResidencyMode parse_residency_mode(std::string_view s);
 
+/// --unified: automatic (as the device says: DeviceInfo::unified), on (treat the device as
+/// sharing the host's memory: it reads the weights it computes in place, nothing is copied to
+/// it), off (a discrete device, even on a unified board).
+enum class UnifiedMode : uint8_t { automatic, on, off };
+/// "auto", "on", "off".
+std::string_view unified_mode_name(UnifiedMode m);
+/// Parses --unified's value; throws Error(invalid_argument) naming the flag and the value.
+UnifiedMode parse_unified_mode(std::string_view s);
+
+/// The cost model's rates on unified memory: read bandwidth of the shared memory each processor
+/// reaches (GB/s) and its dense compute (TFLOP/s). A unit of work (a layer's attention and
+/// dense parts, a layer's routed experts, the head) costs, per decoded token, the bytes it reads
+/// over the bandwidth plus 2 FLOP per weight it reads over the compute; the processor with the
+/// lower cost computes it. The defaults are a GB10-class board's published figures (LPDDR5X at
+/// 273 GB/s) with assumed shares of it (GPU 230, CPU 120 GB/s) and assumed compute (GPU 50,
+/// CPU 1 TFLOP/s): unmeasured on real hardware (docs/unified.md).
+struct UnifiedRates {
+  double gpu_gbps = 230, cpu_gbps = 120, gpu_tflops = 50, cpu_tflops = 1;
+};
+
 /// Placement flags as the CLI parses them.
 struct Flags {
   int32_t n_gpu_layers = -1;  ///< -ngl; -1 = automatic; more than n_layer = all (e.g. 99)
@@ -95,6 +115,7 @@ struct Flags {
   /// and the RAM cache of disk-held experts. nullopt: the default (place(): MemAvailable minus
   /// kRamMargin); kNoRamBudget ("--ram-budget none" or 0): no limit, no disk tier.
   std::optional<size_t> ram_budget;
+  UnifiedMode unified = UnifiedMode::automatic;  ///< --unified
 };
 
 /// Flags::ram_budget's "no limit".
@@ -120,6 +141,23 @@ struct Request {
   /// Host bytes the plan may fill (the resolved --ram-budget; kNoRamBudget: no limit). See
   /// make_plan for the disk tier it gives a model that does not fit.
   size_t ram_budget_bytes = kNoRamBudget;
+  /// Unified memory (--unified, or a device that shares the host's memory): the device reads
+  /// the weights it computes where they are, so every weight is held once, in one pool of
+  /// pool_bytes that the weights (all of them, whoever computes them), both KV caches, the
+  /// scratch, the margin and the disk tier's RAM slots draw on. --vram-budget caps what the
+  /// device's side takes of it (its weights, KV cache, scratch and margin), --ram-budget the
+  /// CPU's side. No expert slots (experts are never copied). The automatic plan picks who
+  /// computes each unit by `rates` (UnifiedRates), not by where bytes live.
+  bool unified = false;
+  /// The pool: os_available_bytes minus pool_margin_bytes, at most the device's total memory.
+  size_t pool_bytes = 0;
+  size_t os_available_bytes = 0;  ///< the OS's MemAvailable (for messages)
+  size_t pool_margin_bytes = 0;   ///< what the pool leaves of it
+  /// What the device itself reports free (cudaMemGetInfo; for messages: on a unified board it
+  /// counts the page cache as used, so it is not the pool).
+  size_t device_reported_free_bytes = 0;
+  UnifiedRates rates;
+  int32_t n_expert_used = 0;  ///< routed experts per token (the cost of a layer's experts)
   Flags flags;
 };
 
@@ -152,6 +190,15 @@ struct Plan {
   size_t ram_slot_bytes = 0;     ///< the RAM cache's slots (4 KiB-padded expert slices)
   /// Host bytes the plan holds: cpu weights + CPU KV cache + the RAM cache's slots.
   size_t ram_total() const { return cpu_weight_bytes + cpu_kv_bytes + ram_slot_bytes; }
+  /// Unified memory (Request::unified): weights held once in a pool of pool_bytes; home says
+  /// who computes a tensor, not where its bytes live.
+  bool unified = false;
+  size_t pool_bytes = 0;
+  /// Unified memory: everything the plan holds in the pool, each weight once.
+  size_t pool_total() const {
+    return gpu_weight_bytes + cpu_weight_bytes + gpu_kv_bytes + cpu_kv_bytes + scratch_bytes +
+           margin_bytes + ram_slot_bytes;
+  }
   /// Remarks shown with the plan (flags ignored for lack of a GPU, an automatic plan that fell
   /// back to the CPU); make_plan also logs them as warnings. Callers may append their own.
   std::vector<std::string> notes;
@@ -186,6 +233,15 @@ void add_override(Flags& flags, std::string_view arg);
 /// and bench as log warnings).
 Plan make_plan(const Request& req);
 
+/// Unified memory (Request::unified): home is who computes; with -ngl, --cpu-moe, --n-cpu-moe
+/// and -ot as above, else (automatic) every unit goes to the processor whose modelled time per
+/// token is lower (UnifiedRates), in order of time saved per byte while the device's side fits
+/// budget_bytes = min(pool, --vram-budget). The device's side must fit budget_bytes, the CPU's
+/// min(--ram-budget, pool - device's side) (routed experts beyond it go to the disk tier as
+/// below), and everything pool_bytes: otherwise Error(out_of_memory) naming every term
+/// (weights held once and who computes them, both KV caches, scratch, margin, RAM slots, the
+/// OS's available memory, the pool's margin, the device's own report), before anything loads.
+///
 /// Disk tier (Request::ram_budget_bytes): when cpu weights + CPU KV cache exceed the budget,
 /// the CPU-held routed-expert tensors of every MoE layer whose three stacked expert tensors are
 /// CPU-held (-ot CPU included) move to the disk tier with the same number C of RAM slots per
@@ -212,7 +268,10 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// "experts_on_disk"}...] (home of its expert tensors; experts_on_gpu = n_expert on the GPU,
 /// else its slots; experts_on_disk = n_expert - ram_slots for a tiered layer, else 0),
 /// "tiers": {"vram_bytes", "ram_bytes", "disk_bytes", "ram_budget_bytes" (null: none),
-/// "ram_slots"}}; "GPU" (with "slot_bytes") is absent when the request has no device.
+/// "ram_slots"}, "unified": null or {"pool_bytes", "os_available_bytes", "pool_margin_bytes",
+/// "device_reported_free_bytes", "total_bytes" (Plan::pool_total), "weights_bytes" (held once),
+/// "gpu_computes_bytes", "cpu_computes_bytes"}}; "GPU" (with "slot_bytes") is absent when the
+/// request has no device. On unified memory "vram_bytes" is 0 (no weight is copied).
 std::string plan_json(const Request& req, const Plan& plan);
 
 }  // namespace berth::placement

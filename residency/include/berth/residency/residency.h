@@ -2,7 +2,8 @@
 // to the device when the scheduler asks. Placement (placement/) is the policy: a home per tensor;
 // this is the mechanism:
 // - upload: each tensor whose home is the device gets a device copy (1-D tensors such as norm
-//   scales and biases as f32, as the kernels take them);
+//   scales and biases as f32, as the kernels take them); on unified memory none: the device
+//   reads the weights in place (ResidencyOptions::unified);
 // - page-locked CPU-held experts: the stacked expert tensors that stay on the CPU get a pinned
 //   copy (or, with BERTH_REGISTER_HOST=1, their own memory registered in place) that the device
 //   can read over PCIe, for streaming (prefill) and the decode share; on a host of one NUMA node
@@ -57,6 +58,12 @@ struct ResidencyOptions {
   bool copy_host_experts = true;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
+  /// Unified memory (SessionParams::unified): the device reads each weight whose home is the
+  /// device where it is (device_weight() is the host pointer; 1-D non-f32 tensors get an f32
+  /// host copy), nothing is allocated on the device for weights, nothing is uploaded. Without
+  /// DeviceInfo::pageable_access the weights' memory is registered with the device
+  /// (register_host) so that it reads it at the same addresses.
+  bool unified = false;
 };
 
 class Residency {
@@ -92,8 +99,11 @@ class Residency {
   /// copy point at the copy where copy_read_by_cpu(), so the file mapping's pages of them go
   /// unused (advised cold: the kernel reclaims them first).
   const graph::WeightTable& cpu_weights() const { return cpu_weights_; }
-  /// Device bytes of the uploaded weights.
+  /// Device bytes of the uploaded weights (0 on unified memory).
   size_t device_weight_bytes() const { return dev_weight_bytes_; }
+  /// Unified memory: bytes of the weights the device reads in place (its homed tensors, 1-D
+  /// ones as their f32 host copy); 0 otherwise.
+  size_t in_place_weight_bytes() const { return in_place_bytes_; }
 
   /// The MoE layers of step graph `g` that can have expert slots: moe_experts ops over stacked
   /// tensors (n_expert > 1) whose gate, up and down are CPU-held with page-locked memory here
@@ -116,6 +126,7 @@ class Residency {
 
  private:
   void pin_host_experts();
+  void map_in_place();
   void release();
 
   Device& dev_;
@@ -131,6 +142,8 @@ class Residency {
   void* stage_[2] = {nullptr, nullptr};
   size_t stage_bytes_ = 0;
   size_t dev_weight_bytes_ = 0;
+  size_t in_place_bytes_ = 0;
+  void* host_f32_ = nullptr;  // unified: the f32 host copies of 1-D device-homed tensors
   std::unique_ptr<ExpertSlots> slots_;
 };
 

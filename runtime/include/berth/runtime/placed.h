@@ -34,8 +34,11 @@ struct PlacementSetup {
 
 /// The device to plan for: the first CUDA device when this build and machine have one; else, when
 /// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a simulated device of that
-/// size (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU); else
-/// none. Throws Error(invalid_argument) for a bad BERTH_SIM_DEVICE.
+/// size (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU), or
+/// with BERTH_SIM_DEVICE=unified:SIZE[,KEY=VALUE...] a simulated unified-memory board
+/// (parse_unified_sim in backends/device.h: e.g. "unified:128G" for a GB10,
+/// "unified:8G,available=6G" for an Orin 8 GB); else none. Throws Error(invalid_argument) for a
+/// bad BERTH_SIM_DEVICE.
 std::unique_ptr<Device> default_device();
 
 /// Plans `model` with `flags` for default_device() (or none when flags.n_gpu_layers == 0 and no

@@ -33,6 +33,9 @@ struct SessionParams {
   /// where they are. Null: CPU only.
   Device* device = nullptr;
   std::vector<placement::Home> weight_home, kv_home;
+  /// Unified memory (placement/plan.h, --unified): the device reads the weights it computes in
+  /// place from the host's memory (ResidencyOptions::unified); none is copied to it.
+  bool unified = false;
   HybridOptions hybrid;
   /// The disk tier (residency/disk_tier.h; use_disk_tier() in runtime/placed.h fills it from
   /// the plan): its layers' moe_experts ops read their experts through a RAM cache of slots

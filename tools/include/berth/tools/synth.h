@@ -145,6 +145,10 @@ struct SynthSpec {
   int64_t ssm_dt_rank = 0;  ///< ssm.time_step_rank: GDN V heads (H_v), a multiple of H_k
   int64_t n_ff_shexp = 0;   ///< qwen35moe: expert_shared_feed_forward_length (0: no shared expert)
   int64_t n_mtp = 0;        ///< MTP layers after the main ones (nextn_predict_layers), 0 or 1
+  /// Write only the header, keys and tensor infos; the tensor data is a hole of zeros
+  /// (gguf::Writer::write_sparse): for plans of shapes larger than the disk (`berth plan`),
+  /// not for running.
+  bool sparse = false;
 };
 
 /// The names synth_preset accepts: qwen3-30b-a3b, qwen3-235b-a22b, tiny-llama, tiny-qwen2,

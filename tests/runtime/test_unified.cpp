@@ -1,0 +1,279 @@
+// Unified memory (issue 25): a simulated unified board (BERTH_SIM_DEVICE=unified:SIZE) holds
+// every weight once. The device reads the weights it computes in place (no device allocation
+// holds a weight byte), the plan draws everything from one pool (the OS's available memory minus
+// a margin, not what the device reports free), a plan that does not fit is refused before
+// loading with every term named, and the cost model, not where bytes live, decides who computes.
+//
+// The model files are synthetic: a tiny qwen3moe in f32 to run, and a sparse (header-only)
+// Qwen3.5-27B-shaped f16 file, ~54 GB of holes, for the plans (the simulated device tracks
+// capacity, not bytes).
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "berth/backends/device.h"
+#include "berth/core/error.h"
+#include "berth/io/gguf.h"
+#include "berth/models/model.h"
+#include "berth/residency/residency.h"
+#include "berth/runtime/placed.h"
+#include "berth/runtime/session.h"
+#include "berth/tools/synth.h"
+#include "test_util.h"
+
+using namespace berth;
+using placement::Home;
+
+namespace {
+
+std::string moe_file() {
+  SynthSpec spec = synth_preset("tiny-qwen3moe");
+  spec.type = "f32";
+  spec.seed = 11;
+  spec.n_expert = 8;
+  spec.n_expert_used = 2;
+  const auto path = test::temp_dir("unified") / "tiny-qwen3moe-8x2-f32.gguf";
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
+  return path.string();
+}
+
+// Qwen3.5-27B's shape in f16 (~54 GB), written sparse: plans only.
+std::string sparse_27b() {
+  SynthSpec spec = synth_preset("qwen3.5-27b");
+  spec.type = "f16";
+  spec.sparse = true;
+  const auto path = test::temp_dir("unified") / "qwen3.5-27b-f16-sparse.gguf";
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
+  return path.string();
+}
+
+struct Run {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;
+};
+
+Run greedy(Session& s, int n) {
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 200 + 3);
+  Run r;
+  std::span<const float> l = s.eval(prompt);
+  for (int i = 0; i < n; ++i) {
+    r.logits.emplace_back(l.begin(), l.end());
+    const auto t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+    r.tokens.push_back(t);
+    l = s.eval(std::span<const int32_t>(&t, 1));
+  }
+  return r;
+}
+
+// A session placed by place() on the device BERTH_SIM_DEVICE names, with `flags`; runs 16
+// greedy steps. Reports the device's memory in use after them and what Residency uploaded.
+struct Placed {
+  Run run;
+  placement::Plan plan;
+  bool unified = false;
+  size_t device_used = 0, uploaded = 0, in_place = 0, homed_bytes = 0;
+};
+
+Placed run_on(const Model& model, const std::string& sim, placement::Flags flags) {
+  ::setenv("BERTH_SIM_DEVICE", sim.c_str(), 1);
+  SessionParams sp;
+  sp.n_threads = 2;
+  sp.n_ctx = 128;
+  sp.n_ubatch = 32;
+  PlacementSetup setup = place(model, flags, sp, false);
+  ::unsetenv("BERTH_SIM_DEVICE");
+  Placed p;
+  p.plan = setup.plan;
+  p.unified = sp.unified;
+  {
+    Session s(model, sp);
+    p.run = greedy(s, 16);
+    if (setup.device) {
+      p.device_used = setup.device->total_bytes() - setup.device->free_bytes();
+      p.uploaded = s.residency()->device_weight_bytes();
+      p.in_place = s.residency()->in_place_weight_bytes();
+    }
+  }
+  const graph::WeightTable& w = model.weights();
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (i >= p.plan.home.size() || p.plan.home[i] != Home::gpu) continue;
+    const TensorView& t = w.tensors[i];
+    const bool vector = t.ne[1] == 1 && t.ne[2] == 1 && t.ne[3] == 1 && t.type != GgmlType::F32;
+    p.homed_bytes += vector ? static_cast<size_t>(t.ne[0]) * 4 : t.n_bytes;
+  }
+  return p;
+}
+
+bool same_bits(const Run& a, const Run& b) {
+  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
+  for (size_t s = 0; s < a.logits.size(); ++s)
+    if (a.logits[s].size() != b.logits[s].size() ||
+        std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
+      return false;
+  return true;
+}
+
+nlohmann::json plan_json(const std::string& sim, const std::string& model, const std::string& flags,
+                         int* exit_code, std::string* err) {
+  const test::CommandResult r =
+      test::run_command("BERTH_SIM_DEVICE=" + test::shell_quote(sim) + " " + test::berth_bin() +
+                        " plan -m " + test::shell_quote(model) + " --json" + flags);
+  *exit_code = r.exit_code;
+  *err = r.err;
+  if (r.exit_code != 0) return {};
+  return nlohmann::json::parse(r.out);
+}
+
+}  // namespace
+
+TEST_CASE("unified: the simulated board's spec") {
+  SimDeviceOptions o = parse_unified_sim("128G", "unified:128G");
+  CHECK(o.unified);
+  CHECK(o.capacity_bytes == size_t{128} << 30);
+  CHECK(o.os_available_bytes == size_t{128} << 30);  // default: the whole board
+  CHECK(o.reported_free_bytes == 0);
+  o = parse_unified_sim("8G,available=6G,free=2G,gpu_gbps=100,cpu_tflops=0.5", "s");
+  CHECK(o.os_available_bytes == size_t{6} << 30);
+  CHECK(o.reported_free_bytes == size_t{2} << 30);
+  CHECK(o.gpu_gbps == 100);
+  CHECK(o.cpu_tflops == 0.5);
+  {
+    auto dev = make_device("unified:8G,available=6G,free=2G");
+    const DeviceInfo i = dev->info();
+    CHECK(i.unified);
+    CHECK(i.pageable_access);
+    CHECK(i.os_available_bytes == size_t{6} << 30);
+    CHECK(i.free_bytes == size_t{2} << 30);  // what it reports, as cudaMemGetInfo would
+  }
+  CHECK_FALSE(make_device("sim:1G")->info().unified);
+  using test::expect_error;
+  const auto inv = ErrorCategory::invalid_argument;
+  expect_error(inv, [] { parse_unified_sim("8G,fast=1", "unified:8G,fast=1"); },
+               {"unified:8G,fast=1", "unknown setting 'fast'"});
+  expect_error(inv, [] { parse_unified_sim("8G,available", "u"); }, {"'available'", "KEY=VALUE"});
+  expect_error(inv, [] { parse_unified_sim("8G,available=9G", "u"); }, {"available=", "board"});
+  expect_error(inv, [] { parse_unified_sim("lots", "u"); }, {"'lots' is not a size"});
+  expect_error(inv, [] { parse_unified_sim("8G,gpu_gbps=-3", "u"); }, {"gpu_gbps=-3"});
+  expect_error(inv, [] { make_device("unified:0"); }, {"more than 0"});
+}
+
+TEST_CASE("unified: weights held once, read in place by the device, the same bits") {
+  gguf::File file = gguf::File::open(moe_file());
+  auto model = load_model(file);
+  for (const bool cpu_moe : {false, true}) {
+    CAPTURE(cpu_moe);
+    placement::Flags f;
+    f.cpu_moe = cpu_moe;
+    if (cpu_moe) f.n_gpu_layers = 99;
+    f.residency = placement::ResidencyMode::fixed;  // the discrete run: no expert slots
+    const Placed discrete = run_on(*model, "2G", f);
+    const Placed unified = run_on(*model, "unified:2G", f);
+    REQUIRE_FALSE(discrete.unified);
+    REQUIRE(unified.unified);
+    CHECK(unified.plan.unified);
+    // The same plan: the automatic one puts every unit on the GPU under the default rates.
+    CHECK(unified.plan.home == discrete.plan.home);
+    CHECK(unified.plan.kv_home == discrete.plan.kv_home);
+    if (!cpu_moe) {
+      CHECK(std::all_of(unified.plan.home.begin(), unified.plan.home.end(),
+                        [](Home h) { return h == Home::gpu; }));
+      CHECK(unified.plan.how.find("the GPU computes") != std::string::npos);
+    }
+    // Nothing uploaded, everything the device computes read where it is; the device holds
+    // exactly what the discrete run holds less its weight copies.
+    CHECK(discrete.uploaded == discrete.homed_bytes);
+    CHECK(discrete.uploaded > 0);
+    CHECK(unified.uploaded == 0);
+    CHECK(unified.in_place == unified.homed_bytes);
+    CHECK(unified.device_used + discrete.uploaded == discrete.device_used);
+    CHECK(unified.device_used < discrete.uploaded);
+    // The same kernels on the same bytes.
+    CHECK(same_bits(unified.run, discrete.run));
+  }
+}
+
+TEST_CASE("unified: the cost model, not where bytes live, picks who computes") {
+  gguf::File file = gguf::File::open(moe_file());
+  auto model = load_model(file);
+  placement::Flags f;
+  // A board whose CPU reads the shared memory faster than its GPU: the CPU computes everything
+  // the automatic plan decides (the KV cache follows the layers).
+  const Placed cpu = run_on(*model, "unified:2G,gpu_gbps=40,cpu_gbps=200,gpu_tflops=1", f);
+  CHECK(cpu.plan.unified);
+  CHECK(std::all_of(cpu.plan.home.begin(), cpu.plan.home.end(),
+                    [](Home h) { return h == Home::cpu; }));
+  CHECK(cpu.plan.how.find("the CPU is faster for") != std::string::npos);
+  // Flags still say who computes: -ngl 99 puts the layers on the GPU whatever the rates.
+  f.n_gpu_layers = 99;
+  const Placed forced = run_on(*model, "unified:2G,gpu_gbps=40,cpu_gbps=200,gpu_tflops=1", f);
+  CHECK(std::count(forced.plan.home.begin(), forced.plan.home.end(), Home::gpu) > 0);
+  // Whoever computes, the greedy tokens are the CPU-only run's (the simulated device's f16 KV
+  // cache moves logits by far less than the gaps here).
+  const Placed gpu = run_on(*model, "unified:2G", placement::Flags{});
+  CHECK(cpu.run.tokens == gpu.run.tokens);
+  CHECK(forced.run.tokens == gpu.run.tokens);
+}
+
+TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB one refuses it") {
+  const std::string model = sparse_27b();
+  int rc = 0;
+  std::string err;
+  // GB10-like: 128 GB, all of it available. The weights (~51 GiB) are held once: nothing counts
+  // as VRAM, everything comes from one pool of 127 GiB.
+  nlohmann::json j = plan_json("unified:128G", model, "", &rc, &err);
+  INFO(err);
+  REQUIRE(rc == 0);
+  REQUIRE(j["unified"].is_object());
+  const auto weights = j["unified"]["weights_bytes"].get<size_t>();
+  CHECK(weights > size_t{50} << 30);
+  CHECK(j["unified"]["pool_bytes"].get<size_t>() == (size_t{127} << 30));
+  CHECK(j["unified"]["total_bytes"].get<size_t>() <= (size_t{127} << 30));
+  CHECK(j["unified"]["total_bytes"].get<size_t>() < weights + (size_t{4} << 30));  // once
+  CHECK(j["tiers"]["vram_bytes"].get<size_t>() == 0);
+  CHECK(j["unified"]["gpu_computes_bytes"].get<size_t>() == weights);
+  // A discrete plan of the same board size would need the weights twice (the file's pages and a
+  // device copy): with --unified off, the device's share is a copy.
+  j = plan_json("unified:128G", model, " --unified off", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(j["unified"].is_null());
+  CHECK(j["tiers"]["vram_bytes"].get<size_t>() > size_t{50} << 30);
+
+  // --vram-budget caps the GPU's side of the pool; the CPU computes the rest, still once.
+  j = plan_json("unified:128G", model, " --vram-budget 20G", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(j["devices"]["GPU"]["total_bytes"].get<size_t>() <= size_t{20} << 30);
+  CHECK(j["unified"]["cpu_computes_bytes"].get<size_t>() > size_t{30} << 30);
+  CHECK(j["unified"]["total_bytes"].get<size_t>() < weights + (size_t{4} << 30));
+
+  // Orin 8 GB: refused before loading, naming every term.
+  test::CommandResult r = test::run_command("BERTH_SIM_DEVICE=unified:8G " + test::berth_bin() +
+                                            " run -m " + test::shell_quote(model) + " -p hi -n 1");
+  CHECK(r.exit_code == 1);
+  for (const char* term :
+       {"unified memory", "pool is 7168.0 MiB", "held once", "computed by the GPU", "by the CPU",
+        "GPU KV cache", "CPU KV cache", "scratch", "margin", "RAM expert slots",
+        "8192.0 MiB the OS reports available", "margin of 1024.0 MiB", "the device reports"})
+    CHECK_MESSAGE(r.err.find(term) != std::string::npos, term, " in: ", r.err);
+  CHECK(r.err.find("loaded") == std::string::npos);
+
+  // The OS and the device disagree: the device reports 3 GiB free (cudaMemGetInfo on a GB10
+  // counts the page cache as used) while the OS has 100 GiB available: the plan follows the OS.
+  j = plan_json("unified:128G,available=100G,free=3G", model, "", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(j["unified"]["pool_bytes"].get<size_t>() == (size_t{99} << 30));
+  CHECK(j["unified"]["device_reported_free_bytes"].get<size_t>() == (size_t{3} << 30));
+  // ... and the other way round: the device reports the whole board free, the OS has 40 GiB.
+  j = plan_json("unified:128G,available=40G", model, "", &rc, &err);
+  CHECK(rc == 1);
+  CHECK(err.find("pool is 39936.0 MiB") != std::string::npos);
+  CHECK(err.find("40960.0 MiB the OS reports available") != std::string::npos);
+  CHECK(err.find("the device reports 131072.0 MiB free") != std::string::npos);
+  std::filesystem::remove(model);  // a hole, but 54 GB as ls sees it
+}
