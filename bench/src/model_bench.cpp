@@ -277,6 +277,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   if (sp.device) {
     r.device = sp.device->name();
     r.gpu_weight_bytes = placed.plan.gpu_weight_bytes;
+    r.unified = sp.unified;
+    r.unified_over_bus = sp.unified && !sp.device->info().unified;
     const size_t kind =
         r.device.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz");
     r.backend = kind == 0 ? r.device : r.device.substr(0, kind);
@@ -598,9 +600,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     r.h2d_gbps = copy_gbps(
         dev, [&] { dev.copy(kMain, a, h, n / 4); }, static_cast<double>(n / 4));
     dev.dealloc(a), dev.dealloc(b), dev.dealloc_host(h);
+    // --unified on a discrete GPU: the weights it computes cross the bus at every step.
+    const uint64_t over_bus =
+        r.unified_over_bus ? decode_weight_bytes(*model, &home, placement::Home::gpu) : 0;
     const double t = std::max(static_cast<double>(r.decode_cpu_bytes) / (r.dram.gbps.median * 1e9),
                               static_cast<double>(r.decode_share_bytes) / (r.h2d_gbps * 1e9)) +
-                     static_cast<double>(r.decode_gpu_bytes) / (r.hbm_gbps * 1e9);
+                     static_cast<double>(r.decode_gpu_bytes - over_bus) / (r.hbm_gbps * 1e9) +
+                     static_cast<double>(over_bus) / (r.h2d_gbps * 1e9);
     r.hybrid_bound_tok_s = t > 0 ? 1.0 / t : 0;
     if (tg) r.fraction_of_bound = r.tg_tok_s.median / r.hybrid_bound_tok_s;
   }
@@ -686,6 +692,8 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"hbm_copy_gbps", r.hbm_gbps},
       {"h2d_pinned_gbps", r.h2d_gbps},
       {"hybrid_bound_tok_s", r.hybrid_bound_tok_s},
+      {"unified", r.unified},
+      {"unified_over_bus", r.unified_over_bus},
       {"tg_cpu_busy", r.tg_cpu_busy},
       {"pp_cpu_busy", r.pp_cpu_busy},
       {"tg_device_busy", r.tg_device_busy},
@@ -771,13 +779,16 @@ std::string format_text(const ModelBenchResult& r) {
       static_cast<double>(r.decode_kv_bytes) / 1e9, r.dram.gbps.median, r.bound_tok_s);
   if (!r.device.empty()) {
     s += fmt::format(
-        "device {} ({}): {} of weights resident; HBM copy {:.0f} GB/s, pinned H2D "
+        "device {} ({}): {} of weights {}; HBM copy {:.0f} GB/s, pinned H2D "
         "{:.1f} GB/s; hand-off {}{}{}{}{}\ndecode reads {:.3f} GB/token on the device and {:.3f} "
         "GB/token from DRAM{} -> hybrid bound {:.2f} tok/s\n",
         r.device, r.placement,
         r.gpu_weight_bytes >= 10'000'000
             ? fmt::format("{:.2f} GB", static_cast<double>(r.gpu_weight_bytes) / 1e9)
             : fmt::format("{:.2f} MB", static_cast<double>(r.gpu_weight_bytes) / 1e6),
+        !r.unified           ? "resident"
+        : r.unified_over_bus ? "read in place from host memory over the bus (--unified on)"
+                             : "read in place (unified memory)",
         r.hbm_gbps, r.h2d_gbps, r.handoff,
         r.warm_workers_us > 0 ? fmt::format(" (workers warm {} us)", r.warm_workers_us) : "",
         r.stream_experts_min_tokens > 0

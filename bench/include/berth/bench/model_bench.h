@@ -151,11 +151,16 @@ struct ModelBenchResult {
   /// decode_gpu_bytes, not decode_cpu_bytes), and the bytes copied into slots (counted in
   /// decode_cpu_bytes: the copies read host DRAM).
   uint64_t decode_slot_bytes = 0, decode_swap_bytes = 0;
+  /// Unified memory (--unified): the device reads its weights in place. On a unified board they
+  /// count at the device's memory rate (hbm_gbps: the board's one memory); forced on a discrete
+  /// GPU (`unified_over_bus`) its weights cross the bus every step and count at h2d_gbps.
+  bool unified = false, unified_over_bus = false;
   double hbm_gbps = 0;  ///< device-to-device copy, bytes read + written per s
   double h2d_gbps = 0;  ///< pinned host-to-device copy
   /// Decode bound with the per-layer dependency (the experts wait for attention and the reverse;
   /// the CPU's and the device's shares of the experts run at the same time):
-  /// 1 / (max(decode_cpu_bytes / DRAM, decode_share_bytes / pinned H2D) + decode_gpu_bytes / HBM).
+  /// 1 / (max(decode_cpu_bytes / DRAM, decode_share_bytes / pinned H2D) + decode_gpu_bytes / HBM),
+  /// where with unified_over_bus the device's weight bytes count at pinned H2D instead of HBM.
   double hybrid_bound_tok_s = 0;
   /// Share of the timed tg steps' wall time spent in CPU segments (host callbacks); the rest is
   /// device work, copies and hand-offs.
