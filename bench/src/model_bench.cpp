@@ -550,7 +550,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   for (const KvLayer& l : model->kv_layers())
     kv_row += static_cast<uint64_t>(l.k_dim + l.v_dim) * 4;
   r.decode_kv_bytes = kv_row * kv_positions_x2 / 2;
-  const double bytes = static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes);
+  for (const KvLayer& l : model->kv_layers())
+    r.decode_state_bytes += 2 * static_cast<uint64_t>(l.conv_dim + l.ssm_dim) * 4;
+  const double bytes =
+      static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes + r.decode_state_bytes);
   r.bound_tok_s = r.dram.gbps.median * 1e9 / bytes;
   if (tg) {
     r.fraction_of_bound = r.tg_tok_s.median / r.bound_tok_s;
@@ -569,7 +572,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
         kv_cpu += avg * 4;  // f32
     }
     r.decode_gpu_bytes = decode_weight_bytes(*model, &home, placement::Home::gpu) + kv_gpu;
-    r.decode_cpu_bytes = decode_weight_bytes(*model, &home, placement::Home::cpu) + kv_cpu;
+    r.decode_cpu_bytes =
+        decode_weight_bytes(*model, &home, placement::Home::cpu) + kv_cpu + r.decode_state_bytes;
     if (!r.host_experts_pinning.empty()) {
       r.decode_share_bytes = decode_share_bytes(*model, home, o.host_expert_share);
       r.decode_cpu_bytes -= r.decode_share_bytes;
@@ -680,6 +684,7 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"dram_gbps", r.dram.gbps.median},
       {"decode_weight_bytes", r.decode_weight_bytes},
       {"decode_kv_bytes", r.decode_kv_bytes},
+      {"decode_state_bytes", r.decode_state_bytes},
       {"bound_tok_s", r.bound_tok_s},
       {"fraction_of_bound", r.fraction_of_bound},
       {"decode_gbps", r.decode_gbps},
@@ -772,11 +777,15 @@ std::string format_text(const ModelBenchResult& r) {
     s +=
         fmt::format("{:<{}} {:>12.2f} {:>12.2f}\n", tg_name, w, r.tg_tok_s.median, r.tg_tok_s.best);
   s += fmt::format(
-      "\ndecode reads {:.3f} GB/token (weights {:.3f} + KV {:.4f}); DRAM {:.1f} GB/s "
+      "\ndecode reads {:.3f} GB/token (weights {:.3f} + KV {:.4f}{}); DRAM {:.1f} GB/s "
       "-> bound {:.2f} tok/s\n",
-      static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes) / 1e9,
+      static_cast<double>(r.decode_weight_bytes + r.decode_kv_bytes + r.decode_state_bytes) / 1e9,
       static_cast<double>(r.decode_weight_bytes) / 1e9,
-      static_cast<double>(r.decode_kv_bytes) / 1e9, r.dram.gbps.median, r.bound_tok_s);
+      static_cast<double>(r.decode_kv_bytes) / 1e9,
+      r.decode_state_bytes > 0 ? fmt::format(" + recurrent state read and written {:.4f}",
+                                             static_cast<double>(r.decode_state_bytes) / 1e9)
+                               : "",
+      r.dram.gbps.median, r.bound_tok_s);
   if (!r.device.empty()) {
     s += fmt::format(
         "device {} ({}): {} of weights {}; HBM copy {:.0f} GB/s, pinned H2D "

@@ -469,6 +469,9 @@ Plan make_plan(const Request& req) {
   if (req.kv_bytes.size() != static_cast<size_t>(n_layer))
     bad(fmt::format("placement request: {} KV cache sizes for {} layers", req.kv_bytes.size(),
                     n_layer));
+  if (!req.state_bytes.empty() && req.state_bytes.size() != static_cast<size_t>(n_layer))
+    bad(fmt::format("placement request: {} recurrent state sizes for {} layers",
+                    req.state_bytes.size(), n_layer));
   for (const TensorEntry& t : req.tensors)
     if (t.layer < -1 || t.layer >= n_layer)
       bad(fmt::format("placement request: tensor '{}' has layer {} outside [0, {})", t.name,
@@ -797,6 +800,8 @@ Plan make_plan(const Request& req) {
       plan.cpu_kv_bytes += 2 * req.kv_bytes[l];  // the host cache keeps f32
     }
   }
+  for (size_t b : req.state_bytes) plan.state_bytes += b;
+  plan.cpu_kv_bytes += plan.state_bytes;
   if (req.has_device) {
     plan.budget_bytes =
         std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));

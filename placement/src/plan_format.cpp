@@ -14,6 +14,10 @@ namespace {
 size_t kv_layer_bytes(const Request& req, const Plan& plan, size_t l) {
   return req.kv_bytes.at(l) * (plan.kv_home.at(l) == Home::gpu ? 1 : 2);
 }
+// Bytes of layer l's recurrent state (host-held, f32), 0 for a layer without one.
+size_t state_layer_bytes(const Request& req, size_t l) {
+  return l < req.state_bytes.size() ? req.state_bytes[l] : 0;
+}
 
 constexpr double kMiB = 1024.0 * 1024.0;
 double to_mib(size_t bytes) { return static_cast<double>(bytes) / kMiB; }
@@ -130,6 +134,13 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
                          home_name(plan.kv_home[a]));
       a = b;
     }
+    if (plan.state_bytes > 0) {
+      size_t n = 0;
+      for (size_t l = 0; l < plan.kv_home.size(); ++l) n += state_layer_bytes(req, l) > 0;
+      out += fmt::format("{:<{}}  {:>12.3f}  CPU\n",
+                         fmt::format("recurrent state ({} layers, f32)", n), name_w + type_w + 2,
+                         to_mib(plan.state_bytes));
+    }
   }
 
   out += fmt::format("\n{:<6} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14}\n", "device",
@@ -203,7 +214,8 @@ std::string plan_json(const Request& req, const Plan& plan) {
   for (size_t l = 0; l < plan.kv_home.size(); ++l)
     kv.push_back({{"layer", l},
                   {"bytes", kv_layer_bytes(req, plan, l)},
-                  {"home", std::string(home_name(plan.kv_home[l]))}});
+                  {"home", std::string(home_name(plan.kv_home[l]))},
+                  {"state_bytes", state_layer_bytes(req, l)}});
   j["kv"] = std::move(kv);
   j["residency"] = std::string(residency_mode_name(plan.residency));
   j["expert_slots"] = plan.expert_slots;

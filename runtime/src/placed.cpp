@@ -206,7 +206,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     // The KV cache holds n_seq sequences of n_ctx positions: plan for all of its rows.
     s.request = plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags,
                              device_name, unified ? pool : free_bytes, has_device, stream,
-                             params.hybrid.host_expert_share);
+                             params.hybrid.host_expert_share, std::max(params.n_seq, 1));
     s.request.ram_budget_bytes = ram_budget;
     if (unified) {
       s.request.unified = true;

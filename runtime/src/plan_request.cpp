@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <string_view>
 #include <unordered_set>
@@ -24,7 +25,8 @@ size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,
                                 size_t device_free_bytes, bool has_device,
-                                int32_t stream_experts_min_tokens, double host_expert_share) {
+                                int32_t stream_experts_min_tokens, double host_expert_share,
+                                int32_t n_seq) {
   if (n_ctx < 1)
     throw Error(ErrorCategory::invalid_argument, fmt::format("-c {}: must be >= 1", n_ctx));
   if (n_ubatch < 1)
@@ -52,10 +54,13 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
   }
   const std::vector<KvLayer> kv = model.kv_layers();
   req.kv_bytes.assign(static_cast<size_t>(req.n_layer), 0);
-  for (size_t l = 0; l < kv.size() && l < req.kv_bytes.size(); ++l)
+  req.state_bytes.assign(static_cast<size_t>(req.n_layer), 0);
+  for (size_t l = 0; l < kv.size() && l < req.kv_bytes.size(); ++l) {
     req.kv_bytes[l] =
-        static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx) +
-        static_cast<size_t>(kv[l].conv_dim + kv[l].ssm_dim) * sizeof(float);
+        static_cast<size_t>(kv[l].k_dim + kv[l].v_dim) * 2 * static_cast<size_t>(n_ctx);
+    req.state_bytes[l] = static_cast<size_t>(kv[l].conv_dim + kv[l].ssm_dim) * sizeof(float) *
+                         static_cast<size_t>(std::max(n_seq, 1));
+  }
   req.scratch_bytes = device_scratch_bytes(model, n_ubatch, n_ctx) +
                       expert_stage_bytes(model, stream_experts_min_tokens, host_expert_share);
   req.has_device = has_device;

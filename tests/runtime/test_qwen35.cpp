@@ -25,6 +25,7 @@
 #include "berth/models/model.h"
 #include "berth/runtime/batch.h"
 #include "berth/runtime/kv_cache.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
@@ -356,6 +357,40 @@ TEST_CASE("qwen35: placements on the device give the CPU-only tokens; GDN ops st
       (void)sch;
     }
   }
+}
+
+TEST_CASE("qwen35: the plan counts the recurrent state on the CPU, where it lives") {
+  const char* e = std::getenv("BERTH_TEST_DEVICE");
+  if (e && std::string(e) == "cuda") return;  // place() opens the first CUDA device there
+  gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
+  std::unique_ptr<Model> m = load_model(f);
+  size_t state = 0, kv_f16 = 0;
+  const int32_t n_seq = 3;
+  const int64_t n_ctx = 64;
+  for (const KvLayer& l : m->kv_layers()) {
+    state += static_cast<size_t>(l.conv_dim + l.ssm_dim) * 4 * n_seq;
+    kv_f16 += static_cast<size_t>(l.k_dim + l.v_dim) * 2 * n_ctx * n_seq;
+  }
+  REQUIRE(state > 0);
+  ::setenv("BERTH_SIM_DEVICE", "1G", 1);
+  placement::Flags flags;
+  flags.n_gpu_layers = 99;
+  SessionParams sp = cpu_params(n_ctx, 16, n_seq);
+  const PlacementSetup placed = place(*m, flags, sp, false);
+  ::unsetenv("BERTH_SIM_DEVICE");
+  REQUIRE(placed.device != nullptr);
+  const placement::Plan& plan = placed.plan;
+  // Every layer is on the device; its K/V rows are, its recurrent state is not.
+  CHECK(plan.state_bytes == state);
+  CHECK(plan.gpu_kv_bytes == kv_f16);
+  CHECK(plan.cpu_kv_bytes == state);
+  const std::string table = placement::plan_table(placed.request, plan);
+  CHECK(table.find("recurrent state (3 layers, f32)") != std::string::npos);
+  // The device holds no more than the plan says without the margin: the state is not there.
+  Session s(*m, sp);
+  (void)greedy(s, prompt_of(9, 1, static_cast<int32_t>(m->hparams().n_vocab)), 4);
+  const size_t used = placed.device->total_bytes() - placed.device->free_bytes();
+  CHECK(used <= plan.gpu_total() - plan.margin_bytes);
 }
 
 TEST_CASE("qwen35: with the FFN on the device, a sequence beside others is bit-identical") {

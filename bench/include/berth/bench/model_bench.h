@@ -125,7 +125,11 @@ struct ModelBenchResult {
   DramResult dram;
   uint64_t decode_weight_bytes = 0;  ///< weights read per decode token
   uint64_t decode_kv_bytes = 0;      ///< KV cache read per decode token (average)
-  double bound_tok_s = 0;            ///< dram / (decode_weight_bytes + decode_kv_bytes)
+  /// Recurrent state (Qwen3.5's GDN layers) read and written per decode token: 2 x (conv_dim +
+  /// ssm_dim) x 4 bytes per recurrent layer; host-held, so on the CPU's side of the hybrid bound.
+  uint64_t decode_state_bytes = 0;
+  /// dram / (decode_weight_bytes + decode_kv_bytes + decode_state_bytes)
+  double bound_tok_s = 0;
   /// tg_tok_s.median / bound_tok_s; with a device, / hybrid_bound_tok_s
   double fraction_of_bound = 0;
   double decode_gbps = 0;  ///< tg tok/s x bytes per token / 1e9

@@ -17,8 +17,10 @@ namespace berth {
 /// - tensors: model.weights() in order (a name appearing twice is listed once), with their
 ///   stored bytes, type, and the layer and role the model declares for it (WeightTable);
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
-///   (model.kv_layers(); a layer without an entry gets 0), plus a recurrent layer's f32 state of
-///   one sequence, (conv_dim + ssm_dim) * 4 bytes;
+///   (model.kv_layers(); a layer without an entry gets 0); n_ctx counts the rows of all
+///   sequences;
+/// - state_bytes: per layer, a recurrent layer's f32 state of `n_seq` sequences,
+///   (conv_dim + ssm_dim) * 4 * n_seq bytes (host-held: placement counts it on the CPU);
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
 ///   stream_experts_min_tokens, host_expert_share) (scheduler/memory.h, residency/residency.h:
 ///   --stream-experts and
@@ -36,7 +38,7 @@ size_t expert_stage_bytes(const Model& model, int32_t stream_experts_min_tokens,
 placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_ubatch,
                                 const placement::Flags& flags, std::string device_name,
                                 size_t device_free_bytes, bool has_device,
-                                int32_t stream_experts_min_tokens = 0,
-                                double host_expert_share = 0);
+                                int32_t stream_experts_min_tokens = 0, double host_expert_share = 0,
+                                int32_t n_seq = 1);
 
 }  // namespace berth
