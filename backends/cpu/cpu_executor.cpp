@@ -720,8 +720,12 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
                                            wd.row(int64_t{e} * n_embd)};
   }
   const size_t rb_g = wg.row_bytes(), rb_u = wu.row_bytes(), rb_d = wd.row_bytes();
-  const size_t group_cap = src ? static_cast<size_t>(std::max(1, src->capacity()))
-                               : std::max<size_t>(1, moe_active_.size());
+  // A source holding fewer experts than the op needs: groups of half its capacity, so that the
+  // next group's reads run while one computes (the source reads ahead in acquire()).
+  const size_t src_cap = src ? static_cast<size_t>(std::max(1, src->capacity())) : 0;
+  const size_t group_cap = !src                            ? std::max<size_t>(1, moe_active_.size())
+                           : moe_active_.size() <= src_cap ? src_cap
+                                                           : std::max<size_t>(1, src_cap / 2);
   const size_t n_groups = std::max<size_t>(1, (moe_active_.size() + group_cap - 1) / group_cap);
   std::span<const int32_t> group;  // the experts of the current region
   int32_t n_active = 0;
@@ -784,13 +788,12 @@ void CpuExecutor::moe_experts(const graph::MoeParams& p, const float* h, const f
     n_active = static_cast<int32_t>(group.size());
     Release rel;
     if (src && !group.empty()) {
-      src->acquire(group, std::span(moe_wptr_).first(group.size()));
+      moe_wgroup_.resize(group.size());
+      src->acquire(group, moe_wgroup_);
       rel.src = src;
       // acquire() wrote the group's pointers in group order: move them to their experts.
-      for (size_t i = group.size(); i-- > 0;) {
-        const auto e = static_cast<size_t>(group[i]);
-        if (e != i) moe_wptr_[e] = moe_wptr_[i];
-      }
+      for (size_t i = 0; i < group.size(); ++i)
+        moe_wptr_[static_cast<size_t>(group[i])] = moe_wgroup_[i];
     }
     const int64_t up_grain = make_tasks(n_ff, moe_tasks_up_);
     const int64_t down_grain = make_tasks(n_embd, moe_tasks_down_);

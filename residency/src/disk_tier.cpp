@@ -13,6 +13,7 @@
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
+#include "berth/cpu_kernels/ops.h"
 
 namespace berth {
 
@@ -41,9 +42,29 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
 
   int32_t capacity() const override { return static_cast<int32_t>(slots_.size()); }
 
-  void will_need(std::span<const int32_t> experts, std::span<const int64_t> tokens, const float* h,
+  void will_need(std::span<int32_t> experts, std::span<int64_t> tokens, const float* h,
                  int64_t n_tok) override {
     poll_loading();
+    // Experts in RAM (or being read) first: the op computes them while the others are read.
+    {
+      order_.resize(experts.size());
+      std::iota(order_.begin(), order_.end(), 0);
+      std::stable_partition(order_.begin(), order_.end(), [&](int32_t i) {
+        return expert_slot_[static_cast<size_t>(experts[static_cast<size_t>(i)])] >= 0;
+      });
+      op_experts_.resize(experts.size());
+      op_tokens_.resize(experts.size());
+      for (size_t i = 0; i < order_.size(); ++i) {
+        op_experts_[i] = experts[static_cast<size_t>(order_[i])];
+        op_tokens_[i] = tokens[static_cast<size_t>(order_[i])];
+      }
+      std::copy(op_experts_.begin(), op_experts_.end(), experts.begin());
+      std::copy(op_tokens_.begin(), op_tokens_.end(), tokens.begin());
+    }
+    op_scan_ = 0;
+    op_h_ = h;
+    op_n_tok_ = n_tok;
+    op_predicted_ = false;
     // Scores: each call counts inc_, which grows by 2^(1/half-life) per token (the same as
     // decaying every score), rescaled before it overflows.
     inc_ *= std::exp2(static_cast<double>(n_tok) / tier_.opt_.half_life_tokens);
@@ -65,8 +86,12 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
       if (s < 0) break;  // every slot holds a needed expert or is being read
       start_read(s, e, /*ahead=*/false);
     }
-    // Ahead: the next tiered layer's likely experts, from this layer's input (decode only).
-    if (next_ && tier_.opt_.read_ahead && n_tok == 1 && h) next_->read_ahead(h);
+    // Ahead: the next tiered layer's likely experts, from this layer's input; at decode now, in
+    // prefill once every expert of this op has its read issued (in acquire()).
+    if (next_ && tier_.opt_.read_ahead && n_tok == 1 && h) {
+      next_->read_ahead(h, 1);
+      op_predicted_ = true;
+    }
   }
 
   void acquire(std::span<const int32_t> experts,
@@ -127,43 +152,86 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
       release();
       std::rethrow_exception(err);
     }
+    if (tier_.opt_.read_ahead) read_ahead_in_op();
   }
 
   void release() override {
-    for (int32_t s : pinned_list_)
-      if (s >= 0) slots_[static_cast<size_t>(s)].pinned = false;
+    for (int32_t s : pinned_list_) {
+      if (s < 0) continue;
+      Slot& sl = slots_[static_cast<size_t>(s)];
+      sl.pinned = false;
+      // Computed: this op needs it no more, so its slot may take a later group's expert.
+      if (sl.expert >= 0) needed_[static_cast<size_t>(sl.expert)] = 0;
+    }
     pinned_list_.clear();
+  }
+
+  // While a group computes: reads of this op's later experts into slots that hold nothing it
+  // still needs (empty, computed, or not this op's), never waiting; once every expert of the op
+  // has its read issued, in prefill, the next tiered layer's predicted experts.
+  void read_ahead_in_op() {
+    for (; op_scan_ < op_experts_.size(); ++op_scan_) {
+      const int32_t e = op_experts_[op_scan_];
+      if (expert_slot_[static_cast<size_t>(e)] >= 0) continue;
+      const int32_t s = victim(/*for_ahead=*/false);
+      if (s < 0) return;
+      start_read(s, e, /*ahead=*/true);
+    }
+    if (next_ && !op_predicted_ && op_h_ && op_n_tok_ > 1) {
+      next_->read_ahead(op_h_, op_n_tok_);
+      op_predicted_ = true;
+    }
   }
 
   void set_next(Layer* next) { next_ = next; }
 
-  // Reads this layer's predicted experts for a token whose previous-layer input is h: this
-  // layer's router applied to h, top n_expert_used, those not in RAM into slots that are free or
-  // hold the coldest experts (never one being read, never waiting).
-  void read_ahead(const float* h) {
+  // Reads this layer's predicted experts for tokens whose previous-layer input is h (n_tok rows
+  // of n_embd): this layer's router applied to (up to kPredictRows evenly spaced rows of) h, top
+  // n_expert_used per row, the experts predicted for most rows first, those not in RAM into slots
+  // that are free or hold the coldest unpredicted experts (never one being read, never waiting).
+  // Routers of any type (rows dequantized one at a time).
+  void read_ahead(const float* h, int64_t n_tok) {
     if (spec_.router == graph::kNoWeight) return;
     const TensorView& r = tier_.weights_[spec_.router];
-    if (r.type != GgmlType::F32 || r.ne[1] != n_expert_) return;
+    if (r.ne[1] != n_expert_ || n_tok < 1) return;
     poll_loading();
     const int64_t n_embd = r.ne[0];
-    logits_.resize(static_cast<size_t>(n_expert_));
+    constexpr int64_t kPredictRows = 16;
+    const int64_t rows = std::min(n_tok, kPredictRows);
+    const auto k = static_cast<size_t>(std::clamp(spec_.n_expert_used, 1, n_expert_));
+    votes_.assign(static_cast<size_t>(n_expert_), 0);
+    logits_.assign(static_cast<size_t>(n_expert_ * rows), 0.0f);
+    if (r.type != GgmlType::F32) row_.resize(static_cast<size_t>(n_embd));
     for (int32_t e = 0; e < n_expert_; ++e) {
-      const auto* w = reinterpret_cast<const float*>(r.row(e));
-      float acc = 0;
-      for (int64_t i = 0; i < n_embd; ++i) acc += w[i] * h[i];
-      logits_[static_cast<size_t>(e)] = acc;
+      const float* w = reinterpret_cast<const float*>(r.row(e));
+      if (r.type != GgmlType::F32) {
+        cpu::get_row(r, e, row_.data());
+        w = row_.data();
+      }
+      for (int64_t j = 0; j < rows; ++j) {
+        const float* x = h + (j * n_tok / rows) * n_embd;
+        float acc = 0;
+        for (int64_t i = 0; i < n_embd; ++i) acc += w[i] * x[i];
+        logits_[static_cast<size_t>(j * n_expert_ + e)] = acc;
+      }
     }
     order_.resize(static_cast<size_t>(n_expert_));
+    for (int64_t j = 0; j < rows; ++j) {
+      const float* l = logits_.data() + j * n_expert_;
+      std::iota(order_.begin(), order_.end(), 0);
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<long>(k), order_.end(),
+                        [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+      for (size_t i = 0; i < k; ++i) ++votes_[static_cast<size_t>(order_[i])];
+    }
     std::iota(order_.begin(), order_.end(), 0);
-    const auto k = static_cast<size_t>(std::clamp(spec_.n_expert_used, 1, n_expert_));
-    std::partial_sort(order_.begin(), order_.begin() + static_cast<long>(k), order_.end(),
-                      [&](int32_t a, int32_t b) {
-                        return logits_[static_cast<size_t>(a)] > logits_[static_cast<size_t>(b)];
-                      });
+    std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+      return votes_[static_cast<size_t>(a)] > votes_[static_cast<size_t>(b)];
+    });
     std::fill(needed_.begin(), needed_.end(), 0);
-    for (size_t i = 0; i < k; ++i) needed_[static_cast<size_t>(order_[i])] = 1;
-    for (size_t i = 0; i < k; ++i) {
-      const int32_t e = order_[i];
+    for (int32_t e : order_)
+      if (votes_[static_cast<size_t>(e)] > 0) needed_[static_cast<size_t>(e)] = 1;
+    for (int32_t e : order_) {
+      if (votes_[static_cast<size_t>(e)] == 0) break;
       if (expert_slot_[static_cast<size_t>(e)] >= 0) continue;
       const int32_t s = victim(/*for_ahead=*/true);
       if (s < 0) break;
@@ -293,8 +361,16 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
   double inc_ = 1.0;
   std::vector<uint8_t> needed_;
   std::vector<int32_t> pinned_list_;
-  std::vector<float> logits_;
-  std::vector<int32_t> order_;
+  std::vector<float> logits_, row_;
+  std::vector<int32_t> order_, votes_;
+  // The running op: its experts in compute order, their token counts, how far read_ahead_in_op
+  // got, its input rows, whether the next layer's experts were predicted from them.
+  std::vector<int32_t> op_experts_;
+  std::vector<int64_t> op_tokens_;
+  size_t op_scan_ = 0;
+  const float* op_h_ = nullptr;
+  int64_t op_n_tok_ = 0;
+  bool op_predicted_ = false;
   Layer* next_ = nullptr;
 };
 

@@ -90,6 +90,9 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
   params.disk.path = file.path();
   params.disk.slots_per_layer = plan.ram_slots;
   params.disk.reader = reader;
+  // BERTH_DISK_READ_AHEAD=0: reads on demand only (for measuring what read-ahead gives).
+  if (const char* ra = std::getenv("BERTH_DISK_READ_AHEAD"); ra && std::string_view(ra) == "0")
+    params.disk.read_ahead = false;
   for (size_t l = 0; l < plan.layer_ram_slots.size(); ++l) {
     if (plan.layer_ram_slots[l] <= 0) continue;
     DiskTierLayer d;

@@ -91,10 +91,15 @@ class CpuExecutor {
     virtual int32_t capacity() const = 0;
     /// The routing of this op is known: `experts` (distinct, ascending) will be computed,
     /// `tokens[i]` tokens routed to experts[i]; `h` is the op's input [n_tok, n_embd] (f32,
-    /// row-major). Lets the source start reads early (and guess the next layer's). Must not
-    /// throw for I/O: read errors are reported by acquire().
-    virtual void will_need(std::span<const int32_t> experts, std::span<const int64_t> tokens,
-                           const float* h, int64_t n_tok) = 0;
+    /// row-major), valid until the op ends. Lets the source start reads early (and guess the
+    /// next layer's). The source may reorder `experts` with `tokens` (e.g. those in memory
+    /// first): the op computes them in that order, in groups of capacity() experts, or of
+    /// capacity() / 2 (at least 1) when it needs more than capacity(), so that the source can
+    /// read the next group while one computes. The order never changes results (each token's
+    /// outputs are combined in its slot order). Must not throw for I/O: read errors are
+    /// reported by acquire().
+    virtual void will_need(std::span<int32_t> experts, std::span<int64_t> tokens, const float* h,
+                           int64_t n_tok) = 0;
     /// Makes `experts` (a subset of will_need's, at most capacity()) readable and writes each
     /// one's gate, up and down slice addresses (as stored: expert e's rows of the stacked
     /// tensors, gate/up n_ff rows of n_embd, down n_embd rows of n_ff) to out[i]; they stay
@@ -213,9 +218,10 @@ class CpuExecutor {
   std::vector<uint8_t> moe_mask_;              // per expert: this op computes it
   std::vector<ExpertTable> expert_tables_;     // per WeightId (gate) of layers with expert slots
   std::vector<ExpertSource*> expert_sources_;  // per WeightId (gate) of layers with a source
-  std::vector<std::array<const uint8_t*, 3>> moe_wptr_;  // per expert: gate, up, down slice
-  std::vector<int32_t> moe_active_;                      // experts the op computes
-  std::vector<int64_t> moe_tok_count_;                   // tokens per active expert
+  std::vector<std::array<const uint8_t*, 3>> moe_wptr_;    // per expert: gate, up, down slice
+  std::vector<std::array<const uint8_t*, 3>> moe_wgroup_;  // an ExpertSource group's, in order
+  std::vector<int32_t> moe_active_;                        // experts the op computes
+  std::vector<int64_t> moe_tok_count_;                     // tokens per active expert
   struct MoeTask {  // one (expert, block of output rows) of gate+up or of down
     int32_t e;
     int64_t r0, r1;

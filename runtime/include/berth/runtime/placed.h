@@ -66,8 +66,9 @@ size_t default_ram_budget();
 
 /// Fills params.disk (the disk tier) from `plan`'s tiered layers (Plan::layer_ram_slots): each
 /// layer's ffn_{gate,up,down}_exps with its file offset in `file` (the file `model` was loaded
-/// from), its router for read-ahead, `reader` as the reader's options. Clears params.disk when
-/// the plan has no disk tier. Throws Error(internal) when a tiered layer lacks its tensors.
+/// from), its router for read-ahead, `reader` as the reader's options; read-ahead is off when
+/// the environment has BERTH_DISK_READ_AHEAD=0 (for measuring it). Clears params.disk when the
+/// plan has no disk tier. Throws Error(internal) when a tiered layer lacks its tensors.
 void use_disk_tier(const gguf::File& file, const Model& model, const placement::Plan& plan,
                    SessionParams& params, const io::DiskReaderOptions& reader = {});
 
