@@ -474,6 +474,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
         x.reads_ahead = st.reads_ahead, x.ahead_used = st.ahead_used;
         x.bytes_per_token = static_cast<double>(st.bytes_read) / std::max<int64_t>(1, x.tokens);
         x.ahead_hit_rate = st.ahead_hit_rate();
+        x.predictions = st.predictions, x.predictions_read = st.predictions_read;
+        x.prediction_precision = st.prediction_precision();
         x.achieved_gbps = st.bandwidth() / 1e9;
         x.wait_s_per_token = st.wait_seconds / std::max<int64_t>(1, x.tokens);
       }
@@ -726,6 +728,9 @@ nlohmann::json to_json(const ModelBenchResult& r) {
                                        {"reads_ahead_used", r.disk.ahead_used},
                                        {"bytes_per_token", r.disk.bytes_per_token},
                                        {"ahead_hit_rate", r.disk.ahead_hit_rate},
+                                       {"predictions", r.disk.predictions},
+                                       {"predictions_read_ahead", r.disk.predictions_read},
+                                       {"prediction_precision", r.disk.prediction_precision},
                                        {"achieved_gbps", r.disk.achieved_gbps},
                                        {"wait_s_per_token", r.disk.wait_s_per_token},
                                        {"drive_odirect_qd32_gbps", r.disk.drive_gbps},
@@ -870,14 +875,15 @@ std::string format_text(const ModelBenchResult& r) {
     s += fmt::format(
         "disk tier ({}, {} MoE layers x {} RAM slots, {:.1f} MiB): tg reads {:.2f} MB/token "
         "from disk ({:.1f} experts/token; {:.1f}% of expert uses hit RAM), read-ahead hit rate "
-        "{:.1f}% ({} ahead, {} used; {} on demand), achieved {:.2f} GB/s{}, waits {:.1f} "
-        "ms/token\n",
+        "{:.1f}% ({} ahead, {} used; {} on demand; next-layer predictions {:.0f}% precise, {} of "
+        "{} read ahead), achieved {:.2f} GB/s{}, waits {:.1f} ms/token\n",
         d.backend, d.layers, d.slots_per_layer, static_cast<double>(d.arena_bytes) / (1 << 20),
         d.bytes_per_token / 1e6,
         static_cast<double>(d.reads_demand + d.reads_ahead) /
             static_cast<double>(std::max<int64_t>(1, d.tokens)),
         d.calls > 0 ? 100.0 * static_cast<double>(d.hits) / static_cast<double>(d.calls) : 0.0,
-        100 * d.ahead_hit_rate, d.reads_ahead, d.ahead_used, d.reads_demand, d.achieved_gbps,
+        100 * d.ahead_hit_rate, d.reads_ahead, d.ahead_used, d.reads_demand,
+        100 * d.prediction_precision, d.predictions_read, d.predictions, d.achieved_gbps,
         d.drive_gbps > 0 ? fmt::format(" = {:.0f}% of the drive's O_DIRECT QD32 {:.2f} GB/s",
                                        100 * d.fraction, d.drive_gbps)
                          : std::string(),

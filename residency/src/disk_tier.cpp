@@ -77,6 +77,20 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
       score_[static_cast<size_t>(experts[i])] += inc_ * static_cast<double>(tokens[i]);
       needed_[static_cast<size_t>(experts[i])] = 1;
     }
+    // Score the last decode prediction for this layer: of its experts that were not in RAM, the
+    // share this op uses.
+    if (has_prediction_) {
+      prec_used_ *= kPrecisionDecay;
+      prec_total_ *= kPrecisionDecay;
+      for (int32_t e : predicted_missing_) {
+        const bool used = needed_[static_cast<size_t>(e)] != 0;
+        prec_total_ += 1;
+        prec_used_ += used ? 1 : 0;
+        ++tier_.stats_.predicted_missing;
+        tier_.stats_.predicted_used += used;
+      }
+      has_prediction_ = false;
+    }
     // On demand: the first group's missing experts (later groups read at their acquire()).
     const size_t first = std::min(experts.size(), slots_.size());
     for (size_t i = 0; i < first; ++i) {
@@ -227,6 +241,17 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
     std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
       return votes_[static_cast<size_t>(a)] > votes_[static_cast<size_t>(b)];
     });
+    if (n_tok == 1) {
+      // A decode prediction: scored at this layer's next op; read only while precise enough.
+      predicted_missing_.clear();
+      for (int32_t e : order_)
+        if (votes_[static_cast<size_t>(e)] > 0 && expert_slot_[static_cast<size_t>(e)] < 0)
+          predicted_missing_.push_back(e);
+      has_prediction_ = true;
+      ++tier_.stats_.predictions;
+      if (prec_used_ < tier_.opt_.min_prediction_precision * prec_total_) return;
+      ++tier_.stats_.predictions_read;
+    }
     std::fill(needed_.begin(), needed_.end(), 0);
     for (int32_t e : order_)
       if (votes_[static_cast<size_t>(e)] > 0) needed_[static_cast<size_t>(e)] = 1;
@@ -371,6 +396,12 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
   const float* op_h_ = nullptr;
   int64_t op_n_tok_ = 0;
   bool op_predicted_ = false;
+  // Decode predictions for this layer: the last one's experts that were not in RAM (scored at
+  // this layer's next will_need), and the decayed counts of predicted and used ones.
+  static constexpr double kPrecisionDecay = 0.95;
+  std::vector<int32_t> predicted_missing_;
+  bool has_prediction_ = false;
+  double prec_used_ = 1, prec_total_ = 1;
   Layer* next_ = nullptr;
 };
 
@@ -464,10 +495,12 @@ std::string DiskTier::summary() const {
   const Stats& s = stats_;
   return fmt::format(
       "disk tier: {} MoE layers x {} RAM expert slots ({:.1f} MiB), {} reader: {} experts read "
-      "({:.1f} MiB), {:.1f}% read ahead, {} RAM hits",
+      "({:.1f} MiB), {:.1f}% read ahead, {} RAM hits; next-layer predictions {:.0f}% precise, {} "
+      "of {} read ahead",
       layers_.size(), opt_.slots_per_layer, static_cast<double>(arena_.size()) / (1 << 20),
       io::backend_name(reader_->backend()), s.reads_demand + s.reads_ahead,
-      static_cast<double>(s.bytes_read) / (1 << 20), 100.0 * s.ahead_hit_rate(), s.hits);
+      static_cast<double>(s.bytes_read) / (1 << 20), 100.0 * s.ahead_hit_rate(), s.hits,
+      100.0 * s.prediction_precision(), s.predictions_read, s.predictions);
 }
 
 }  // namespace berth

@@ -312,6 +312,24 @@ TEST_CASE("disk tier: prefill reads the next group and the next layer ahead, sam
         CHECK(st.reads_ahead > 0);
         CHECK(st.ahead_used > st.reads_demand);  // most misses were read before they were needed
         CHECK(got.decode_ahead > 0);  // predicted from one token: F32 and q8_0 routers alike
+        CHECK(st.predictions > 0);
+        // The precision gate: never met (predictions made and scored, none read ahead) or
+        // always met (every prediction read ahead); the bits stay the same.
+        for (const double min : {2.0, 0.0}) {
+          CAPTURE(min);
+          SessionParams g = sp;
+          g.disk.min_prediction_precision = min;
+          const Out o = logits_of(g);
+          CHECK(o.logits == want);
+          CHECK(o.st.predictions == st.predictions);
+          CHECK(o.st.predicted_missing > 0);
+          if (min > 1) {
+            CHECK(o.st.predictions_read == 0);
+            CHECK(o.decode_ahead == 0);
+          } else {
+            CHECK(o.st.predictions_read == o.st.predictions);
+          }
+        }
       } else {
         CHECK(st.reads_ahead == 0);
       }

@@ -197,6 +197,9 @@ struct ModelBenchResult {
     int32_t layers = 0, slots_per_layer = 0;
     uint64_t arena_bytes = 0, read_bytes_per_expert = 0;
     int64_t tokens = 0, calls = 0, hits = 0, reads_demand = 0, reads_ahead = 0, ahead_used = 0;
+    /// Decode predictions made and read ahead; their precision (DiskTier::Stats).
+    int64_t predictions = 0, predictions_read = 0;
+    double prediction_precision = 0;
     double bytes_per_token = 0, ahead_hit_rate = 0, achieved_gbps = 0, wait_s_per_token = 0;
     double drive_gbps = 0, fraction = 0;
   } disk;

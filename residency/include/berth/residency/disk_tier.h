@@ -58,8 +58,14 @@ struct DiskTierOptions {
   std::string path;                   ///< the model file (its experts are read from it)
   std::vector<DiskTierLayer> layers;  ///< in execution order; empty: no tier
   int32_t slots_per_layer = 0;        ///< C, 1 <= C <= n_expert
-  /// Read the next tiered layer's predicted experts ahead (decode steps).
+  /// Read ahead: a prefill op's later groups, and the next tiered layer's predicted experts.
   bool read_ahead = true;
+  /// A decode step reads a layer's predicted experts ahead only while the measured precision of
+  /// that layer's predictions (of the predicted experts not in RAM, the share the layer then
+  /// used; decayed over about the last 20 predictions, starting at 1) is at least this: a wrong
+  /// prediction costs a read and evicts an expert. Below it predictions are still made and
+  /// scored, without reading, so a layer whose predictions improve reads ahead again.
+  double min_prediction_precision = 0.5;
   double half_life_tokens = 64;  ///< eviction scores' half-life
   io::DiskReaderOptions reader;  ///< backend, queue depth (fixed_buffers: set by the tier)
 };
@@ -72,7 +78,17 @@ class DiskTier {
     int64_t reads_demand = 0;  ///< experts read because an op needed them (misses)
     int64_t reads_ahead = 0;   ///< experts read ahead on a prediction
     int64_t ahead_used = 0;    ///< read-ahead experts that an op then used (before eviction)
-    int64_t bytes_read = 0;    ///< bytes read from the file (the experts' slices, as stored)
+    /// Decode predictions of the next layer's experts: made, and of those read ahead (the rest
+    /// were below min_prediction_precision); predicted experts not in RAM, and of those the ones
+    /// the layer then used (the precision).
+    int64_t predictions = 0, predictions_read = 0;
+    int64_t predicted_missing = 0, predicted_used = 0;
+    double prediction_precision() const {
+      return predicted_missing > 0
+                 ? static_cast<double>(predicted_used) / static_cast<double>(predicted_missing)
+                 : 0.0;
+    }
+    int64_t bytes_read = 0;  ///< bytes read from the file (the experts' slices, as stored)
     /// Seconds during which at least one read was outstanding (from its submission until the
     /// tier saw it complete: a read-ahead's completion is seen at the next layer's op, so this
     /// may exceed the drive's time and the bandwidth below is a lower bound).
