@@ -93,6 +93,15 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
   // BERTH_DISK_READ_AHEAD=0: reads on demand only (for measuring what read-ahead gives).
   if (const char* ra = std::getenv("BERTH_DISK_READ_AHEAD"); ra && std::string_view(ra) == "0")
     params.disk.read_ahead = false;
+  // The mapping, for reading the other CPU-held weights with O_DIRECT at start
+  // (BERTH_DIRECT_LOAD=0: fault them in through the mapping instead).
+  if (!file.tensors().empty()) {
+    const gguf::TensorInfo& t = file.tensors().front();
+    params.disk.file_bytes = t.data - (file.data_offset() + t.offset);
+    params.disk.file_size = file.file_size();
+  }
+  if (const char* dl = std::getenv("BERTH_DIRECT_LOAD"); dl && std::string_view(dl) == "0")
+    params.disk.direct_load = false;
   for (size_t l = 0; l < plan.layer_ram_slots.size(); ++l) {
     if (plan.layer_ram_slots[l] <= 0) continue;
     DiskTierLayer d;

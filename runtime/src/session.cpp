@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 
 namespace berth {
 
@@ -25,10 +26,38 @@ Session::Session(const Model& model, SessionParams params)
   if (params_.n_ubatch < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));
+  // With a disk tier the model does not fit in RAM: the CPU-held weights that stay in RAM are
+  // read in with large O_DIRECT reads instead of page faults (residency/direct_load.h).
+  if (!params_.disk.layers.empty() && params_.disk.direct_load && params_.disk.file_bytes) {
+    const graph::WeightTable& w = model.weights();
+    // Not the token embedding: a step reads only its tokens' rows of it.
+    std::vector<bool> load(w.size(), true);
+    for (size_t i = 0; i < w.size(); ++i)
+      if (w.roles[i] == graph::WeightRole::embedding) load[i] = false;
+    for (const DiskTierLayer& l : params_.disk.layers)
+      for (graph::WeightId id : l.weights)
+        if (id >= 0 && static_cast<size_t>(id) < load.size()) load[static_cast<size_t>(id)] = false;
+    if (params_.device && params_.weight_home.size() == w.size())
+      for (size_t i = 0; i < w.size(); ++i)
+        if (params_.weight_home[i] != placement::Home::cpu) load[i] = false;
+    direct_ =
+        std::make_unique<DirectWeights>(w, load,
+                                        DirectLoadOptions{.path = params_.disk.path,
+                                                          .file_bytes = params_.disk.file_bytes,
+                                                          .file_size = params_.disk.file_size,
+                                                          .reader = params_.disk.reader});
+    log::info("read {} CPU-held tensors ({:.1f} MiB) with {} reads in {:.2f} s ({:.2f} GB/s)",
+              direct_->n_tensors(), static_cast<double>(direct_->bytes_read()) / (1 << 20),
+              io::backend_name(direct_->backend()), direct_->seconds(),
+              direct_->seconds() > 0
+                  ? static_cast<double>(direct_->bytes_read()) / direct_->seconds() / 1e9
+                  : 0.0);
+  }
+  const graph::WeightTable& weights = direct_ ? direct_->weights() : model.weights();
   if (params_.device) {
     const HybridOptions& h = params_.hybrid;
     residency_ = std::make_unique<Residency>(
-        *params_.device, model.weights(), params_.weight_home,
+        *params_.device, weights, params_.weight_home,
         ResidencyOptions{.pin_host_experts = h.stream_experts_min_tokens > 0 ||
                                              h.host_expert_share > 0 ||
                                              h.expert_slots.slots_per_layer > 0,
@@ -39,10 +68,10 @@ Session::Session(const Model& model, SessionParams params)
       residency_->enable_expert_slots(model.build_step(1, 1), h.expert_slots);
     kv_.allocate_device(*params_.device, params_.kv_home);
   }
-  scheduler_ = std::make_unique<Scheduler>(*pool_, model.weights(), kv_.view(), residency_.get(),
+  scheduler_ = std::make_unique<Scheduler>(*pool_, weights, kv_.view(), residency_.get(),
                                            params_.kv_home, params_.hybrid);
   if (!params_.disk.layers.empty()) {
-    disk_ = std::make_unique<DiskTier>(model.weights(), params_.disk);
+    disk_ = std::make_unique<DiskTier>(weights, params_.disk);
     disk_->bind(scheduler_->cpu());
   }
 }

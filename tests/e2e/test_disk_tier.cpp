@@ -123,18 +123,40 @@ TEST_CASE("disk tier: same greedy tokens from disk (io_uring and pread), clean r
     CHECK(d.err.find(std::string(backend) + " reader") != std::string::npos);
   }
 
-  // The third read of the run fails: exit code 1, the file, tensor and offset named, no crash.
+  // The third read of the tier fails (the other CPU-held weights faulted in, not read: each
+  // reader counts its own reads): exit code 1, the file, tensor and offset named, no crash.
   for (const char* backend : {"auto", "pread"}) {
     CAPTURE(backend);
-    const CommandResult f =
-        run_command(std::string("BERTH_DISK_READER=") + backend + " BERTH_DISK_READER_FAIL_NTH=3 " +
-                    run + " --ram-budget 1500K");
+    const CommandResult f = run_command(std::string("BERTH_DISK_READER=") + backend +
+                                        " BERTH_DIRECT_LOAD=0 BERTH_DISK_READER_FAIL_NTH=3 " + run +
+                                        " --ram-budget 1500K");
     CHECK(!f.signaled);
     CHECK(f.exit_code == 1);
     CHECK(f.err.find(file) != std::string::npos);
     CHECK(f.err.find("ffn_") != std::string::npos);
     CHECK(f.err.find("_exps.weight (expert ") != std::string::npos);
     CHECK(f.err.find("offset") != std::string::npos);
+  }
+
+  // The CPU-held weights outside the tier are read at start with O_DIRECT: a failed read there
+  // ends the run the same way, naming the tensor and offset.
+  for (const char* backend : {"auto", "pread"}) {
+    CAPTURE(backend);
+    const CommandResult f =
+        run_command(std::string("BERTH_DISK_READER=") + backend + " BERTH_DISK_READER_FAIL_NTH=1 " +
+                    run + " --ram-budget 1500K");
+    CHECK(!f.signaled);
+    CHECK(f.exit_code == 1);
+    CHECK(f.err.find(file) != std::string::npos);
+    CHECK(f.err.find(".weight (with its neighbours)") != std::string::npos);
+    CHECK(f.err.find("offset") != std::string::npos);
+  }
+  // ... and BERTH_DIRECT_LOAD=0 (fault them in through the mapping) gives the same tokens.
+  {
+    drop_cache(file);
+    const CommandResult m = run_command("BERTH_DIRECT_LOAD=0 " + run + " --ram-budget 1500K");
+    REQUIRE_MESSAGE(m.exit_code == 0, m.err);
+    CHECK(m.out == ref.out);
   }
 
   // bench model reports the tier: bytes per token, read-ahead, achieved and drive bandwidth.

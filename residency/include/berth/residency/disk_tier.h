@@ -55,7 +55,13 @@ struct DiskTierLayer {
 };
 
 struct DiskTierOptions {
-  std::string path;                   ///< the model file (its experts are read from it)
+  std::string path;  ///< the model file (its experts are read from it)
+  /// The file's mapping (its first byte and size): with `direct_load`, Session reads the other
+  /// CPU-held tensors that lie in it with O_DIRECT (residency/direct_load.h) instead of
+  /// faulting them in. Null: no direct load.
+  const uint8_t* file_bytes = nullptr;
+  uint64_t file_size = 0;
+  bool direct_load = true;
   std::vector<DiskTierLayer> layers;  ///< in execution order; empty: no tier
   int32_t slots_per_layer = 0;        ///< C, 1 <= C <= n_expert
   /// Read ahead: a prefill op's later groups, and the next tiered layer's predicted experts.

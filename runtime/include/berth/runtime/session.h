@@ -13,6 +13,7 @@
 #include "berth/backends/thread_pool.h"
 #include "berth/models/model.h"
 #include "berth/models/tokenizer.h"
+#include "berth/residency/direct_load.h"
 #include "berth/residency/disk_tier.h"
 #include "berth/residency/residency.h"
 #include "berth/runtime/kv_cache.h"
@@ -147,6 +148,8 @@ class Session {
   SessionParams params_;
   std::unique_ptr<ThreadPool> pool_;
   KvCache kv_;
+  // With a disk tier: the CPU-held weights read in with O_DIRECT (what everything below reads).
+  std::unique_ptr<DirectWeights> direct_;
   std::unique_ptr<Residency> residency_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<DiskTier> disk_;  // bound to scheduler_'s CPU executor
