@@ -1,11 +1,12 @@
 # Cross-compiles berth for aarch64 Linux on a Debian/Ubuntu x86-64 host with multiarch:
-# g++-aarch64-linux-gnu plus the :arm64 -dev packages (libhwy-dev:arm64, libfmt-dev:arm64,
-# libspdlog-dev:arm64, liburing-dev:arm64), whose headers share /usr/include and whose libraries,
-# CMake package files and .pc files live in /usr/lib/aarch64-linux-gnu.
+# g++-aarch64-linux-gnu plus the :arm64 -dev packages (libhwy-dev, libfmt-dev, libspdlog-dev,
+# liburing-dev, libtbb-dev, libhwloc-dev, libpcre2-dev, libcpp-httplib-dev, all :arm64), whose
+# headers share /usr/include and whose libraries, CMake package files and .pc files live in
+# /usr/lib/aarch64-linux-gnu.
 # scripts/test-arm64.sh installs all of that and runs the result under qemu-aarch64.
 #
 # usage: cmake -S . -B build-arm64 -DCMAKE_TOOLCHAIN_FILE=cmake/toolchain-aarch64.cmake
-#        -DBERTH_KERNELS_ONLY=ON -DBERTH_CUDA=OFF
+#        -DBERTH_CUDA=OFF   (add -DBERTH_KERNELS_ONLY=ON for core, io and cpu_kernels only)
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 
@@ -24,7 +25,8 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)
 set(CMAKE_IGNORE_PATH /usr/lib/x86_64-linux-gnu /lib/x86_64-linux-gnu
     /usr/lib/x86_64-linux-gnu/cmake /usr/include/x86_64-linux-gnu)
 
-# pkg-config (liburing): read only the aarch64 .pc files (plus the arch-independent ones).
+# pkg-config (liburing, hwloc, PCRE2, cpp-httplib): read only the aarch64 .pc files (plus the
+# arch-independent ones).
 set(ENV{PKG_CONFIG_LIBDIR} "/usr/lib/${BERTH_CROSS_TRIPLE}/pkgconfig:/usr/share/pkgconfig")
 set(ENV{PKG_CONFIG_PATH} "")
 set(ENV{PKG_CONFIG_SYSROOT_DIR} "")

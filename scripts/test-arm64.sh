@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# ARM64 check on an x86-64 Debian host: cross-compiles core, io, cpu_kernels and their doctest
-# suites (test_core, test_io) for aarch64 with cmake/toolchain-aarch64.cmake into ./build-arm64,
-# then runs them under qemu-user on several emulated CPUs so that every Highway ARM target the
-# kernels are compiled for runs the kernel oracle (test_core):
-#   max                              SVE2 + SVE at 512-bit vectors, and NEON
-#   max,sve-default-vector-length=16 adds SVE2_128 (128-bit SVE2, as on Neoverse N2)
-#   max,sve-default-vector-length=32 adds SVE_256 (256-bit SVE, as on Neoverse V1)
-#   cortex-a72                       no SVE: NEON is the best target
-# Each run prints the Highway targets the emulated CPU supports (and fails if they are not the
-# expected ones, so a silent fall-back to NEON cannot pass as an SVE run), then, from qemu's
-# translation log (-d in_asm), how many functions of each target's code test_core executed; it
-# fails if test_core has code for a supported target that never ran. test_io runs on max and
-# cortex-a72 only (it has no SIMD code). Runs go in parallel; logs: build-arm64/arm64-logs.
-# Idempotent: installs its Debian packages (arm64 multiarch, cross g++, qemu-user) only when
-# missing, and rebuilds incrementally.
+# ARM64 check on an x86-64 Debian host: cross-compiles the whole product (berth and its
+# libraries) and the test_core, test_io and test_e2e suites for aarch64 with
+# cmake/toolchain-aarch64.cmake into ./build-arm64, then runs them under qemu-user.
+# 1. The kernel oracle (test_core) on several emulated CPUs, so that every Highway ARM target the
+#    kernels are compiled for runs it (test_io on max and cortex-a72 only; it has no SIMD code):
+#      max                              SVE2 + SVE at 512-bit vectors, and NEON
+#      max,sve-default-vector-length=16 adds SVE2_128 (128-bit SVE2, as on Neoverse N2)
+#      max,sve-default-vector-length=32 adds SVE_256 (256-bit SVE, as on Neoverse V1)
+#      cortex-a72                       no SVE: NEON is the best target
+#    Each run prints the Highway targets the emulated CPU supports (and fails if they are not the
+#    expected ones, so a silent fall-back to NEON cannot pass as an SVE run), then, from qemu's
+#    translation log (-d in_asm), how many functions of each target's code test_core executed;
+#    it fails if test_core has code for a supported target that never ran.
+# 2. The CPU end-to-end tests on one emulated CPU, max with 128-bit SVE (SVE2_128): every case of
+#    tests/e2e/test_stories.cpp (`berth run` prints stories260K's golden 64 tokens, the forward
+#    against the f64 oracle) and tests/e2e/test_arch_oracle.cpp (every architecture against the
+#    oracle); the suites start `berth` through build-arm64/bin/berth-emulated.
+# Kernel runs go in parallel; logs: build-arm64/arm64-logs. Idempotent: installs its Debian
+# packages (arm64 multiarch, cross g++, qemu-user) only when missing, and rebuilds incrementally.
 # usage: scripts/test-arm64.sh
 #   env ARM64_JOBS=N   how many qemu runs at once (default: nproc)
 set -euo pipefail
@@ -26,8 +30,12 @@ t_start=$SECONDS
 # --- 1. packages ---------------------------------------------------------------------------------
 sudo_cmd=""
 [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
-host_pkgs=(cmake ninja-build pkg-config ccache doctest-dev g++-$triple qemu-user)
-arm64_pkgs=(libhwy-dev:arm64 libfmt-dev:arm64 libspdlog-dev:arm64 liburing-dev:arm64)
+# CLI11, nlohmann-json and doctest are header-only (Architecture: all); cpp-httplib ships a
+# compiled library, so it is an :arm64 package.
+host_pkgs=(cmake ninja-build pkg-config ccache doctest-dev libcli11-dev nlohmann-json3-dev
+  "g++-$triple" qemu-user)
+arm64_pkgs=(libhwy-dev:arm64 libfmt-dev:arm64 libspdlog-dev:arm64 liburing-dev:arm64
+  libtbb-dev:arm64 libhwloc-dev:arm64 libpcre2-dev:arm64 libcpp-httplib-dev:arm64)
 need_update=0
 if ! dpkg --print-foreign-architectures | grep -qx arm64; then
   echo "arm64: adding the arm64 dpkg architecture"
@@ -53,8 +61,12 @@ qemu=$(command -v qemu-aarch64 || command -v qemu-aarch64-static)
 t_install=$SECONDS
 
 # --- 2. configure and build ----------------------------------------------------------------------
+# The kernel suites first (phase 1 runs them), the product and test_e2e after phase 1's runs.
+# Release; everything but core, io and cpu_kernels at -O1 (BERTH_PRODUCT_OPT), which compiles
+# faster; phase 2 checks results, not speed.
 cmake -S . -B "$build" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$root/cmake/toolchain-aarch64.cmake" \
-  -DCMAKE_BUILD_TYPE=Release -DBERTH_KERNELS_ONLY=ON -DBERTH_CUDA=OFF >/dev/null
+  -DCMAKE_BUILD_TYPE=Release -DBERTH_KERNELS_ONLY=OFF -DBERTH_CUDA=OFF -DBERTH_PRODUCT_OPT=-O1 \
+  >/dev/null
 cmake --build "$build" -j"$(nproc)" --target test_core test_io
 # A tiny probe, compiled like the kernels (same compiler, same Highway), that prints the targets
 # Highway's dynamic dispatch can pick on the emulated CPU: compiled in and supported.
@@ -76,9 +88,9 @@ fi
 rm -f "$build/arm64-probe/hwy_targets.cc.new"
 t_build=$SECONDS
 
-# --- 3. run under qemu-user ----------------------------------------------------------------------
+# --- 3. phase 1: the kernel suites under qemu-user on several CPUs --------------------------------
 # The guest's loader and C/C++ runtime come from the cross toolchain (QEMU_LD_PREFIX); the :arm64
-# libraries (libhwy, libfmt, libspdlog, liburing) from /usr/lib/aarch64-linux-gnu.
+# libraries (libhwy, libtbb, libhwloc, ...) from /usr/lib/aarch64-linux-gnu.
 export QEMU_LD_PREFIX=/usr/$triple
 guest_env=(-E "LD_LIBRARY_PATH=/usr/$triple/lib:/usr/lib/$triple")
 # cpu model | expected Highway targets, best first | suites
@@ -161,9 +173,43 @@ for i in "${!configs[@]}"; do
   cat "$logs/$i.log"
   [[ $(cat "$logs/$i.rc" 2>/dev/null) == 0 ]] || failed=1
 done
+t_kernels=$SECONDS
+
+# --- 4. phase 2: the whole product and the CPU end-to-end tests on one emulated CPU -------------
+cmake --build "$build" -j"$(nproc)" --target berth test_e2e
+t_build2=$SECONDS
+e2e_cpu=max,sve-default-vector-length=16
+e2e_expected="SVE2_128 SVE2 SVE NEON"
+e2e_files=(tests/e2e/test_stories.cpp tests/e2e/test_arch_oracle.cpp)
+# Every TEST_CASE of those files must run and pass: a renamed file or a filter that matches
+# nothing fails here instead of passing with zero cases.
+e2e_cases=$(cat "${e2e_files[@]}" | grep -c '^TEST_CASE(' || true)
+e2e_filter=$(printf '*/%s,' "${e2e_files[@]}")
+echo "=== qemu-aarch64 -cpu $e2e_cpu: test_e2e, the $e2e_cases cases of ${e2e_files[*]}"
+# QEMU_CPU, not -cpu: the `berth` processes the tests start (bin/berth-emulated) inherit it.
+export QEMU_CPU=$e2e_cpu
+got=$("$qemu" "${guest_env[@]}" "$build/arm64-probe/hwy_targets" | xargs) ||
+  got="(the target probe failed)"
+echo "Highway targets supported: $got"
+if [[ $got != "$e2e_expected" ]]; then
+  echo "FAIL: expected Highway targets '$e2e_expected' on -cpu $e2e_cpu"
+  failed=1
+fi
+e2e_rc=0
+"$qemu" "${guest_env[@]}" "$build/bin/test_e2e" --source-file="${e2e_filter%,}" --duration=true \
+  2>&1 | tee "$logs/e2e.log" || e2e_rc=$?
+unset QEMU_CPU
+e2e_passed=$(sed -nE 's/^\[doctest\] test cases: *[0-9]+ \| *([0-9]+) passed.*/\1/p' "$logs/e2e.log")
+if ((e2e_rc != 0 || e2e_cases == 0)) || [[ $e2e_passed != "$e2e_cases" ]]; then
+  echo "FAIL: test_e2e on -cpu $e2e_cpu: exit $e2e_rc, ${e2e_passed:-no} of $e2e_cases cases passed"
+  failed=1
+else
+  echo "test_e2e on -cpu $e2e_cpu: all $e2e_cases cases passed"
+fi
 t_end=$SECONDS
-echo "arm64: install $((t_install - t_start)) s, build $((t_build - t_install)) s," \
-  "qemu runs $((t_end - t_build)) s"
+echo "arm64: install $((t_install - t_start)) s, kernel build $((t_build - t_install)) s," \
+  "kernel runs $((t_kernels - t_build)) s, product build $((t_build2 - t_kernels)) s," \
+  "e2e run $((t_end - t_build2)) s"
 if ((failed)); then
   echo "arm64: FAILED"
   exit 1
