@@ -16,7 +16,8 @@
 #    tests/e2e/test_stories.cpp (`berth run` prints stories260K's golden 64 tokens, the forward
 #    against the f64 oracle) and tests/e2e/test_arch_oracle.cpp (every architecture against the
 #    oracle); the suites start `berth` through build-arm64/bin/berth-emulated.
-# Kernel runs go in parallel; logs: build-arm64/arm64-logs. Idempotent: installs its Debian
+# Everything is built first; then the runs of both phases go in parallel (ARM64_JOBS at once, the
+# longest first); logs: build-arm64/arm64-logs. Idempotent: installs its Debian
 # packages (arm64 multiarch, cross g++, qemu-user) only when missing, and rebuilds incrementally.
 # usage: scripts/test-arm64.sh
 #   env ARM64_JOBS=N   how many qemu runs at once (default: nproc)
@@ -61,13 +62,13 @@ qemu=$(command -v qemu-aarch64 || command -v qemu-aarch64-static)
 t_install=$SECONDS
 
 # --- 2. configure and build ----------------------------------------------------------------------
-# The kernel suites first (phase 1 runs them), the product and test_e2e after phase 1's runs.
-# Release; everything but core, io and cpu_kernels at -O1 (BERTH_PRODUCT_OPT), which compiles
-# faster; phase 2 checks results, not speed.
+# Everything before any qemu run (the runs then have the cores to themselves). Release;
+# everything but core, io and cpu_kernels at -O1 (BERTH_PRODUCT_OPT), which compiles faster;
+# phase 2 checks results, not speed.
 cmake -S . -B "$build" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$root/cmake/toolchain-aarch64.cmake" \
   -DCMAKE_BUILD_TYPE=Release -DBERTH_KERNELS_ONLY=OFF -DBERTH_CUDA=OFF -DBERTH_PRODUCT_OPT=-O1 \
   >/dev/null
-cmake --build "$build" -j"$(nproc)" --target test_core test_io
+cmake --build "$build" -j"$(nproc)" --target test_core test_io berth test_e2e
 # A tiny probe, compiled like the kernels (same compiler, same Highway), that prints the targets
 # Highway's dynamic dispatch can pick on the emulated CPU: compiled in and supported.
 mkdir -p "$build/arm64-probe"
@@ -94,10 +95,12 @@ t_build=$SECONDS
 export QEMU_LD_PREFIX=/usr/$triple
 guest_env=(-E "LD_LIBRARY_PATH=/usr/$triple/lib:/usr/lib/$triple")
 # cpu model | expected Highway targets, best first | suites
+# (Longest first: the two wide-SVE runs take most of the time; the short runs and the e2e phase
+# fill the other core meanwhile.)
 configs=(
+  "max,sve-default-vector-length=32|SVE_256 SVE2 SVE NEON|test_core"
   "max|SVE2 SVE NEON|test_core test_io"
   "max,sve-default-vector-length=16|SVE2_128 SVE2 SVE NEON|test_core"
-  "max,sve-default-vector-length=32|SVE_256 SVE2 SVE NEON|test_core"
   "cortex-a72|NEON|test_core test_io"
 )
 logs=$build/arm64-logs
@@ -160,11 +163,52 @@ compiled=$($triple-nm -C --defined-only "$build/bin/test_core" |
   sed -E 's/^::N_(.*)::$/\1/' | xargs || true)
 echo "arm64: test_core has Highway code for: ${compiled:-no target}"
 
+# Phase 2: the whole product's CPU end-to-end tests on one emulated CPU. Every TEST_CASE of the
+# two files must run and pass: a renamed file or a filter that matches nothing fails here instead
+# of passing with zero cases. Writes $logs/e2e.log and $logs/e2e.rc.
+e2e_cpu=max,sve-default-vector-length=16
+e2e_expected="SVE2_128 SVE2 SVE NEON"
+e2e_files=(tests/e2e/test_stories.cpp tests/e2e/test_arch_oracle.cpp)
+run_e2e() {
+  local rc=0 got cases filter passed t0=$SECONDS
+  {
+    cases=$(cat "${e2e_files[@]}" | grep -c '^TEST_CASE(' || true)
+    filter=$(printf '*/%s,' "${e2e_files[@]}")
+    echo "=== qemu-aarch64 -cpu $e2e_cpu: test_e2e, the $cases cases of ${e2e_files[*]}"
+    # QEMU_CPU, not -cpu: the `berth` processes the tests start (bin/berth-emulated) inherit it.
+    export QEMU_CPU=$e2e_cpu
+    got=$("$qemu" "${guest_env[@]}" "$build/arm64-probe/hwy_targets" | xargs) ||
+      got="(the target probe failed)"
+    echo "Highway targets supported: $got"
+    if [[ $got != "$e2e_expected" ]]; then
+      echo "FAIL: expected Highway targets '$e2e_expected' on -cpu $e2e_cpu"
+      rc=1
+    fi
+    local run_rc=0
+    "$qemu" "${guest_env[@]}" "$build/bin/test_e2e" --source-file="${filter%,}" --duration=true \
+      >"$logs/e2e.out" 2>&1 || run_rc=$?
+    cat "$logs/e2e.out"
+    passed=$(sed -nE 's/^\[doctest\] test cases: *[0-9]+ \| *([0-9]+) passed.*/\1/p' "$logs/e2e.out")
+    if ((run_rc != 0 || cases == 0)) || [[ $passed != "$cases" ]]; then
+      echo "FAIL: test_e2e on -cpu $e2e_cpu: exit $run_rc, ${passed:-no} of $cases cases passed"
+      rc=1
+    else
+      echo "test_e2e on -cpu $e2e_cpu: all $cases cases passed ($((SECONDS - t0)) s)"
+    fi
+  } >"$logs/e2e.log" 2>&1
+  echo "$rc" >"$logs/e2e.rc"
+}
+
 jobs_max=${ARM64_JOBS:-$(nproc)}
+# The kernel configs, the e2e phase after the first two (so it runs beside a long one).
 for i in "${!configs[@]}"; do
   IFS='|' read -r cpu expected suites <<<"${configs[$i]}"
   while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n || true; done
   run_config "$i" "$cpu" "$expected" "$suites" &
+  if ((i == 1)); then
+    while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n || true; done
+    run_e2e &
+  fi
 done
 wait
 
@@ -173,43 +217,11 @@ for i in "${!configs[@]}"; do
   cat "$logs/$i.log"
   [[ $(cat "$logs/$i.rc" 2>/dev/null) == 0 ]] || failed=1
 done
-t_kernels=$SECONDS
-
-# --- 4. phase 2: the whole product and the CPU end-to-end tests on one emulated CPU -------------
-cmake --build "$build" -j"$(nproc)" --target berth test_e2e
-t_build2=$SECONDS
-e2e_cpu=max,sve-default-vector-length=16
-e2e_expected="SVE2_128 SVE2 SVE NEON"
-e2e_files=(tests/e2e/test_stories.cpp tests/e2e/test_arch_oracle.cpp)
-# Every TEST_CASE of those files must run and pass: a renamed file or a filter that matches
-# nothing fails here instead of passing with zero cases.
-e2e_cases=$(cat "${e2e_files[@]}" | grep -c '^TEST_CASE(' || true)
-e2e_filter=$(printf '*/%s,' "${e2e_files[@]}")
-echo "=== qemu-aarch64 -cpu $e2e_cpu: test_e2e, the $e2e_cases cases of ${e2e_files[*]}"
-# QEMU_CPU, not -cpu: the `berth` processes the tests start (bin/berth-emulated) inherit it.
-export QEMU_CPU=$e2e_cpu
-got=$("$qemu" "${guest_env[@]}" "$build/arm64-probe/hwy_targets" | xargs) ||
-  got="(the target probe failed)"
-echo "Highway targets supported: $got"
-if [[ $got != "$e2e_expected" ]]; then
-  echo "FAIL: expected Highway targets '$e2e_expected' on -cpu $e2e_cpu"
-  failed=1
-fi
-e2e_rc=0
-"$qemu" "${guest_env[@]}" "$build/bin/test_e2e" --source-file="${e2e_filter%,}" --duration=true \
-  2>&1 | tee "$logs/e2e.log" || e2e_rc=$?
-unset QEMU_CPU
-e2e_passed=$(sed -nE 's/^\[doctest\] test cases: *[0-9]+ \| *([0-9]+) passed.*/\1/p' "$logs/e2e.log")
-if ((e2e_rc != 0 || e2e_cases == 0)) || [[ $e2e_passed != "$e2e_cases" ]]; then
-  echo "FAIL: test_e2e on -cpu $e2e_cpu: exit $e2e_rc, ${e2e_passed:-no} of $e2e_cases cases passed"
-  failed=1
-else
-  echo "test_e2e on -cpu $e2e_cpu: all $e2e_cases cases passed"
-fi
+cat "$logs/e2e.log"
+[[ $(cat "$logs/e2e.rc" 2>/dev/null) == 0 ]] || failed=1
 t_end=$SECONDS
-echo "arm64: install $((t_install - t_start)) s, kernel build $((t_build - t_install)) s," \
-  "kernel runs $((t_kernels - t_build)) s, product build $((t_build2 - t_kernels)) s," \
-  "e2e run $((t_end - t_build2)) s"
+echo "arm64: install $((t_install - t_start)) s, build $((t_build - t_install)) s," \
+  "qemu runs (kernels and e2e) $((t_end - t_build)) s"
 if ((failed)); then
   echo "arm64: FAILED"
   exit 1
