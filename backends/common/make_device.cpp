@@ -45,9 +45,10 @@ size_t parse_capacity(std::string_view text, std::string_view spec) {
 double parse_rate(std::string_view key, std::string_view text, std::string_view spec) {
   double v = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || !(v > 0) || !std::isfinite(v))
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("device '{}': {}={} is not a positive number", spec, key, text));
+  if (ec != std::errc() || end != text.data() + text.size() || !(v >= 1e-3 && v <= 1e6))
+    throw Error(
+        ErrorCategory::invalid_argument,
+        fmt::format("device '{}': {}={} is not a number from 0.001 to 1000000", spec, key, text));
   return v;
 }
 

@@ -81,15 +81,16 @@ class CudaDevice final : public backend_detail::StreamDevice {
     cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, index);
     cudaGetLastError();
     register_ok_ = reg != 0 && ro != 0 && host_ptr != 0;
-    // Unified memory: an integrated device (GB10, Jetson Orin) that reads pageable memory or
-    // shares managed memory with the CPU concurrently holds weights once (DeviceInfo::unified).
-    int integrated = 0, pageable = 0, managed = 0;
+    // Unified memory: an integrated device (GB10, Jetson Orin) shares the host's memory and
+    // holds weights once (DeviceInfo::unified). Orin reports neither pageable memory access nor
+    // concurrent managed access, so being integrated is what counts; without pageable access
+    // the weights' mapping is registered (Residency).
+    int integrated = 0, pageable = 0;
     cudaDeviceGetAttribute(&integrated, cudaDevAttrIntegrated, index);
     cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, index);
-    cudaDeviceGetAttribute(&managed, cudaDevAttrConcurrentManagedAccess, index);
     cudaGetLastError();
     pageable_ = pageable != 0;
-    unified_ = integrated != 0 && (pageable != 0 || managed != 0);
+    unified_ = integrated != 0;
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     name_ = fmt::format("CUDA{} ({})", index, prop.name);

@@ -53,8 +53,7 @@ void add_placement_flags(CLI::App& cmd, placement::Flags& f) {
          "unified memory (GB10, Jetson Orin): on: the GPU reads the weights it computes in place "
          "from host memory, each weight held once in one pool (the OS's available memory minus "
          "1 GiB) that --vram-budget and --ram-budget both draw on; off: copy weights to the GPU; "
-         "auto (the default): on when the device is integrated and reads pageable or managed "
-         "memory")
+         "auto (the default): on when the GPU is integrated")
       ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd.add_flag("--cpu-moe", f.cpu_moe, "-cmoe: every layer's routed experts on the CPU");
   cmd.add_option("--n-cpu-moe", f.n_cpu_moe,

@@ -657,14 +657,18 @@ Plan make_plan(const Request& req) {
           double read = 0, weights = 0;
           for (size_t i : u.tensors) {
             const TensorEntry& t = req.tensors[i];
-            // A layer's routed experts: each token reads n_expert_used of n_expert.
+            // A layer's routed experts: each token reads n_expert_used of n_expert; the token
+            // embedding: one row (taken as nothing, so it goes last, as in the discrete plan).
             const double share =
-                t.routed_expert() && t.n_expert > 0 && req.n_expert_used > 0
+                t.role == WeightRole::embedding ? 0.0
+                : t.routed_expert() && t.n_expert > 0 && req.n_expert_used > 0
                     ? std::min(1.0, static_cast<double>(req.n_expert_used) / t.n_expert)
                     : 1.0;
             read += static_cast<double>(t.bytes) * share;
             weights += static_cast<double>(t.bytes) * share / bytes_per_weight(t.type);
           }
+          // A layer's KV cache: a token reads all of it (at full context).
+          if (u.has_kv) read += static_cast<double>(req.kv_bytes[static_cast<size_t>(u.layer)]);
           const double gain = unit_seconds(read, weights, r.cpu_gbps, r.cpu_tflops) -
                               unit_seconds(read, weights, r.gpu_gbps, r.gpu_tflops);
           cand.push_back({&u, gain, static_cast<double>(std::max<size_t>(u.bytes, 1))});
@@ -679,9 +683,13 @@ Plan make_plan(const Request& req) {
         std::stable_sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
           return a.gain / a.bytes > b.gain / b.bytes;
         });
+        // A unit that reads (almost) nothing per token, the embedding: to the GPU only when
+        // the GPU is the faster processor at all.
+        const bool gpu_faster = unit_seconds(1e9, 1e9, r.gpu_gbps, r.gpu_tflops) <=
+                                unit_seconds(1e9, 1e9, r.cpu_gbps, r.cpu_tflops);
         size_t on_gpu = 0, cpu_faster = 0;
         for (const Cand& c : cand) {
-          if (c.gain < 0) {
+          if (c.gain < 0 || (c.gain == 0 && !gpu_faster)) {
             ++cpu_faster;
             continue;
           }
@@ -856,9 +864,13 @@ Plan make_plan(const Request& req) {
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::out_of_memory) throw;
     throw Error(ErrorCategory::out_of_memory,
-                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({}); {}",
+                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({}); "
+                            "the CPU's share, the pool minus the GPU side ({}), does not hold "
+                            "what must stay in RAM, and --ram-budget cannot raise it (lower -c, "
+                            "or use a smaller quantization): {}",
                             mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
-                            unified_terms(req, plan), describe_flags(f), e.what()));
+                            unified_terms(req, plan), describe_flags(f),
+                            mib(cpu_side.ram_budget_bytes), e.what()));
   }
   if (plan.pool_total() > req.pool_bytes)
     throw Error(ErrorCategory::out_of_memory,

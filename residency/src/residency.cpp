@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
@@ -132,7 +133,7 @@ void Residency::map_in_place() {
                   fmt::format("cannot allocate {} bytes of f32 norm weights", alloc));
   }
   auto* f32 = static_cast<float*>(host_f32_);
-  uintptr_t lo = UINTPTR_MAX, hi = 0;  // the span of the in-place tensors
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // the in-place tensors' [begin, end)
   for (size_t i = 0; i < weights_.size(); ++i) {
     if (home_[i] != Home::gpu) continue;
     const TensorView& w = weights_.tensors[i];
@@ -147,12 +148,13 @@ void Residency::map_in_place() {
     in_place_bytes_ += w.n_bytes;
     if (w.n_bytes == 0) continue;
     const auto a = reinterpret_cast<uintptr_t>(w.data);
-    lo = std::min(lo, a);
-    hi = std::max<uintptr_t>(hi, a + w.n_bytes);
+    spans.emplace_back(a, a + w.n_bytes);
   }
   if (dev_.info().pageable_access) return;
-  // The device reads host memory only where it is registered: the span of the weights it
-  // computes (pages of a read-only file mapping) and the f32 copies.
+  // The device reads host memory only where it is registered: runs of the weights it computes
+  // (pages of a read-only file mapping; tensors under 2 MiB apart in one run, so no two runs
+  // share a page, and the CPU-held and disk-tier ranges between runs stay unlocked) and the f32
+  // copies.
   const auto reg = [&](const void* p, size_t bytes, std::string_view what) {
     if (!dev_.register_host(p, bytes))
       throw Error(ErrorCategory::unsupported,
@@ -162,7 +164,17 @@ void Residency::map_in_place() {
                               dev_.name(), static_cast<double>(bytes) / (1 << 20), what));
     registered_.push_back(p);
   };
-  if (hi > lo) reg(reinterpret_cast<const void*>(lo), hi - lo, "weights");
+  std::sort(spans.begin(), spans.end());
+  constexpr uintptr_t kGap = uintptr_t{2} << 20;
+  for (size_t r = 0; r < spans.size();) {
+    const uintptr_t begin = spans[r].first;
+    uintptr_t end = spans[r].second;
+    size_t q = r + 1;
+    for (; q < spans.size() && spans[q].first <= end + kGap; ++q)
+      end = std::max(end, spans[q].second);
+    reg(reinterpret_cast<const void*>(begin), end - begin, "weights");
+    r = q;
+  }
   if (host_f32_) reg(host_f32_, f32_bytes, "f32 norm weights");
 }
 

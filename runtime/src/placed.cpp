@@ -91,8 +91,11 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
   params.disk.slots_per_layer = plan.ram_slots;
   params.disk.reader = reader;
   // BERTH_DISK_READ_AHEAD=0: reads on demand only (for measuring what read-ahead gives).
-  if (const char* ra = std::getenv("BERTH_DISK_READ_AHEAD"); ra && std::string_view(ra) == "0")
-    params.disk.read_ahead = false;
+  const auto off = [](const char* v) {
+    const std::string_view s = v ? v : "";
+    return s == "0" || s == "off" || s == "false" || s == "no";
+  };
+  if (off(std::getenv("BERTH_DISK_READ_AHEAD"))) params.disk.read_ahead = false;
   // The mapping, for reading the other CPU-held weights with O_DIRECT at start
   // (BERTH_DIRECT_LOAD=0: fault them in through the mapping instead).
   if (!file.tensors().empty()) {
@@ -100,8 +103,7 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
     params.disk.file_bytes = t.data - (file.data_offset() + t.offset);
     params.disk.file_size = file.file_size();
   }
-  if (const char* dl = std::getenv("BERTH_DIRECT_LOAD"); dl && std::string_view(dl) == "0")
-    params.disk.direct_load = false;
+  if (off(std::getenv("BERTH_DIRECT_LOAD"))) params.disk.direct_load = false;
   for (size_t l = 0; l < plan.layer_ram_slots.size(); ++l) {
     if (plan.layer_ram_slots[l] <= 0) continue;
     DiskTierLayer d;
@@ -167,7 +169,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     }
   }
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  std::vector<std::string> unified_notes;
+  std::vector<std::string> unified_notes, unified_warns;  // warns: flags that cannot act
   // Unified memory (--unified, or a device that says it shares the host's memory): one pool,
   // the OS's available memory minus the margin (at most the board's memory), not what the
   // device reports free (on such boards cudaMemGetInfo counts the page cache as used).
@@ -179,7 +181,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (unified) {
     os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : host_available_bytes();
     pool = os_available > placement::kRamMargin ? os_available - placement::kRamMargin : 0;
-    if (s.device) pool = std::min(pool, dinfo.total_bytes);
+    // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
+    // weights in host memory, which its VRAM does not bound.
+    if (s.device && dinfo.unified) pool = std::min(pool, dinfo.total_bytes);
     if (!s.device && flags.vram_budget) pool = std::min(pool, *flags.vram_budget);
     unified_notes.push_back(fmt::format(
         "unified memory{}: weights held once; {} reads the weights it computes in place ({})",
@@ -190,7 +194,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
             ? "pageableMemoryAccess 1: the file's pages as they are"
             : "pageableMemoryAccess 0: the weights' mapping registered with the device"));
   } else if (flags.unified == placement::UnifiedMode::on) {
-    unified_notes.push_back("--unified on ignored: no GPU holds any weight (no device)");
+    unified_notes.push_back(flags.n_gpu_layers == 0
+                                ? "--unified on ignored: -ngl 0 puts nothing on the GPU"
+                                : "--unified on ignored: no GPU found");
   }
   // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin (unified: the
   // pool, of which make_plan gives the CPU what the device's side leaves).
@@ -205,10 +211,10 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (unified) {
     // Nothing is copied to the device: no streamed experts, no staged decode share.
     if (stream > 0)
-      unified_notes.push_back(fmt::format(
+      unified_warns.push_back(fmt::format(
           "--stream-experts {} ignored: on unified memory no expert is copied to the GPU", stream));
     if (params.hybrid.host_expert_share > 0)
-      unified_notes.push_back(
+      unified_warns.push_back(
           "--host-expert-share ignored: on unified memory no expert is copied to the GPU");
     stream = 0;
     params.hybrid.host_expert_share = 0;
@@ -241,6 +247,12 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       log::info("{}", line);
   };
   for (std::string& n : unified_notes) info(std::move(n));
+  for (std::string& n : unified_warns) {
+    if (plan_only)
+      notes.push_back(std::move(n));
+    else
+      log::warn("{}", n);
+  }
   bool stream_refused = false;
   try {
     make();

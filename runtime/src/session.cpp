@@ -46,12 +46,13 @@ Session::Session(const Model& model, SessionParams params)
                                                           .file_bytes = params_.disk.file_bytes,
                                                           .file_size = params_.disk.file_size,
                                                           .reader = params_.disk.reader});
-    log::info("read {} CPU-held tensors ({:.1f} MiB) with {} reads in {:.2f} s ({:.2f} GB/s)",
-              direct_->n_tensors(), static_cast<double>(direct_->bytes_read()) / (1 << 20),
-              io::backend_name(direct_->backend()), direct_->seconds(),
-              direct_->seconds() > 0
-                  ? static_cast<double>(direct_->bytes_read()) / direct_->seconds() / 1e9
-                  : 0.0);
+    if (direct_->n_tensors() > 0)
+      log::info("read {} CPU-held tensors ({:.1f} MiB) with {} reads in {:.2f} s ({:.2f} GB/s)",
+                direct_->n_tensors(), static_cast<double>(direct_->bytes_read()) / (1 << 20),
+                io::backend_name(direct_->backend()), direct_->seconds(),
+                direct_->seconds() > 0
+                    ? static_cast<double>(direct_->bytes_read()) / direct_->seconds() / 1e9
+                    : 0.0);
   }
   const graph::WeightTable& weights = direct_ ? direct_->weights() : model.weights();
   if (params_.device) {

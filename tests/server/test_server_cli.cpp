@@ -190,7 +190,7 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   const fs::path out = temp_dir("bench-serve") / "serve.json";
   CommandResult r =
       run_command(berth_bin() + " bench serve -q -m " + shell_quote(stories260k().string()) +
-                  " -np 2 -c 1024 -t 1 --clients 3 --requests 2 -n 16 -p 8 --json " +
+                  " -np 2 -c 1024 -t 1 --clients 3 --requests 2 -n 48 -p 8 --json " +
                   shell_quote(out.string()));
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("aggregate") != std::string::npos);
@@ -198,7 +198,7 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   const json j = json::parse(read_file(out));
   CHECK(j["requests"] == 6);
   CHECK(j["failed"] == 0);
-  CHECK(j["tokens"] == 3 * 2 * 16);
+  CHECK(j["tokens"] == 3 * 2 * 48);
   CHECK(j["aggregate_tok_s"].get<double>() > 0);
   CHECK(j["ttft_ms"]["p50"].get<double>() > 0);
   CHECK(j["ttft_ms"]["p99"].get<double>() >= j["ttft_ms"]["p50"].get<double>());

@@ -62,9 +62,9 @@ struct DeviceInfo {
   int64_t moe_expert_reads = -1, moe_expert_bytes = -1;
 
   // --- Unified memory (one physical memory for the CPU and the device: GB10, Jetson Orin) ----
-  /// The device and the CPU share one memory, as detected (CUDA: an integrated device with
-  /// pageable memory access or concurrent managed access) or simulated ("unified:SIZE"). The
-  /// plan then holds weights once (--unified, placement/plan.h).
+  /// The device and the CPU share one memory, as detected (CUDA: cudaDevAttrIntegrated, as on
+  /// GB10 and Jetson Orin) or simulated ("unified:SIZE"). The plan then holds weights once
+  /// (--unified, placement/plan.h).
   bool unified = false;
   /// The device's kernels read pageable host memory (a file mapping) in place (CUDA:
   /// cudaDevAttrPageableMemoryAccess; the simulated device: always). Without it, unified mode
