@@ -68,7 +68,7 @@ SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec)
     if (eq == std::string_view::npos)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("device '{}': '{}' is not KEY=VALUE (keys: available, free, "
-                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops)",
+                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops, pageable)",
                               spec, item));
     const std::string_view value = item.substr(eq + 1);
     if (key == "available")
@@ -83,10 +83,15 @@ SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec)
       o.gpu_tflops = parse_rate(key, value, spec);
     else if (key == "cpu_tflops")
       o.cpu_tflops = parse_rate(key, value, spec);
+    else if (key == "pageable" && (value == "0" || value == "1"))
+      o.pageable_access = value == "1";
+    else if (key == "pageable")
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("device '{}': pageable={} is not 0 or 1", spec, value));
     else
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("device '{}': unknown setting '{}' (keys: available, free, "
-                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops)",
+                              "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops, pageable)",
                               spec, key));
   }
   if (o.capacity_bytes == 0)

@@ -82,7 +82,7 @@ class SimDevice final : public backend_detail::StreamDevice {
                       .moe_expert_reads = moe_reads_.load(),
                       .moe_expert_bytes = moe_bytes_.load(),
                       .unified = opt_.unified,
-                      .pageable_access = true,
+                      .pageable_access = opt_.pageable_access,
                       .os_available_bytes = opt_.unified ? opt_.os_available_bytes : 0,
                       .gpu_gbps = opt_.gpu_gbps,
                       .cpu_gbps = opt_.cpu_gbps,

@@ -168,8 +168,9 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   }
   if (plan.unified)
     out += fmt::format(
-        "unified memory: weights held once, {:.3f} MiB (the GPU computes {:.3f} MiB of them in "
-        "place, the CPU {:.3f} MiB; none copied); the plan holds {:.3f} MiB of a {:.3f} MiB pool "
+        "unified memory: weights held once, {:.3f} MiB (the GPU computes {:.3f} MiB of them from "
+        "host memory, the CPU {:.3f} MiB; no device copies); the plan holds {:.3f} MiB of a {:.3f} "
+        "MiB pool "
         "(the OS reports {:.3f} MiB available, minus a margin of {:.3f} MiB; the device reports "
         "{:.3f} MiB free, not used)\n",
         to_mib(plan.gpu_weight_bytes + plan.cpu_weight_bytes), to_mib(plan.gpu_weight_bytes),

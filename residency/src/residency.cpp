@@ -118,64 +118,67 @@ void Residency::map_in_place() {
   const auto is_vector = [](const TensorView& w) {
     return w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1 && w.type != GgmlType::F32;
   };
-  // 1-D non-f32 tensors (norm scales, biases): f32 host copies, as the kernels take them, in one
-  // page-aligned buffer (so registering it shares no page with the weights).
-  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  size_t f32_bytes = 0;
-  for (size_t i = 0; i < weights_.size(); ++i)
-    if (home_[i] == Home::gpu && is_vector(weights_.tensors[i]))
-      f32_bytes += static_cast<size_t>(weights_.tensors[i].ne[0]) * 4;
-  if (f32_bytes > 0) {
-    const size_t alloc = (f32_bytes + page - 1) / page * page;
-    host_f32_ = std::aligned_alloc(page, alloc);
-    if (!host_f32_)
-      throw Error(ErrorCategory::out_of_memory,
-                  fmt::format("cannot allocate {} bytes of f32 norm weights", alloc));
+  // With pageable memory access the device reads the mapping itself; without it (a discrete GPU
+  // such as the H200, Jetson Orin), the weights it computes go once into page-locked host memory
+  // (alloc_host) and the file's pages of them are released. Page-locking the file mapping in
+  // place (cudaHostRegister) is not used: on the H200 host (Linux 6.18, driver 580) registering
+  // 2.8 GB of a mapped GGUF spun in the kernel for over a minute (2026-12-03), and GB10 does not
+  // support it at all.
+  const bool copy = !dev_.info().pageable_access;
+  constexpr size_t kAlign = 256;  // the kernels' widest loads and TMA want 16..128-byte alignment
+  const auto up = [](size_t n, size_t a) { return (n + a - 1) / a * a; };
+  size_t host_bytes = 0;  // the f32 copies of 1-D tensors, then (copy) the other tensors
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    if (home_[i] != Home::gpu) continue;
+    const TensorView& w = weights_.tensors[i];
+    if (is_vector(w))
+      host_bytes += up(static_cast<size_t>(w.ne[0]) * 4, kAlign);
+    else if (copy)
+      host_bytes += up(w.n_bytes, kAlign);
   }
-  auto* f32 = static_cast<float*>(host_f32_);
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // the in-place tensors' [begin, end)
+  // Page-locked when the device reads it over its bus; plain host memory otherwise.
+  if (host_bytes > 0) {
+    host_copy_ = copy ? dev_.alloc_host(host_bytes, "unified weights (page-locked host copy)")
+                      : std::aligned_alloc(4096, up(host_bytes, 4096));
+    if (!host_copy_)
+      throw Error(
+          ErrorCategory::out_of_memory,
+          fmt::format("cannot allocate {} bytes for the unified weights' host copy", host_bytes));
+    host_copy_pinned_ = copy;
+  }
+  auto* at = static_cast<uint8_t*>(host_copy_);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   for (size_t i = 0; i < weights_.size(); ++i) {
     if (home_[i] != Home::gpu) continue;
     const TensorView& w = weights_.tensors[i];
     if (is_vector(w)) {
-      cpu::get_row(w, 0, f32);
-      dev_weight_[i] = f32;
+      cpu::get_row(w, 0, reinterpret_cast<float*>(at));
+      dev_weight_[i] = at;
       in_place_bytes_ += static_cast<size_t>(w.ne[0]) * 4;
-      f32 += w.ne[0];
+      at += up(static_cast<size_t>(w.ne[0]) * 4, kAlign);
       continue;
     }
-    dev_weight_[i] = w.data;
     in_place_bytes_ += w.n_bytes;
-    if (w.n_bytes == 0) continue;
+    if (!copy) {
+      dev_weight_[i] = w.data;
+      continue;
+    }
+    std::memcpy(at, w.data, w.n_bytes);
+    dev_weight_[i] = at;
+    host_copy_bytes_ += w.n_bytes;
+    at += up(w.n_bytes, kAlign);
+    // The mapping's whole pages of this tensor: released (clean file pages; a later CPU read
+    // faults them back in from the file).
     const auto a = reinterpret_cast<uintptr_t>(w.data);
-    spans.emplace_back(a, a + w.n_bytes);
+    const uintptr_t b = up(a, page), e = (a + w.n_bytes) / page * page;
+    if (e > b) {
+#ifdef MADV_PAGEOUT
+      ::madvise(reinterpret_cast<void*>(b), e - b, MADV_PAGEOUT);
+#else
+      ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+#endif
+    }
   }
-  if (dev_.info().pageable_access) return;
-  // The device reads host memory only where it is registered: runs of the weights it computes
-  // (pages of a read-only file mapping; tensors under 2 MiB apart in one run, so no two runs
-  // share a page, and the CPU-held and disk-tier ranges between runs stay unlocked) and the f32
-  // copies.
-  const auto reg = [&](const void* p, size_t bytes, std::string_view what) {
-    if (!dev_.register_host(p, bytes))
-      throw Error(ErrorCategory::unsupported,
-                  fmt::format("{}: unified memory needs the device to read the host's memory in "
-                              "place, but it has no pageable memory access and registering the "
-                              "{:.1f} MiB of {} failed (run with --unified off)",
-                              dev_.name(), static_cast<double>(bytes) / (1 << 20), what));
-    registered_.push_back(p);
-  };
-  std::sort(spans.begin(), spans.end());
-  constexpr uintptr_t kGap = uintptr_t{2} << 20;
-  for (size_t r = 0; r < spans.size();) {
-    const uintptr_t begin = spans[r].first;
-    uintptr_t end = spans[r].second;
-    size_t q = r + 1;
-    for (; q < spans.size() && spans[q].first <= end + kGap; ++q)
-      end = std::max(end, spans[q].second);
-    reg(reinterpret_cast<const void*>(begin), end - begin, "weights");
-    r = q;
-  }
-  if (host_f32_) reg(host_f32_, f32_bytes, "f32 norm weights");
 }
 
 void Residency::pin_host_experts() {
@@ -321,9 +324,13 @@ void Residency::release() {
   for (void*& p : stage_)
     if (p) dev_.dealloc(p), p = nullptr;
   stage_bytes_ = 0;
-  std::free(host_f32_);
-  host_f32_ = nullptr;
-  in_place_bytes_ = 0;
+  if (host_copy_pinned_)
+    dev_.dealloc_host(host_copy_);
+  else
+    std::free(host_copy_);
+  host_copy_ = nullptr;
+  host_copy_pinned_ = false;
+  in_place_bytes_ = host_copy_bytes_ = 0;
 }
 
 }  // namespace berth

@@ -134,7 +134,8 @@ void use_disk_tier(const gguf::File& file, const Model& model, const placement::
 }
 
 std::unique_ptr<Device> default_device() {
-  if (cuda_available()) return make_cuda_device(0);
+  // BERTH_SIM_DEVICE, when set, wins over a GPU that is present (the simulated cases of the test
+  // suites run the same on a GPU machine).
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
     const std::string_view spec(sim);
     if (spec.substr(0, 8) == "unified:")
@@ -142,6 +143,7 @@ std::unique_ptr<Device> default_device() {
           parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + std::string(spec)));
     return make_sim_device(placement::parse_size(sim, "BERTH_SIM_DEVICE"));
   }
+  if (cuda_available()) return make_cuda_device(0);
   return nullptr;
 }
 
@@ -186,13 +188,14 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     if (s.device && dinfo.unified) pool = std::min(pool, dinfo.total_bytes);
     if (!s.device && flags.vram_budget) pool = std::min(pool, *flags.vram_budget);
     unified_notes.push_back(fmt::format(
-        "unified memory{}: weights held once; {} reads the weights it computes in place ({})",
+        "unified memory{}: weights held once; {} reads the weights it computes in host memory "
+        "({})",
         flags.unified == placement::UnifiedMode::on ? " (--unified on)" : " (detected)",
         device_name,
         !s.device ? "planned"
         : dinfo.pageable_access
-            ? "pageableMemoryAccess 1: the file's pages as they are"
-            : "pageableMemoryAccess 0: the weights' mapping registered with the device"));
+            ? "pageableMemoryAccess 1: the file's pages in place"
+            : "pageableMemoryAccess 0: one page-locked copy, the file's pages released"));
   } else if (flags.unified == placement::UnifiedMode::on) {
     unified_notes.push_back(flags.n_gpu_layers == 0
                                 ? "--unified on ignored: -ngl 0 puts nothing on the GPU"

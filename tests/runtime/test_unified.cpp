@@ -78,7 +78,8 @@ struct Placed {
   Run run;
   placement::Plan plan;
   bool unified = false;
-  size_t device_used = 0, uploaded = 0, in_place = 0, homed_bytes = 0;
+  size_t device_used = 0, uploaded = 0, in_place = 0, host_copy = 0, homed_bytes = 0;
+  size_t homed_matrix_bytes = 0;  // homed_bytes less the 1-D tensors
 };
 
 Placed run_on(const Model& model, const std::string& sim, placement::Flags flags) {
@@ -99,6 +100,7 @@ Placed run_on(const Model& model, const std::string& sim, placement::Flags flags
       p.device_used = setup.device->total_bytes() - setup.device->free_bytes();
       p.uploaded = s.residency()->device_weight_bytes();
       p.in_place = s.residency()->in_place_weight_bytes();
+      p.host_copy = s.residency()->host_copy_weight_bytes();
     }
   }
   const graph::WeightTable& w = model.weights();
@@ -107,6 +109,7 @@ Placed run_on(const Model& model, const std::string& sim, placement::Flags flags
     const TensorView& t = w.tensors[i];
     const bool vector = t.ne[1] == 1 && t.ne[2] == 1 && t.ne[3] == 1 && t.type != GgmlType::F32;
     p.homed_bytes += vector ? static_cast<size_t>(t.ne[0]) * 4 : t.n_bytes;
+    if (!vector) p.homed_matrix_bytes += t.n_bytes;
   }
   return p;
 }
@@ -152,6 +155,7 @@ TEST_CASE("unified: the simulated board's spec") {
     CHECK(i.os_available_bytes == size_t{6} << 30);
     CHECK(i.free_bytes == size_t{2} << 30);  // what it reports, as cudaMemGetInfo would
   }
+  CHECK_FALSE(make_device("unified:8G,pageable=0")->info().pageable_access);
   CHECK_FALSE(make_device("sim:1G")->info().unified);
   using test::expect_error;
   const auto inv = ErrorCategory::invalid_argument;
@@ -160,6 +164,7 @@ TEST_CASE("unified: the simulated board's spec") {
   expect_error(inv, [] { parse_unified_sim("8G,available", "u"); }, {"'available'", "KEY=VALUE"});
   expect_error(inv, [] { parse_unified_sim("8G,available=9G", "u"); }, {"available=", "board"});
   expect_error(inv, [] { parse_unified_sim("lots", "u"); }, {"'lots' is not a size"});
+  expect_error(inv, [] { parse_unified_sim("8G,pageable=yes", "u"); }, {"pageable=yes", "0 or 1"});
   expect_error(inv, [] { parse_unified_sim("8G,gpu_gbps=-3", "u"); }, {"gpu_gbps=-3"});
   expect_error(inv, [] { make_device("unified:0"); }, {"more than 0"});
 }
@@ -197,6 +202,51 @@ TEST_CASE("unified: weights held once, read in place by the device, the same bit
     // The same kernels on the same bytes.
     CHECK(same_bits(unified.run, discrete.run));
   }
+}
+
+// The unified path where the device has no pageable memory access: the weights it computes are
+// copied once into page-locked host memory, which it reads over its bus. With
+// BERTH_TEST_DEVICE=cuda this is the H200 correctness run of issue 25 (--unified on on the H200,
+// pageableMemoryAccess 0); otherwise the simulated board without pageable access (as Jetson Orin)
+// and --unified on on the simulated discrete device (which reads in place).
+TEST_CASE(
+    "unified: without pageable access, one page-locked host copy and the normal path's bits") {
+  gguf::File file = gguf::File::open(moe_file());
+  auto model = load_model(file);
+  const char* env = std::getenv("BERTH_TEST_DEVICE");
+  const bool cuda = env && std::string(env) == "cuda";
+  struct Case {
+    std::string normal, unified;  // BERTH_SIM_DEVICE ("": the real GPU)
+    bool copies;
+  };
+  std::vector<Case> cases;
+  if (cuda)
+    cases = {{"", "", true}};
+  else
+    cases = {{"2G", "unified:2G,pageable=0", true}, {"2G", "2G", false}};
+  for (const Case& c : cases)
+    for (const bool cpu_moe : {false, true}) {
+      CAPTURE(c.unified);
+      CAPTURE(cpu_moe);
+      placement::Flags f;
+      f.n_gpu_layers = 99;
+      f.cpu_moe = cpu_moe;
+      f.residency = placement::ResidencyMode::fixed;
+      f.unified = placement::UnifiedMode::off;
+      const Placed normal = run_on(*model, c.normal, f);
+      f.unified = placement::UnifiedMode::on;
+      const Placed unified = run_on(*model, c.unified, f);
+      REQUIRE_FALSE(normal.unified);
+      REQUIRE(unified.unified);
+      CHECK(unified.plan.home == normal.plan.home);
+      CHECK(normal.uploaded == normal.homed_bytes);
+      CHECK(normal.uploaded > 0);
+      CHECK(unified.uploaded == 0);
+      CHECK(unified.in_place == unified.homed_bytes);
+      CHECK(unified.host_copy == (c.copies ? unified.homed_matrix_bytes : 0));
+      CHECK(unified.homed_matrix_bytes > 0);
+      CHECK(same_bits(unified.run, normal.run));
+    }
 }
 
 TEST_CASE("unified: the cost model, not where bytes live, picks who computes") {

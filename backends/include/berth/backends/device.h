@@ -173,9 +173,12 @@ struct SimDeviceOptions {
   /// Each copy on the kCopy stream first sleeps this long (0: none): for tests of work that
   /// overlaps a slow copy.
   int64_t copy_delay_us = 0;
-  /// A unified-memory board (DeviceInfo::unified; pageable_access is always true). Its
-  /// os_available_bytes and rates are the DeviceInfo fields of the same names.
+  /// A unified-memory board (DeviceInfo::unified). Its os_available_bytes, rates and
+  /// pageable_access are the DeviceInfo fields of the same names.
   bool unified = false;
+  /// DeviceInfo::pageable_access (false: as Jetson Orin, the unified weights are copied once
+  /// into page-locked host memory).
+  bool pageable_access = true;
   size_t os_available_bytes = 0;
   /// What info().free_bytes reports, bytes (as cudaMemGetInfo would, which on a unified board
   /// counts the page cache as used); 0: capacity minus allocations.
@@ -186,7 +189,8 @@ struct SimDeviceOptions {
 /// Parses the text after "unified:" of a simulated unified board's spec: "SIZE" then optional
 /// ",KEY=VALUE" settings: available=SIZE (the OS's MemAvailable; default SIZE), free=SIZE (what
 /// the device reports free; default: SIZE minus allocations), gpu_gbps=X, cpu_gbps=X,
-/// gpu_tflops=X, cpu_tflops=X (the cost model's rates). E.g. "128G", "8G,available=6G,free=2G".
+/// gpu_tflops=X, cpu_tflops=X (the cost model's rates), pageable=0|1 (pageable memory access;
+/// default 1). E.g. "128G", "8G,available=6G,free=2G,pageable=0".
 /// Throws Error(invalid_argument) naming `spec` and the bad part.
 SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec);
 

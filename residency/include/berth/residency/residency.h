@@ -61,8 +61,9 @@ struct ResidencyOptions {
   /// Unified memory (SessionParams::unified): the device reads each weight whose home is the
   /// device where it is (device_weight() is the host pointer; 1-D non-f32 tensors get an f32
   /// host copy), nothing is allocated on the device for weights, nothing is uploaded. Without
-  /// DeviceInfo::pageable_access the weights' memory is registered with the device
-  /// (register_host) so that it reads it at the same addresses.
+  /// DeviceInfo::pageable_access they are copied once into page-locked host memory
+  /// (Device::alloc_host), which the device reads over its bus, and the mapping's pages of them
+  /// are released (madvise MADV_PAGEOUT).
   bool unified = false;
 };
 
@@ -104,6 +105,9 @@ class Residency {
   /// Unified memory: bytes of the weights the device reads in place (its homed tensors, 1-D
   /// ones as their f32 host copy); 0 otherwise.
   size_t in_place_weight_bytes() const { return in_place_bytes_; }
+  /// Unified memory without pageable access: bytes of the page-locked host copy the device reads
+  /// (its homed tensors but the 1-D ones); 0 otherwise.
+  size_t host_copy_weight_bytes() const { return host_copy_bytes_; }
 
   /// The MoE layers of step graph `g` that can have expert slots: moe_experts ops over stacked
   /// tensors (n_expert > 1) whose gate, up and down are CPU-held with page-locked memory here
@@ -143,7 +147,11 @@ class Residency {
   size_t stage_bytes_ = 0;
   size_t dev_weight_bytes_ = 0;
   size_t in_place_bytes_ = 0;
-  void* host_f32_ = nullptr;  // unified: the f32 host copies of 1-D device-homed tensors
+  // Unified: the f32 copies of 1-D device-homed tensors and, without pageable access, the
+  // page-locked copy of the other device-homed tensors.
+  void* host_copy_ = nullptr;
+  bool host_copy_pinned_ = false;  // host_copy_ came from alloc_host
+  size_t host_copy_bytes_ = 0;
   std::unique_ptr<ExpertSlots> slots_;
 };
 
