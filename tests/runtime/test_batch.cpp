@@ -22,6 +22,7 @@
 #include "berth/runtime/kv_cache.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "test_util.h"
 
 using namespace berth;
@@ -29,15 +30,9 @@ using placement::Home;
 
 namespace {
 
-bool use_cuda() {
-  const char* e = std::getenv("BERTH_TEST_DEVICE");
-  return e && std::string(e) == "cuda";
-}
-
-std::unique_ptr<Device> test_device() {
-  if (use_cuda()) return make_cuda_device(0);
-  return make_sim_device(size_t{2} << 30);
-}
+using test::same_bits;
+using test::test_device;
+using test::use_cuda;
 
 std::string tiny_moe_file(const std::string& type) {
   SynthSpec spec = synth_preset("tiny-qwen3moe");
@@ -161,15 +156,6 @@ Trace run_alone_session(const Model& m, const Placement& pl, const std::vector<i
     if (i + 1 < n_gen) l = s.eval(std::span<const int32_t>(&id, 1));
   }
   return t;
-}
-
-bool same_bits(const Trace& a, const Trace& b) {
-  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
-  for (size_t i = 0; i < a.logits.size(); ++i)
-    if (a.logits[i].size() != b.logits[i].size() ||
-        std::memcmp(a.logits[i].data(), b.logits[i].data(), a.logits[i].size() * 4) != 0)
-      return false;
-  return true;
 }
 
 /// The invariance cases of one model and placement.

@@ -29,6 +29,7 @@
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "test_util.h"
 
 using namespace berth;
@@ -36,14 +37,14 @@ using placement::Home;
 
 namespace {
 
-bool use_cuda() {
-  const char* e = std::getenv("BERTH_TEST_DEVICE");
-  return e && std::string(e) == "cuda";
-}
+using test::argmax;
+using test::greedy;
+using test::nmse;
+using test::Run;
+using test::use_cuda;
 
 std::unique_ptr<Device> test_device(int64_t copy_delay_us = 0) {
-  if (use_cuda()) return make_cuda_device(0);
-  return make_sim_device(size_t{2} << 30, copy_delay_us);
+  return test::test_device(size_t{2} << 30, copy_delay_us);
 }
 
 std::string moe_file(const std::string& preset, const std::string& type) {
@@ -56,38 +57,6 @@ std::string moe_file(const std::string& preset, const std::string& type) {
   const auto path = test::temp_dir("slots") / fmt::format("{}-8x2-{}.gguf", preset, type);
   if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
   return path.string();
-}
-
-struct Run {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;
-};
-
-int32_t argmax(std::span<const float> x) {
-  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
-}
-
-Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const int32_t t = argmax(l);
-    r.tokens.push_back(t);
-    l = s.eval(std::span<const int32_t>(&t, 1));
-  }
-  return r;
-}
-
-double nmse(const Run& a, const Run& b) {
-  double num = 0, den = 0;
-  for (size_t s = 0; s < std::min(a.logits.size(), b.logits.size()); ++s)
-    for (size_t i = 0; i < a.logits[s].size(); ++i) {
-      const double d = static_cast<double>(a.logits[s][i]) - b.logits[s][i];
-      num += d * d;
-      den += static_cast<double>(b.logits[s][i]) * b.logits[s][i];
-    }
-  return num / den;
 }
 
 // As test_hybrid.cpp: a differing token whose reference top-2 gap exceeds the band.

@@ -12,14 +12,14 @@
 #include <set>
 #include <thread>
 
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
-#include "berth/backends/cpu_executor.h"
 #include "berth/runtime/kv_cache.h"
-#include "berth/backends/thread_pool.h"
 
 using namespace berth;
 

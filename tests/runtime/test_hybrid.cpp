@@ -27,6 +27,7 @@
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "naive_llama.h"
 #include "test_util.h"
 
@@ -35,20 +36,18 @@ using placement::Home;
 
 namespace {
 
-bool use_cuda() {
-  const char* e = std::getenv("BERTH_TEST_DEVICE");
-  return e && std::string(e) == "cuda";
-}
+using test::argmax;
+using test::greedy;
+using test::nmse;
+using test::Run;
+using test::same_bits;
+using test::test_device;
+using test::use_cuda;
 
 // Whether the in-place registration cases run (BERTH_REGISTER_HOST=1): always on the simulated
 // device (registration is a no-op there); on CUDA only with BERTH_TEST_REGISTER_HOST=1: the
 // streaming case hung there with it (H200, 2026-12-01; see registers_host_experts).
 bool test_registers() { return !use_cuda() || std::getenv("BERTH_TEST_REGISTER_HOST") != nullptr; }
-
-std::unique_ptr<Device> test_device(size_t capacity = size_t{2} << 30) {
-  if (use_cuda()) return make_cuda_device(0);
-  return make_sim_device(capacity);
-}
 
 /// Homes by a rule on tensor names: `gpu` decides each tensor; kv follows attn_q.
 struct Homes {
@@ -81,28 +80,6 @@ SessionParams on_device(Device* dev, const Homes& h, int64_t n_ctx, int32_t n_th
   return sp;
 }
 
-struct Run {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;  // per step: prompt's last, then each decode step
-};
-
-int32_t argmax(std::span<const float> x) {
-  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
-}
-
-/// `n` greedy steps after `prompt` on session `s`: the logits each step chose from, and the ids.
-Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const int32_t t = argmax(l);
-    r.tokens.push_back(t);
-    l = s.eval(std::span<const int32_t>(&t, 1));
-  }
-  return r;
-}
-
 Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* dev,
            const Homes* homes, int32_t n_ubatch = 512, bool graphs = true, int32_t stream_min = 0,
            int64_t* streamed = nullptr, Handoff handoff = Handoff::automatic,
@@ -124,28 +101,6 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
   Run r = greedy(s, prompt, n);
   if (streamed) *streamed = s.scheduler().streamed_ops();
   return r;
-}
-
-/// The same tokens and the same logits, bit for bit, at every step.
-bool same_bits(const Run& a, const Run& b) {
-  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
-  for (size_t s = 0; s < a.logits.size(); ++s)
-    if (a.logits[s].size() != b.logits[s].size() ||
-        std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
-      return false;
-  return true;
-}
-
-/// sum (a - b)^2 / sum b^2 over all steps.
-double nmse(const Run& a, const Run& b) {
-  double num = 0, den = 0;
-  for (size_t s = 0; s < std::min(a.logits.size(), b.logits.size()); ++s)
-    for (size_t i = 0; i < a.logits[s].size(); ++i) {
-      const double d = static_cast<double>(a.logits[s][i]) - b.logits[s][i];
-      num += d * d;
-      den += static_cast<double>(b.logits[s][i]) * b.logits[s][i];
-    }
-  return num / den;
 }
 
 /// Steps where the tokens differ although the reference's top two logits are further apart

@@ -11,14 +11,14 @@
 #include <numeric>
 #include <random>
 
+#include "berth/backends/cpu_executor.h"
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/types.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/graph/graph.h"
-#include "berth/backends/cpu_executor.h"
 #include "berth/runtime/kv_cache.h"
-#include "berth/backends/thread_pool.h"
 
 using namespace berth;
 

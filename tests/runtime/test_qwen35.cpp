@@ -29,6 +29,7 @@
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "naive_llama.h"
 #include "test_util.h"
 
@@ -37,10 +38,15 @@ using placement::Home;
 
 namespace {
 
-std::unique_ptr<Device> test_device() {
-  const char* e = std::getenv("BERTH_TEST_DEVICE");
-  if (e && std::string(e) == "cuda") return make_cuda_device(0);
-  return make_sim_device(size_t{2} << 30);
+using test::argmax;
+using test::nmse;
+using test::Run;
+using test::same_bits;
+using test::test_device;
+
+/// `n` greedy steps after `prompt`; the last chosen token is not fed.
+Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
+  return test::greedy(s, prompt, n, false);
 }
 
 /// A tiny F32 synthetic file of `preset` (cached in the test temp dir).
@@ -62,10 +68,6 @@ std::vector<int32_t> prompt_of(int n, int salt, int32_t n_vocab) {
   return p;
 }
 
-int32_t argmax(std::span<const float> x) {
-  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
-}
-
 SessionParams cpu_params(int64_t n_ctx = 128, int32_t n_ubatch = 512, int32_t n_seq = 1) {
   SessionParams sp;
   sp.n_threads = 2;
@@ -83,45 +85,6 @@ double rel_err(std::span<const float> got, const std::vector<double>& want) {
     num = std::max(num, std::abs(got[i] - want[i]));
     den = std::max(den, std::abs(want[i]));
   }
-  return num / den;
-}
-
-struct Run {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;  // the prompt's last row, then each decode step
-};
-
-/// `n` greedy steps after `prompt` through Session::eval.
-Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const int32_t t = argmax(l);
-    r.tokens.push_back(t);
-    if (i + 1 < n) l = s.eval(std::span<const int32_t>(&t, 1));
-  }
-  return r;
-}
-
-bool same_bits(const Run& a, const Run& b) {
-  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
-  for (size_t i = 0; i < a.logits.size(); ++i)
-    if (a.logits[i].size() != b.logits[i].size() ||
-        std::memcmp(a.logits[i].data(), b.logits[i].data(), a.logits[i].size() * 4) != 0)
-      return false;
-  return true;
-}
-
-/// sum (a - b)^2 / sum b^2 over all steps.
-double nmse(const Run& a, const Run& b) {
-  double num = 0, den = 0;
-  for (size_t s = 0; s < std::min(a.logits.size(), b.logits.size()); ++s)
-    for (size_t i = 0; i < a.logits[s].size(); ++i) {
-      const double d = static_cast<double>(a.logits[s][i]) - b.logits[s][i];
-      num += d * d;
-      den += static_cast<double>(b.logits[s][i]) * b.logits[s][i];
-    }
   return num / den;
 }
 

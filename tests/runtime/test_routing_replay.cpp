@@ -28,6 +28,7 @@
 #include "berth/runtime/routing_io.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "test_util.h"
 
 using namespace berth;
@@ -36,15 +37,10 @@ using placement::Home;
 
 namespace {
 
-bool use_cuda() {
-  const char* e = std::getenv("BERTH_TEST_DEVICE");
-  return e && std::string(e) == "cuda";
-}
-
-std::unique_ptr<Device> test_device() {
-  if (use_cuda()) return make_cuda_device(0);
-  return make_sim_device(size_t{2} << 30);
-}
+using test::greedy;
+using test::Run;
+using test::test_device;
+using test::use_cuda;
 
 std::string moe_file(const std::string& preset) {
   SynthSpec spec = synth_preset(preset);
@@ -74,23 +70,6 @@ SessionParams params(const Model& m, Device* dev, Where w, int32_t n_ubatch) {
                                  : Home::gpu);
   sp.kv_home.assign(static_cast<size_t>(m.hparams().n_layer), Home::gpu);
   return sp;
-}
-
-struct Run {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;
-};
-
-Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const auto t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
-    r.tokens.push_back(t);
-    l = s.eval(std::span<const int32_t>(&t, 1));
-  }
-  return r;
 }
 
 std::vector<int32_t> prompt_of(int n) {

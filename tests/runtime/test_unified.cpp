@@ -25,12 +25,23 @@
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
+#include "greedy_run.h"
 #include "test_util.h"
 
 using namespace berth;
 using placement::Home;
 
 namespace {
+
+using test::Run;
+using test::same_bits;
+
+/// `n` greedy steps after a fixed 24-token prompt.
+Run greedy(Session& s, int n) {
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 200 + 3);
+  return test::greedy(s, prompt, n);
+}
 
 std::string moe_file() {
   SynthSpec spec = synth_preset("tiny-qwen3moe");
@@ -51,25 +62,6 @@ std::string sparse_27b() {
   const auto path = test::temp_dir("unified") / "qwen3.5-27b-f16-sparse.gguf";
   if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
   return path.string();
-}
-
-struct Run {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;
-};
-
-Run greedy(Session& s, int n) {
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 200 + 3);
-  Run r;
-  std::span<const float> l = s.eval(prompt);
-  for (int i = 0; i < n; ++i) {
-    r.logits.emplace_back(l.begin(), l.end());
-    const auto t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
-    r.tokens.push_back(t);
-    l = s.eval(std::span<const int32_t>(&t, 1));
-  }
-  return r;
 }
 
 // A session placed by place() on the device BERTH_SIM_DEVICE names, with `flags`; runs 16
@@ -112,15 +104,6 @@ Placed run_on(const Model& model, const std::string& sim, placement::Flags flags
     if (!vector) p.homed_matrix_bytes += t.n_bytes;
   }
   return p;
-}
-
-bool same_bits(const Run& a, const Run& b) {
-  if (a.tokens != b.tokens || a.logits.size() != b.logits.size()) return false;
-  for (size_t s = 0; s < a.logits.size(); ++s)
-    if (a.logits[s].size() != b.logits[s].size() ||
-        std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
-      return false;
-  return true;
 }
 
 nlohmann::json plan_json(const std::string& sim, const std::string& model, const std::string& flags,
@@ -213,8 +196,7 @@ TEST_CASE(
     "unified: without pageable access, one page-locked host copy and the normal path's bits") {
   gguf::File file = gguf::File::open(moe_file());
   auto model = load_model(file);
-  const char* env = std::getenv("BERTH_TEST_DEVICE");
-  const bool cuda = env && std::string(env) == "cuda";
+  const bool cuda = test::use_cuda();
   struct Case {
     std::string normal, unified;  // BERTH_SIM_DEVICE ("": the real GPU)
     bool copies;
