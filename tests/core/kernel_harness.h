@@ -9,8 +9,10 @@
 #include <doctest/doctest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
@@ -18,8 +20,20 @@
 
 namespace berth::test {
 
+/// Whether target `name` is one BERTH_TEST_SIMD_TARGETS lists (names as hwy::TargetName gives
+/// them, separated by spaces or commas); every target when it is unset or empty. The arm64 CI
+/// runs each emulated CPU's own targets only (scripts/test-arm64.sh).
+inline bool simd_target_selected(const std::string& name) {
+  const char* env = std::getenv("BERTH_TEST_SIMD_TARGETS");
+  if (env == nullptr || *env == 0) return true;
+  std::string spaced = std::string(" ") + env + " ";
+  std::replace(spaced.begin(), spaced.end(), ',', ' ');
+  return spaced.find(" " + name + " ") != std::string::npos;
+}
+
 /// Calls fn(target_name) once per Highway target that is both compiled in and supported by the
-/// CPU, with dynamic dispatch forced to that target; restores normal dispatch afterwards.
+/// CPU (and selected: simd_target_selected), with dynamic dispatch forced to that target;
+/// restores normal dispatch afterwards. Fails when no target ran.
 template <class Fn>
 void for_each_simd_target(Fn&& fn) {
   int n = 0;
@@ -27,8 +41,9 @@ void for_each_simd_target(Fn&& fn) {
   // compiled into berth_cpu_kernels (its HWY_DISABLED_TARGETS / HWY_WANT_AVX3_DL are PUBLIC).
   for (int64_t bit : hwy::SupportedAndGeneratedTargets()) {
     if ((bit & HWY_TARGETS) == 0) continue;
-    hwy::SetSupportedTargetsForTest(bit);
     const std::string name = hwy::TargetName(bit);
+    if (!simd_target_selected(name)) continue;
+    hwy::SetSupportedTargetsForTest(bit);
     CAPTURE(name);
     fn(name);
     ++n;
