@@ -6,39 +6,14 @@
 
 #include "berth/backends/device.h"
 #include "berth/core/error.h"
+#include "berth/core/strings.h"
 
 namespace berth {
 namespace {
 
-// "512M", "1G", "1.5GiB", bytes: the --vram-budget syntax (placement::parse_size), kept here
-// without placement's dependency: whole numbers with an optional K/M/G/T (powers of 1024) unit.
+// A size with parse_size's syntax (24G, 512M, 1.5GiB, bytes), named as a setting of `spec`.
 size_t parse_capacity(std::string_view text, std::string_view spec) {
-  const auto fail = [&]() -> size_t {
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("device '{}': '{}' is not a size such as 512M, 1G or a number of bytes",
-                            spec, text));
-  };
-  uint64_t n = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-  if (ec != std::errc() || end == text.data()) return fail();
-  std::string unit(end, text.data() + text.size());
-  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  int power = -1;
-  for (const auto& [name, p] : {std::pair<const char*, int>{"", 0},
-                                {"b", 0},
-                                {"k", 1},
-                                {"kib", 1},
-                                {"m", 2},
-                                {"mib", 2},
-                                {"g", 3},
-                                {"gib", 3},
-                                {"t", 4},
-                                {"tib", 4}})
-    if (unit == name) power = p;
-  if (power < 0) return fail();
-  const uint64_t mult = uint64_t{1} << (10 * power);
-  if (n > UINT64_MAX / mult) return fail();
-  return static_cast<size_t>(n * mult);
+  return parse_size(text, fmt::format("device '{}': size", spec));
 }
 
 // A positive finite number for a rate setting of a unified spec.

@@ -173,52 +173,6 @@ struct Unit {
 
 }  // namespace
 
-size_t parse_size(std::string_view text, std::string_view flag) {
-  const auto fail = [&](std::string_view why) -> size_t {
-    bad(fmt::format("{} '{}': {} (expected a size such as 24G, 512M, 1.5GiB or a number of bytes)",
-                    flag, text, why));
-  };
-  if (text.empty()) return fail("empty value");
-  if (text[0] == '-') return fail("a size cannot be negative");
-  size_t i = 0;
-  uint64_t whole = 0;
-  size_t n_digits = 0;
-  for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i, ++n_digits) {
-    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
-    if (whole > (std::numeric_limits<uint64_t>::max() - d) / 10) return fail("too large");
-    whole = whole * 10 + d;
-  }
-  // The fraction as digits over 10^n (at most 18 digits kept: finer than a byte at any unit).
-  uint64_t frac = 0, frac_den = 1;
-  bool has_frac = false;
-  if (i < text.size() && text[i] == '.') {
-    ++i;
-    for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i, ++n_digits) {
-      has_frac = true;
-      if (frac_den < uint64_t{1000000000000000000}) {
-        frac = frac * 10 + static_cast<uint64_t>(text[i] - '0');
-        frac_den *= 10;
-      }
-    }
-  }
-  if (n_digits == 0) return fail("not a number");
-  const std::string unit = lower(text.substr(i));
-  uint64_t mult = 0;
-  static constexpr std::pair<const char*, int> kUnits[] = {
-      {"", 0},    {"b", 0}, {"k", 1},  {"kb", 1},  {"kib", 1}, {"m", 2},  {"mb", 2},
-      {"mib", 2}, {"g", 3}, {"gb", 3}, {"gib", 3}, {"t", 4},   {"tb", 4}, {"tib", 4}};
-  for (const auto& [name, power] : kUnits)
-    if (unit == name) mult = uint64_t{1} << (10 * power);
-  if (mult == 0) return fail(fmt::format("unknown unit '{}' (K, M, G, T: powers of 1024)", unit));
-  if (has_frac && frac != 0 && mult == 1) return fail("a fraction of a byte needs a unit");
-  uint64_t bytes = 0;
-  if (__builtin_mul_overflow(whole, mult, &bytes)) return fail("too large");
-  const unsigned __int128 part = static_cast<unsigned __int128>(frac) * mult / frac_den;
-  if (__builtin_add_overflow(bytes, static_cast<uint64_t>(part), &bytes)) return fail("too large");
-  if (bytes > std::numeric_limits<size_t>::max()) return fail("too large");
-  return static_cast<size_t>(bytes);
-}
-
 void add_override(Flags& flags, std::string_view arg) {
   if (arg.empty()) bad("-ot '': expected REGEX=DEVICE (e.g. -ot exps=CPU)");
   std::vector<std::pair<std::string, std::string>> parsed;

@@ -25,13 +25,18 @@ DirectWeights::DirectWeights(const graph::WeightTable& weights, const std::vecto
     size_t tensor = 0;  // one of its tensors, for messages
   };
   std::vector<Range> ranges;
-  std::unordered_map<const void*, size_t> first;  // data pointer -> a range (dedup)
-  for (size_t i = 0; i < weights.size(); ++i) {
+  // Tensor i is read: chosen, not empty, and inside the mapping.
+  const auto loads = [&](size_t i) {
     const TensorView& t = weights.tensors[i];
     const auto* p = static_cast<const uint8_t*>(t.data);
-    if (!load[i] || t.n_bytes == 0 || !o.file_bytes || p < o.file_bytes ||
-        p + t.n_bytes > o.file_bytes + o.file_size)
-      continue;
+    return load[i] && t.n_bytes > 0 && o.file_bytes && p >= o.file_bytes &&
+           p + t.n_bytes <= o.file_bytes + o.file_size;
+  };
+  std::unordered_map<const void*, size_t> first;  // data pointer -> a range (dedup)
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (!loads(i)) continue;
+    const TensorView& t = weights.tensors[i];
+    const auto* p = static_cast<const uint8_t*>(t.data);
     if (first.emplace(t.data, ranges.size()).second)
       ranges.push_back({static_cast<uint64_t>(p - o.file_bytes), t.n_bytes, i});
   }
@@ -77,12 +82,9 @@ DirectWeights::DirectWeights(const graph::WeightTable& weights, const std::vecto
   reader.wait(ticket);
   // Point the loaded tensors at their copies.
   for (size_t i = 0; i < weights.size(); ++i) {
-    const TensorView& t = weights.tensors[i];
-    const auto* p = static_cast<const uint8_t*>(t.data);
-    if (!load[i] || t.n_bytes == 0 || !o.file_bytes || p < o.file_bytes ||
-        p + t.n_bytes > o.file_bytes + o.file_size)
-      continue;
-    const auto off = static_cast<uint64_t>(p - o.file_bytes);
+    if (!loads(i)) continue;
+    const auto off =
+        static_cast<uint64_t>(static_cast<const uint8_t*>(weights.tensors[i].data) - o.file_bytes);
     // The run holding it: the last one starting at or before it.
     const auto it = std::upper_bound(runs.begin(), runs.end(), off,
                                      [](uint64_t v, const Run& r) { return v < r.offset; });

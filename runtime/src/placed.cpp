@@ -171,7 +171,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     }
   }
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  std::vector<std::string> unified_notes, unified_warns;  // warns: flags that cannot act
+  // What unified memory says: (warn, text); a warning for a flag that cannot act.
+  std::vector<std::pair<bool, std::string>> unified_msgs;
   // Unified memory (--unified, or a device that says it shares the host's memory): one pool,
   // the OS's available memory minus the margin (at most the board's memory), not what the
   // device reports free (on such boards cudaMemGetInfo counts the page cache as used).
@@ -187,19 +188,21 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     // weights in host memory, which its VRAM does not bound.
     if (s.device && dinfo.unified) pool = std::min(pool, dinfo.total_bytes);
     if (!s.device && flags.vram_budget) pool = std::min(pool, *flags.vram_budget);
-    unified_notes.push_back(fmt::format(
-        "unified memory{}: weights held once; {} reads the weights it computes in host memory "
-        "({})",
-        flags.unified == placement::UnifiedMode::on ? " (--unified on)" : " (detected)",
-        device_name,
-        !s.device ? "planned"
-        : dinfo.pageable_access
-            ? "pageableMemoryAccess 1: the file's pages in place"
-            : "pageableMemoryAccess 0: one page-locked copy, the file's pages released"));
+    unified_msgs.emplace_back(
+        false,
+        fmt::format(
+            "unified memory{}: weights held once; {} reads the weights it computes in host memory "
+            "({})",
+            flags.unified == placement::UnifiedMode::on ? " (--unified on)" : " (detected)",
+            device_name,
+            !s.device ? "planned"
+            : dinfo.pageable_access
+                ? "pageableMemoryAccess 1: the file's pages in place"
+                : "pageableMemoryAccess 0: one page-locked copy, the file's pages released"));
   } else if (flags.unified == placement::UnifiedMode::on) {
-    unified_notes.push_back(flags.n_gpu_layers == 0
-                                ? "--unified on ignored: -ngl 0 puts nothing on the GPU"
-                                : "--unified on ignored: no GPU found");
+    unified_msgs.emplace_back(true, flags.n_gpu_layers == 0
+                                        ? "--unified on ignored: -ngl 0 puts nothing on the GPU"
+                                        : "--unified on ignored: no GPU found");
   }
   // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin (unified: the
   // pool, of which make_plan gives the CPU what the device's side leaves).
@@ -214,11 +217,13 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (unified) {
     // Nothing is copied to the device: no streamed experts, no staged decode share.
     if (stream > 0)
-      unified_warns.push_back(fmt::format(
-          "--stream-experts {} ignored: on unified memory no expert is copied to the GPU", stream));
+      unified_msgs.emplace_back(
+          true, fmt::format(
+                    "--stream-experts {} ignored: on unified memory no expert is copied to the GPU",
+                    stream));
     if (params.hybrid.host_expert_share > 0)
-      unified_warns.push_back(
-          "--host-expert-share ignored: on unified memory no expert is copied to the GPU");
+      unified_msgs.emplace_back(
+          true, "--host-expert-share ignored: on unified memory no expert is copied to the GPU");
     stream = 0;
     params.hybrid.host_expert_share = 0;
   }
@@ -249,12 +254,13 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     else
       log::info("{}", line);
   };
-  for (std::string& n : unified_notes) info(std::move(n));
-  for (std::string& n : unified_warns) {
+  for (auto& [warn, text] : unified_msgs) {
     if (plan_only)
-      notes.push_back(std::move(n));
+      notes.push_back(std::move(text));
+    else if (warn)
+      log::warn("{}", text);
     else
-      log::warn("{}", n);
+      log::info("{}", text);
   }
   bool stream_refused = false;
   try {

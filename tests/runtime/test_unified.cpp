@@ -146,7 +146,7 @@ TEST_CASE("unified: the simulated board's spec") {
                {"unified:8G,fast=1", "unknown setting 'fast'"});
   expect_error(inv, [] { parse_unified_sim("8G,available", "u"); }, {"'available'", "KEY=VALUE"});
   expect_error(inv, [] { parse_unified_sim("8G,available=9G", "u"); }, {"available=", "board"});
-  expect_error(inv, [] { parse_unified_sim("lots", "u"); }, {"'lots' is not a size"});
+  expect_error(inv, [] { parse_unified_sim("lots", "u"); }, {"size 'lots'", "not a number"});
   expect_error(inv, [] { parse_unified_sim("8G,pageable=yes", "u"); }, {"pageable=yes", "0 or 1"});
   expect_error(inv, [] { parse_unified_sim("8G,gpu_gbps=-3", "u"); }, {"gpu_gbps=-3"});
   expect_error(inv, [] { make_device("unified:0"); }, {"more than 0"});

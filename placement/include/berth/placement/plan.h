@@ -51,6 +51,7 @@
 #include <utility>
 #include <vector>
 
+#include "berth/core/strings.h"
 #include "berth/graph/graph.h"
 
 namespace berth::placement {
@@ -215,11 +216,8 @@ struct Plan {
   }
 };
 
-/// Parses a size in bytes: "1000000", "24G", "512M", "1.5GiB", "64k"; the unit (any case, "B"
-/// optional: K, KB, KiB, M, MB, MiB, G, ..., T, ...) is a power of 1024; a fraction needs a
-/// unit and is rounded down to whole bytes. Throws Error(invalid_argument) naming `flag` and
-/// the text for an empty, negative or malformed value or one above SIZE_MAX.
-size_t parse_size(std::string_view text, std::string_view flag);
+/// Sizes such as 24G (core/strings.h).
+using berth::parse_size;
 
 /// Parses one -ot argument "REGEX=DEVICE[,REGEX=DEVICE...]" and appends to flags.overrides.
 /// The list splits at commas outside (), [] and {} (so "blk\.[0-9]{1,2}=CPU" is one rule); each
