@@ -10,8 +10,10 @@
 #      max                              SVE2 at 512-bit vectors only
 #      cortex-a72                       no SVE: NEON
 #    The wide-vector CPUs run only the target that needs their width (BERTH_TEST_SIMD_TARGETS,
-#    tests/core/kernel_harness.h): qemu emulates SVE wider than 128 bits about 8x slower, and the
-#    other targets run at 128 bits already.
+#    tests/core/kernel_harness.h) and the K-quant oracle's smaller shape set (BERTH_TEST_SHAPES=
+#    small: every kernel path, tile and remainder, fewer sizes): qemu emulates the K-quant dot
+#    products at SVE widths above 128 bits many times slower (those two cases took ~500 s of a
+#    wide run), and the other targets and the full shape set run at 128 bits.
 #    Each run prints the Highway targets the emulated CPU supports (and fails if they are not the
 #    expected ones, so a silent fall-back to NEON cannot pass as an SVE run), then, from qemu's
 #    translation log (-d in_asm), how many functions of each target's code test_core executed;
@@ -102,12 +104,12 @@ guest_env=(-E "LD_LIBRARY_PATH=/usr/$triple/lib:/usr/lib/$triple")
 # (Longest first: the two wide-SVE runs take most of the time; the short runs and the e2e phase
 # fill the other core meanwhile.)
 # cpu model | expected Highway targets, best first | suites | the targets test_core runs (empty:
-# all supported)
+# all supported) | its shape set (empty: all)
 configs=(
-  "max,sve-default-vector-length=32|SVE_256 SVE2 SVE NEON|test_core|SVE_256"
-  "max|SVE2 SVE NEON|test_core test_io|SVE2"
-  "max,sve-default-vector-length=16|SVE2_128 SVE2 SVE NEON|test_core|"
-  "cortex-a72|NEON|test_core test_io|"
+  "max,sve-default-vector-length=32|SVE_256 SVE2 SVE NEON|test_core|SVE_256|small"
+  "max|SVE2 SVE NEON|test_core test_io|SVE2|small"
+  "max,sve-default-vector-length=16|SVE2_128 SVE2 SVE NEON|test_core||"
+  "cortex-a72|NEON|test_core test_io||"
 )
 logs=$build/arm64-logs
 rm -rf "$logs"
@@ -123,8 +125,8 @@ executed_targets() {  # in_asm-log
     awk '{print $2 ":" $1}' | xargs
 }
 
-run_config() {  # index cpu expected suites selected: writes $logs/<index>.log and .rc
-  local i=$1 cpu=$2 expected=$3 suites=$4 selected=$5 rc=0 got s t0 ran t n trace
+run_config() {  # index cpu expected suites selected shapes: writes $logs/<index>.log and .rc
+  local i=$1 cpu=$2 expected=$3 suites=$4 selected=$5 shapes=$6 rc=0 got s t0 ran t n trace
   {
     echo "=== qemu-aarch64 -cpu $cpu"
     got=$("$qemu" -cpu "$cpu" "${guest_env[@]}" "$build/arm64-probe/hwy_targets" | xargs) ||
@@ -138,7 +140,7 @@ run_config() {  # index cpu expected suites selected: writes $logs/<index>.log a
       t0=$SECONDS
       trace=()
       [[ $s == test_core ]] && trace=(-d in_asm -D "$logs/$i.in_asm"
-        -E "BERTH_TEST_SIMD_TARGETS=$selected")
+        -E "BERTH_TEST_SIMD_TARGETS=$selected" -E "BERTH_TEST_SHAPES=$shapes")
       if "$qemu" -cpu "$cpu" "${trace[@]}" "${guest_env[@]}" "$build/bin/$s" --minimal=true; then
         echo "$s on -cpu $cpu: passed ($((SECONDS - t0)) s)"
       else
@@ -149,7 +151,7 @@ run_config() {  # index cpu expected suites selected: writes $logs/<index>.log a
     if [[ " $suites " == *" test_core "* ]]; then
       ran=$(executed_targets "$logs/$i.in_asm" || true)
       echo "Highway code test_core executed (target:functions): ${ran:-none}" \
-        "(selected: ${selected:-all})"
+        "(selected: ${selected:-all}; shapes: ${shapes:-all})"
       # Every selected supported target that test_core has code for must have run.
       for t in ${selected:-$expected}; do
         [[ " $compiled " == *" $t "* ]] || continue
@@ -210,9 +212,9 @@ run_e2e() {
 jobs_max=${ARM64_JOBS:-$(nproc)}
 # The kernel configs, the e2e phase after the first two (so it runs beside a long one).
 for i in "${!configs[@]}"; do
-  IFS='|' read -r cpu expected suites selected <<<"${configs[$i]}"
+  IFS='|' read -r cpu expected suites selected shapes <<<"${configs[$i]}"
   while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n || true; done
-  run_config "$i" "$cpu" "$expected" "$suites" "$selected" &
+  run_config "$i" "$cpu" "$expected" "$suites" "$selected" "$shapes" &
   if ((i == 1)); then
     while (($(jobs -rp | wc -l) >= jobs_max)); do wait -n || true; done
     run_e2e &
