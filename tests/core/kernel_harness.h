@@ -31,6 +31,14 @@ inline bool simd_target_selected(const std::string& name) {
   return spaced.find(" " + name + " ") != std::string::npos;
 }
 
+/// BERTH_TEST_SHAPES=small: the oracle's dot-product cases run fewer and smaller shapes (every
+/// kernel path, tile and remainder still runs), for emulated CPUs whose wide SVE qemu runs many
+/// times slower (scripts/test-arm64.sh).
+inline bool small_shapes() {
+  const char* e = std::getenv("BERTH_TEST_SHAPES");
+  return e && std::string(e) == "small";
+}
+
 /// Calls fn(target_name) once per Highway target that is both compiled in and supported by the
 /// CPU (and selected: simd_target_selected), with dynamic dispatch forced to that target;
 /// restores normal dispatch afterwards. Fails when no target ran.

@@ -39,6 +39,7 @@ using test::for_each_simd_target;
 using test::gaussian;
 using test::nmse;
 using test::poison;
+using test::small_shapes;
 
 constexpr GgmlType kTypes[] = {GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K,
                                GgmlType::Q6_K};
@@ -127,13 +128,6 @@ std::vector<float> make_activations(int64_t n_tok, int64_t n, uint64_t seed) {
 struct Shape {
   int64_t n, n_rows, n_tok;
 };
-
-// BERTH_TEST_SHAPES=small: fewer and smaller shapes (every kernel path, tile and remainder still
-// runs), for emulated CPUs whose wide SVE qemu runs many times slower (scripts/test-arm64.sh).
-bool small_shapes() {
-  const char* e = std::getenv("BERTH_TEST_SHAPES");
-  return e && std::string(e) == "small";
-}
 
 std::vector<Shape> shapes() {
   std::vector<Shape> s;

@@ -418,7 +418,11 @@ double top_decile_share(const gguf::File& f, int layer, int64_t k, std::vector<i
 
 }  // namespace
 
-TEST_CASE("synth: a 1-layer Qwen3-30B-A3B file has the predicted size and bounded memory") {
+// Skipped in the sanitizer build (scripts/test.sh runs it in the Release pass): writing the
+// ~0.7 GB file at -O0 with ASan took up to ~190 s of CI's sanitizer pass; the writer's code runs
+// under the sanitizers in the smaller cases above.
+TEST_CASE("synth: a 1-layer Qwen3-30B-A3B file has the predicted size and bounded memory" *
+          doctest::skip(BERTH_SANITIZED != 0)) {
   SynthSpec s = berth::synth_preset("qwen3-30b-a3b");
   s.n_layer = 1;
   s.type = "q4_0";
