@@ -810,21 +810,32 @@ Plan make_plan(const Request& req) {
   // Unified memory: the CPU's side gets what the device's side leaves of the pool (and at most
   // --ram-budget); routed experts beyond it go to the disk tier.
   const size_t gpu_side = any_gpu ? plan.gpu_total() : 0;
+  const size_t pool_left = req.pool_bytes > gpu_side ? req.pool_bytes - gpu_side : size_t{0};
   Request cpu_side = req;
-  cpu_side.ram_budget_bytes = std::min(
-      req.ram_budget_bytes, req.pool_bytes > gpu_side ? req.pool_bytes - gpu_side : size_t{0});
+  cpu_side.ram_budget_bytes = std::min(req.ram_budget_bytes, pool_left);
   try {
     add_disk_tier(cpu_side, plan);
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::out_of_memory) throw;
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({}); "
+    // What bounds the CPU's share: --ram-budget when it is below what the GPU side leaves of the
+    // pool (then raising it helps), else the pool itself.
+    const bool by_ram_budget = req.ram_budget_bytes < pool_left;
+    const std::string share =
+        by_ram_budget ? fmt::format(
+                            "the CPU's share, {} by --ram-budget (the pool minus the GPU side "
+                            "leaves {}), does not hold what must stay in RAM (raise --ram-budget, "
+                            "lower -c, or use a smaller quantization)",
+                            mib(req.ram_budget_bytes), mib(pool_left))
+                      : fmt::format(
                             "the CPU's share, the pool minus the GPU side ({}), does not hold "
                             "what must stay in RAM, and --ram-budget cannot raise it (lower -c, "
-                            "or use a smaller quantization): {}",
-                            mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
-                            unified_terms(req, plan), describe_flags(f),
-                            mib(cpu_side.ram_budget_bytes), e.what()));
+                            "or use a smaller quantization)",
+                            mib(pool_left));
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("plan does not fit {}'s unified memory (a pool of {}): {}: {} ({}); "
+                            "{}",
+                            req.device_name, mib(req.pool_bytes), share, unified_terms(req, plan),
+                            describe_flags(f), e.what()));
   }
   if (plan.pool_total() > req.pool_bytes)
     throw Error(ErrorCategory::out_of_memory,

@@ -283,6 +283,14 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
   CHECK(j["devices"]["GPU"]["total_bytes"].get<size_t>() <= size_t{20} << 30);
   CHECK(j["unified"]["cpu_computes_bytes"].get<size_t>() > size_t{30} << 30);
   CHECK(j["unified"]["total_bytes"].get<size_t>() < weights + (size_t{4} << 30));
+  // ... and --ram-budget caps the CPU's side: a refusal says so (raising it is the fix).
+  j = plan_json("unified:128G", model, " --vram-budget 20G --ram-budget 10G", &rc, &err);
+  CHECK(rc == 1);
+  CHECK(err.find("10240.0 MiB by --ram-budget") != std::string::npos);
+  CHECK(err.find("raise --ram-budget") != std::string::npos);
+  CHECK(err.find("cannot raise") == std::string::npos);
+  j = plan_json("unified:128G", model, " --vram-budget 20G --ram-budget 40G", &rc, &err);
+  CHECK(rc == 0);
 
   // Orin 8 GB: refused before loading, naming every term.
   test::CommandResult r = test::run_command("BERTH_SIM_DEVICE=unified:8G " + test::berth_bin() +
