@@ -366,6 +366,321 @@ __global__ void attn_combine_kernel(const float* ws_acc, const float* ws_ml, int
   }
 }
 
+// ---- prompt rows on tensor cores (compute capability >= 8.0) ---------------------------------
+//
+// FlashAttention-2's forward (Dao, arXiv:2307.08691) with mma.sync m16n8k16 (f16 inputs, f32
+// accumulators): a block of kPfWarps warps takes kPfRows query rows of one KV head (rows are
+// (token, query head) pairs of that head's group, token-major, as in attention_kernel, so the
+// group's heads share every K/V tile load), warp w the 16 rows 16w..16w+15. K/V tiles of BC
+// cache rows are copied global -> shared with cp.async, the next tile while the current one is
+// multiplied. Per tile a warp computes S = Q K^T (16 x BC, f32), masks it causally, updates its
+// rows' running max m and sum l (log2 domain: q carries scale * log2(e)), rescales its output
+// accumulators, rounds P to f16 and accumulates P V. Q is rounded to f16 once (with its scale),
+// P per tile: the f16 rounding of the operands is this kernel's only difference from the f32
+// kernel above (measured NMSE against the double reference: tests/gpu/test_gpu_ops.cpp).
+// Tiles start at position 0 in steps of BC whatever the step; a tile that is fully masked for a
+// row (past its position, or another sequence's run) leaves that row's m, l and accumulators bit
+// for bit as they were (scores -inf: max unchanged, alpha = 1, p = 0, and zero-filled rows past
+// the run's end), and a warp skips tiles past all of its rows; so a row's bits depend on its
+// sequence, position and head only, never on the tokens that share its block (issue 19).
+constexpr int kPfWarps = 4;
+constexpr int kPfRows = 16 * kPfWarps;  // query rows per block
+
+constexpr int pf_tile(int hd) { return hd <= 128 ? 64 : 32; }  // K/V rows per tile
+// Shared memory in bytes: Q [kPfRows][hd + 8] f16, then K and V, two tiles each, [BC][hd + 8]
+// (8 halves of padding: the eight 16-byte rows an ldmatrix reads fall in different banks).
+constexpr size_t pf_smem_bytes(int hd) {
+  return static_cast<size_t>(kPfRows + 4 * pf_tile(hd)) * (hd + 8) * 2;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                          uint32_t& r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+#endif
+}
+// c += a b, m16n8k16, f16 x f16 -> f32 (PTX ISA, "Matrix Fragments for mma.m16n8k16").
+__device__ __forceinline__ void mma_f16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// 16 bytes global -> shared, asynchronously; zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  uint32_t w;
+  memcpy(&w, &h, 4);
+  return w;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kPfWarps * 32)
+    attention_prefill_mma_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                                 const __half* __restrict__ v_cache,
+                                 const int32_t* __restrict__ positions,
+                                 const int32_t* __restrict__ seqs, int64_t n_tok, int64_t n_ctx,
+                                 int32_t n_head, int32_t n_head_kv, float q_scale,
+                                 float* __restrict__ out) {
+  pdl_enter();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int BC = pf_tile(HD);
+  constexpr int STR = HD + 8;  // halves per shared row
+  constexpr int NT = BC / 8;   // score tiles of 8 columns
+  constexpr int KD = HD / 16;  // k steps over the head dim
+  constexpr int DT = HD / 8;   // output tiles of 8 columns
+  constexpr bool kQInRegs = HD <= 128;
+  constexpr int kThr = kPfWarps * 32;
+  extern __shared__ float4 smem4[];
+  __half* Qs = reinterpret_cast<__half*>(smem4);
+  __half* Ks = Qs + kPfRows * STR;  // [2][BC][STR]
+  __half* Vs = Ks + 2 * BC * STR;   // [2][BC][STR]
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tq = lane & 3;  // fragment row and column pair
+  const int32_t group = n_head / n_head_kv;
+  const int32_t kvh = static_cast<int32_t>(blockIdx.z);
+  const int64_t rows_total = n_tok * group;
+  // Blocks of later tokens (longer KV ranges) are dispatched first.
+  const int64_t r0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kPfRows;
+  const int64_t q_stride = static_cast<int64_t>(n_head) * HD;
+  const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * HD;
+
+  for (int i = tid; i < kPfRows * HD / 2; i += kThr) {
+    const int lr = i / (HD / 2), d = (i % (HD / 2)) * 2;
+    const int64_t gr = r0 + lr;
+    float2 x = make_float2(0.0f, 0.0f);
+    if (gr < rows_total) {
+      const int64_t t = gr / group;
+      const int32_t h = kvh * group + static_cast<int32_t>(gr % group);
+      x = *reinterpret_cast<const float2*>(q + t * q_stride + static_cast<int64_t>(h) * HD + d);
+    }
+    *reinterpret_cast<__half2*>(Qs + lr * STR + d) =
+        __floats2half2_rn(x.x * q_scale, x.y * q_scale);
+  }
+  __syncthreads();
+  const uint32_t q_base =
+      smem_addr(Qs + (16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + (lane >> 4) * 8);
+  uint32_t qf[kQInRegs ? KD : 1][4];
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk)
+      ldsm_x4(q_base + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+
+  const int64_t gr_last = (r0 + kPfRows < rows_total ? r0 + kPfRows : rows_total) - 1;
+  const int64_t t_last = gr_last / group;
+  // The block's tokens form runs of one sequence; each run streams its own sequence's rows.
+  for (int64_t ta = r0 / group; ta <= t_last;) {
+    const int32_t sq = seqs ? seqs[ta] : 0;
+    int64_t tb = ta, ext = positions[ta];
+    while (tb < t_last && (seqs ? seqs[tb + 1] : 0) == sq) {
+      ++tb;
+      if (positions[tb] > ext) ext = positions[tb];
+    }
+    int64_t pos[2];
+    int64_t my_max = -1;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t gr = r0 + 16 * warp + g + 8 * hr;
+      const int64_t t = gr / group;
+      pos[hr] = gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
+      if (pos[hr] > my_max) my_max = pos[hr];
+    }
+    int warp_max_pos = static_cast<int>(my_max);
+    for (int o2 = 16; o2 > 0; o2 >>= 1)
+      warp_max_pos = max(warp_max_pos, __shfl_xor_sync(0xffffffffu, warp_max_pos, o2));
+    int64_t n_kv = ext + 1;
+    if (n_kv > n_ctx) n_kv = n_ctx;
+    const int64_t base = static_cast<int64_t>(sq < 0 ? 0 : sq) * n_ctx;
+    const __half* kc = k_cache + base * kv_stride + static_cast<int64_t>(kvh) * HD;
+    const __half* vc = v_cache + base * kv_stride + static_cast<int64_t>(kvh) * HD;
+    const int64_t n_tiles = (n_kv + BC - 1) / BC;
+
+    const auto load = [&](int64_t tile, int buf) {
+      const int64_t j0 = tile * BC;
+      __half* kd = Ks + buf * BC * STR;
+      __half* vd = Vs + buf * BC * STR;
+#pragma unroll
+      for (int c = tid; c < BC * HD / 8; c += kThr) {
+        const int r = c / (HD / 8), col = (c % (HD / 8)) * 8;
+        const int64_t j = j0 + r;
+        const bool valid = j < n_kv;
+        const int64_t off = (valid ? j : 0) * kv_stride + col;
+        cp_async16(smem_addr(kd + r * STR + col), kc + off, valid);
+        cp_async16(smem_addr(vd + r * STR + col), vc + off, valid);
+      }
+      cp_async_commit();
+    };
+
+    __syncthreads();  // the previous run's last tile is consumed
+    load(0, 0);
+    for (int64_t it = 0; it < n_tiles; ++it) {
+      if (it + 1 < n_tiles) {
+        load(it + 1, static_cast<int>((it + 1) & 1));
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const int64_t j0 = it * BC;
+      if (j0 <= warp_max_pos) {
+        const int buf = static_cast<int>(it & 1);
+        const uint32_t k_base = smem_addr(
+            Ks + buf * BC * STR + ((lane >> 4) * 8 + (lane & 7)) * STR + ((lane >> 3) & 1) * 8);
+        const uint32_t v_base = smem_addr(
+            Vs + buf * BC * STR + (((lane >> 3) & 1) * 8 + (lane & 7)) * STR + (lane >> 4) * 8);
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          uint32_t a[4];
+          if constexpr (kQInRegs) {
+            a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+          } else {
+            ldsm_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4(k_base + (nt * 8 * STR + kk * 16) * 2, b0, b1, b2, b3);
+            mma_f16(s[nt], a, b0, b1);
+            mma_f16(s[nt + 1], a, b2, b3);
+          }
+        }
+        // Causal mask and the online softmax of rows g (hr 0) and g + 8 (hr 1).
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float mx = -CUDART_INF_F;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int64_t j = j0 + nt * 8 + 2 * tq + e;
+              if (j > pos[hr]) s[nt][2 * hr + e] = -CUDART_INF_F;
+              mx = fmaxf(mx, s[nt][2 * hr + e]);
+            }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[hr], mx);
+          float alpha = 1.0f, rs = 0.0f;
+          if (m_new != -CUDART_INF_F) {
+            alpha = exp2f(m[hr] - m_new);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(s[nt][2 * hr + e] - m_new);
+                s[nt][2 * hr + e] = p;
+                rs += p;
+              }
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) s[nt][2 * hr] = s[nt][2 * hr + 1] = 0.0f;
+          }
+          l[hr] = l[hr] * alpha + rs;  // this thread's columns; the quad sums at the end
+          m[hr] = m_new;
+#pragma unroll
+          for (int dt = 0; dt < DT; ++dt) {
+            o[dt][2 * hr] *= alpha;
+            o[dt][2 * hr + 1] *= alpha;
+          }
+        }
+        // O += P V: the score accumulators are P's A fragments (two score tiles per k step).
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+          const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
+                                 pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                                 pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                 pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+          for (int dt = 0; dt < DT; dt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(v_base + (kk * 16 * STR + dt * 8) * 2, b0, b1, b2, b3);
+            mma_f16(o[dt], a, b0, b1);
+            mma_f16(o[dt + 1], a, b2, b3);
+          }
+        }
+      }
+      __syncthreads();  // the tile's buffer is refilled two tiles on
+    }
+    ta = tb + 1;
+  }
+
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lsum = l[hr];
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const int64_t gr = r0 + 16 * warp + g + 8 * hr;
+    if (gr >= rows_total) continue;
+    const int64_t t = gr / group;
+    const int32_t h = kvh * group + static_cast<int32_t>(gr % group);
+    float* dst = out + t * q_stride + static_cast<int64_t>(h) * HD;
+    const float inv = 1.0f / lsum;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8 + 2 * tq) =
+          make_float2(o[dt][2 * hr] * inv, o[dt][2 * hr + 1] * inv);
+  }
+#endif
+}
+
+using PrefillKernel = void (*)(const float*, const __half*, const __half*, const int32_t*,
+                               const int32_t*, int64_t, int64_t, int32_t, int32_t, float, float*);
+// The instance for a head dim, or null (the f32 kernel serves it).
+PrefillKernel prefill_kernel_for(int32_t head_dim) {
+  switch (head_dim) {
+    case 64:
+      return attention_prefill_mma_kernel<64>;
+    case 128:
+      return attention_prefill_mma_kernel<128>;
+    case 256:
+      return attention_prefill_mma_kernel<256>;
+    default:
+      return nullptr;
+  }
+}
+
 // ---- decode (one query token), thread block clusters (compute capability >= 9.0) ----------
 //
 // One cluster of kDecCluster blocks per (KV head, subgroup of at most kDecGM of its query
@@ -661,11 +976,30 @@ void ensure_smem_attribute() {
   done.fetch_or(bit);
 }
 
+// Opts a prefill kernel instance into its dynamic shared memory, once per device and instance.
+void ensure_prefill_smem(PrefillKernel k, size_t bytes) {
+  static std::atomic<uint64_t> done[3] = {};
+  const int idx = k == attention_prefill_mma_kernel<64>    ? 0
+                  : k == attention_prefill_mma_kernel<128> ? 1
+                                                           : 2;
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit && (done[idx].load() & bit)) return;
+  BERTH_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  done[idx].fetch_or(bit);
+}
+
 }  // namespace
 
 namespace detail {
 bool& attention_cluster_decode() {
   static bool v = !env_says_off("BERTH_ATTN_CLUSTER");
+  return v;
+}
+bool& attention_prefill_mma() {
+  static bool v = !env_says_off("BERTH_ATTN_MMA");
   return v;
 }
 }  // namespace detail
@@ -757,8 +1091,24 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
              out + t0 * q_stride);
   };
 
-  // Prompt rows: one split (fixed tiles from position 0 whatever the step).
-  if (n_pre > 0) split_kernel(0, n_pre, 1);
+  // Prompt rows: one split (fixed tiles from position 0 whatever the step), on tensor cores
+  // where the head dim has an instance and the cache rows are 16-byte aligned.
+  if (n_pre > 0) {
+    const PrefillKernel pk = prefill_kernel_for(head_dim);
+    if (pk && detail::attention_prefill_mma() && mma_kernels_available() &&
+        reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(v_cache) % 16 == 0) {
+      const size_t smem = pf_smem_bytes(head_dim);
+      ensure_prefill_smem(pk, smem);
+      const dim3 grid(1, static_cast<unsigned>((n_pre * group + kPfRows - 1) / kPfRows),
+                      static_cast<unsigned>(n_head_kv));
+      launch("attention_prefill_mma_kernel", pk, grid, kPfWarps * 32, smem, stream, q,
+             reinterpret_cast<const __half*>(k_cache), reinterpret_cast<const __half*>(v_cache),
+             positions, seqs, n_pre, n_ctx, n_head, n_head_kv, q_scale, out);
+    } else {
+      split_kernel(0, n_pre, 1);
+    }
+  }
   if (n_dec == 0) return false;
   if (!cluster) {
     split_kernel(n_pre, n_dec, decode_splits(n_ctx, n_head));

@@ -51,6 +51,22 @@ bool cluster_kernels_available() {
   return st == 1;
 }
 
+bool mma_kernels_available() {
+  static std::atomic<int> state[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int st = state[dev].load(std::memory_order_relaxed);
+  if (st == 0) {
+    cudaFuncAttributes fa{};
+    const bool ok = device_major(dev) >= 8 &&
+                    cudaFuncGetAttributes(&fa, probe_kernel) == cudaSuccess &&
+                    fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
+    st = ok ? 1 : 2;
+    state[dev].store(st, std::memory_order_relaxed);
+  }
+  return st == 1;
+}
+
 bool env_says_off(const char* name) {
   const char* e = std::getenv(name);
   if (e)

@@ -41,6 +41,11 @@ bool env_says_off(const char* name);
 /// would run the cluster kernels with their sm_90 bodies compiled out). Read once per device.
 bool cluster_kernels_available();
 
+/// Whether the current device runs the mma.sync / ldmatrix / cp.async kernels of this build:
+/// compute capability >= 8.0 and code compiled for a virtual architecture >= 8.0. Read once per
+/// device.
+bool mma_kernels_available();
+
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither
 /// set_pdl(false) nor the environment variable BERTH_PDL=0 turned it off (kernels.h).
 bool pdl_active();

@@ -22,13 +22,15 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "core/kernel_harness.h"
+#include "gpu/attention_tol.h"
 
 namespace berth {
 namespace {
 
-// attention: as tests/gpu/test_gpu_ops.cpp (f32 scores and sums on the device, double on the
-// host, the same f16 K/V); a row reading another sequence's rows or a NaN row fails by far.
-constexpr double kTolAttention = 1e-9;
+// attention: tests/gpu/attention_tol.h (double on the host, the same f16 K/V); a row reading
+// another sequence's rows or a NaN row fails by far.
+using test::attention_tol;
+using test::kTolAttention;
 
 bool have_device() {
   int n = 0;
@@ -239,7 +241,7 @@ TEST_CASE("gpu attention: several sequences in one step, each reading its own ro
 
       // Against the reference; the cache rows written are the step's K/V rounded to f16 at
       // seq * n_ctx + pos, and no other row changed.
-      CHECK(nmse(reference(pool, st), mixed.out[0]) <= kTolAttention);
+      CHECK(nmse(reference(pool, st), mixed.out[0]) <= attention_tol(s.head_dim, true));
       std::vector<uint16_t> want_k = pool.kc, want_v = pool.vc;
       for (int64_t t = 0; t < st.n(); ++t)
         for (int64_t c = 0; c < kd; ++c) {

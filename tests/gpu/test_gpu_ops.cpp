@@ -28,6 +28,7 @@
 #include "berth/cpu_kernels/ops.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "core/kernel_harness.h"
+#include "gpu/attention_tol.h"
 
 namespace berth {
 namespace {
@@ -43,11 +44,10 @@ constexpr double kTolSwiglu = 1e-13;
 // rope: angles in double on both sides (device pow/sincos vs libm, rounded to float), products
 // rounded one by one (no FMA contraction) on the device.
 constexpr double kTolRope = 1e-13;
-// attention: the device keeps scores and sums in f32 (dot products over head_dim, exp2f of
-// log2-domain scores, P.V sums over up to a few thousand rows, split merging); the reference is
-// double throughout on the same f16 K/V. A masking slip of one row moves the NMSE to ~1e-6 or
-// more at these lengths.
-constexpr double kTolAttention = 1e-9;
+// attention: tests/gpu/attention_tol.h.
+using test::attention_tol;
+using test::kTolAttention;
+using test::kTolAttentionMma;
 
 bool have_device() {
   int n = 0;
@@ -512,7 +512,7 @@ float f16r(float x) { return fp16_to_f32(f32_to_fp16(x)); }
 // past the ubatch hold f16 NaN (never to be read). Checks the written cache rows (bit exact)
 // and returns the NMSE of the output against a double-precision reference on the f16 K/V.
 double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t n_tok,
-                      uint64_t seed) {
+                      uint64_t seed, int64_t n_decode = -1) {
   const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;
   const int64_t q_dim = static_cast<int64_t>(s.n_head) * s.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
@@ -531,11 +531,12 @@ double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t
   Dev<float> dq(q), dk(k), dv(v), dout(static_cast<size_t>(n_tok * q_dim));
   Dev<uint16_t> dkc(kc), dvc(vc);
   Dev<int32_t> dpos(pos);
-  const size_t ws_bytes = gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim);
+  const size_t ws_bytes =
+      gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim, n_decode);
   Dev<uint8_t> ws(ws_bytes);
   dout.poison();
   gpu::attention(dq.p, dk.p, dv.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
-                 s.head_dim, scale, dout.p, ws.p, ws_bytes, nullptr);
+                 s.head_dim, scale, dout.p, ws.p, ws_bytes, nullptr, nullptr, nullptr, n_decode);
   const std::vector<float> got = dout.down();
 
   // The cache rows of this ubatch: k, v rounded to f16 (round to nearest even), bit exact.
@@ -627,23 +628,61 @@ TEST_CASE("gpu: attention decode at several cache lengths") {
 
 TEST_CASE("gpu: attention prefill after a non-zero n_past") {
   REQUIRE_DEVICE();
-  double worst = 0;
-  for (const AttnShape& s : kAttnShapes) {
-    for (const int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{64}, int64_t{512}}) {
-      if (s.head_dim == 256 && n_tok == 512) continue;  // keeps the host reference short
-      CAPTURE(s.n_head);
-      CAPTURE(s.n_head_kv);
-      CAPTURE(s.head_dim);
-      CAPTURE(n_tok);
-      const double e = attention_case(s, 1024, 37, n_tok, 2000 + n_tok + s.head_dim);
-      worst = std::max(worst, e);
-      CHECK(e <= kTolAttention);
+  // Both prompt kernels: tensor cores (head_dim 64, 128, 256) and f32 (every head dim).
+  for (const bool mma : {true, false}) {
+    gpu::detail::attention_prefill_mma() = mma;
+    double worst = 0, worst_mma = 0;
+    for (const AttnShape& s : kAttnShapes) {
+      for (const int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{64}, int64_t{512}}) {
+        if (s.head_dim == 256 && n_tok == 512) continue;  // keeps the host reference short
+        CAPTURE(mma);
+        CAPTURE(s.n_head);
+        CAPTURE(s.n_head_kv);
+        CAPTURE(s.head_dim);
+        CAPTURE(n_tok);
+        const double e = attention_case(s, 1024, 37, n_tok, 2000 + n_tok + s.head_dim);
+        const bool on_mma = n_tok > 1 && test::prompt_on_mma(s.head_dim);
+        (on_mma ? worst_mma : worst) = std::max(on_mma ? worst_mma : worst, e);
+        CHECK(e <= attention_tol(s.head_dim, n_tok > 1));
+      }
     }
+    // No history at all, a full ubatch from position 0.
+    const double e0 = attention_case({8, 2, 128}, 600, 0, 512, 77);
+    CHECK(e0 <= attention_tol(128, true));
+    MESSAGE("attention prefill (" << std::string(mma ? "tensor-core kernel where it serves"
+                                                     : "f32 kernel")
+                                  << "): worst NMSE f32 kernel " << worst << ", tensor cores "
+                                  << std::max(worst_mma, mma ? e0 : 0.0));
   }
-  // No history at all, a full ubatch from position 0.
-  const double e0 = attention_case({8, 2, 128}, 600, 0, 512, 77);
-  CHECK(e0 <= kTolAttention);
-  MESSAGE("attention prefill: worst NMSE " << std::max(worst, e0));
+  gpu::detail::attention_prefill_mma() = true;
+}
+
+TEST_CASE("gpu: attention prompt rows on tensor cores at 1, 127, 4096 and 32768 positions") {
+  REQUIRE_DEVICE();
+  REQUIRE(test::prompt_on_mma(128));
+  struct Case {
+    AttnShape s;
+    int64_t n_ctx, n_past, n_tok;
+  };
+  const Case cases[] = {
+      {{8, 2, 128}, 64, 0, 1},          // one prompt row (n_decode 0) at position 0
+      {{8, 2, 128}, 256, 0, 127},       // a partial K/V tile and a partial block of rows
+      {{4, 1, 256}, 256, 0, 127},       // head_dim 256 (tiles of 32 positions)
+      {{8, 8, 64}, 256, 0, 127},        // head_dim 64, no grouping
+      {{2, 1, 128}, 4096, 0, 4096},     // 4096 positions in one call from position 0
+      {{4, 1, 128}, 32768, 32704, 64},  // a ubatch ending at position 32767, the cache full
+  };
+  double worst = 0;
+  for (const Case& c : cases) {
+    CAPTURE(c.s.n_head);
+    CAPTURE(c.s.head_dim);
+    CAPTURE(c.n_past);
+    CAPTURE(c.n_tok);
+    const double e = attention_case(c.s, c.n_ctx, c.n_past, c.n_tok, 500 + c.n_tok, 0);
+    worst = std::max(worst, e);
+    CHECK(e <= kTolAttentionMma);
+  }
+  MESSAGE("attention prompt rows on tensor cores: worst NMSE " << worst);
 }
 
 TEST_CASE("gpu: a captured decode graph replays at later positions like eager launches") {

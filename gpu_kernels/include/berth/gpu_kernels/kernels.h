@@ -159,8 +159,10 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, i
 /// or the other tokens): the last n_decode tokens are decode tokens (each the only token of its
 /// sequence in the step) and take the single-token decode kernel (KV splits fixed by n_ctx);
 /// the others, prompt tokens, run in blocks of one sequence's consecutive tokens over fixed tiles
-/// of 64 positions from 0, without KV splits. n_decode -1: 1 when n_tok == 1, else 0.
-/// q8_ws: null, or the workspace of the matmul_group that reads `out` next (at least
+/// from position 0 (64 positions; 32 on the tensor-core kernel at head_dim 256), without KV
+/// splits: on tensor cores (detail::attention_prefill_mma) for head_dim 64, 128 and 256, where
+/// Q and P are rounded to f16 as the operands of the products. n_decode -1: 1 when n_tok == 1, else
+/// 0. q8_ws: null, or the workspace of the matmul_group that reads `out` next (at least
 /// matmul_workspace_bytes of a quantized type for n_in = n_head * head_dim, one token): the
 /// cluster decode kernel (n_tok == 1, head_dim % 32 == 0, compute capability >= 9.0,
 /// detail::attention_cluster_decode() on) then also writes out's 8-bit blocks there (the bits
@@ -180,6 +182,11 @@ namespace detail {
 /// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and
 /// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_cluster_decode();
+/// Whether attention runs prompt rows of head_dim 64, 128 or 256 on its tensor-core kernel
+/// (compute capability >= 8.0; Q and P rounded to f16, f32 accumulation) instead of the f32
+/// kernel (true by default). BERTH_ATTN_MMA=0 (or false, off, no) sets it false. Tests and
+/// benchmarks turn it off to compare both paths (not thread safe: set before launching).
+bool& attention_prefill_mma();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
