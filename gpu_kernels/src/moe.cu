@@ -22,6 +22,7 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "berth/core/error.h"
@@ -29,6 +30,7 @@
 #include "check.cuh"
 #include "launch.cuh"
 #include "matmul_internal.h"
+#include "mma.cuh"
 #include "quant_blocks.cuh"
 
 namespace berth::gpu {
@@ -230,6 +232,157 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
   }
 }
 
+// The grouped GEMM on mma.sync (compute capability >= 8.0, K a multiple of 64): the same tiles
+// of kBM pair rows of one expert (tile_off), kMmaBN weight rows per block, K in steps of
+// kMmaBK. 8 warps, 2 x 4 over the tile (32 x 32 each). Per K step each thread decodes one
+// 32-element group of one weight row (load_group/group_value, the values the WMMA kernel uses)
+// into shared memory as f16, and the A rows arrive by cp.async; both are double-buffered: the
+// next step's A copies and weight loads are in flight while the current step multiplies. Each
+// output element is accumulated over K in ascending steps of 16 by one mma.sync chain, so its
+// bits depend on its row of A and column of W only (as in grouped_gemm_kernel).
+constexpr int kMmaBN = 128, kMmaBK = 64, kMmaThreads = 256, kMmaStr = kMmaBK + 8;
+constexpr size_t kMmaSmem = static_cast<size_t>(2) * (kBM + kMmaBN) * kMmaStr * 2;
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kMmaThreads) grouped_gemm_mma_kernel(GemmArgs a) {
+  pdl_enter();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int tile = blockIdx.y;
+  if (tile >= a.tile_off[a.n_expert]) return;
+  int lo = 0, hi = a.n_expert - 1;  // last expert whose first tile is <= tile
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.tile_off[mid] <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int e = lo;
+  const int m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
+  const int m_end = a.expert_off[e + 1];
+  const int n0 = blockIdx.x * kMmaBN;
+  const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
+
+  extern __shared__ float4 smem4[];
+  __half* As = reinterpret_cast<__half*>(smem4);  // [2][kBM][kMmaStr]
+  __half* Bs = As + 2 * kBM * kMmaStr;            // [2][kMmaBN][kMmaStr]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;
+  const int br = tid >> 1, bg = tid & 1;  // the weight row and 32-group this thread decodes
+  const int bn = n0 + br;
+  const bool b_valid = bn < a.n_out;
+  const uint8_t* wrow = we + static_cast<size_t>(b_valid ? bn : 0) * a.row_bytes;
+  const int n_k = a.K / kMmaBK;
+
+  const auto load_a = [&](int kt, int buf) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = tid + i * kMmaThreads, r = c >> 3, col = (c & 7) * 8;
+      const int m = m0 + r;
+      const bool valid = m < m_end;
+      const __half* src = a.A + static_cast<size_t>(valid ? m : m0) * a.K + kt * kMmaBK + col;
+      cp_async16(smem_addr(As + (buf * kBM + r) * kMmaStr + col), src, valid);
+    }
+    cp_async_commit();
+  };
+  // One group of this thread's weight row as f16 into B buffer `buf`.
+  const auto store_b = [&](const QGroup& q, int kt, int buf) {
+    uint32_t h[16];
+    if (!b_valid) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) h[i] = 0u;
+    } else if constexpr (is_float_type(T)) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int k = kt * kMmaBK + 32 * bg + 2 * i;
+        h[i] = pack_half2(float_elem<T>(wrow, k), float_elem<T>(wrow, k + 1));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        h[i] = pack_half2(group_value(q, 2 * i), group_value(q, 2 * i + 1));
+    }
+    uint4* dst = reinterpret_cast<uint4*>(Bs + (buf * kMmaBN + br) * kMmaStr + 32 * bg);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      dst[i] = make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+  };
+  const auto fetch_b = [&](int kt) {
+    QGroup q{};
+    if constexpr (!is_float_type(T)) {
+      if (b_valid) q = load_group<T>(wrow, kt * 2 + bg);
+    }
+    return q;
+  };
+
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+  load_a(0, 0);
+  store_b(fetch_b(0), 0, 0);
+  cp_async_wait<0>();
+  __syncthreads();
+  const uint32_t a_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kMmaStr + (lane >> 4) * 8;
+  const uint32_t b_lane = ((lane >> 4) * 8 + (lane & 7)) * kMmaStr + ((lane >> 3) & 1) * 8;
+  for (int kt = 0; kt < n_k; ++kt) {
+    const int cur = kt & 1;
+    const bool more = kt + 1 < n_k;
+    QGroup qn{};
+    if (more) {
+      load_a(kt + 1, cur ^ 1);
+      qn = fetch_b(kt + 1);
+    }
+    const uint32_t a_base = smem_addr(As + (cur * kBM + wm) * kMmaStr) + a_lane * 2;
+    const uint32_t b_base = smem_addr(Bs + (cur * kMmaBN + wn) * kMmaStr) + b_lane * 2;
+#pragma unroll
+    for (int kk = 0; kk < kMmaBK / 16; ++kk) {
+      uint32_t af[2][4], bf[4][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        ldsm_x4(a_base + (16 * i * kMmaStr + 16 * kk) * 2, af[i][0], af[i][1], af[i][2], af[i][3]);
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+        ldsm_x4(b_base + (16 * jp * kMmaStr + 16 * kk) * 2, bf[2 * jp][0], bf[2 * jp][1],
+                bf[2 * jp + 1][0], bf[2 * jp + 1][1]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_f16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+    }
+    if (more) store_b(qn, kt + 1, cur ^ 1);
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = m0 + wm + 16 * i + g + 8 * hr;
+      if (m >= m_end) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = n0 + wn + 8 * j + 2 * tq;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (n + c >= a.n_out) continue;
+          const size_t o = static_cast<size_t>(m) * a.n_out + n + c;
+          const float v = acc[i][j][2 * hr + c];
+          if (a.mode == 0)
+            a.C[o] = v;
+          else
+            a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+        }
+      }
+    }
+#endif
+}
+
 // g = silu(g) * u over the rows of valid pairs (float down weights in decode).
 __global__ void swiglu_rows_kernel(float* __restrict__ g, const float* __restrict__ u, int64_t n,
                                    const float* __restrict__ route, int k, PairSel sel) {
@@ -341,6 +494,33 @@ template <GgmlType T>
 void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
   launch("grouped_gemm_kernel", grouped_gemm_kernel<T>, grid, kGemmThreads, 0, s, a);
 }
+
+// grid.x counts kMmaBN-column blocks here.
+template <GgmlType T>
+void launch_grouped_gemm_mma(const GemmArgs& a, dim3 grid, cudaStream_t s) {
+  static std::atomic<uint64_t> opted{0};  // devices whose limit is raised, one bit each
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (!bit || !(opted.load() & bit)) {
+    BERTH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_mma_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kMmaSmem)));
+    opted.fetch_or(bit);
+  }
+  launch("grouped_gemm_mma_kernel", grouped_gemm_mma_kernel<T>, grid, kMmaThreads, kMmaSmem, s, a);
+}
+
+}  // namespace
+
+namespace detail {
+bool& moe_gemm_mma() {
+  static bool v = !env_says_off("BERTH_MOE_MMA");
+  return v;
+}
+}  // namespace detail
+
+namespace {
 
 // Bytes of one expert's gate (z 0), up (1) or down (2) matrix.
 size_t matrix_bytes(const MoeWeights& w, int z) {
@@ -559,8 +739,21 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   a.A = A;
   a.mode = 0;
   a.C = G;
-  dim3 grid_ff(static_cast<unsigned>((w.n_ff + kBN - 1) / kBN), max_tiles);
-  BERTH_DISPATCH(w.gate_type, launch_grouped_gemm, a, grid_ff, stream)
+  // The mma.sync kernel where it applies (K steps of 64 over both matrices' inputs, 16-byte
+  // aligned activation rows), the WMMA kernel otherwise.
+  const bool use_mma = detail::moe_gemm_mma() && w.n_embd % kMmaBK == 0 && w.n_ff % kMmaBK == 0 &&
+                       reinterpret_cast<uintptr_t>(A) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(act) % 16 == 0 && mma_kernels_available();
+  const int bn = use_mma ? kMmaBN : kBN;
+  const auto run_gemm = [&](GgmlType t, const dim3& grid) {
+    if (use_mma) {
+      BERTH_DISPATCH(t, launch_grouped_gemm_mma, a, grid, stream)
+    } else {
+      BERTH_DISPATCH(t, launch_grouped_gemm, a, grid, stream)
+    }
+  };
+  dim3 grid_ff(static_cast<unsigned>((w.n_ff + bn - 1) / bn), max_tiles);
+  run_gemm(w.gate_type, grid_ff);
   // up, with act = f16(silu(G) * up) in the epilogue
   a.w = static_cast<const uint8_t*>(w.up);
   a.row_bytes = row_bytes(w.up_type, w.n_embd);
@@ -568,7 +761,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   a.mode = 1;
   a.G = G;
   a.act = act;
-  BERTH_DISPATCH(w.up_type, launch_grouped_gemm, a, grid_ff, stream)
+  run_gemm(w.up_type, grid_ff);
   // down: Y = act . down_e^T
   a.w = static_cast<const uint8_t*>(w.down);
   a.row_bytes = row_bytes(w.down_type, w.n_ff);
@@ -578,8 +771,8 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   a.A = act;
   a.mode = 0;
   a.C = Y;
-  dim3 grid_embd(static_cast<unsigned>((w.n_embd + kBN - 1) / kBN), max_tiles);
-  BERTH_DISPATCH(w.down_type, launch_grouped_gemm, a, grid_embd, stream)
+  dim3 grid_embd(static_cast<unsigned>((w.n_embd + bn - 1) / bn), max_tiles);
+  run_gemm(w.down_type, grid_embd);
   launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
          rt, k, sel, pos, Y, w.n_embd, out);
 }

@@ -578,47 +578,53 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
   struct Types {
     GgmlType g, u, d;
   };
-  for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
-                   Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_0}}) {
-    MoeCase mc(ty.g, ty.u, ty.d);
-    CAPTURE(type_name(ty.g));
-    CAPTURE(type_name(ty.u));
-    CAPTURE(type_name(ty.d));
-    const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0},
-                                          rest = {1, 0, 1, 1, 0, 0, 1, 1};
-    for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
-      CAPTURE(n_tok);
-      const MoeInputs in(mc, n_tok, 900 + static_cast<uint64_t>(n_tok));
-      const auto &h = in.h, &r = in.r;
-      const Dev &dh = in.dh, &dr = in.dr;
-      const auto ref_all = mc.reference(h, r, n_tok, all);
-      const auto ref_keep = mc.reference(h, r, n_tok, keep);
-      for (bool dec : {true, false}) {
-        CAPTURE(dec);
-        const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
-        const auto full = run_moe(mc, dh, dr, n_tok, all, dec);
-        const double e_full = nmse_d(ref_all, full);
-        CAPTURE(e_full);
-        CHECK(e_full <= tol);
-        const auto a = run_moe(mc, dh, dr, n_tok, keep, dec);
-        const double e_keep = nmse_d(ref_keep, a);
-        CAPTURE(e_keep);
-        CHECK(e_keep <= tol);
-        // Token 0 picks experts 0, 3, 6, all masked out by `keep`: an exact zero row.
-        bool zero = true;
-        for (int64_t c = 0; c < mc.n_embd; ++c) zero = zero && a[static_cast<size_t>(c)] == 0.0f;
-        CHECK(zero);
-        const auto b = run_moe(mc, dh, dr, n_tok, rest, dec);
-        std::vector<float> sum(a.size());
-        for (size_t i = 0; i < a.size(); ++i) sum[i] = a[i] + b[i];
-        const double e_split = nmse(full.data(), sum.data(), sum.size());
-        CAPTURE(e_split);
-        CHECK(e_split <= kTolMoeSplit);
-        const auto again = run_moe(mc, dh, dr, n_tok, all, dec);
-        CHECK(std::memcmp(full.data(), again.data(), full.size() * 4) == 0);
+  // The grouped GEMM on both kernels: mma.sync (n_embd 256 and n_ff 512 are multiples of 64)
+  // and WMMA.
+  for (const bool mma : {true, false})
+    for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
+                     Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_0}}) {
+      gpu::detail::moe_gemm_mma() = mma;
+      MoeCase mc(ty.g, ty.u, ty.d);
+      CAPTURE(mma);
+      CAPTURE(type_name(ty.g));
+      CAPTURE(type_name(ty.u));
+      CAPTURE(type_name(ty.d));
+      const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0},
+                                            rest = {1, 0, 1, 1, 0, 0, 1, 1};
+      for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{512}}) {
+        CAPTURE(n_tok);
+        const MoeInputs in(mc, n_tok, 900 + static_cast<uint64_t>(n_tok));
+        const auto &h = in.h, &r = in.r;
+        const Dev &dh = in.dh, &dr = in.dr;
+        const auto ref_all = mc.reference(h, r, n_tok, all);
+        const auto ref_keep = mc.reference(h, r, n_tok, keep);
+        for (bool dec : {true, false}) {
+          CAPTURE(dec);
+          const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
+          const auto full = run_moe(mc, dh, dr, n_tok, all, dec);
+          const double e_full = nmse_d(ref_all, full);
+          CAPTURE(e_full);
+          CHECK(e_full <= tol);
+          const auto a = run_moe(mc, dh, dr, n_tok, keep, dec);
+          const double e_keep = nmse_d(ref_keep, a);
+          CAPTURE(e_keep);
+          CHECK(e_keep <= tol);
+          // Token 0 picks experts 0, 3, 6, all masked out by `keep`: an exact zero row.
+          bool zero = true;
+          for (int64_t c = 0; c < mc.n_embd; ++c) zero = zero && a[static_cast<size_t>(c)] == 0.0f;
+          CHECK(zero);
+          const auto b = run_moe(mc, dh, dr, n_tok, rest, dec);
+          std::vector<float> sum(a.size());
+          for (size_t i = 0; i < a.size(); ++i) sum[i] = a[i] + b[i];
+          const double e_split = nmse(full.data(), sum.data(), sum.size());
+          CAPTURE(e_split);
+          CHECK(e_split <= kTolMoeSplit);
+          const auto again = run_moe(mc, dh, dr, n_tok, all, dec);
+          CHECK(std::memcmp(full.data(), again.data(), full.size() * 4) == 0);
+        }
       }
     }
-  }
+  gpu::detail::moe_gemm_mma() = true;
   gpu::detail::moe_gemv_max_tok() = saved;
 }
 

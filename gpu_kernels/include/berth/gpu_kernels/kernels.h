@@ -187,6 +187,11 @@ bool& attention_cluster_decode();
 /// kernel (true by default). BERTH_ATTN_MMA=0 (or false, off, no) sets it false. Tests and
 /// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_prefill_mma();
+/// Whether moe_experts' grouped GEMM (prompt rows) runs on its mma.sync kernel (compute
+/// capability >= 8.0, n_embd and n_ff multiples of 64) instead of the WMMA kernel (true by
+/// default). BERTH_MOE_MMA=0 (or false, off, no) sets it false. Tests and benchmarks turn it off
+/// to compare both paths (not thread safe: set before launching).
+bool& moe_gemm_mma();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
