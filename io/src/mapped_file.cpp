@@ -72,4 +72,11 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   return *this;
 }
 
+void advise_whole_pages(const void* p, size_t n, int advice) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t b = (a + page - 1) / page * page, e = (a + n) / page * page;
+  if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, advice);
+}
+
 }  // namespace berth::io

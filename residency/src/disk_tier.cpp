@@ -14,6 +14,7 @@
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/cpu_kernels/ops.h"
+#include "berth/io/mapped_file.h"
 
 namespace berth {
 
@@ -449,14 +450,11 @@ DiskTier::DiskTier(const graph::WeightTable& weights, DiskTierOptions options)
     if (i > 0) layers_[i - 1]->set_next(layers_[i].get());
   }
   // Drop what is resident of the tiered ranges: nothing reads them through the mapping.
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const int fd = ::open(opt_.path.c_str(), O_RDONLY | O_CLOEXEC);
   for (const DiskTierLayer& l : opt_.layers)
     for (size_t t = 0; t < 3; ++t) {
       const TensorView& w = weights[l.weights[t]];
-      const auto a = reinterpret_cast<uintptr_t>(w.data);
-      const uintptr_t b = (a + page - 1) / page * page, e = (a + w.n_bytes) / page * page;
-      if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+      io::advise_whole_pages(w.data, w.n_bytes, MADV_DONTNEED);
       if (fd >= 0)
         ::posix_fadvise(fd, static_cast<off_t>(l.file_offset[t]), static_cast<off_t>(w.n_bytes),
                         POSIX_FADV_DONTNEED);

@@ -15,6 +15,7 @@
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/cpu_kernels/ops.h"
+#include "berth/io/mapped_file.h"
 
 namespace berth {
 
@@ -79,8 +80,7 @@ Residency::Residency(Device& dev, const graph::WeightTable& weights, std::vector
     for (size_t i = 0; i < weights_.size(); ++i) {
       if (home_[i] != Home::gpu) continue;
       const TensorView& w = weights_.tensors[i];
-      const bool vector = w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1;
-      if (vector && w.type != GgmlType::F32) {
+      if (uploads_as_f32(w)) {
         // Norm scales and biases: f32 on the device, as the kernels take them.
         f32.resize(static_cast<size_t>(w.ne[0]));
         cpu::get_row(w, 0, f32.data());
@@ -110,14 +110,15 @@ Residency::Residency(Device& dev, const graph::WeightTable& weights, std::vector
   }
 }
 
+bool uploads_as_f32(const TensorView& w) {
+  return w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1 && w.type != GgmlType::F32;
+}
+
 Residency::~Residency() { release(); }
 
 void Residency::map_in_place() {
   dev_weight_.assign(weights_.size(), nullptr);
   owned_.assign(weights_.size(), nullptr);
-  const auto is_vector = [](const TensorView& w) {
-    return w.ne[1] == 1 && w.ne[2] == 1 && w.ne[3] == 1 && w.type != GgmlType::F32;
-  };
   // With pageable memory access the device reads the mapping itself; without it (a discrete GPU
   // such as the H200, Jetson Orin), the weights it computes go once into page-locked host memory
   // (alloc_host) and the file's pages of them are released. Page-locking the file mapping in
@@ -131,7 +132,7 @@ void Residency::map_in_place() {
   for (size_t i = 0; i < weights_.size(); ++i) {
     if (home_[i] != Home::gpu) continue;
     const TensorView& w = weights_.tensors[i];
-    if (is_vector(w))
+    if (uploads_as_f32(w))
       host_bytes += up(static_cast<size_t>(w.ne[0]) * 4, kAlign);
     else if (copy)
       host_bytes += up(w.n_bytes, kAlign);
@@ -147,11 +148,10 @@ void Residency::map_in_place() {
     host_copy_pinned_ = copy;
   }
   auto* at = static_cast<uint8_t*>(host_copy_);
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   for (size_t i = 0; i < weights_.size(); ++i) {
     if (home_[i] != Home::gpu) continue;
     const TensorView& w = weights_.tensors[i];
-    if (is_vector(w)) {
+    if (uploads_as_f32(w)) {
       cpu::get_row(w, 0, reinterpret_cast<float*>(at));
       dev_weight_[i] = at;
       in_place_bytes_ += static_cast<size_t>(w.ne[0]) * 4;
@@ -169,15 +169,11 @@ void Residency::map_in_place() {
     at += up(w.n_bytes, kAlign);
     // The mapping's whole pages of this tensor: released (clean file pages; a later CPU read
     // faults them back in from the file).
-    const auto a = reinterpret_cast<uintptr_t>(w.data);
-    const uintptr_t b = up(a, page), e = (a + w.n_bytes) / page * page;
-    if (e > b) {
 #ifdef MADV_PAGEOUT
-      ::madvise(reinterpret_cast<void*>(b), e - b, MADV_PAGEOUT);
+    io::advise_whole_pages(w.data, w.n_bytes, MADV_PAGEOUT);
 #else
-      ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+    io::advise_whole_pages(w.data, w.n_bytes, MADV_DONTNEED);
 #endif
-    }
   }
 }
 
@@ -245,10 +241,7 @@ void Residency::pin_host_experts() {
       if (!cpu_reads_copy) continue;
       cpu_weights_.tensors[i].data = pinned_[i];
 #ifdef MADV_COLD
-      const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-      const auto a = reinterpret_cast<uintptr_t>(w.data);
-      const uintptr_t b = (a + page - 1) / page * page, e = (a + w.n_bytes) / page * page;
-      if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_COLD);
+      io::advise_whole_pages(w.data, w.n_bytes, MADV_COLD);
 #endif
     }
   }

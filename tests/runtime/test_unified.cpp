@@ -99,7 +99,7 @@ Placed run_on(const Model& model, const std::string& sim, placement::Flags flags
   for (size_t i = 0; i < w.size(); ++i) {
     if (i >= p.plan.home.size() || p.plan.home[i] != Home::gpu) continue;
     const TensorView& t = w.tensors[i];
-    const bool vector = t.ne[1] == 1 && t.ne[2] == 1 && t.ne[3] == 1 && t.type != GgmlType::F32;
+    const bool vector = uploads_as_f32(t);
     p.homed_bytes += vector ? static_cast<size_t>(t.ne[0]) * 4 : t.n_bytes;
     if (!vector) p.homed_matrix_bytes += t.n_bytes;
   }

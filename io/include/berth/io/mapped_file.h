@@ -29,4 +29,9 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+/// madvise(advice) over the whole pages inside [p, p + n) (the partial pages at both ends, which
+/// may hold other data, are left alone); nothing when no whole page lies inside. The advice is a
+/// hint: its result is ignored (MADV_PAGEOUT and MADV_COLD need Linux 5.4).
+void advise_whole_pages(const void* p, size_t n, int advice);
+
 }  // namespace berth::io

@@ -33,6 +33,11 @@ namespace berth {
 /// lands on one node, so with more nodes the workers keep reading the pages they first touched.
 bool copy_read_by_cpu();
 
+/// Whether Residency gives the device an f32 copy of `w` instead of its bytes: a 1-D tensor
+/// (ne[1..3] all 1: norm scales, biases) of a type other than F32, as the device kernels take them.
+/// Its device bytes are then 4 * ne[0].
+bool uploads_as_f32(const TensorView& w);
+
 /// Whether Residency registers the CPU-held experts' own memory on `dev` in place
 /// (BERTH_REGISTER_HOST=1 and Device::can_register_host; otherwise a pinned copy).
 bool registers_host_experts(const Device& dev);
