@@ -30,7 +30,6 @@
 #include <math_constants.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -112,6 +111,31 @@ __device__ __forceinline__ float2 h2f(uint32_t w) {
 // become zeros, never stale cache bits). Units of W 32-bit words (W = 2: 8-byte loads when
 // head_dim % 4 == 0); each thread issues kBatch units of K and of V before storing any, so a
 // tile costs a few memory latencies instead of one per unit.
+// Sequence runs of a block's tokens (a step lists each sequence's tokens together). From token
+// ta, the run's last token (ta <= tb <= t_last, same sequence as ta; seqs null: one sequence)
+// is returned and its largest position stored in `ext`.
+__device__ __forceinline__ int64_t seq_run_end(const int32_t* __restrict__ positions,
+                                               const int32_t* __restrict__ seqs, int64_t ta,
+                                               int64_t t_last, int64_t& ext) {
+  const int32_t sq = seqs ? seqs[ta] : 0;
+  int64_t tb = ta;
+  ext = positions[ta];
+  while (tb < t_last && (seqs ? seqs[tb + 1] : 0) == sq) {
+    ++tb;
+    if (positions[tb] > ext) ext = positions[tb];
+  }
+  return tb;
+}
+
+// Position of attention row gr (token gr / group) when the row exists and its token lies in the
+// run [ta, tb]; -1 otherwise.
+__device__ __forceinline__ int64_t run_row_pos(const int32_t* __restrict__ positions, int64_t gr,
+                                               int64_t rows_total, int64_t group, int64_t ta,
+                                               int64_t tb) {
+  const int64_t t = gr / group;
+  return gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
+}
+
 template <int W>
 __device__ __forceinline__ void load_tile(const uint32_t* __restrict__ k_cache,
                                           const uint32_t* __restrict__ v_cache, uint32_t* Ks,
@@ -210,19 +234,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t_last = gr_last / group;
   for (int64_t ta = r0 / group; ta <= t_last;) {
     const int32_t sq = seqs ? seqs[ta] : 0;
-    int64_t tb = ta, ext = positions[ta];
-    while (tb < t_last && (seqs ? seqs[tb + 1] : 0) == sq) {
-      ++tb;
-      if (positions[tb] > ext) ext = positions[tb];
-    }
+    int64_t ext = 0;
+    const int64_t tb = seq_run_end(positions, seqs, ta, t_last, ext);
     // This warp's rows of the run and their positions (-1: not in the run).
     int64_t pos[kRowsPerWarp];
     int64_t warp_max_pos = -1;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int64_t gr = r0 + warp + kWarps * i;
-      const int64_t t = gr / group;
-      pos[i] = gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
+      pos[i] = run_row_pos(positions, r0 + warp + kWarps * i, rows_total, group, ta, tb);
       if (pos[i] > warp_max_pos) warp_max_pos = pos[i];
     }
     int64_t n_kv = ext + 1;
@@ -458,18 +477,13 @@ __global__ void __launch_bounds__(kPfWarps * 32)
   // The block's tokens form runs of one sequence; each run streams its own sequence's rows.
   for (int64_t ta = r0 / group; ta <= t_last;) {
     const int32_t sq = seqs ? seqs[ta] : 0;
-    int64_t tb = ta, ext = positions[ta];
-    while (tb < t_last && (seqs ? seqs[tb + 1] : 0) == sq) {
-      ++tb;
-      if (positions[tb] > ext) ext = positions[tb];
-    }
+    int64_t ext = 0;
+    const int64_t tb = seq_run_end(positions, seqs, ta, t_last, ext);
     int64_t pos[2];
     int64_t my_max = -1;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int64_t gr = r0 + 16 * warp + g + 8 * hr;
-      const int64_t t = gr / group;
-      pos[hr] = gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
+      pos[hr] = run_row_pos(positions, r0 + 16 * warp + g + 8 * hr, rows_total, group, ta, tb);
       if (pos[hr] > my_max) my_max = pos[hr];
     }
     int warp_max_pos = static_cast<int>(my_max);
@@ -582,7 +596,7 @@ __global__ void __launch_bounds__(kPfWarps * 32)
 #pragma unroll
           for (int dt = 0; dt < DT; dt += 2) {
             uint32_t b0, b1, b2, b3;
-            ldsm_x4_t(v_base + (kk * 16 * STR + dt * 8) * 2, b0, b1, b2, b3);
+            ldsm_x4<true>(v_base + (kk * 16 * STR + dt * 8) * 2, b0, b1, b2, b3);
             mma_f16(o[dt], a, b0, b1);
             mma_f16(o[dt + 1], a, b2, b3);
           }
@@ -910,34 +924,6 @@ DecodeChoice decode_kernel_for(int32_t head_dim) {
   return {attention_decode_kernel<4, 8>, 8};
 }
 
-// Opts the attention kernel into more than 48 KiB of dynamic shared memory, once per device.
-void ensure_smem_attribute() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (bit && (done.load() & bit)) return;
-  BERTH_CUDA_CHECK(cudaFuncSetAttribute(attention_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_words(kMaxHeadDim) * 4)));
-  done.fetch_or(bit);
-}
-
-// Opts a prefill kernel instance into its dynamic shared memory, once per device and instance.
-void ensure_prefill_smem(PrefillKernel k, size_t bytes) {
-  static std::atomic<uint64_t> done[3] = {};
-  const int idx = k == attention_prefill_mma_kernel<64>    ? 0
-                  : k == attention_prefill_mma_kernel<128> ? 1
-                                                           : 2;
-  int dev = 0;
-  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (bit && (done[idx].load() & bit)) return;
-  BERTH_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  done[idx].fetch_or(bit);
-}
-
 }  // namespace
 
 namespace detail {
@@ -948,6 +934,10 @@ bool& attention_cluster_decode() {
 bool& attention_prefill_mma() {
   static bool v = !env_says_off("BERTH_ATTN_MMA");
   return v;
+}
+bool attention_prompt_on_mma(int32_t head_dim, bool caches_aligned) {
+  return caches_aligned && prefill_kernel_for(head_dim) != nullptr && attention_prefill_mma() &&
+         mma_kernels_available();
 }
 }  // namespace detail
 
@@ -1013,7 +1003,7 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
   // Head dims up to 128 fit the default 48 KiB; larger ones opt in (once per device, on the
   // first such call, which should therefore not be the first call inside a stream capture).
   if ((n_pre > 0 || (n_dec > 0 && !cluster)) && smem_words(head_dim) * 4 > 48 * 1024)
-    ensure_smem_attribute();
+    allow_dynamic_smem(attention_kernel, smem_words(kMaxHeadDim) * 4);
   const float q_scale = scale * 1.4426950408889634f;  // log2(e): scores in the log2 domain
   // 8-byte cache loads when every row offset is a multiple of 8 bytes (head_dim % 4 == 0 and
   // 8-byte aligned cache pointers); 4-byte loads otherwise.
@@ -1042,11 +1032,11 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
   // where the head dim has an instance and the cache rows are 16-byte aligned.
   if (n_pre > 0) {
     const PrefillKernel pk = prefill_kernel_for(head_dim);
-    if (pk && detail::attention_prefill_mma() && mma_kernels_available() &&
-        reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
-        reinterpret_cast<uintptr_t>(v_cache) % 16 == 0) {
+    if (detail::attention_prompt_on_mma(head_dim,
+                                        reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                                            reinterpret_cast<uintptr_t>(v_cache) % 16 == 0)) {
       const size_t smem = pf_smem_bytes(head_dim);
-      ensure_prefill_smem(pk, smem);
+      allow_dynamic_smem(pk, smem);
       const dim3 grid(1, static_cast<unsigned>((n_pre * group + kPfRows - 1) / kPfRows),
                       static_cast<unsigned>(n_head_kv));
       launch("attention_prefill_mma_kernel", pk, grid, kPfWarps * 32, smem, stream, q,

@@ -4,6 +4,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "berth/gpu_kernels/kernels.h"
 #include "launch.cuh"
@@ -33,38 +36,40 @@ __global__ void probe_kernel() {}
 
 }  // namespace
 
-bool cluster_kernels_available() {
-  static std::atomic<int> state[64] = {};  // 0 unknown, 1 yes, 2 no
+bool device_code_at_least(int major) {
+  static std::atomic<int> state[64][16] = {};  // 0 unknown, 1 yes, 2 no
   int dev = 0;
+  if (major < 0 || major >= 16) return false;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int st = state[dev].load(std::memory_order_relaxed);
+  int st = state[dev][major].load(std::memory_order_relaxed);
   if (st == 0) {
     cudaFuncAttributes fa{};
     // ptxVersion is the virtual architecture the code was compiled for (__CUDA_ARCH__);
     // binaryVersion that of the code the driver loaded, which a PTX JIT sets to the device's.
-    const bool ok = device_major(dev) >= 9 &&
+    const bool ok = device_major(dev) >= major &&
                     cudaFuncGetAttributes(&fa, probe_kernel) == cudaSuccess &&
-                    fa.ptxVersion >= 90 && fa.binaryVersion >= 90;
+                    fa.ptxVersion >= 10 * major && fa.binaryVersion >= 10 * major;
     st = ok ? 1 : 2;
-    state[dev].store(st, std::memory_order_relaxed);
+    state[dev][major].store(st, std::memory_order_relaxed);
   }
   return st == 1;
 }
 
-bool mma_kernels_available() {
-  static std::atomic<int> state[64] = {};  // 0 unknown, 1 yes, 2 no
+bool cluster_kernels_available() { return device_code_at_least(9); }
+
+bool mma_kernels_available() { return device_code_at_least(8); }
+
+void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> raised;  // (kernel, device) -> bytes
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int st = state[dev].load(std::memory_order_relaxed);
-  if (st == 0) {
-    cudaFuncAttributes fa{};
-    const bool ok = device_major(dev) >= 8 &&
-                    cudaFuncGetAttributes(&fa, probe_kernel) == cudaSuccess &&
-                    fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
-    st = ok ? 1 : 2;
-    state[dev].store(st, std::memory_order_relaxed);
-  }
-  return st == 1;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  size_t& have = raised[{kernel, dev}];
+  if (have >= bytes) return;
+  BERTH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  have = bytes;
 }
 
 bool env_says_off(const char* name) {

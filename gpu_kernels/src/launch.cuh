@@ -36,15 +36,25 @@ __device__ __forceinline__ void pdl_enter() {
 /// other value: false.
 bool env_says_off(const char* name);
 
-/// Whether the current device runs thread-block-cluster kernels of this build: compute capability
-/// >= 9.0 and code compiled for a virtual architecture >= 9.0 (a PTX JIT from an older target
-/// would run the cluster kernels with their sm_90 bodies compiled out). Read once per device.
+/// Whether the current device has compute capability >= `major`.0 and runs code of this build
+/// compiled for a virtual architecture >= `major`.0 (a PTX JIT from an older target would run a
+/// kernel with its newer-architecture body compiled out). Read once per device and major.
+bool device_code_at_least(int major);
+
+/// Thread-block-cluster kernels: device_code_at_least(9).
 bool cluster_kernels_available();
 
-/// Whether the current device runs the mma.sync / ldmatrix / cp.async kernels of this build:
-/// compute capability >= 8.0 and code compiled for a virtual architecture >= 8.0. Read once per
-/// device.
+/// The mma.sync / ldmatrix / cp.async kernels (mma.cuh): device_code_at_least(8).
 bool mma_kernels_available();
+
+/// Raises the dynamic shared memory limit of `kernel` on the current device to at least `bytes`
+/// (kernels need it above 48 KiB), once per (kernel, device) and size. Errors: Error(internal)
+/// when the device refuses (bytes above its opt-in maximum).
+void allow_dynamic_smem(const void* kernel, size_t bytes);
+template <typename... P>
+void allow_dynamic_smem(void (*kernel)(P...), size_t bytes) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
+}
 
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither
 /// set_pdl(false) nor the environment variable BERTH_PDL=0 turned it off (kernels.h).

@@ -791,7 +791,7 @@ MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, in
   if (n_pre > 0) {
     m.xh = align_up(static_cast<size_t>(n_pre * n_in) * 2);
     if (!invariant) m.cublas = kCublasWs;
-    if (type != GgmlType::F16)
+    if (type != GgmlType::F16 && !(invariant && dense_gemm_mma_applies(n_in, n_pre)))
       m.wh = align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
   }
   return m;
@@ -828,34 +828,40 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
   }
   auto* ws = static_cast<uint8_t*>(workspace);
   if (n_pre > 0) {
-    // Prompt rows: the tensor-core GEMM on f16 copies.
+    // Prompt rows, f16 activations. Invariant calls: the mma.sync GEMM decoding the weights in
+    // shared memory where it applies, else the WMMA GEMM on f16 weight chunks; one sequence:
+    // cuBLAS on the chunks.
     auto* xh = reinterpret_cast<__half*>(ws + L.q8);
     auto* wh = reinterpret_cast<__half*>(ws + L.q8 + L.xh + L.cublas);
     to_half(x, n_pre, n_in, nullptr, 1, nullptr, xh, stream);
-    cublasHandle_t h = nullptr;
-    if (!invariant) {
-      h = cublas_handle(stream);
-      BERTH_CUBLAS_CHECK(cublasSetWorkspace(h, ws + L.q8 + L.xh, kCublasWs));
-    }
-    const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
-    for (int64_t r0 = 0; r0 < n_out; r0 += step) {
-      const int64_t rows = std::min(step, n_out - r0);
-      const __half* a = static_cast<const __half*>(w) + (type == GgmlType::F16 ? r0 * n_in : 0);
-      if (type != GgmlType::F16) {
-        dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
-        a = wh;
+    if (invariant && dense_gemm_mma_applies(n_in, n_pre)) {
+      dense_gemm_mma(type, w, n_in, n_out, xh, n_pre, out, stream);
+    } else {
+      cublasHandle_t h = nullptr;
+      if (!invariant) {
+        h = cublas_handle(stream);
+        BERTH_CUBLAS_CHECK(cublasSetWorkspace(h, ws + L.q8 + L.xh, kCublasWs));
       }
-      if (invariant) {
-        gemm_f16(xh, a, n_pre, rows, n_in, out + r0, n_out, stream);
-      } else {
-        // Column-major view: C [rows x n_pre] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x
-        // n_pre).
-        const float alpha = 1.0f, beta = 0.0f;
-        BERTH_CUBLAS_CHECK(cublasGemmEx(
-            h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n_pre),
-            static_cast<int>(n_in), &alpha, a, CUDA_R_16F, static_cast<int>(n_in), xh, CUDA_R_16F,
-            static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F, static_cast<int>(n_out),
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      const int64_t step = type == GgmlType::F16 ? n_out : chunk_rows(n_in, n_out);
+      for (int64_t r0 = 0; r0 < n_out; r0 += step) {
+        const int64_t rows = std::min(step, n_out - r0);
+        const __half* a = static_cast<const __half*>(w) + (type == GgmlType::F16 ? r0 * n_in : 0);
+        if (type != GgmlType::F16) {
+          dequant_rows(type, w, n_in, n_out, nullptr, r0, rows, wh, true, stream);
+          a = wh;
+        }
+        if (invariant) {
+          gemm_f16(xh, a, n_pre, rows, n_in, out + r0, n_out, stream);
+        } else {
+          // Column-major view: C [rows x n_pre] (ldc n_out) = A^T (A: n_in x rows) * B (n_in x
+          // n_pre).
+          const float alpha = 1.0f, beta = 0.0f;
+          BERTH_CUBLAS_CHECK(cublasGemmEx(
+              h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n_pre),
+              static_cast<int>(n_in), &alpha, a, CUDA_R_16F, static_cast<int>(n_in), xh, CUDA_R_16F,
+              static_cast<int>(n_in), &beta, out + r0, CUDA_R_32F, static_cast<int>(n_out),
+              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
       }
     }
   }

@@ -2,6 +2,7 @@
 // live in matmul.cu so each template is compiled once).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -51,6 +52,18 @@ int& gemv_max_tok();
 int& gemv_max_tok_float();
 int& moe_gemv_max_tok();
 bool matmul_uses_gemv(GgmlType t, int64_t n_tok);
+
+/// Whether dense_gemm_mma serves n_rows prompt rows of a matrix with n_in inputs on this device
+/// (moe_gemm_mma() on, n_in a multiple of 64, compute capability and code >= 8.0).
+bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows);
+/// out [n_rows, n_out] (f32, n_out contiguous) = xh [n_rows, n_in] (f16, n_in contiguous,
+/// 16-byte aligned) . W^T with W [n_out, n_in] of `type` (ggml rows, n_in contiguous), on the
+/// grouped mma.sync GEMM of moe.cu with one group: weight groups decoded to f16 in shared
+/// memory, each output accumulated over n_in in one ascending chain (its bits depend on its row
+/// of xh and column of W only). Throws Error(internal) outside dense_gemm_mma_applies or for an
+/// unaligned xh.
+void dense_gemm_mma(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const __half* xh,
+                    int64_t n_rows, float* out, cudaStream_t stream);
 
 inline size_t align_up(size_t v, size_t a = 256) { return (v + a - 1) / a * a; }
 

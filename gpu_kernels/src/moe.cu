@@ -22,7 +22,6 @@
 #include <mma.h>
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 
 #include "berth/core/error.h"
@@ -120,23 +119,31 @@ struct GemmArgs {
   const uint8_t* w;
   size_t row_bytes, expert_bytes;
   int n_out, K;
-  const __half* A;  // [rows, K], rows grouped by expert
-  const int32_t* expert_off;
+  const __half* A;            // [rows, K], rows grouped by expert
+  const int32_t* expert_off;  // null: one dense matrix (w) over dense_rows rows of A
   const int32_t* tile_off;
   int n_expert;
+  int dense_rows;
   int mode;  // 0: C = result (f32); 1: act = f16(silu(G) * result)
   float* C;
   const float* G;
   __half* act;
 };
 
-template <GgmlType T>
-__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) {
-  pdl_enter();
-  using namespace nvcuda;
-  const int tile = blockIdx.y;
-  if (tile >= a.tile_off[a.n_expert]) return;
-  int lo = 0, hi = a.n_expert - 1;  // last expert whose first tile is <= tile
+// Tile `tile` of the grouped GEMM: its expert e (the last whose first tile is <= tile, by
+// binary search over tile_off) and its pair rows [m0, m_end) (m_end: the expert's end; rows past
+// m0 + kBM belong to the next tile). False for blocks past the real tile count. Dense calls
+// (expert_off null): expert 0, rows [tile * kBM, dense_rows).
+__device__ __forceinline__ bool tile_rows(const GemmArgs& a, int tile, int& e, int& m0,
+                                          int& m_end) {
+  if (!a.expert_off) {
+    e = 0;
+    m0 = tile * kBM;
+    m_end = a.dense_rows;
+    return m0 < m_end;
+  }
+  if (tile >= a.tile_off[a.n_expert]) return false;
+  int lo = 0, hi = a.n_expert - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (a.tile_off[mid] <= tile)
@@ -144,9 +151,18 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
     else
       hi = mid - 1;
   }
-  const int e = lo;
-  const int m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
-  const int m_end = a.expert_off[e + 1];
+  e = lo;
+  m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
+  m_end = a.expert_off[e + 1];
+  return true;
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) {
+  pdl_enter();
+  using namespace nvcuda;
+  int e, m0, m_end;
+  if (!tile_rows(a, static_cast<int>(blockIdx.y), e, m0, m_end)) return;
   const int n0 = blockIdx.x * kBN;
   const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
 
@@ -247,19 +263,8 @@ template <GgmlType T>
 __global__ void __launch_bounds__(kMmaThreads) grouped_gemm_mma_kernel(GemmArgs a) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int tile = blockIdx.y;
-  if (tile >= a.tile_off[a.n_expert]) return;
-  int lo = 0, hi = a.n_expert - 1;  // last expert whose first tile is <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.tile_off[mid] <= tile)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int e = lo;
-  const int m0 = a.expert_off[e] + (tile - a.tile_off[e]) * kBM;
-  const int m_end = a.expert_off[e + 1];
+  int e, m0, m_end;
+  if (!tile_rows(a, static_cast<int>(blockIdx.y), e, m0, m_end)) return;
   const int n0 = blockIdx.x * kMmaBN;
   const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
 
@@ -498,16 +503,7 @@ void launch_grouped_gemm(const GemmArgs& a, dim3 grid, cudaStream_t s) {
 // grid.x counts kMmaBN-column blocks here.
 template <GgmlType T>
 void launch_grouped_gemm_mma(const GemmArgs& a, dim3 grid, cudaStream_t s) {
-  static std::atomic<uint64_t> opted{0};  // devices whose limit is raised, one bit each
-  int dev = 0;
-  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (!bit || !(opted.load() & bit)) {
-    BERTH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_mma_kernel<T>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kMmaSmem)));
-    opted.fetch_or(bit);
-  }
+  allow_dynamic_smem(grouped_gemm_mma_kernel<T>, kMmaSmem);
   launch("grouped_gemm_mma_kernel", grouped_gemm_mma_kernel<T>, grid, kMmaThreads, kMmaSmem, s, a);
 }
 
@@ -517,6 +513,31 @@ namespace detail {
 bool& moe_gemm_mma() {
   static bool v = !env_says_off("BERTH_MOE_MMA");
   return v;
+}
+
+bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows) {
+  return moe_gemm_mma() && n_in % kMmaBK == 0 && n_in <= INT32_MAX && n_rows > 0 &&
+         (n_rows + kBM - 1) / kBM <= 65535 && mma_kernels_available();
+}
+
+void dense_gemm_mma(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const __half* xh,
+                    int64_t n_rows, float* out, cudaStream_t stream) {
+  if ((reinterpret_cast<uintptr_t>(xh) & 15) != 0 || !dense_gemm_mma_applies(n_in, n_rows) ||
+      n_out > INT32_MAX)
+    throw Error(ErrorCategory::internal, "dense_gemm_mma: called outside its conditions");
+  GemmArgs a{};
+  a.w = static_cast<const uint8_t*>(w);
+  a.row_bytes = row_bytes(type, n_in);
+  a.expert_bytes = 0;
+  a.n_out = static_cast<int>(n_out);
+  a.K = static_cast<int>(n_in);
+  a.A = xh;
+  a.dense_rows = static_cast<int>(n_rows);
+  a.mode = 0;
+  a.C = out;
+  const dim3 grid(static_cast<unsigned>((n_out + kMmaBN - 1) / kMmaBN),
+                  static_cast<unsigned>((n_rows + kBM - 1) / kBM));
+  BERTH_DISPATCH(type, launch_grouped_gemm_mma, a, grid, stream)
 }
 }  // namespace detail
 

@@ -249,10 +249,17 @@ __device__ __forceinline__ __half from_f32<__half>(float v) {
 }
 
 /// Element e (0..31) of a decoded group as float (sc*q + m, one rounding).
+///
+/// q reaches f32 without an integer-to-float conversion (a quarter-rate instruction that bounded
+/// the prefill GEMMs' weight decoding): q + 128 (the byte with its top bit flipped) becomes the
+/// low byte of the f32 pattern 0x4B0000xx, which is 2^23 + q + 128 exactly, and one subtraction
+/// of 2^23 + 128 leaves q exactly. The value is the same as (float)q, bit for bit.
 __device__ __forceinline__ float group_value(const QGroup& g, int e) {
-  const int8_t q = static_cast<int8_t>((g.q[e >> 2] >> (8 * (e & 3))) & 0xFF);
-  return e < 16 ? __fmaf_rn(g.sc0, static_cast<float>(q), g.m0)
-                : __fmaf_rn(g.sc1, static_cast<float>(q), g.m1);
+  const uint32_t biased = g.q[e >> 2] ^ 0x80808080u;
+  const float q =
+      __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | static_cast<uint32_t>(e & 3))) -
+      8388736.0f;
+  return e < 16 ? __fmaf_rn(g.sc0, q, g.m0) : __fmaf_rn(g.sc1, q, g.m1);
 }
 
 /// Element i of a float-type row (F32, F16, BF16) as f32.

@@ -1,8 +1,6 @@
 // The tolerances of the attention oracles of tests/gpu, with their reasons.
 #pragma once
 
-#include <cuda_runtime_api.h>
-
 #include <cstdint>
 
 #include "berth/gpu_kernels/kernels.h"
@@ -23,15 +21,9 @@ constexpr double kTolAttention = 1e-9;
 constexpr double kTolAttentionMma = 2e-6;
 
 /// Whether attention runs prompt rows of this head dim on the tensor-core kernel on the current
-/// device (as gpu::attention chooses: detail::attention_prefill_mma, head_dim 64/128/256,
-/// compute capability >= 8.0; the tests' cache buffers come from cudaMalloc, 256-byte aligned).
+/// device (the tests' cache buffers come from cudaMalloc, 256-byte aligned).
 inline bool prompt_on_mma(int32_t head_dim) {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return gpu::detail::attention_prefill_mma() && major >= 8 &&
-         (head_dim == 64 || head_dim == 128 || head_dim == 256);
+  return gpu::detail::attention_prompt_on_mma(head_dim, true);
 }
 
 /// The tolerance of a call with (prompt_rows) or without prompt rows of this head dim.

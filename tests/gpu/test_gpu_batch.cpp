@@ -309,66 +309,71 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
   const int64_t n_in = 512, n_out = 200, n_tok = 21, n_dec = 11;  // decode rows past 8: 2 launches
   const auto x = gaussian(static_cast<size_t>(n_tok * n_in), 3, 1.0f);
   Dev<float> dx(x);
-  for (const GgmlType t : types) {
-    CAPTURE(type_name(t));
-    const size_t rb = row_bytes(t, n_in);
-    std::vector<uint8_t> w(rb * static_cast<size_t>(n_out));
-    for (int64_t r = 0; r < n_out; ++r) {
-      const auto wr =
-          gaussian(static_cast<size_t>(n_in), 100 + static_cast<uint64_t>(r), 0.05f, 0.01f);
-      ref::quantize_row(t, wr.data(), w.data() + static_cast<size_t>(r) * rb, n_in);
+  // Prompt rows on the mma.sync GEMM (weights decoded in shared memory) and on the WMMA GEMM.
+  for (const bool mma : {true, false})
+    for (const GgmlType t : types) {
+      gpu::detail::moe_gemm_mma() = mma;
+      CAPTURE(mma);
+      CAPTURE(type_name(t));
+      const size_t rb = row_bytes(t, n_in);
+      std::vector<uint8_t> w(rb * static_cast<size_t>(n_out));
+      for (int64_t r = 0; r < n_out; ++r) {
+        const auto wr =
+            gaussian(static_cast<size_t>(n_in), 100 + static_cast<uint64_t>(r), 0.05f, 0.01f);
+        ref::quantize_row(t, wr.data(), w.data() + static_cast<size_t>(r) * rb, n_in);
+      }
+      Dev<uint8_t> dw(w);
+      // rows [r0, r0 + n) of x as a call with `dec` decode rows; returns its output.
+      auto call = [&](int64_t r0, int64_t n, int64_t dec, bool invariant = true) {
+        const size_t ws_bytes = gpu::matmul_workspace_bytes(t, n_in, n_out, n, dec, invariant);
+        Dev<uint8_t> ws(ws_bytes);
+        Dev<float> out(static_cast<size_t>(n * n_out));
+        out.poison();
+        gpu::matmul(t, dw.p, n_in, n_out, dx.p + r0 * n_in, n, out.p, ws.p, ws_bytes, nullptr, dec,
+                    invariant);
+        return out.down();
+      };
+      const std::vector<float> mixed = call(0, n_tok, n_dec);  // 10 prompt rows, 11 decode rows
+      const int64_t n_pre = n_tok - n_dec;
+      for (float f : mixed) REQUIRE(std::isfinite(f));
+      // Each row alone with its kind, and in other groupings.
+      for (int64_t r = 0; r < n_tok; ++r) {
+        CAPTURE(r);
+        const bool dec = r >= n_pre;
+        CHECK(same_rows(mixed, r, call(r, 1, dec ? 1 : 0), 0, 1, n_out));
+      }
+      const std::vector<float> prompts = call(0, n_pre, 0);
+      CHECK(same_rows(mixed, 0, prompts, 0, n_pre, n_out));
+      const std::vector<float> decodes = call(n_pre, n_dec, n_dec);
+      CHECK(same_rows(mixed, n_pre, decodes, 0, n_dec, n_out));
+      // Rows 3..7 as 3 prompt rows and 2 decode rows: rows 3..5 as in the mixed call, rows 6 and
+      // 7 (prompt rows there) as each alone as a decode row.
+      const std::vector<float> some = call(3, 5, 2);
+      CHECK(same_rows(mixed, 3, some, 0, 3, n_out));
+      CHECK(same_rows(call(6, 1, 1), 0, some, 3, 1, n_out));
+      CHECK(same_rows(call(7, 1, 1), 0, some, 4, 1, n_out));
+      // A decode row and the same row as a prompt row differ (8-bit or f32 activations against
+      // f16 ones): the kind is real, and the comparisons above could fail. F32 weights: both kinds
+      // take the f32 GEMV.
+      if (t == GgmlType::F32)
+        CHECK(same_rows(call(0, 1, 1), 0, call(0, 1, 0), 0, 1, n_out));
+      else
+        CHECK_FALSE(same_rows(call(0, 1, 1), 0, call(0, 1, 0), 0, 1, n_out));
+      // Both paths near the same product: the activations' 8-bit blocks (decode, quantized
+      // weights) cost about 1e-5 of NMSE, f16 activations (prompt) about 1e-7.
+      CHECK(nmse(call(0, n_tok, 0), call(0, n_tok, n_tok)) <= 1e-3);
+      // invariant false (a session of one sequence): cuBLAS multiplies the prompt rows, near our
+      // GEMM's result (the same f16 inputs, f32 accumulation in another order); decode rows as
+      // before, bit for bit.
+      const std::vector<float> cub = call(0, n_tok, n_dec, false);
+      for (float f : cub) REQUIRE(std::isfinite(f));
+      // (F32 weights: the invariant rows are f32 GEMV rows, cuBLAS's f16 ones.)
+      CHECK(nmse(std::vector<float>(mixed.begin(), mixed.begin() + n_pre * n_out),
+                 std::vector<float>(cub.begin(), cub.begin() + n_pre * n_out)) <=
+            (t == GgmlType::F32 ? 1e-5 : 1e-8));
+      CHECK(same_rows(mixed, n_pre, cub, n_pre, n_dec, n_out));
     }
-    Dev<uint8_t> dw(w);
-    // rows [r0, r0 + n) of x as a call with `dec` decode rows; returns its output.
-    auto call = [&](int64_t r0, int64_t n, int64_t dec, bool invariant = true) {
-      const size_t ws_bytes = gpu::matmul_workspace_bytes(t, n_in, n_out, n, dec, invariant);
-      Dev<uint8_t> ws(ws_bytes);
-      Dev<float> out(static_cast<size_t>(n * n_out));
-      out.poison();
-      gpu::matmul(t, dw.p, n_in, n_out, dx.p + r0 * n_in, n, out.p, ws.p, ws_bytes, nullptr, dec,
-                  invariant);
-      return out.down();
-    };
-    const std::vector<float> mixed = call(0, n_tok, n_dec);  // 10 prompt rows, 11 decode rows
-    const int64_t n_pre = n_tok - n_dec;
-    for (float f : mixed) REQUIRE(std::isfinite(f));
-    // Each row alone with its kind, and in other groupings.
-    for (int64_t r = 0; r < n_tok; ++r) {
-      CAPTURE(r);
-      const bool dec = r >= n_pre;
-      CHECK(same_rows(mixed, r, call(r, 1, dec ? 1 : 0), 0, 1, n_out));
-    }
-    const std::vector<float> prompts = call(0, n_pre, 0);
-    CHECK(same_rows(mixed, 0, prompts, 0, n_pre, n_out));
-    const std::vector<float> decodes = call(n_pre, n_dec, n_dec);
-    CHECK(same_rows(mixed, n_pre, decodes, 0, n_dec, n_out));
-    // Rows 3..7 as 3 prompt rows and 2 decode rows: rows 3..5 as in the mixed call, rows 6 and
-    // 7 (prompt rows there) as each alone as a decode row.
-    const std::vector<float> some = call(3, 5, 2);
-    CHECK(same_rows(mixed, 3, some, 0, 3, n_out));
-    CHECK(same_rows(call(6, 1, 1), 0, some, 3, 1, n_out));
-    CHECK(same_rows(call(7, 1, 1), 0, some, 4, 1, n_out));
-    // A decode row and the same row as a prompt row differ (8-bit or f32 activations against
-    // f16 ones): the kind is real, and the comparisons above could fail. F32 weights: both kinds
-    // take the f32 GEMV.
-    if (t == GgmlType::F32)
-      CHECK(same_rows(call(0, 1, 1), 0, call(0, 1, 0), 0, 1, n_out));
-    else
-      CHECK_FALSE(same_rows(call(0, 1, 1), 0, call(0, 1, 0), 0, 1, n_out));
-    // Both paths near the same product: the activations' 8-bit blocks (decode, quantized
-    // weights) cost about 1e-5 of NMSE, f16 activations (prompt) about 1e-7.
-    CHECK(nmse(call(0, n_tok, 0), call(0, n_tok, n_tok)) <= 1e-3);
-    // invariant false (a session of one sequence): cuBLAS multiplies the prompt rows, near our
-    // GEMM's result (the same f16 inputs, f32 accumulation in another order); decode rows as
-    // before, bit for bit.
-    const std::vector<float> cub = call(0, n_tok, n_dec, false);
-    for (float f : cub) REQUIRE(std::isfinite(f));
-    // (F32 weights: the invariant rows are f32 GEMV rows, cuBLAS's f16 ones.)
-    CHECK(nmse(std::vector<float>(mixed.begin(), mixed.begin() + n_pre * n_out),
-               std::vector<float>(cub.begin(), cub.begin() + n_pre * n_out)) <=
-          (t == GgmlType::F32 ? 1e-5 : 1e-8));
-    CHECK(same_rows(mixed, n_pre, cub, n_pre, n_dec, n_out));
-  }
+  gpu::detail::moe_gemm_mma() = true;
   CHECK_THROWS_AS(gpu::matmul_workspace_bytes(GgmlType::Q8_0, 64, 8, 4, 5), Error);
 }
 

@@ -183,9 +183,10 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
     CAPTURE(type_name(t));
     const int64_t bs = traits(t).block_size;
     // One block and several; for float types a length that is not a multiple of 8 (scalar
-    // path) and one that is (16-byte loads).
-    std::vector<int64_t> lens =
-        bs == 1 ? std::vector<int64_t>{40, 264} : std::vector<int64_t>{bs, bs == 32 ? 320 : 768};
+    // path), one that is (16-byte loads) and one that is a multiple of 64 (the mma.sync GEMM of
+    // prompt rows; 320 and 768 for the quantized types, 32 on the WMMA GEMM).
+    std::vector<int64_t> lens = bs == 1 ? std::vector<int64_t>{40, 264, 128}
+                                        : std::vector<int64_t>{bs, bs == 32 ? 320 : 768};
     Pool pool_gemv, pool_gemm;
     for (int64_t n_in : lens) {
       CAPTURE(n_in);
@@ -199,14 +200,18 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
         CAPTURE(n_out);
         const auto ref_all = ref_matmul(W, x, n_in, n_out, max_tok);
         for (int64_t n_tok : kTok) {
-          // n_tok 12 also through the GEMV forced (two token chunks of 8 and 4).
-          for (bool force : {false, true}) {
-            if (force && n_tok != 12) continue;
+          // n_tok 12 also through the GEMV forced (two token chunks of 8 and 4); 64 and 512
+          // also with the mma.sync GEMM off (the WMMA GEMM on f16 weight chunks).
+          for (const int variant : {0, 1, 2}) {
+            const bool force = variant == 1, no_mma = variant == 2;
+            if ((force && n_tok != 12) || (no_mma && n_tok < 64)) continue;
             CAPTURE(n_tok);
             CAPTURE(force);
+            CAPTURE(no_mma);
             const int saved_q = gpu::detail::gemv_max_tok(),
                       saved_f = gpu::detail::gemv_max_tok_float();
             if (force) gpu::detail::gemv_max_tok() = gpu::detail::gemv_max_tok_float() = 1 << 30;
+            gpu::detail::moe_gemm_mma() = !no_mma;
             const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
             // F32 weights: every row on the GEMV (matmul's docs).
             const bool gemv = t == GgmlType::F32 || gpu::detail::matmul_uses_gemv(t, n_tok);
@@ -217,6 +222,7 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
             CUDA_OK(cudaDeviceSynchronize());
             gpu::detail::gemv_max_tok() = saved_q;
             gpu::detail::gemv_max_tok_float() = saved_f;
+            gpu::detail::moe_gemm_mma() = true;
             const auto got = dout.get<float>(static_cast<size_t>(n_tok * n_out));
             const std::vector<double> ref(ref_all.begin(), ref_all.begin() + n_tok * n_out);
             const double e = nmse_d(ref, got);

@@ -187,10 +187,16 @@ bool& attention_cluster_decode();
 /// kernel (true by default). BERTH_ATTN_MMA=0 (or false, off, no) sets it false. Tests and
 /// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_prefill_mma();
-/// Whether moe_experts' grouped GEMM (prompt rows) runs on its mma.sync kernel (compute
-/// capability >= 8.0, n_embd and n_ff multiples of 64) instead of the WMMA kernel (true by
-/// default). BERTH_MOE_MMA=0 (or false, off, no) sets it false. Tests and benchmarks turn it off
-/// to compare both paths (not thread safe: set before launching).
+/// Whether attention, called now on the current device, runs prompt rows of `head_dim` on the
+/// tensor-core kernel (attention_prefill_mma() on, an instance for the head dim, compute
+/// capability and code >= 8.0, and both cache pointers 16-byte aligned: `caches_aligned`).
+/// The choice attention itself makes; tests pick their tolerance from it.
+bool attention_prompt_on_mma(int32_t head_dim, bool caches_aligned);
+/// Whether moe_experts' grouped GEMM (prompt rows), and matmul's prompt rows of invariant calls,
+/// run on the mma.sync kernel (compute capability >= 8.0; n_embd and n_ff, resp. n_in, multiples
+/// of 64) instead of the WMMA kernels (true by default). BERTH_MOE_MMA=0 (or false, off, no) sets
+/// it false. Tests and benchmarks turn it off to compare both paths (not thread safe: set before
+/// launching).
 bool& moe_gemm_mma();
 }  // namespace detail
 
