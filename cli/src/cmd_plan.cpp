@@ -20,7 +20,7 @@ namespace {
 struct PlanOptions {
   std::string model;
   int64_t n_ctx = 0;
-  int32_t n_ubatch = 512;
+  int32_t n_ubatch = kRunUbatch;  // as run
   placement::Flags flags;
   int32_t stream_min = kStreamExpertsAuto;
   double host_expert_share = 0;

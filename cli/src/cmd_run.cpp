@@ -274,6 +274,7 @@ Runner add_run(CLI::App& app) {
                   "context size in tokens (0: min(4096, model's))")
       ->capture_default_str()
       ->check(range(int64_t{0}, int64_t{1} << 24));
+  o->session.n_ubatch = kRunUbatch;
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
       ->check(range(1, 1 << 16));

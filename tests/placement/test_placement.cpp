@@ -791,7 +791,7 @@ TEST_CASE("berth plan --ops prints the schedules the run follows") {
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("decode step (1 token): no device, every op on the CPU") != std::string::npos);
-  CHECK(r.out.find("prefill ubatch (512 tokens): no device") != std::string::npos);
+  CHECK(r.out.find("prefill ubatch (2048 tokens): no device") != std::string::npos);  // run's -ub
   // On the simulated device with -ngl 3: the first two layers run before the step, their
   // residual stream is uploaded, the output layer forks back to the CPU.
   r = run_command("BERTH_SIM_DEVICE=1G " + bin + " plan -m " + model +
