@@ -10,10 +10,11 @@
 namespace berth::cli {
 
 /// Default -ub of `run` and `plan`: tokens per prefill step. Measured on an H200 (synthetic
-/// qwen3-30b-a3b, all on the GPU, docs/performance.md "Prefill at -ub 512, 2048, 4096"): pp4096
-/// 9311 / 13616 / 14423 tok/s at -ub 512 / 2048 / 4096, pp32768 6409 / 8232 / 8533; 2048 takes
-/// most of the gain for a quarter of 4096's activations. `bench model` keeps llama-bench's 512
-/// and `serve` llama-server's 512 (a step's prompt chunk delays the other slots' next token).
+/// qwen3-30b-a3b, all on the GPU; docs/performance.md, "Prefill against ik_llama.cpp, one
+/// lease", its ubatch table): pp4096 9311 / 13616 / 14423 tok/s at -ub 512 / 2048 / 4096,
+/// pp32768 6409 / 8232 / 8533; 2048 takes most of the gain with half of 4096's activations. `bench
+/// model` keeps llama-bench's 512 and `serve` llama-server's 512 (a step's prompt chunk delays the
+/// other slots' next token).
 inline constexpr int32_t kRunUbatch = 2048;
 
 /// Registers on `cmd`, writing into `f` (which must outlive the parse):

@@ -107,10 +107,6 @@ __device__ __forceinline__ float2 h2f(uint32_t w) {
   return __half22float2(h);
 }
 
-// Copies cache rows [j0, j0 + kT) of one KV head into the K/V tiles (rows at or past `end`
-// become zeros, never stale cache bits). Units of W 32-bit words (W = 2: 8-byte loads when
-// head_dim % 4 == 0); each thread issues kBatch units of K and of V before storing any, so a
-// tile costs a few memory latencies instead of one per unit.
 // Sequence runs of a block's tokens (a step lists each sequence's tokens together). From token
 // ta, the run's last token (ta <= tb <= t_last, same sequence as ta; seqs null: one sequence)
 // is returned and its largest position stored in `ext`.
@@ -136,6 +132,10 @@ __device__ __forceinline__ int64_t run_row_pos(const int32_t* __restrict__ posit
   return gr < rows_total && t >= ta && t <= tb ? static_cast<int64_t>(positions[t]) : -1;
 }
 
+// Copies cache rows [j0, j0 + kT) of one KV head into the K/V tiles (rows at or past `end`
+// become zeros, never stale cache bits). Units of W 32-bit words (W = 2: 8-byte loads when
+// head_dim % 4 == 0); each thread issues kBatch units of K and of V before storing any, so a
+// tile costs a few memory latencies instead of one per unit.
 template <int W>
 __device__ __forceinline__ void load_tile(const uint32_t* __restrict__ k_cache,
                                           const uint32_t* __restrict__ v_cache, uint32_t* Ks,

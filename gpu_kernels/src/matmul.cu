@@ -16,14 +16,17 @@
 // per-row arithmetic is the same for 1 or 8 rows; the other rows (prompt tokens) take the GEMM
 // below whatever their number (with F32 weights, the GEMV too: f32 activations, as on the CPU).
 //
-// Prompt rows: x is converted to f16, the weights are dequantized to f16 in chunks of at most
-// kChunkBytes (F16 weights are read directly), and gemm_f16_kernel, a WMMA tensor-core GEMM of our
-// own, multiplies each chunk: f16 inputs, f32 accumulation, each output element accumulated over
-// k in ascending steps of 16 by one warp's mma_sync, so its bits depend on its row of x and its
-// column of W only, never on how many rows the call has. cuBLAS chooses its algorithm, tiles and
-// split-K by shape, so its rows' bits may change with the row count: it multiplies the prompt
-// rows only when the caller does not need that (matmul's `invariant` false: a session of one
-// sequence), where it is faster (pp512 5036 against 2986 tok/s on the H200, docs/performance.md).
+// Prompt rows: x is converted to f16. With `invariant` (several sequences) they go to the grouped
+// mma.sync GEMM of moe.cu with one group (dense_gemm_mma: weight groups decoded to f16 in shared
+// memory; n_in a multiple of 64, compute capability 8.0+, BERTH_MOE_MMA not 0), else the weights
+// are dequantized to f16 in chunks of at most kChunkBytes (F16 weights are read directly) and
+// gemm_f16_kernel, a WMMA tensor-core GEMM of our own, multiplies each chunk. Both take f16
+// inputs and accumulate in f32, each output element over k in ascending steps of 16 by one
+// warp's mma, so its bits depend on its row of x and its column of W only, never on how many rows
+// the call has. cuBLAS chooses its algorithm, tiles and split-K by shape, so its rows' bits may
+// change with the row count: it multiplies the prompt rows (on the f16 chunks) only when the
+// caller does not need that (matmul's `invariant` false: a session of one sequence), where it is
+// faster (pp512 5036 against 2986 tok/s on the H200 against the WMMA GEMM, docs/performance.md).
 #include <cooperative_groups.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -791,7 +794,7 @@ MatmulWs matmul_ws(GgmlType type, int64_t n_in, int64_t n_out, int64_t n_tok, in
   if (n_pre > 0) {
     m.xh = align_up(static_cast<size_t>(n_pre * n_in) * 2);
     if (!invariant) m.cublas = kCublasWs;
-    if (type != GgmlType::F16 && !(invariant && dense_gemm_mma_applies(n_in, n_pre)))
+    if (type != GgmlType::F16)
       m.wh = align_up(static_cast<size_t>(chunk_rows(n_in, n_out) * n_in) * 2);
   }
   return m;
@@ -834,7 +837,10 @@ void matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const flo
     auto* xh = reinterpret_cast<__half*>(ws + L.q8);
     auto* wh = reinterpret_cast<__half*>(ws + L.q8 + L.xh + L.cublas);
     to_half(x, n_pre, n_in, nullptr, 1, nullptr, xh, stream);
-    if (invariant && dense_gemm_mma_applies(n_in, n_pre)) {
+    // (The f16 weight chunk stays reserved when the mma.sync GEMM applies: the workspace's size
+    // then does not depend on the device or the moe_gemm_mma switch at sizing time.)
+    if (invariant && dense_gemm_mma_applies(n_in, n_pre, n_out) &&
+        (reinterpret_cast<uintptr_t>(xh) & 15) == 0) {
       dense_gemm_mma(type, w, n_in, n_out, xh, n_pre, out, stream);
     } else {
       cublasHandle_t h = nullptr;

@@ -53,9 +53,10 @@ int& gemv_max_tok_float();
 int& moe_gemv_max_tok();
 bool matmul_uses_gemv(GgmlType t, int64_t n_tok);
 
-/// Whether dense_gemm_mma serves n_rows prompt rows of a matrix with n_in inputs on this device
-/// (moe_gemm_mma() on, n_in a multiple of 64, compute capability and code >= 8.0).
-bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows);
+/// Whether dense_gemm_mma serves n_rows prompt rows of an n_out x n_in matrix on this device
+/// (moe_gemm_mma() on, n_in a multiple of 64, sizes within its grid, compute capability and
+/// code >= 8.0); the caller also needs a 16-byte aligned xh.
+bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows, int64_t n_out);
 /// out [n_rows, n_out] (f32, n_out contiguous) = xh [n_rows, n_in] (f16, n_in contiguous,
 /// 16-byte aligned) . W^T with W [n_out, n_in] of `type` (ggml rows, n_in contiguous), on the
 /// grouped mma.sync GEMM of moe.cu with one group: weight groups decoded to f16 in shared

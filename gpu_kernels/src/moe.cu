@@ -9,11 +9,13 @@
 // Prefill: a one-warp kernel lists the valid pairs grouped by expert (experts ascending, pairs
 // in token order within each: a stable counting sort with warp match/popc, no atomics) and
 // writes per-expert offsets and 64-row tile offsets; h rows are gathered to f16 in that order;
-// a grouped tensor-core GEMM (WMMA, f16 in / f32 accumulate, 64x64 tiles, weights dequantized
-// into shared memory group by group) runs gate, then up with SwiGLU in its epilogue, then
-// down. Its grid is (n_out / 64) x (an upper bound on the tile count, ceil(P / 64) + n_expert);
-// blocks past the real tile count exit. The combine reads each pair's row in slot order.
-// Everything is deterministic: each output element is computed by one thread in a fixed order.
+// a grouped tensor-core GEMM (f16 in / f32 accumulate, 64-row tiles, weights dequantized into
+// shared memory group by group: grouped_gemm_mma_kernel on mma.sync, or grouped_gemm_kernel on
+// WMMA where that does not apply) runs gate, then up with SwiGLU in its epilogue, then down. The
+// mma.sync kernel also serves matmul's invariant prompt rows as one group (dense_gemm_mma). Its
+// grid is (n_out / 64) x (an upper bound on the tile count, ceil(P / 64) + n_expert); blocks past
+// the real tile count exit. The combine reads each pair's row in slot order. Everything is
+// deterministic: each output element is computed by one thread in a fixed order.
 //
 // MoeSlots restricts both paths to a range of each token's slots. With `stage` (weights in
 // pinned host memory, one token), moe_stage_kernel first copies the selected experts' matrices
@@ -515,15 +517,14 @@ bool& moe_gemm_mma() {
   return v;
 }
 
-bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows) {
-  return moe_gemm_mma() && n_in % kMmaBK == 0 && n_in <= INT32_MAX && n_rows > 0 &&
-         (n_rows + kBM - 1) / kBM <= 65535 && mma_kernels_available();
+bool dense_gemm_mma_applies(int64_t n_in, int64_t n_rows, int64_t n_out) {
+  return moe_gemm_mma() && n_in % kMmaBK == 0 && n_in <= INT32_MAX && n_out <= INT32_MAX &&
+         n_rows > 0 && (n_rows + kBM - 1) / kBM <= 65535 && mma_kernels_available();
 }
 
 void dense_gemm_mma(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const __half* xh,
                     int64_t n_rows, float* out, cudaStream_t stream) {
-  if ((reinterpret_cast<uintptr_t>(xh) & 15) != 0 || !dense_gemm_mma_applies(n_in, n_rows) ||
-      n_out > INT32_MAX)
+  if ((reinterpret_cast<uintptr_t>(xh) & 15) != 0 || !dense_gemm_mma_applies(n_in, n_rows, n_out))
     throw Error(ErrorCategory::internal, "dense_gemm_mma: called outside its conditions");
   GemmArgs a{};
   a.w = static_cast<const uint8_t*>(w);

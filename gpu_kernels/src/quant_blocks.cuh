@@ -250,8 +250,8 @@ __device__ __forceinline__ __half from_f32<__half>(float v) {
 
 /// Element e (0..31) of a decoded group as float (sc*q + m, one rounding).
 ///
-/// q reaches f32 without an integer-to-float conversion (a quarter-rate instruction that bounded
-/// the prefill GEMMs' weight decoding): q + 128 (the byte with its top bit flipped) becomes the
+/// q reaches f32 without an integer-to-float conversion (a quarter-rate instruction, once per
+/// weight in the prefill GEMMs' decoding): q + 128 (the byte with its top bit flipped) becomes the
 /// low byte of the f32 pattern 0x4B0000xx, which is 2^23 + q + 128 exactly, and one subtraction
 /// of 2^23 + 128 leaves q exactly. The value is the same as (float)q, bit for bit.
 __device__ __forceinline__ float group_value(const QGroup& g, int e) {

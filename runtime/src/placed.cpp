@@ -230,9 +230,12 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   if (auto_stream) stream = kStreamExpertsAutoTokens;
   const auto make = [&] {
     // The KV cache holds n_seq sequences of n_ctx positions: plan for all of its rows.
-    s.request = plan_request(model, n_ctx * std::max(params.n_seq, 1), params.n_ubatch, flags,
-                             device_name, unified ? pool : free_bytes, has_device, stream,
-                             params.hybrid.host_expert_share, std::max(params.n_seq, 1));
+    // Scratch for the largest step: -ub tokens, or the whole cache when that is smaller.
+    const int64_t rows = n_ctx * std::max(params.n_seq, 1);
+    s.request =
+        plan_request(model, rows, static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, rows)),
+                     flags, device_name, unified ? pool : free_bytes, has_device, stream,
+                     params.hybrid.host_expert_share, std::max(params.n_seq, 1));
     s.request.ram_budget_bytes = ram_budget;
     if (unified) {
       s.request.unified = true;

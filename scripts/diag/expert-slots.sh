@@ -40,11 +40,11 @@ model=/tmp/q3-q4_k_m.gguf
 {
   for b in 5G 5.5G 6G 6.5G; do
     echo "== plan --vram-budget $b"
-    berth plan -m "$model" --vram-budget "$b" 2>&1 | grep -E "^placement|^residency|slots|^GPU"
+    berth plan -m "$model" -ub 512 --vram-budget "$b" 2>&1 | grep -E "^placement|^residency|slots|^GPU"
   done
   for mode in adaptive static; do
     echo "== run --vram-budget $budget --residency $mode"
-    timeout 300 berth run -m "$model" -t "$t" --vram-budget "$budget" --residency "$mode" \
+    timeout 300 berth run -m "$model" -t "$t" -ub 512 --vram-budget "$budget" --residency "$mode" \
       -p "Once upon a time" -n 128 --temp 0 2>&1 >/dev/null | grep -E "^berth: prompt|^residency"
     echo "== bench tg128 --vram-budget $budget --residency $mode"
     timeout 300 berth bench model -m "$model" -t "$t" -r 3 -p 0 -n 128 --vram-budget "$budget" \

@@ -310,6 +310,7 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
   const auto x = gaussian(static_cast<size_t>(n_tok * n_in), 3, 1.0f);
   Dev<float> dx(x);
   // Prompt rows on the mma.sync GEMM (weights decoded in shared memory) and on the WMMA GEMM.
+  const bool saved_mma = gpu::detail::moe_gemm_mma();
   for (const bool mma : {true, false})
     for (const GgmlType t : types) {
       gpu::detail::moe_gemm_mma() = mma;
@@ -373,7 +374,7 @@ TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows"
             (t == GgmlType::F32 ? 1e-5 : 1e-8));
       CHECK(same_rows(mixed, n_pre, cub, n_pre, n_dec, n_out));
     }
-  gpu::detail::moe_gemm_mma() = true;
+  gpu::detail::moe_gemm_mma() = saved_mma;
   CHECK_THROWS_AS(gpu::matmul_workspace_bytes(GgmlType::Q8_0, 64, 8, 4, 5), Error);
 }
 

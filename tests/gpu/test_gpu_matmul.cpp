@@ -210,6 +210,7 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
             CAPTURE(no_mma);
             const int saved_q = gpu::detail::gemv_max_tok(),
                       saved_f = gpu::detail::gemv_max_tok_float();
+            const bool saved_mma = gpu::detail::moe_gemm_mma();
             if (force) gpu::detail::gemv_max_tok() = gpu::detail::gemv_max_tok_float() = 1 << 30;
             gpu::detail::moe_gemm_mma() = !no_mma;
             const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
@@ -222,7 +223,7 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
             CUDA_OK(cudaDeviceSynchronize());
             gpu::detail::gemv_max_tok() = saved_q;
             gpu::detail::gemv_max_tok_float() = saved_f;
-            gpu::detail::moe_gemm_mma() = true;
+            gpu::detail::moe_gemm_mma() = saved_mma;
             const auto got = dout.get<float>(static_cast<size_t>(n_tok * n_out));
             const std::vector<double> ref(ref_all.begin(), ref_all.begin() + n_tok * n_out);
             const double e = nmse_d(ref, got);
@@ -581,6 +582,7 @@ constexpr double kTolMoeSplit = 1e-10;
 TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determinism") {
   REQUIRE_DEVICE();
   const int saved = gpu::detail::moe_gemv_max_tok();
+  const bool saved_mma = gpu::detail::moe_gemm_mma();
   struct Types {
     GgmlType g, u, d;
   };
@@ -630,7 +632,7 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
         }
       }
     }
-  gpu::detail::moe_gemm_mma() = true;
+  gpu::detail::moe_gemm_mma() = saved_mma;
   gpu::detail::moe_gemv_max_tok() = saved;
 }
 

@@ -51,11 +51,13 @@ size_t matmul_workspace_bytes(GgmlType type, int64_t n_in, int64_t n_out, int64_
 /// - decode rows, the last n_decode: activations quantized on the device to 8-bit blocks,
 ///   integer dot products (dp4a) against the weight blocks (float weights: f32 dot products),
 ///   GEMV launches of up to 8 rows whose per-row arithmetic does not depend on the count;
-/// - prompt rows, the first n_tok - n_decode: x rounded to f16, the weights dequantized to f16
-///   in chunks of rows, and a tensor-core GEMM of our own (f32 accumulation in a fixed k order,
-///   each output element the same instructions whatever the row count; cuBLAS picks algorithms
-///   by shape, so it is not used). F32 weights: prompt rows take the GEMV too (f32 activations,
-///   as the CPU path; the kinds then compute alike).
+/// - prompt rows, the first n_tok - n_decode: x rounded to f16 and a tensor-core GEMM of our own
+///   (f32 accumulation in a fixed k order, each output element the same instructions whatever
+///   the row count; cuBLAS picks algorithms by shape, so it is not used): the mma.sync GEMM
+///   decoding weight groups in shared memory (n_in a multiple of 64, compute capability 8.0+,
+///   detail::moe_gemm_mma), else a WMMA GEMM on weights dequantized to f16 in chunks of rows. F32
+///   weights: prompt rows take the GEMV too (f32 activations, as the CPU path; the kinds then
+///   compute alike).
 /// With `invariant` false, prompt rows take cuBLAS instead, F32 weights' too (cublasGemmEx on
 /// f16 copies, f32 accumulation: faster, but its algorithm, tiles and split-K follow the shape, so
 /// a prompt row's bits may change with the number of rows; for a session of one sequence, where no
