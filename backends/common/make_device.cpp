@@ -1,8 +1,10 @@
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "berth/backends/device.h"
 #include "berth/core/error.h"
@@ -34,6 +36,7 @@ SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec)
   o.unified = true;
   size_t comma = text.find(',');
   o.capacity_bytes = parse_capacity(text.substr(0, comma), spec);
+  std::vector<std::string_view> seen;  // keys given so far: each at most once
   while (comma != std::string_view::npos) {
     text = text.substr(comma + 1);
     comma = text.find(',');
@@ -46,11 +49,23 @@ SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec)
                               "gpu_gbps, cpu_gbps, gpu_tflops, cpu_tflops, pageable)",
                               spec, item));
     const std::string_view value = item.substr(eq + 1);
-    if (key == "available")
+    if (std::find(seen.begin(), seen.end(), key) != seen.end())
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("device '{}': '{}' is given twice", spec, key));
+    seen.push_back(key);
+    if (key == "available") {
       o.os_available_bytes = parse_capacity(value, spec);
-    else if (key == "free")
+      if (o.os_available_bytes == 0)
+        throw Error(ErrorCategory::invalid_argument,
+                    fmt::format("device '{}': available={} must be more than 0 (leave the key out "
+                                "for the whole board)",
+                                spec, value));
+    } else if (key == "free") {
       o.reported_free_bytes = parse_capacity(value, spec);
-    else if (key == "gpu_gbps")
+      if (o.reported_free_bytes == 0)
+        throw Error(ErrorCategory::invalid_argument,
+                    fmt::format("device '{}': free={} must be more than 0", spec, value));
+    } else if (key == "gpu_gbps")
       o.gpu_gbps = parse_rate(key, value, spec);
     else if (key == "cpu_gbps")
       o.cpu_gbps = parse_rate(key, value, spec);
@@ -72,6 +87,10 @@ SimDeviceOptions parse_unified_sim(std::string_view text, std::string_view spec)
   if (o.capacity_bytes == 0)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("device '{}': the board's memory must be more than 0", spec));
+  if (o.reported_free_bytes > o.capacity_bytes)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("device '{}': free={} bytes is more than the board's {} bytes", spec,
+                            o.reported_free_bytes, o.capacity_bytes));
   if (o.os_available_bytes > o.capacity_bytes)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("device '{}': available={} bytes is more than the board's {} bytes",

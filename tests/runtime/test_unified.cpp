@@ -150,6 +150,12 @@ TEST_CASE("unified: the simulated board's spec") {
   expect_error(inv, [] { parse_unified_sim("8G,pageable=yes", "u"); }, {"pageable=yes", "0 or 1"});
   expect_error(inv, [] { parse_unified_sim("8G,gpu_gbps=-3", "u"); }, {"gpu_gbps=-3"});
   expect_error(inv, [] { make_device("unified:0"); }, {"more than 0"});
+  expect_error(inv, [] { parse_unified_sim("8G,available=0", "u"); },
+               {"available=0", "more than 0"});
+  expect_error(inv, [] { parse_unified_sim("8G,free=9G", "u"); }, {"free=", "board"});
+  expect_error(inv, [] { parse_unified_sim("8G,free=0", "u"); }, {"free=0", "more than 0"});
+  expect_error(inv, [] { parse_unified_sim("8G,available=6G,available=5G", "u"); },
+               {"'available'", "twice"});
 }
 
 TEST_CASE("unified: weights held once, read in place by the device, the same bits") {
