@@ -1,7 +1,8 @@
 // berth: run LLMs whose weights do not fit in GPU memory.
 //
 // Exit codes: 0 success; 1 an error in the input or the run (one line on stderr, naming what
-// and where); 2 bad command-line usage.
+// and where); 2 bad command-line usage: CLI11's parse errors and berth::Error of category usage
+// (a bad value of an environment variable the CLI reads, such as BERTH_SIM_DEVICE).
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
@@ -122,7 +123,7 @@ int main(int argc, char** argv) {
     }
     return 2;
   } catch (const berth::Error& e) {
-    return fail(e.what(), 1);
+    return fail(e.what(), e.category() == berth::ErrorCategory::usage ? 2 : 1);
   } catch (const std::bad_alloc&) {
     return fail("out of memory", 1);
   } catch (const std::exception& e) {

@@ -138,10 +138,17 @@ std::unique_ptr<Device> default_device() {
   // suites run the same on a GPU machine).
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
     const std::string_view spec(sim);
-    if (spec.substr(0, 8) == "unified:")
-      return make_sim_device(
-          parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + std::string(spec)));
-    return make_sim_device(placement::parse_size(sim, "BERTH_SIM_DEVICE"));
+    // A bad value is bad usage of the command's environment (Error(usage): exit 2), not a bad
+    // input file or run.
+    try {
+      if (spec.substr(0, 8) == "unified:")
+        return make_sim_device(
+            parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + std::string(spec)));
+      return make_sim_device(placement::parse_size(sim, "BERTH_SIM_DEVICE"));
+    } catch (const Error& e) {
+      if (e.category() != ErrorCategory::invalid_argument) throw;
+      throw Error(ErrorCategory::usage, e.what());
+    }
   }
   if (cuda_available()) return make_cuda_device(0);
   return nullptr;

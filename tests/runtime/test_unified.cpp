@@ -158,6 +158,25 @@ TEST_CASE("unified: the simulated board's spec") {
                {"'available'", "twice"});
 }
 
+TEST_CASE("unified: a malformed BERTH_SIM_DEVICE is a usage error (exit 2) naming the value") {
+  const std::string model = test::shell_quote(moe_file());
+  for (const char* sim : {"unified:8G,fast=1", "unified:lots", "unified:8G,available=9G", "lots"})
+    for (const char* cmd : {" plan -m ", " run -p hi -n 1 -m "}) {
+      CAPTURE(sim);
+      CAPTURE(cmd);
+      const test::CommandResult r = test::run_command("BERTH_SIM_DEVICE=" + test::shell_quote(sim) +
+                                                      " " + test::berth_bin() + cmd + model);
+      CHECK(r.exit_code == 2);
+      CHECK(r.err.rfind("berth: error: ", 0) == 0);
+      CHECK(r.err.find("BERTH_SIM_DEVICE") != std::string::npos);
+    }
+  // default_device() reports it as Error(usage), the category the CLI exits 2 for.
+  ::setenv("BERTH_SIM_DEVICE", "unified:8G,fast=1", 1);
+  test::expect_error(ErrorCategory::usage, [] { (void)default_device(); },
+                     {"unified:8G,fast=1", "unknown setting 'fast'"});
+  ::unsetenv("BERTH_SIM_DEVICE");
+}
+
 TEST_CASE("unified: weights held once, read in place by the device, the same bits") {
   gguf::File file = gguf::File::open(moe_file());
   auto model = load_model(file);

@@ -18,6 +18,7 @@ enum class ErrorCategory {
   missing,           ///< a required metadata key or tensor is absent
   unsupported,       ///< valid input berth cannot run (architecture, tensor type, feature)
   invalid_argument,  ///< a caller or user passed a bad value (flag, request field, shape)
+  usage,             ///< bad usage of the command line or its environment (BERTH_SIM_DEVICE)
   out_of_memory,     ///< an allocation failed (host or device)
   internal,          ///< a bug in berth: an invariant did not hold
 };
@@ -39,14 +40,15 @@ class Error : public std::runtime_error {
 
 /// Throws Error(internal) with the file and line when `cond` is false. For invariants that
 /// would otherwise corrupt memory; cheap enough for load paths, not for inner loops.
-#define BERTH_CHECK(cond, ...)                                                              \
-  do {                                                                                      \
-    if (!(cond))                                                                            \
+#define BERTH_CHECK(cond, ...)                                                                     \
+  do {                                                                                             \
+    if (!(cond))                                                                                   \
       ::berth::detail::check_failed(#cond, __FILE__, __LINE__, ::berth::detail::msg(__VA_ARGS__)); \
   } while (0)
 
 namespace detail {
-[[noreturn]] void check_failed(const char* cond, const char* file, int line, const std::string& msg);
+[[noreturn]] void check_failed(const char* cond, const char* file, int line,
+                               const std::string& msg);
 inline std::string msg() { return {}; }
 inline std::string msg(std::string s) { return s; }
 }  // namespace detail

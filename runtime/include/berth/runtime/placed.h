@@ -37,7 +37,7 @@ struct PlacementSetup {
 /// size (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU), or
 /// with BERTH_SIM_DEVICE=unified:SIZE[,KEY=VALUE...] a simulated unified-memory board
 /// (parse_unified_sim in backends/device.h: e.g. "unified:128G" for a GB10,
-/// "unified:8G,available=6G" for an Orin 8 GB); else none. Throws Error(invalid_argument) for a
+/// "unified:8G,available=6G" for an Orin 8 GB); else none. Throws Error(usage) for a
 /// bad BERTH_SIM_DEVICE.
 std::unique_ptr<Device> default_device();
 
