@@ -414,9 +414,9 @@ void add_disk_tier(const Request& req, Plan& plan) {
   plan.how += fmt::format("; disk tier: {} RAM expert slots per MoE layer", c);
 }
 
-}  // namespace
-
-Plan make_plan(const Request& req) {
+// make_plan with the routed experts of the first `auto_cpu_moe` layers pinned to the CPU as
+// --n-cpu-moe would (the unified automatic plan's fallback: see make_plan).
+Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
   if (n_layer < 0) bad(fmt::format("placement request: n_layer {} is negative", n_layer));
@@ -521,7 +521,8 @@ Plan make_plan(const Request& req) {
           ot_pinned[i] = true;
           break;
         }
-      if (!pin[i] && t.routed_expert() && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
+      if (!pin[i] && t.routed_expert() && t.layer >= 0 &&
+          (f.cpu_moe || t.layer < std::max(f.n_cpu_moe, auto_cpu_moe)))
         pin[i] = Home::cpu;
     }
 
@@ -650,8 +651,14 @@ Plan make_plan(const Request& req) {
           if (try_place(*c.u)) ++on_gpu;
         }
         plan.how += fmt::format(
-            " (unified memory, cost model: the GPU computes {} of {} units{})", on_gpu, cand.size(),
-            cpu_faster > 0 ? fmt::format(", the CPU is faster for {}", cpu_faster) : "");
+            " (unified memory, cost model: the GPU computes {} of {} units{}{})", on_gpu,
+            cand.size(),
+            cpu_faster > 0 ? fmt::format(", the CPU is faster for {}", cpu_faster) : "",
+            auto_cpu_moe > f.n_cpu_moe
+                ? fmt::format("; the CPU computes the routed experts of the first {} layers, as "
+                              "--n-cpu-moe {}, so that the pool holds them in the disk tier",
+                              auto_cpu_moe, auto_cpu_moe)
+                : "");
       } else if (budget >= overhead + pinned_gpu) {
         size_t all_attn = out_norm.bytes;
         for (const Unit& u : attn) all_attn += u.bytes;
@@ -767,6 +774,18 @@ Plan make_plan(const Request& req) {
   if (req.has_device) {
     plan.budget_bytes =
         std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
+    // A budget above what there is is capped, not silently: on unified memory the pool (which
+    // place() passes as the device's free memory), else the device's free memory.
+    if (f.vram_budget && *f.vram_budget > req.device_free_bytes)
+      note(unified ? fmt::format("--vram-budget {} is more than the unified pool of {} (the {} "
+                                 "the OS reports available minus a margin of {}): the GPU's "
+                                 "side is capped at the pool",
+                                 mib(*f.vram_budget), mib(req.device_free_bytes),
+                                 mib(req.os_available_bytes), mib(req.pool_margin_bytes))
+                   : fmt::format("--vram-budget {} is more than the {} free on {}: the budget "
+                                 "is capped at {}",
+                                 mib(*f.vram_budget), mib(req.device_free_bytes), req.device_name,
+                                 mib(req.device_free_bytes)));
   }
   if (any_gpu) {
     plan.scratch_bytes = req.scratch_bytes;
@@ -813,6 +832,30 @@ Plan make_plan(const Request& req) {
   const size_t pool_left = req.pool_bytes > gpu_side ? req.pool_bytes - gpu_side : size_t{0};
   Request cpu_side = req;
   cpu_side.ram_budget_bytes = std::min(req.ram_budget_bytes, pool_left);
+  // An explicit --ram-budget above what the pool leaves the CPU is capped, not silently.
+  if (f.ram_budget) {
+    const std::string gpu =
+        fmt::format("what the GPU's side ({}) leaves of the pool", mib(gpu_side));
+    const size_t ram = *f.ram_budget;
+    if (ram == kNoRamBudget)
+      note(
+          fmt::format("--ram-budget none: on unified memory the CPU's side is still capped at "
+                      "{}, {} of {}",
+                      mib(pool_left), gpu, mib(req.pool_bytes)));
+    else if (ram > req.pool_bytes)
+      note(
+          fmt::format("--ram-budget {} is more than the unified pool of {}: the CPU's side is "
+                      "capped at {}, {}",
+                      mib(ram), mib(req.pool_bytes), mib(pool_left), gpu));
+    else if (f.vram_budget && *f.vram_budget + ram > req.pool_bytes)
+      note(
+          fmt::format("--vram-budget {} and --ram-budget {} add up to more than the unified "
+                      "pool of {} they both draw on: the CPU's side gets at most {} ({})",
+                      mib(*f.vram_budget), mib(ram), mib(req.pool_bytes), gpu, mib(pool_left)));
+    else if (ram > pool_left)
+      note(fmt::format("--ram-budget {} is more than {} ({}): the CPU's side is capped at it",
+                       mib(ram), gpu, mib(pool_left)));
+  }
   try {
     add_disk_tier(cpu_side, plan);
   } catch (const Error& e) {
@@ -843,6 +886,39 @@ Plan make_plan(const Request& req) {
                             mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
                             unified_terms(req, plan), describe_flags(f)));
   return plan;
+}
+
+}  // namespace
+
+Plan make_plan(const Request& req) {
+  try {
+    return make_plan_once(req, 0);
+  } catch (const Error& e) {
+    // Unified memory, automatic plan: the greedy fill gives the GPU's side units up to the pool,
+    // which can leave the CPU's side no room for the disk tier's RAM slots. Before refusing,
+    // the CPU computes the routed experts of the first N layers (as --n-cpu-moe N: they go to
+    // the disk tier), for the smallest N that fits; N = n_layer is what --cpu-moe plans.
+    const Flags& f = req.flags;
+    if (e.category() != ErrorCategory::out_of_memory || !req.unified || !req.has_device ||
+        f.n_gpu_layers >= 0 || f.cpu_moe)
+      throw;
+    std::vector<bool> has_exps(static_cast<size_t>(std::max(req.n_layer, 0)), false);
+    for (const TensorEntry& t : req.tensors)
+      if (t.routed_expert() && t.layer >= 0) has_exps[static_cast<size_t>(t.layer)] = true;
+    for (int32_t n = std::max(f.n_cpu_moe, 0) + 1; n <= req.n_layer; ++n) {
+      if (!has_exps[static_cast<size_t>(n - 1)]) continue;  // the same plan as n - 1
+      try {
+        return make_plan_once(req, n);
+      } catch (const Error& again) {
+        if (again.category() != ErrorCategory::out_of_memory) throw;
+      }
+    }
+    if (std::none_of(has_exps.begin(), has_exps.end(), [](bool b) { return b; })) throw;
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("{}; nor does it fit with the routed experts of any number of layers "
+                            "computed by the CPU from the disk tier (--n-cpu-moe N, --cpu-moe)",
+                            e.what()));
+  }
 }
 
 }  // namespace berth::placement

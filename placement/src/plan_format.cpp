@@ -159,10 +159,15 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
     out += fmt::format("{:<6} {:>14} {:>14.3f} {:>14} {:>14} {:>14} {:>14.3f} {:>14.3f}\n", "RAM",
                        "-", to_mib(plan.ram_slot_bytes), "-", "-", "-", to_mib(plan.ram_total()),
                        to_mib(plan.ram_budget_bytes == kNoRamBudget ? 0 : plan.ram_budget_bytes));
+    // Unified memory: the weights the GPU computes are neither in VRAM nor among the CPU's; they
+    // are held once in host memory.
     out += fmt::format(
-        "tiers: VRAM {:.3f} MiB, RAM {:.3f} MiB (CPU weights, KV cache, RAM expert slots), disk "
+        "tiers: VRAM {:.3f} MiB, {}RAM {:.3f} MiB (CPU weights, KV cache, RAM expert slots), disk "
         "{:.3f} MiB (routed experts read on demand{})\n",
         to_mib(plan.unified ? 0 : plan.gpu_weight_bytes + plan.slot_bytes),
+        plan.unified ? fmt::format("host memory {:.3f} MiB (GPU-computed weights, held once), ",
+                                   to_mib(plan.gpu_weight_bytes))
+                     : std::string(),
         to_mib(plan.ram_total()), to_mib(plan.disk_weight_bytes),
         plan.ram_slots > 0 ? fmt::format(", {} RAM slots per MoE layer", plan.ram_slots) : "");
   }
@@ -232,6 +237,7 @@ std::string plan_json(const Request& req, const Plan& plan) {
   j["moe_layers"] = std::move(moe);
   j["tiers"] = {
       {"vram_bytes", plan.unified ? size_t{0} : plan.gpu_weight_bytes + plan.slot_bytes},
+      {"gpu_computed_host_bytes", plan.unified ? plan.gpu_weight_bytes : size_t{0}},
       {"ram_bytes", plan.ram_total()},
       {"disk_bytes", plan.disk_weight_bytes},
       {"ram_budget_bytes",

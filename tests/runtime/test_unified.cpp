@@ -64,6 +64,31 @@ std::string sparse_27b() {
   return path.string();
 }
 
+// Qwen3-30B-A3B's shape in q4_k (~16 GiB, 15 GiB of it routed experts), written sparse: plans.
+std::string sparse_30b() {
+  SynthSpec spec = synth_preset("qwen3-30b-a3b");
+  spec.type = "q4_k";
+  spec.sparse = true;
+  const auto path = test::temp_dir("unified") / "qwen3-30b-a3b-q4_k-sparse.gguf";
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
+  return path.string();
+}
+
+test::CommandResult berth_with(const std::string& sim, const std::string& args) {
+  return test::run_command("BERTH_SIM_DEVICE=" + test::shell_quote(sim) + " " + test::berth_bin() +
+                           " " + args);
+}
+
+bool has(const std::string& text, const std::string& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+bool any_note(const nlohmann::json& j, const std::string& needle) {
+  for (const auto& n : j["notes"])
+    if (has(n.get<std::string>(), needle)) return true;
+  return false;
+}
+
 // A session placed by place() on the device BERTH_SIM_DEVICE names, with `flags`; runs 16
 // greedy steps. Reports the device's memory in use after them and what Residency uploaded.
 struct Placed {
@@ -341,4 +366,77 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
   CHECK(err.find("40960.0 MiB the OS reports available") != std::string::npos);
   CHECK(err.find("the device reports 131072.0 MiB free") != std::string::npos);
   std::filesystem::remove(model);  // a hole, but 54 GB as ls sees it
+}
+
+TEST_CASE("unified: the automatic plan moves routed experts to the disk tier before refusing") {
+  const std::string model = sparse_30b();
+  int rc = 0;
+  std::string err;
+  // Orin 8 GB without pageable access: the greedy fill alone gives the GPU's side the whole
+  // pool and leaves no room for RAM expert slots; --cpu-moe fits, so the automatic plan must.
+  nlohmann::json j = plan_json("unified:8G,pageable=0", model, "", &rc, &err);
+  INFO(err);
+  REQUIRE(rc == 0);
+  CHECK(j["unified"]["total_bytes"].get<size_t>() <= j["unified"]["pool_bytes"].get<size_t>());
+  CHECK(j["tiers"]["ram_slots"].get<int>() >= 1);
+  CHECK(j["tiers"]["disk_bytes"].get<size_t>() > 0);
+  CHECK(has(j["how"].get<std::string>(), "as --n-cpu-moe"));
+  // Where it fits as it is, the plan does not change (16 GB: the greedy fill's own disk tier).
+  j = plan_json("unified:16G", model, "", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK_FALSE(has(j["how"].get<std::string>(), "--n-cpu-moe"));
+  CHECK(j["tiers"]["ram_slots"].get<int>() == 4);
+  // A board too small for any of it: refused, naming the alternatives it tried.
+  j = plan_json("unified:2G", model, "", &rc, &err);
+  CHECK(rc == 1);
+  CHECK(has(err, "the pool is 1024.0 MiB"));
+  CHECK(has(err, "--cpu-moe"));
+}
+
+TEST_CASE("unified: budgets above the pool are capped with a note naming the value and the pool") {
+  const std::string model = sparse_30b();
+  int rc = 0;
+  std::string err;
+  nlohmann::json j = plan_json("unified:16G", model, " --vram-budget 40G", &rc, &err);
+  INFO(err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j, "--vram-budget 40960.0 MiB is more than the unified pool of 15360.0 MiB"));
+  j = plan_json("unified:16G", model, " --ram-budget 1T", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j, "--ram-budget 1048576.0 MiB is more than the unified pool of 15360.0 MiB"));
+  j = plan_json("unified:16G", model, " --vram-budget 10G --ram-budget 10G", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j,
+                 "--vram-budget 10240.0 MiB and --ram-budget 10240.0 MiB add up to more "
+                 "than the unified pool of 15360.0 MiB"));
+  j = plan_json("unified:16G", model, " --ram-budget none", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j, "--ram-budget none: on unified memory the CPU's side is still capped"));
+  // Budgets within the pool: no note.
+  j = plan_json("unified:16G", model, " --vram-budget 8G --ram-budget 4G", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK_FALSE(any_note(j, "more than"));
+  // The discrete case says the same of a --vram-budget above the device's free memory.
+  j = plan_json("1G", moe_file(), " --vram-budget 4G", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j, "--vram-budget 4096.0 MiB is more than the 1024.0 MiB free on SIM0"));
+}
+
+TEST_CASE("unified: the tiers line counts the weights the GPU computes from host memory") {
+  const std::string model = sparse_30b();
+  const test::CommandResult r = berth_with("unified:16G", "plan -m " + test::shell_quote(model));
+  REQUIRE(r.exit_code == 0);
+  CHECK(has(r.out,
+            "tiers: VRAM 0.000 MiB, host memory 14152.648 MiB (GPU-computed weights, held "
+            "once), RAM 71.203 MiB"));
+  int rc = 0;
+  std::string err;
+  const nlohmann::json j = plan_json("unified:16G", model, "", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(j["tiers"]["gpu_computed_host_bytes"] == j["unified"]["gpu_computes_bytes"]);
+  CHECK(j["tiers"]["gpu_computed_host_bytes"].get<size_t>() > 0);
+  const nlohmann::json d = plan_json("1G", moe_file(), "", &rc, &err);
+  REQUIRE(rc == 0);
+  CHECK(d["tiers"]["gpu_computed_host_bytes"] == 0);
+  std::filesystem::remove(model);
 }

@@ -246,6 +246,12 @@ Plan make_plan(const Request& req);
 /// below), and everything pool_bytes: otherwise Error(out_of_memory) naming every term
 /// (weights held once and who computes them, both KV caches, scratch, margin, RAM slots, the
 /// OS's available memory, the pool's margin, the device's own report), before anything loads.
+/// An automatic plan (no -ngl, no --cpu-moe) that does not fit is planned again with the routed
+/// experts of the first N layers pinned to the CPU as --n-cpu-moe N (they go to the disk tier),
+/// for the smallest N that fits (N = n_layer: --cpu-moe's plan); a plan that fits the first time
+/// is unchanged. A --vram-budget above the pool (discrete: above the device's free memory) and
+/// an explicit --ram-budget above what the GPU's side leaves of the pool are capped with a note
+/// naming the value and the cap.
 ///
 /// Disk tier (Request::ram_budget_bytes): when cpu weights + CPU KV cache exceed the budget,
 /// the CPU-held routed-expert tensors of every MoE layer whose three stacked expert tensors are
@@ -272,11 +278,13 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "slots", "home", "ram_slots",
 /// "experts_on_disk"}...] (home of its expert tensors; experts_on_gpu = n_expert on the GPU,
 /// else its slots; experts_on_disk = n_expert - ram_slots for a tiered layer, else 0),
-/// "tiers": {"vram_bytes", "ram_bytes", "disk_bytes", "ram_budget_bytes" (null: none),
-/// "ram_slots"}, "unified": null or {"pool_bytes", "os_available_bytes", "pool_margin_bytes",
-/// "device_reported_free_bytes", "total_bytes" (Plan::pool_total), "weights_bytes" (held once),
-/// "gpu_computes_bytes", "cpu_computes_bytes"}}; "GPU" (with "slot_bytes") is absent when the
-/// request has no device. On unified memory "vram_bytes" is 0 (no weight is copied).
+/// "tiers": {"vram_bytes", "gpu_computed_host_bytes" (unified memory: the weights the GPU
+/// computes, held once in host memory; else 0), "ram_bytes", "disk_bytes", "ram_budget_bytes"
+/// (null: none), "ram_slots"}, "unified": null or {"pool_bytes", "os_available_bytes",
+/// "pool_margin_bytes", "device_reported_free_bytes", "total_bytes" (Plan::pool_total),
+/// "weights_bytes" (held once), "gpu_computes_bytes", "cpu_computes_bytes"}}; "GPU" (with
+/// "slot_bytes") is absent when the request has no device. On unified memory "vram_bytes" is 0 (no
+/// weight is copied).
 std::string plan_json(const Request& req, const Plan& plan);
 
 }  // namespace berth::placement
