@@ -75,36 +75,6 @@ bool wait_signal(int ms) {
   return true;
 }
 
-// -c not given: the model's context_length, lowered so that the KV cache (f32 K and V on the
-// CPU) takes at most half of the memory left beside the model file and the slots' recurrent
-// state (hybrid models).
-int64_t default_context(const Model& model, uint64_t file_bytes, int32_t n_slots) {
-  const Hparams& hp = model.hparams();
-  int64_t n = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
-  size_t per_token = 0, per_slot = 0;  // per_slot: recurrent layers' state (Qwen3.5)
-  for (const KvLayer& l : model.kv_layers()) {
-    per_token += static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
-    per_slot += static_cast<size_t>(l.conv_dim + l.ssm_dim) * sizeof(float);
-  }
-  const size_t phys = physical_memory_bytes();
-  if (per_token > 0 && phys > 0) {
-    const size_t fixed = file_bytes + per_slot * static_cast<size_t>(n_slots);
-    const size_t left = phys > fixed ? phys - fixed : 0;
-    const int64_t fit = static_cast<int64_t>(left / 2 / per_token);
-    if (fit < n) {
-      const int64_t lowered = std::max<int64_t>(fit / 256 * 256, 2 * n_slots);
-      log::warn(
-          "-c not given: the model's context_length {} lowered to {} tokens, so that the KV "
-          "cache ({:.1f} MiB) takes at most half of the {:.1f} MiB of memory left beside the "
-          "model file",
-          n, lowered, static_cast<double>(lowered * static_cast<int64_t>(per_token)) / (1 << 20),
-          static_cast<double>(left) / (1 << 20));
-      n = lowered;
-    }
-  }
-  return n;
-}
-
 /// A loaded model behind a listening server (what `serve` and `bench serve` run).
 class RunningServer {
  public:
@@ -139,7 +109,16 @@ class RunningServer {
     mc.n_layer = hp.n_layer;
     mc.file_size = file_.file_size();
 
-    int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_context(*model_, file_.file_size(), o.n_slots);
+    // The device first: the default context is sized by the memory the plan draws on (the
+    // unified pool on unified memory).
+    std::unique_ptr<Device> device = placement_device(o.placement);
+    int64_t n_ctx = o.n_ctx;
+    if (n_ctx <= 0) {
+      std::string note;
+      n_ctx = default_serve_context(*model_, file_.file_size(), o.n_slots, device.get(),
+                                    o.placement, &note);
+      if (!note.empty()) log::warn("{}", note);
+    }
     if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs "
@@ -151,7 +130,7 @@ class RunningServer {
     params.n_ctx = n_ctx;
     params.hybrid.stream_experts_min_tokens = o.stream_min;
     params.hybrid.host_expert_share = o.host_expert_share;
-    placed_ = place(*model_, o.placement, params, true);
+    placed_ = place(*model_, o.placement, params, true, false, std::move(device));
     use_disk_tier(file_, *model_, placed_.plan, params);
     params.hybrid.warm_workers_us = o.warm_workers_us;
     for (const std::string& note :
@@ -247,9 +226,11 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
                   "-np: slots, each serving one request at a time with -c / -np tokens of context")
       ->capture_default_str()
       ->check(range(1, 256));
-  sub->add_option("-c,--ctx-size", o.n_ctx,
-                  "total context in tokens, split evenly over the slots (0: the model's "
-                  "context_length, lowered to what memory holds)")
+  sub->add_option(
+         "-c,--ctx-size", o.n_ctx,
+         "total context in tokens, split evenly over the slots (0: the model's "
+         "context_length, lowered to what memory holds: on unified memory the pool the plan "
+         "uses)")
       ->capture_default_str()
       ->check(range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o.session.n_ubatch,

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/residency/residency.h"
@@ -154,13 +155,116 @@ std::unique_ptr<Device> default_device() {
   return nullptr;
 }
 
+namespace {
+
+// The flags give the GPU something to compute: -ngl other than 0, or an -ot rule naming it.
+bool flags_want_gpu(const placement::Flags& flags) {
+  bool wants = flags.n_gpu_layers != 0;
+  for (const auto& [re, dev] : flags.overrides)
+    if (dev != "CPU" && dev != "cpu") wants = true;
+  return wants;
+}
+
+// Unified memory as place() decides it, for plan, run and serve alike: on for `device` (null:
+// none, or with `has_device` a GPU planned for by --vram-budget) when the flags give the GPU
+// something to compute (with -ngl 0 and no -ot rule naming it, unified mode changes nothing,
+// whether or not a device was opened: plan opens it to show it, run and serve do not) and
+// --unified is on, or auto on a device that says it shares the host's memory. Then one pool:
+// the OS's available memory minus the margin (at most the board's memory), not what the device
+// reports free (on such boards cudaMemGetInfo counts the page cache as used).
+struct UnifiedPool {
+  bool unified = false;
+  size_t os_available = 0, pool = 0;
+};
+
+UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bool has_device) {
+  UnifiedPool u;
+  const DeviceInfo dinfo = device ? device->info() : DeviceInfo{};
+  u.unified = has_device && flags_want_gpu(flags) &&
+              (flags.unified == placement::UnifiedMode::on ||
+               (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
+  if (!u.unified) return u;
+  u.os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : host_available_bytes();
+  u.pool = u.os_available > placement::kRamMargin ? u.os_available - placement::kRamMargin : 0;
+  // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
+  // weights in host memory, which its VRAM does not bound.
+  if (device && dinfo.unified) u.pool = std::min(u.pool, dinfo.total_bytes);
+  if (!device && flags.vram_budget) u.pool = std::min(u.pool, *flags.vram_budget);
+  return u;
+}
+
+// The smallest context the default of `serve` is lowered to; below it, a refusal.
+constexpr int64_t kMinDefaultContext = 256;
+
+}  // namespace
+
+std::unique_ptr<Device> placement_device(const placement::Flags& flags) {
+  return flags_want_gpu(flags) ? default_device() : nullptr;
+}
+
+int64_t default_serve_context(const Model& model, uint64_t file_bytes, int32_t n_slots,
+                              const Device* device, const placement::Flags& flags,
+                              std::string* note) {
+  const Hparams& hp = model.hparams();
+  const int64_t n = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
+  size_t per_token = 0, per_slot = 0;  // per_slot: recurrent layers' state (Qwen3.5)
+  for (const KvLayer& l : model.kv_layers()) {
+    per_token += static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
+    per_slot += static_cast<size_t>(l.conv_dim + l.ssm_dim) * sizeof(float);
+  }
+  // The memory the plan draws on: the unified pool, else this machine's memory. Beside the KV
+  // cache it holds the model file; on unified memory less the routed experts (the disk tier
+  // holds those the pool does not).
+  const UnifiedPool u = unified_pool(device, flags, device != nullptr);
+  const size_t memory = u.unified ? u.pool : physical_memory_bytes();
+  if (per_token == 0 || memory == 0) return n;
+  size_t weights = file_bytes;
+  if (u.unified) {
+    size_t exps = 0;
+    const graph::WeightTable& w = model.weights();
+    for (size_t i = 0; i < w.size(); ++i)
+      if (w.roles[i] == graph::WeightRole::routed_expert) exps += w.tensors[i].n_bytes;
+    weights = file_bytes > exps ? file_bytes - exps : 0;
+  }
+  const size_t fixed = weights + per_slot * static_cast<size_t>(std::max(n_slots, 1));
+  const size_t left = memory > fixed ? memory - fixed : 0;
+  const int64_t fit = static_cast<int64_t>(left / 2 / per_token);
+  if (fit >= n) return n;
+  const std::string terms = fmt::format(
+      "the KV cache ({:.1f} KiB per token: f32 K and V) takes at most half of the {:.1f} MiB of "
+      "{} ({:.1f} MiB) left beside {:.1f} MiB of {}{}",
+      static_cast<double>(per_token) / 1024, static_cast<double>(left) / (1 << 20),
+      u.unified ? "the unified pool" : "this machine's memory",
+      static_cast<double>(memory) / (1 << 20), static_cast<double>(weights) / (1 << 20),
+      u.unified ? "weights other than routed experts" : "the model file",
+      per_slot > 0 ? " and the slots' recurrent state" : "");
+  const int64_t lowered = fit / 256 * 256;
+  if (lowered < std::max<int64_t>(kMinDefaultContext, 2 * int64_t{std::max(n_slots, 1)}))
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("-c not given: the model's context_length {} cannot be lowered to a "
+                            "usable context ({} tokens at least): {}, which holds {} tokens; "
+                            "give -c N to ask for a context anyway (the plan says whether it "
+                            "fits)",
+                            n, kMinDefaultContext, terms, fit));
+  if (note)
+    *note = fmt::format(
+        "-c not given: the model's context_length {} lowered to {} tokens, so "
+        "that {}",
+        n, lowered, terms);
+  return lowered;
+}
+
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
                      bool progress_to_stderr, bool plan_only) {
+  return place(model, flags, params, progress_to_stderr, plan_only,
+               flags_want_gpu(flags) || plan_only ? default_device() : nullptr);
+}
+
+PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
+                     bool progress_to_stderr, bool plan_only, std::unique_ptr<Device> device) {
   PlacementSetup s;
-  bool wants_gpu = flags.n_gpu_layers != 0;
-  for (const auto& [re, dev] : flags.overrides)
-    if (dev != "CPU" && dev != "cpu") wants_gpu = true;
-  if (wants_gpu || plan_only) s.device = default_device();
+  s.device = std::move(device);
+  const bool wants_gpu = flags_want_gpu(flags);
   std::string device_name = s.device ? s.device->name() : std::string("GPU (--vram-budget)");
   size_t free_bytes = s.device ? s.device->free_bytes() : 0;
   bool has_device = s.device != nullptr;
@@ -180,21 +284,11 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
   // What unified memory says: (warn, text); a warning for a flag that cannot act.
   std::vector<std::pair<bool, std::string>> unified_msgs;
-  // Unified memory (--unified, or a device that says it shares the host's memory): one pool,
-  // the OS's available memory minus the margin (at most the board's memory), not what the
-  // device reports free (on such boards cudaMemGetInfo counts the page cache as used).
   const DeviceInfo dinfo = s.device ? s.device->info() : DeviceInfo{};
-  const bool unified =
-      has_device && (flags.unified == placement::UnifiedMode::on ||
-                     (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
-  size_t os_available = 0, pool = 0;
+  const UnifiedPool up = unified_pool(s.device.get(), flags, has_device);
+  const bool unified = up.unified;
+  const size_t os_available = up.os_available, pool = up.pool;
   if (unified) {
-    os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : host_available_bytes();
-    pool = os_available > placement::kRamMargin ? os_available - placement::kRamMargin : 0;
-    // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
-    // weights in host memory, which its VRAM does not bound.
-    if (s.device && dinfo.unified) pool = std::min(pool, dinfo.total_bytes);
-    if (!s.device && flags.vram_budget) pool = std::min(pool, *flags.vram_budget);
     unified_msgs.emplace_back(
         false,
         fmt::format(
@@ -207,7 +301,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
                 ? "pageableMemoryAccess 1: the file's pages in place"
                 : "pageableMemoryAccess 0: one page-locked copy, the file's pages released"));
   } else if (flags.unified == placement::UnifiedMode::on) {
-    unified_msgs.emplace_back(true, flags.n_gpu_layers == 0
+    unified_msgs.emplace_back(true, !wants_gpu
                                         ? "--unified on ignored: -ngl 0 puts nothing on the GPU"
                                         : "--unified on ignored: no GPU found");
   }
@@ -269,6 +363,8 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       notes.push_back(std::move(text));
     else if (warn)
       log::warn("{}", text);
+    else if (progress_to_stderr)  // run, serve: the line plan shows, where the load lines go
+      std::fprintf(stderr, "note: %s\n", text.c_str());
     else
       log::info("{}", text);
   }

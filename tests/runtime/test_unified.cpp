@@ -365,6 +365,21 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
   CHECK(err.find("pool is 39936.0 MiB") != std::string::npos);
   CHECK(err.find("40960.0 MiB the OS reports available") != std::string::npos);
   CHECK(err.find("the device reports 131072.0 MiB free") != std::string::npos);
+
+  // serve's default context on the GB10: from the pool (127 GiB beside ~51 GiB of weights), not
+  // from this machine's memory (which does not even hold the file: it gave 2 tokens).
+  {
+    gguf::File file = gguf::File::open(model);
+    auto m = load_model(file);
+    placement::Flags flags;
+    ::setenv("BERTH_SIM_DEVICE", "unified:128G", 1);
+    std::unique_ptr<Device> dev = placement_device(flags);
+    ::unsetenv("BERTH_SIM_DEVICE");
+    std::string note;
+    CHECK(default_serve_context(*m, file.file_size(), 1, dev.get(), flags, &note) ==
+          m->hparams().n_ctx_train);
+    CHECK(note.empty());
+  }
   std::filesystem::remove(model);  // a hole, but 54 GB as ls sees it
 }
 
@@ -420,6 +435,78 @@ TEST_CASE("unified: budgets above the pool are capped with a note naming the val
   j = plan_json("1G", moe_file(), " --vram-budget 4G", &rc, &err);
   REQUIRE(rc == 0);
   CHECK(any_note(j, "--vram-budget 4096.0 MiB is more than the 1024.0 MiB free on SIM0"));
+}
+
+TEST_CASE("unified: serve's default context comes from the pool the plan uses") {
+  const std::string path = sparse_30b();
+  gguf::File file = gguf::File::open(path);
+  auto model = load_model(file);
+  placement::Flags flags;
+  const auto context = [&](const std::string& sim, std::string* note) {
+    ::setenv("BERTH_SIM_DEVICE", sim.c_str(), 1);
+    std::unique_ptr<Device> dev = placement_device(flags);
+    ::unsetenv("BERTH_SIM_DEVICE");
+    return default_serve_context(*model, file.file_size(), 1, dev.get(), flags, note);
+  };
+  // A 2 GB board: a pool of 1 GiB beside ~0.85 GiB of weights other than routed experts leaves
+  // room for 402 tokens of f32 KV cache: 256 (this machine's own memory would give far more).
+  std::string note;
+  CHECK(context("unified:2G", &note) == 256);
+  CHECK(has(note, "context_length 40960 lowered to 256 tokens"));
+  CHECK(has(note, "the unified pool (1024.0 MiB)"));
+  // Below a usable context: a refusal naming the terms, not a context of 2 tokens.
+  test::expect_error(
+      ErrorCategory::out_of_memory, [&] { context("unified:1536M", nullptr); },
+      {"context_length 40960 cannot be lowered to a usable context", "the unified pool (512.0 MiB)",
+       "weights other than routed experts", "give -c N"});
+  const test::CommandResult r =
+      berth_with("unified:1536M", "serve --port 0 -m " + test::shell_quote(path));
+  CHECK(r.exit_code == 1);
+  CHECK(has(r.err, "cannot be lowered to a usable context"));
+  CHECK_FALSE(has(r.err, "listening"));
+  // A discrete device: this machine's memory beside the model file, as before (a tiny model:
+  // its context_length).
+  gguf::File tiny_file = gguf::File::open(moe_file());
+  auto tiny = load_model(tiny_file);
+  ::setenv("BERTH_SIM_DEVICE", "1G", 1);
+  std::unique_ptr<Device> dev = placement_device(flags);
+  ::unsetenv("BERTH_SIM_DEVICE");
+  note.clear();
+  CHECK(default_serve_context(*tiny, tiny_file.file_size(), 1, dev.get(), flags, &note) ==
+        tiny->hparams().n_ctx_train);
+  CHECK(note.empty());
+}
+
+TEST_CASE("unified: plan and run agree on -ngl 0, and run says when unified mode is on") {
+  const std::string model = test::shell_quote(moe_file());
+  const std::string gen = " -p hi -n 2 --temp 0 -c 64 -m " + model;
+  for (const std::string sim : {"2G", "unified:2G"}) {
+    CAPTURE(sim);
+    // -ngl 0: nothing computes on the GPU, so --unified on has no effect, in plan and run alike.
+    test::CommandResult plan = berth_with(sim, "plan -c 64 -ngl 0 --unified on -m " + model);
+    test::CommandResult run = berth_with(sim, "run -ngl 0 --unified on" + gen);
+    REQUIRE(plan.exit_code == 0);
+    REQUIRE(run.exit_code == 0);
+    const std::string ignored = "--unified on ignored: -ngl 0 puts nothing on the GPU";
+    CHECK(has(plan.out, ignored));
+    CHECK(has(run.err, ignored));
+    CHECK_FALSE(has(plan.out, "unified memory ("));
+    CHECK_FALSE(has(run.err, "unified memory ("));
+    // --unified auto on a unified board with -ngl 0: no unified plan either.
+    plan = berth_with(sim, "plan --json -c 64 -ngl 0 -m " + model);
+    REQUIRE(plan.exit_code == 0);
+    CHECK(nlohmann::json::parse(plan.out)["unified"].is_null());
+  }
+  // With the GPU computing, run prints the line plan shows.
+  const test::CommandResult plan = berth_with("unified:2G", "plan -c 64 -m " + model);
+  const test::CommandResult run = berth_with("unified:2G", "run" + gen);
+  REQUIRE(plan.exit_code == 0);
+  REQUIRE(run.exit_code == 0);
+  const std::string line =
+      "note: unified memory (detected): weights held once; SIM0 (unified) reads the weights it "
+      "computes in host memory (pageableMemoryAccess 1: the file's pages in place)";
+  CHECK(has(plan.out, line));
+  CHECK(has(run.err, line));
 }
 
 TEST_CASE("unified: the tiers line counts the weights the GPU computes from host memory") {

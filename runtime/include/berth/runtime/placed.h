@@ -49,7 +49,10 @@ std::unique_ptr<Device> default_device();
 /// weight_home and kv_home (device null
 /// when nothing is on it). Uploads happen when the Session is built; `progress_to_stderr` sets
 /// params.hybrid.progress to a progress bar on stderr (a bar on a terminal, one summary line
-/// otherwise). Throws what placement::make_plan throws (Error(out_of_memory) naming every term
+/// otherwise); on unified memory, where nothing is loaded to the device, it prints the
+/// "note: unified memory ..." line `berth plan` shows instead. Unified mode is decided here for
+/// plan, run and serve alike: never when nothing would be computed on the GPU (-ngl 0 and no -ot
+/// naming it). Throws what placement::make_plan throws (Error(out_of_memory) naming every term
 /// when the plan cannot fit).
 ///
 /// `plan_only` (`berth plan`): the device is opened whatever the flags (the plan shows it); with
@@ -59,6 +62,27 @@ std::unique_ptr<Device> default_device();
 /// bar is set.
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
                      bool progress_to_stderr, bool plan_only = false);
+/// place() for `device`, opened by the caller (placement_device(), or default_device() for
+/// plan_only) so that it can size things by the same device before planning.
+PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
+                     bool progress_to_stderr, bool plan_only, std::unique_ptr<Device> device);
+
+/// The device place() plans for when not plan_only: default_device() when `flags` give the GPU
+/// something to compute (-ngl other than 0, or an -ot rule naming it), else none.
+std::unique_ptr<Device> placement_device(const placement::Flags& flags);
+
+/// `berth serve`'s context when -c is not given: the model's context_length (4096 when it has
+/// none), lowered to a multiple of 256 so that the KV cache (f32 K and V) takes at most half of
+/// the memory the plan draws on left beside the weights: with `device` (placement_device()) on
+/// unified memory, as place() decides it, the unified pool beside the weights other than routed
+/// experts (the disk tier holds those); else this machine's physical memory beside the model
+/// file of `file_bytes`; the recurrent state of `n_slots` slots counts with the weights. Sets
+/// `note` (when not null) to a line saying what it lowered and why, else leaves it. Throws
+/// Error(out_of_memory) naming those terms when that leaves fewer than 256 tokens (or 2 per
+/// slot).
+int64_t default_serve_context(const Model& model, uint64_t file_bytes, int32_t n_slots,
+                              const Device* device, const placement::Flags& flags,
+                              std::string* note);
 
 /// The default --ram-budget: MemAvailable of /proc/meminfo minus placement::kRamMargin (0 when
 /// less is available), bytes.
