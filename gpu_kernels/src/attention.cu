@@ -40,6 +40,7 @@
 #include "launch.cuh"
 #include "matmul_internal.h"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace berth::gpu {
 namespace {
@@ -413,7 +414,12 @@ constexpr size_t pf_smem_bytes(int hd) {
   return static_cast<size_t>(kPfRows + 4 * pf_tile(hd)) * (hd + 8) * 2;
 }
 
-template <int HD>
+// kWg (head dims up to 128, sm_90a code only): S = Q K^T on wgmma (m64n64k16, Q's fragments
+// from registers, the K tile from shared memory in wgmma's core-matrix layout: 8 cache rows x 8
+// halves per 128 contiguous bytes, chunk c of 8 head dims at c * BC * 16 bytes), issued by the
+// whole block (one warpgroup) for every tile up to the block's last position; softmax and P V
+// stay per warp on mma.sync as above. An experiment against mma.sync (BERTH_ATTN_WGMMA=1).
+template <int HD, bool kWg>
 __global__ void __launch_bounds__(kPfWarps * 32)
     attention_prefill_mma_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
                                  const __half* __restrict__ v_cache,
@@ -423,6 +429,10 @@ __global__ void __launch_bounds__(kPfWarps * 32)
                                  float* __restrict__ out) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kWg) return;  // never chosen where this code runs (attn_wgmma_code_loaded)
+#endif
+  static_assert(!kWg || HD <= 128, "the wgmma variant takes tiles of 64 cache rows");
   constexpr int BC = pf_tile(HD);
   constexpr int STR = HD + 8;  // halves per shared row
   constexpr int NT = BC / 8;   // score tiles of 8 columns
@@ -489,6 +499,8 @@ __global__ void __launch_bounds__(kPfWarps * 32)
     int warp_max_pos = static_cast<int>(my_max);
     for (int o2 = 16; o2 > 0; o2 >>= 1)
       warp_max_pos = max(warp_max_pos, __shfl_xor_sync(0xffffffffu, warp_max_pos, o2));
+    __shared__ int warp_max[kPfWarps];
+    if (lane == 0) warp_max[warp] = warp_max_pos;
     int64_t n_kv = ext + 1;
     if (n_kv > n_ctx) n_kv = n_ctx;
     const int64_t base = static_cast<int64_t>(sq < 0 ? 0 : sq) * n_ctx;
@@ -506,13 +518,25 @@ __global__ void __launch_bounds__(kPfWarps * 32)
         const int64_t j = j0 + r;
         const bool valid = j < n_kv;
         const int64_t off = (valid ? j : 0) * kv_stride + col;
-        cp_async16(smem_addr(kd + r * STR + col), kc + off, valid);
+        if constexpr (kWg) {
+          // Core-matrix layout: lane pairs read 32 contiguous bytes of a row.
+          const int rk = (c >> 1) % BC, ck = 2 * ((c >> 1) / BC) + (c & 1);
+          const int64_t jk = j0 + rk;
+          const bool vk = jk < n_kv;
+          cp_async16(smem_addr(kd + ck * BC * 8 + rk * 8), kc + (vk ? jk : 0) * kv_stride + ck * 8,
+                     vk);
+        } else {
+          cp_async16(smem_addr(kd + r * STR + col), kc + off, valid);
+        }
         cp_async16(smem_addr(vd + r * STR + col), vc + off, valid);
       }
       cp_async_commit();
     };
 
     __syncthreads();  // the previous run's last tile is consumed
+    int block_max_pos = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kPfWarps; ++w) block_max_pos = max(block_max_pos, warp_max[w]);
     load(0, 0);
     for (int64_t it = 0; it < n_tiles; ++it) {
       if (it + 1 < n_tiles) {
@@ -521,31 +545,53 @@ __global__ void __launch_bounds__(kPfWarps * 32)
       } else {
         cp_async_wait<0>();
       }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+      if constexpr (kWg) fence_proxy_async();
+#endif
       __syncthreads();
       const int64_t j0 = it * BC;
+      const int buf = static_cast<int>(it & 1);
+      float s[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+      if constexpr (kWg) {
+        if (j0 <= block_max_pos) {  // uniform over the block: its one warpgroup issues it
+          static_assert(NT * 4 == 32, "m64n64 accumulators");
+          float* sd = &s[0][0];
+          const uint32_t kb = smem_addr(Ks + buf * BC * STR);
+          wg_pin<32>(sd);
+          wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < KD; ++kk)
+            wg_rs_m64n64k16(sd, qf[kk], wg_desc(kb + 2 * kk * BC * 16, BC * 16, 128));
+          wg_commit();
+          wg_wait0();
+          wg_pin<32>(sd);
+        }
+      }
+#endif
       if (j0 <= warp_max_pos) {
-        const int buf = static_cast<int>(it & 1);
         const uint32_t k_base = smem_addr(
             Ks + buf * BC * STR + ((lane >> 4) * 8 + (lane & 7)) * STR + ((lane >> 3) & 1) * 8);
         const uint32_t v_base = smem_addr(
             Vs + buf * BC * STR + (((lane >> 3) & 1) * 8 + (lane & 7)) * STR + (lane >> 4) * 8);
-        float s[NT][4];
+        if constexpr (!kWg) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+          for (int kk = 0; kk < KD; ++kk) {
+            uint32_t a[4];
+            if constexpr (kQInRegs) {
+              a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+            } else {
+              ldsm_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
+            }
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-          uint32_t a[4];
-          if constexpr (kQInRegs) {
-            a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
-          } else {
-            ldsm_x4(q_base + kk * 32, a[0], a[1], a[2], a[3]);
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; nt += 2) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4(k_base + (nt * 8 * STR + kk * 16) * 2, b0, b1, b2, b3);
-            mma_f16(s[nt], a, b0, b1);
-            mma_f16(s[nt + 1], a, b2, b3);
+            for (int nt = 0; nt < NT; nt += 2) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(k_base + (nt * 8 * STR + kk * 16) * 2, b0, b1, b2, b3);
+              mma_f16(s[nt], a, b0, b1);
+              mma_f16(s[nt + 1], a, b2, b3);
+            }
           }
         }
         // Causal mask and the online softmax of rows g (hr 0) and g + 8 (hr 1).
@@ -628,15 +674,20 @@ __global__ void __launch_bounds__(kPfWarps * 32)
 
 using PrefillKernel = void (*)(const float*, const __half*, const __half*, const int32_t*,
                                const int32_t*, int64_t, int64_t, int32_t, int32_t, float, float*);
-// The instance for a head dim, or null (the f32 kernel serves it).
-PrefillKernel prefill_kernel_for(int32_t head_dim) {
+// This file's sm_90a probe (wgmma.cuh).
+bool attn_wgmma_code_loaded() { return sm90a_code_loaded<2>(); }
+
+// The instance for a head dim, or null (the f32 kernel serves it); `wg`: the wgmma variant
+// (head dims 64 and 128).
+PrefillKernel prefill_kernel_for(int32_t head_dim, bool wg = false) {
   switch (head_dim) {
     case 64:
-      return attention_prefill_mma_kernel<64>;
+      return wg ? attention_prefill_mma_kernel<64, true> : attention_prefill_mma_kernel<64, false>;
     case 128:
-      return attention_prefill_mma_kernel<128>;
+      return wg ? attention_prefill_mma_kernel<128, true>
+                : attention_prefill_mma_kernel<128, false>;
     case 256:
-      return attention_prefill_mma_kernel<256>;
+      return attention_prefill_mma_kernel<256, false>;
     default:
       return nullptr;
   }
@@ -935,6 +986,11 @@ bool& attention_prefill_mma() {
   static bool v = !env_says_off("BERTH_ATTN_MMA");
   return v;
 }
+bool& attention_prefill_wgmma() {
+  static bool v = env_says_on("BERTH_ATTN_WGMMA");
+  return v;
+}
+bool attention_wgmma_runs() { return mma_kernels_available() && attn_wgmma_code_loaded(); }
 bool attention_prompt_on_mma(int32_t head_dim, bool caches_aligned) {
   return caches_aligned && prefill_kernel_for(head_dim) != nullptr && attention_prefill_mma() &&
          mma_kernels_available();
@@ -1031,7 +1087,9 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
   // Prompt rows: one split (fixed tiles from position 0 whatever the step), on tensor cores
   // where the head dim has an instance and the cache rows are 16-byte aligned.
   if (n_pre > 0) {
-    const PrefillKernel pk = prefill_kernel_for(head_dim);
+    const bool wg = detail::attention_prefill_wgmma() && head_dim <= 128 &&
+                    detail::attention_prompt_on_mma(head_dim, true) && attn_wgmma_code_loaded();
+    const PrefillKernel pk = prefill_kernel_for(head_dim, wg);
     if (detail::attention_prompt_on_mma(head_dim,
                                         reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
                                             reinterpret_cast<uintptr_t>(v_cache) % 16 == 0)) {

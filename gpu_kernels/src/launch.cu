@@ -80,6 +80,14 @@ bool env_says_off(const char* name) {
   return false;
 }
 
+bool env_says_on(const char* name) {
+  const char* e = std::getenv(name);
+  if (e)
+    for (const char* on : {"1", "true", "on", "yes"})
+      if (strcasecmp(e, on) == 0) return true;
+  return false;
+}
+
 void set_pdl(bool on) { pdl_setting().store(on ? 1 : 0); }
 
 bool pdl_enabled() {

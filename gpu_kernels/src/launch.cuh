@@ -35,6 +35,8 @@ __device__ __forceinline__ void pdl_enter() {
 /// True when the environment variable `name` is 0, false, off or no (any case); unset or any
 /// other value: false.
 bool env_says_off(const char* name);
+/// True when the environment variable `name` is 1, true, on or yes (any case).
+bool env_says_on(const char* name);
 
 /// Whether the current device has compute capability >= `major`.0 and runs code of this build
 /// compiled for a virtual architecture >= `major`.0 (a PTX JIT from an older target would run a

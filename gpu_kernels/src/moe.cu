@@ -12,7 +12,11 @@
 // a grouped tensor-core GEMM (f16 in / f32 accumulate, 64-row tiles, weights dequantized into
 // shared memory group by group: grouped_gemm_mma_kernel on mma.sync, or grouped_gemm_kernel on
 // WMMA where that does not apply) runs gate, then up with SwiGLU in its epilogue, then down. The
-// mma.sync kernel also serves matmul's invariant prompt rows as one group (dense_gemm_mma). Its
+// mma.sync kernel also serves matmul's invariant prompt rows as one group (dense_gemm_mma). With
+// moe_gemm_int8() (an experiment, off by default) the three GEMMs run on int8 tensor cores
+// instead (grouped_gemm_i8_kernel: h quantized per token, the SwiGLU output per pair row); with
+// moe_gemm_wgmma() (also an experiment) the f16 kernel's multiply runs on Hopper's wgmma
+// (grouped_gemm_wgmma_kernel). Both measured slower on the H200 (docs/performance.md). Its
 // grid is (n_out / 64) x (an upper bound on the tile count, ceil(P / 64) + n_expert); blocks past
 // the real tile count exit. The combine reads each pair's row in slot order. Everything is
 // deterministic: each output element is computed by one thread in a fixed order.
@@ -33,6 +37,7 @@
 #include "matmul_internal.h"
 #include "mma.cuh"
 #include "quant_blocks.cuh"
+#include "wgmma.cuh"
 
 namespace berth::gpu {
 namespace {
@@ -126,11 +131,27 @@ struct GemmArgs {
   const int32_t* tile_off;
   int n_expert;
   int dense_rows;
-  int mode;  // 0: C = result (f32); 1: act = f16(silu(G) * result)
+  int mode;  // 0: C = result (f32); 1: act = f16(silu(G) * result); 2: C = silu(G) * result
   float* C;
   const float* G;
   __half* act;
+  // The int8 kernel's A: rows of 8-bit activations (QAct), row m of the GEMM being row
+  // a_list[m] / a_div of Aq (a_list null: row m).
+  const int8_t* Aq;
+  const float4* Ameta;
+  const int32_t* a_list;
+  int a_div;
 };
+
+// Output element o of the tile epilogues, by mode.
+__device__ __forceinline__ void store_out(const GemmArgs& a, size_t o, float v) {
+  if (a.mode == 0)
+    a.C[o] = v;
+  else if (a.mode == 1)
+    a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+  else
+    a.C[o] = silu_f(a.G[o]) * v;
+}
 
 // Tile `tile` of the grouped GEMM: its expert e (the last whose first tile is <= tile, by
 // binary search over tile_off) and its pair rows [m0, m_end) (m_end: the expert's end; rows past
@@ -241,12 +262,7 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_kernel(GemmArgs a) 
     const int r = idx / kBN, c = idx % kBN;
     const int m = m0 + r, n = n0 + c;
     if (m >= m_end || n >= a.n_out) continue;
-    const size_t o = static_cast<size_t>(m) * a.n_out + n;
-    const float v = Cs[r][c];
-    if (a.mode == 0)
-      a.C[o] = v;
-    else
-      a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+    store_out(a, static_cast<size_t>(m) * a.n_out + n, Cs[r][c]);
   }
 }
 
@@ -378,15 +394,323 @@ __global__ void __launch_bounds__(kMmaThreads) grouped_gemm_mma_kernel(GemmArgs 
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           if (n + c >= a.n_out) continue;
-          const size_t o = static_cast<size_t>(m) * a.n_out + n + c;
-          const float v = acc[i][j][2 * hr + c];
-          if (a.mode == 0)
-            a.C[o] = v;
-          else
-            a.act[o] = __float2half_rn(silu_f(a.G[o]) * v);
+          store_out(a, static_cast<size_t>(m) * a.n_out + n + c, acc[i][j][2 * hr + c]);
         }
       }
     }
+#endif
+}
+
+// The grouped GEMM on int8 tensor cores (BERTH_MOE_INT8=1; quantized weights only; the same
+// tiles, warps and double buffering as grouped_gemm_mma_kernel). A is 8-bit activations with a
+// scale per 32 (QAct: d, d * the sums of each half's quants); each weight group's 32 quants
+// (QGroup, unsigned or signed, all within int8) go to shared memory as they are, with its
+// (sc0, sc1, m0, m1). Per 32-group, the integer dot products of mma.sync m16n8k32 (m16n8k16 per
+// half for types with a scale per 16: Q2_K, Q3_K, Q6_K) are scaled into the f32 accumulator:
+//     acc += d * (sc * isum) + m * (d * sum(q_x))      (per half where scales are per 16)
+// the decode GEMV's arithmetic. The int32 results start at the bits of 1.5 * 2^23, so that
+// as floats they are 1.5 * 2^23 + isum exactly (|isum| <= 32 * 128 * 127 < 2^22) and one
+// subtraction converts them: no integer-to-float conversion. Each output element is accumulated
+// in ascending group order by one thread: its bits depend on its row of A and column of W only.
+constexpr int kI8Str = kMmaBK + 16;  // bytes per shared row: 8 ldmatrix rows on distinct banks
+constexpr int kI8Groups = kMmaBK / 32;
+constexpr size_t kI8Smem =
+    static_cast<size_t>(2) * (kBM + kMmaBN) * (kI8Str + kI8Groups * sizeof(float4));
+constexpr int kI8Magic = 0x4B400000;
+constexpr float kI8MagicF = 12582912.0f;
+
+constexpr bool scales_per_16(GgmlType t) {
+  return t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q6_K;
+}
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kMmaThreads, 2) grouped_gemm_i8_kernel(GemmArgs a) {
+  pdl_enter();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (!is_float_type(T)) {
+    int e, m0, m_end;
+    if (!tile_rows(a, static_cast<int>(blockIdx.y), e, m0, m_end)) return;
+    const int n0 = blockIdx.x * kMmaBN;
+    const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
+
+    extern __shared__ float4 smem4[];
+    float4* Am = smem4;                                                   // [2][kBM][kI8Groups]
+    float4* Bm = Am + 2 * kBM * kI8Groups;                                // [2][kMmaBN][kI8Groups]
+    int8_t* As = reinterpret_cast<int8_t*>(Bm + 2 * kMmaBN * kI8Groups);  // [2][kBM][kI8Str]
+    int8_t* Bs = As + 2 * kBM * kI8Str;                                   // [2][kMmaBN][kI8Str]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int wm = (warp >> 2) * 32, wn = (warp & 3) * 32;
+    const int br = tid >> 1, bg = tid & 1;
+    const int bn = n0 + br;
+    const bool b_valid = bn < a.n_out;
+    const uint8_t* wrow = we + static_cast<size_t>(b_valid ? bn : 0) * a.row_bytes;
+    const int n_k = a.K / kMmaBK;
+    const int k_groups = a.K / 32;
+
+    // This thread's A chunk (row tid / 4, 16 bytes at (tid % 4) * 16) and, for tid < 128, its
+    // metadata (row tid / 2, group tid % 2 of the step): source rows fixed for the whole K loop.
+    const int ar = tid >> 2, ac = tid & 3, mr = (tid >> 1) & (kBM - 1), mg = tid & 1;
+    const auto src_row = [&](int r, bool& valid) {
+      const int m = m0 + r;
+      valid = m < m_end;
+      if (!valid) return 0;
+      return a.a_list ? a.a_list[m] / a.a_div : m;
+    };
+    bool a_ok, m_ok;
+    const int a_src = src_row(ar, a_ok);
+    const int m_src = src_row(mr, m_ok);
+    const int8_t* a_ptr = a.Aq + static_cast<size_t>(a_src) * a.K + ac * 16;
+    const float4* m_ptr = a.Ameta + static_cast<size_t>(m_src) * k_groups + mg;
+    const auto load_a = [&](int kt, int buf) {
+      cp_async16(smem_addr(As + (buf * kBM + ar) * kI8Str + ac * 16), a_ptr + kt * kMmaBK, a_ok);
+      if (tid < kBM * kI8Groups)
+        cp_async16(smem_addr(Am + (buf * kBM + mr) * kI8Groups + mg), m_ptr + kt * kI8Groups, m_ok);
+      cp_async_commit();
+    };
+    const auto fetch_b = [&](int kt) {
+      QGroup q{};
+      if (b_valid) q = load_group<T>(wrow, kt * kI8Groups + bg);
+      return q;
+    };
+    const auto store_b = [&](const QGroup& q, int buf) {
+      uint4* dst = reinterpret_cast<uint4*>(Bs + (buf * kMmaBN + br) * kI8Str + 32 * bg);
+      dst[0] = make_uint4(q.q[0], q.q[1], q.q[2], q.q[3]);
+      dst[1] = make_uint4(q.q[4], q.q[5], q.q[6], q.q[7]);
+      Bm[(buf * kMmaBN + br) * kI8Groups + bg] = make_float4(q.sc0, q.sc1, q.m0, q.m1);
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+    load_a(0, 0);
+    store_b(fetch_b(0), 0);
+    cp_async_wait<0>();
+    __syncthreads();
+    const uint32_t a_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kI8Str + (lane >> 4) * 16;
+    const uint32_t b_lane = ((lane >> 4) * 8 + (lane & 7)) * kI8Str + ((lane >> 3) & 1) * 16;
+    for (int kt = 0; kt < n_k; ++kt) {
+      const int cur = kt & 1;
+      const bool more = kt + 1 < n_k;
+      QGroup qn{};
+      if (more) {
+        load_a(kt + 1, cur ^ 1);
+        qn = fetch_b(kt + 1);
+      }
+      const uint32_t a_base = smem_addr(As + (cur * kBM + wm) * kI8Str) + a_lane;
+      const uint32_t b_base = smem_addr(Bs + (cur * kMmaBN + wn) * kI8Str) + b_lane;
+#pragma unroll
+      for (int kk = 0; kk < kI8Groups; ++kk) {
+        uint32_t af[2][4], bf[4][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          ldsm_x4(a_base + 16 * i * kI8Str + 32 * kk, af[i][0], af[i][1], af[i][2], af[i][3]);
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp)
+          ldsm_x4(b_base + 16 * jp * kI8Str + 32 * kk, bf[2 * jp][0], bf[2 * jp][1],
+                  bf[2 * jp + 1][0], bf[2 * jp + 1][1]);
+        // The rows' (d, d * sum lo, d * sum hi) of this group: rows wm + 16 i + g + 8 hr.
+        float4 am[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+            am[i][hr] = Am[(cur * kBM + wm + 16 * i + g + 8 * hr) * kI8Groups + kk];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float4 bm[2];  // columns wn + 8 j + 2 tq + c: (sc0, sc1, m0, m1)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            bm[c] = Bm[(cur * kMmaBN + wn + 8 * j + 2 * tq + c) * kI8Groups + kk];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if constexpr (scales_per_16(T)) {
+              int lo[4] = {kI8Magic, kI8Magic, kI8Magic, kI8Magic};
+              int hi[4] = {kI8Magic, kI8Magic, kI8Magic, kI8Magic};
+              mma_s8_k16(lo, af[i][0], af[i][1], bf[j][0]);
+              mma_s8_k16(hi, af[i][2], af[i][3], bf[j][1]);
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                const float4& x = am[i][r >> 1];
+                const float4& w = bm[r & 1];
+                const float fl = __int_as_float(lo[r]) - kI8MagicF;
+                const float fh = __int_as_float(hi[r]) - kI8MagicF;
+                float v = acc[i][j][r];
+                v = __fmaf_rn(w.z, x.y, v);
+                v = __fmaf_rn(w.w, x.z, v);
+                v = __fmaf_rn(x.x, __fmaf_rn(w.x, fl, w.y * fh), v);
+                acc[i][j][r] = v;
+              }
+            } else {
+              int c4[4] = {kI8Magic, kI8Magic, kI8Magic, kI8Magic};
+              mma_s8_k32(c4, af[i], bf[j][0], bf[j][1]);
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                const float4& x = am[i][r >> 1];
+                const float4& w = bm[r & 1];
+                const float f = __int_as_float(c4[r]) - kI8MagicF;
+                float v = acc[i][j][r];
+                v = __fmaf_rn(w.z, x.y + x.z, v);
+                v = __fmaf_rn(x.x, w.x * f, v);
+                acc[i][j][r] = v;
+              }
+            }
+          }
+        }
+      }
+      if (more) store_b(qn, cur ^ 1);
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = m0 + wm + 16 * i + g + 8 * hr;
+        if (m >= m_end) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int n = n0 + wn + 8 * j + 2 * tq;
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (n + c < a.n_out)
+              store_out(a, static_cast<size_t>(m) * a.n_out + n + c, acc[i][j][2 * hr + c]);
+        }
+      }
+  }
+#endif
+}
+
+// The grouped f16 GEMM on Hopper's wgmma (BERTH_MOE_WGMMA=1; an experiment against
+// grouped_gemm_mma_kernel, with its tiles, decoding and double buffering). The two warpgroups of
+// a block each compute 64 pair rows x 64 weight rows with wgmma.mma_async m64n64k16 (f16 in,
+// f32 accumulate) from shared memory descriptors. Both operands are K-major without swizzle: a
+// core matrix is 8 rows of 8 halves (128 contiguous bytes); A's core matrix (row block r8, k
+// chunk kc) sits at kc * 1024 + r8 * 128, B's at kc * 2048 + r8 * 128 (PTX ISA, "Shared Memory
+// Matrix Layout": leading byte offset = the K-direction stride, stride byte offset = the
+// M/N-direction stride). Compiled only into the sm_90a code of this file (wgmma.cuh).
+constexpr size_t kWgStage = static_cast<size_t>(kBM + kMmaBN) * kMmaBK * 2;
+constexpr size_t kWgSmem = 2 * kWgStage;
+
+template <GgmlType T>
+__global__ void __launch_bounds__(kMmaThreads) grouped_gemm_wgmma_kernel(GemmArgs a) {
+  pdl_enter();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  int e, m0, m_end;
+  if (!tile_rows(a, static_cast<int>(blockIdx.y), e, m0, m_end)) return;
+  const int n0 = blockIdx.x * kMmaBN;
+  const uint8_t* we = a.w + static_cast<size_t>(e) * a.expert_bytes;
+
+  extern __shared__ __align__(128) float4 smem4[];
+  uint8_t* sm = reinterpret_cast<uint8_t*>(smem4);
+  // Stage buf: A [8 k chunks][kBM rows][8 halves], then B [8 k chunks][kMmaBN rows][8 halves].
+  const auto a_at = [&](int buf) { return sm + buf * kWgStage; };
+  const auto b_at = [&](int buf) { return sm + buf * kWgStage + kBM * kMmaBK * 2; };
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tq = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int br = tid >> 1, bg = tid & 1;
+  const int bn = n0 + br;
+  const bool b_valid = bn < a.n_out;
+  const uint8_t* wrow = we + static_cast<size_t>(b_valid ? bn : 0) * a.row_bytes;
+  const int n_k = a.K / kMmaBK;
+
+  const auto load_a = [&](int kt, int buf) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      // Lane pairs read 32 contiguous bytes of a row (a whole sector); a warp's writes fill
+      // four whole 128-byte wavefronts.
+      const int c = tid + i * kMmaThreads, r = (c >> 1) & (kBM - 1), kc = 2 * (c >> 7) + (c & 1);
+      const int m = m0 + r;
+      const bool valid = m < m_end;
+      const __half* src = a.A + static_cast<size_t>(valid ? m : m0) * a.K + kt * kMmaBK + kc * 8;
+      cp_async16(smem_addr(a_at(buf) + kc * (kBM * 16) + r * 16), src, valid);
+    }
+    cp_async_commit();
+  };
+  const auto store_b = [&](const QGroup& q, int kt, int buf) {
+    uint32_t h[16];
+    if (!b_valid) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) h[i] = 0u;
+    } else if constexpr (is_float_type(T)) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int k = kt * kMmaBK + 32 * bg + 2 * i;
+        h[i] = pack_half2(float_elem<T>(wrow, k), float_elem<T>(wrow, k + 1));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        h[i] = pack_half2(group_value(q, 2 * i), group_value(q, 2 * i + 1));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<uint4*>(b_at(buf) + (4 * bg + i) * (kMmaBN * 16) + br * 16) =
+          make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+  };
+  const auto fetch_b = [&](int kt) {
+    QGroup q{};
+    if constexpr (!is_float_type(T)) {
+      if (b_valid) q = load_group<T>(wrow, kt * 2 + bg);
+    }
+    return q;
+  };
+
+  float d[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+
+  load_a(0, 0);
+  store_b(fetch_b(0), 0, 0);
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  for (int kt = 0; kt < n_k; ++kt) {
+    const int cur = kt & 1;
+    const bool more = kt + 1 < n_k;
+    QGroup qn{};
+    if (more) {
+      load_a(kt + 1, cur ^ 1);
+      qn = fetch_b(kt + 1);
+    }
+    const uint32_t a_base = smem_addr(a_at(cur));
+    const uint32_t b_base = smem_addr(b_at(cur)) + wg * (64 / 8) * 128;
+    wg_pin<32>(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kMmaBK / 16; ++kk)
+      wg_ss_m64n64k16(d, wg_desc(a_base + 2 * kk * (kBM * 16), kBM * 16, 128),
+                      wg_desc(b_base + 2 * kk * (kMmaBN * 16), kMmaBN * 16, 128));
+    wg_commit();
+    wg_pin<32>(d);
+    if (more) store_b(qn, kt + 1, cur ^ 1);
+    wg_wait0();
+    wg_pin<32>(d);
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int m = m0 + wq * 16 + g + 8 * hr;
+    if (m >= m_end) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = n0 + wg * 64 + 8 * j + 2 * tq;
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        if (n + c < a.n_out)
+          store_out(a, static_cast<size_t>(m) * a.n_out + n + c, d[4 * j + 2 * hr + c]);
+    }
+  }
 #endif
 }
 
@@ -509,11 +833,44 @@ void launch_grouped_gemm_mma(const GemmArgs& a, dim3 grid, cudaStream_t s) {
   launch("grouped_gemm_mma_kernel", grouped_gemm_mma_kernel<T>, grid, kMmaThreads, kMmaSmem, s, a);
 }
 
+// grid.x counts kMmaBN-column blocks here.
+template <GgmlType T>
+void launch_grouped_gemm_wgmma(const GemmArgs& a, dim3 grid, cudaStream_t s) {
+  allow_dynamic_smem(grouped_gemm_wgmma_kernel<T>, kWgSmem);
+  launch("grouped_gemm_wgmma_kernel", grouped_gemm_wgmma_kernel<T>, grid, kMmaThreads, kWgSmem, s,
+         a);
+}
+
+// This file's sm_90a probe (wgmma.cuh).
+bool wgmma_code_loaded() { return sm90a_code_loaded<1>(); }
+
+// grid.x counts kMmaBN-column blocks here; quantized types only (moe_experts checks).
+template <GgmlType T>
+void launch_grouped_gemm_i8(const GemmArgs& a, dim3 grid, cudaStream_t s) {
+  if constexpr (is_float_type(T)) {
+    throw Error(ErrorCategory::internal, "grouped_gemm_i8_kernel: float weights");
+  } else {
+    launch("grouped_gemm_i8_kernel", grouped_gemm_i8_kernel<T>, grid, kMmaThreads, kI8Smem, s, a);
+  }
+}
+
 }  // namespace
 
 namespace detail {
 bool& moe_gemm_mma() {
   static bool v = !env_says_off("BERTH_MOE_MMA");
+  return v;
+}
+
+bool& moe_gemm_wgmma() {
+  static bool v = env_says_on("BERTH_MOE_WGMMA");
+  return v;
+}
+
+bool moe_wgmma_runs() { return mma_kernels_available() && wgmma_code_loaded(); }
+
+bool& moe_gemm_int8() {
+  static bool v = env_says_on("BERTH_MOE_INT8");
   return v;
 }
 
@@ -555,6 +912,15 @@ int slot_end(const MoeWeights& w, const MoeSlots& slots) {
   return slots.end < 0 ? w.n_expert_used : slots.end;
 }
 
+// Whether moe_experts runs its prompt rows on the int8 grouped GEMM: moe_gemm_int8() and
+// moe_gemm_mma() on, all three matrices quantized, n_embd and n_ff multiples of 64, and the
+// mma.sync kernels available.
+bool prefill_int8(const MoeWeights& w) {
+  return detail::moe_gemm_int8() && detail::moe_gemm_mma() && is_quantized(w.gate_type) &&
+         is_quantized(w.up_type) && is_quantized(w.down_type) && w.n_embd % kMmaBK == 0 &&
+         w.n_ff % kMmaBK == 0 && mma_kernels_available();
+}
+
 // Workspace layout of one call (both paths); `end` is moe_workspace_bytes. With staging, the
 // staged gate, up and down matrices come last, in slot order.
 struct MoeLayout {
@@ -563,7 +929,8 @@ struct MoeLayout {
   size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                    // decode
   size_t st[3] = {0, 0, 0};                                      // staged gate, up, down
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
-  bool remap = false;                                            // by_table: the slot route
+  bool int8 = false;   // prefill on the int8 GEMM: hq, g, aq, y instead of a, g, act, y
+  bool remap = false;  // by_table: the slot route
   size_t rt = 0;
   size_t end = 0;
 
@@ -598,9 +965,16 @@ struct MoeLayout {
       toff = take(static_cast<size_t>(w.n_expert + 1) * 4);
       list = take(static_cast<size_t>(P) * 4);
       pos = take(static_cast<size_t>(P) * 4);
-      a = take(static_cast<size_t>(P * w.n_embd) * 2);
-      g = take(static_cast<size_t>(P * w.n_ff) * 4);
-      act = take(static_cast<size_t>(P * w.n_ff) * 2);
+      int8 = prefill_int8(w);
+      if (int8) {
+        hq = take(qact_bytes(n_tok, w.n_embd));
+        g = take(static_cast<size_t>(P * w.n_ff) * 4);
+        aq = take(qact_bytes(P, w.n_ff));
+      } else {
+        a = take(static_cast<size_t>(P * w.n_embd) * 2);
+        g = take(static_cast<size_t>(P * w.n_ff) * 4);
+        act = take(static_cast<size_t>(P * w.n_ff) * 2);
+      }
       y = take(static_cast<size_t>(P * w.n_embd) * 4);
     }
   }
@@ -742,16 +1116,59 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   auto* toff = reinterpret_cast<int32_t*>(ws + L.toff);
   auto* list = reinterpret_cast<int32_t*>(ws + L.list);
   auto* pos = reinterpret_cast<int32_t*>(ws + L.pos);
-  auto* A = reinterpret_cast<__half*>(ws + L.a);
-  auto* act = reinterpret_cast<__half*>(ws + L.act);
   launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(wk.n_expert) * 4,
          stream, rt, n_tok, k, sel, eoff, toff, list, pos);
-  to_half(h, P, w.n_embd, list, k, eoff + wk.n_expert, A, stream);
   const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + wk.n_expert);
   GemmArgs a{};
   a.expert_off = eoff;
   a.tile_off = toff;
   a.n_expert = wk.n_expert;
+  if (L.int8) {
+    // h quantized once per token (the gate and up GEMMs read row list[m] / k), gate, up with
+    // G = silu(G) * up in its epilogue, G quantized per pair row, down.
+    const QAct hq = qact_at(ws + L.hq, n_tok, w.n_embd);
+    quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream);
+    const dim3 grid_ff(static_cast<unsigned>((w.n_ff + kMmaBN - 1) / kMmaBN), max_tiles);
+    const dim3 grid_embd(static_cast<unsigned>((w.n_embd + kMmaBN - 1) / kMmaBN), max_tiles);
+    a.Aq = hq.q;
+    a.Ameta = hq.meta;
+    a.a_list = list;
+    a.a_div = k;
+    a.K = static_cast<int>(w.n_embd);
+    a.n_out = static_cast<int>(w.n_ff);
+    a.w = static_cast<const uint8_t*>(w.gate);
+    a.row_bytes = row_bytes(w.gate_type, w.n_embd);
+    a.expert_bytes = gate_bytes;
+    a.mode = 0;
+    a.C = G;
+    BERTH_DISPATCH(w.gate_type, launch_grouped_gemm_i8, a, grid_ff, stream)
+    a.w = static_cast<const uint8_t*>(w.up);
+    a.row_bytes = row_bytes(w.up_type, w.n_embd);
+    a.expert_bytes = up_bytes;
+    a.mode = 2;
+    a.G = G;
+    BERTH_DISPATCH(w.up_type, launch_grouped_gemm_i8, a, grid_ff, stream)
+    const QAct aq = qact_at(ws + L.aq, P, w.n_ff);
+    quantize_act(G, nullptr, P, w.n_ff, aq, stream);
+    a.Aq = aq.q;
+    a.Ameta = aq.meta;
+    a.a_list = nullptr;
+    a.a_div = 1;
+    a.K = static_cast<int>(w.n_ff);
+    a.n_out = static_cast<int>(w.n_embd);
+    a.w = static_cast<const uint8_t*>(w.down);
+    a.row_bytes = row_bytes(w.down_type, w.n_ff);
+    a.expert_bytes = down_bytes;
+    a.mode = 0;
+    a.C = Y;
+    BERTH_DISPATCH(w.down_type, launch_grouped_gemm_i8, a, grid_embd, stream)
+    launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
+           rt, k, sel, pos, Y, w.n_embd, out);
+    return;
+  }
+  auto* A = reinterpret_cast<__half*>(ws + L.a);
+  auto* act = reinterpret_cast<__half*>(ws + L.act);
+  to_half(h, P, w.n_embd, list, k, eoff + wk.n_expert, A, stream);
   // gate: G = A . gate_e^T
   a.w = static_cast<const uint8_t*>(w.gate);
   a.row_bytes = row_bytes(w.gate_type, w.n_embd);
@@ -766,9 +1183,12 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   const bool use_mma = detail::moe_gemm_mma() && w.n_embd % kMmaBK == 0 && w.n_ff % kMmaBK == 0 &&
                        reinterpret_cast<uintptr_t>(A) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(act) % 16 == 0 && mma_kernels_available();
+  const bool use_wgmma = use_mma && detail::moe_gemm_wgmma() && wgmma_code_loaded();
   const int bn = use_mma ? kMmaBN : kBN;
   const auto run_gemm = [&](GgmlType t, const dim3& grid) {
-    if (use_mma) {
+    if (use_wgmma) {
+      BERTH_DISPATCH(t, launch_grouped_gemm_wgmma, a, grid, stream)
+    } else if (use_mma) {
       BERTH_DISPATCH(t, launch_grouped_gemm_mma, a, grid, stream)
     } else {
       BERTH_DISPATCH(t, launch_grouped_gemm, a, grid, stream)

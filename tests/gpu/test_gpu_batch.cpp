@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "berth/core/error.h"
@@ -212,10 +213,15 @@ const Shape kShapes[] = {{8, 2, 8}, {8, 8, 64}, {16, 2, 128}, {4, 1, 256}, {4, 2
 TEST_CASE("gpu attention: several sequences in one step, each reading its own rows") {
   REQUIRE_DEVICE();
   const int64_t n_ctx = 1100;  // decode splits > 1 past 64 positions
-  for (const bool cluster : {true, false}) {
+  const bool saved_wg = gpu::detail::attention_prefill_wgmma();
+  // (cluster decode, Q K^T of prompt rows on wgmma): the decode kernels, then the prompt rows'
+  // wgmma variant (where it runs; else mma.sync again).
+  for (const auto& [cluster, wg] : {std::pair{true, false}, {false, false}, {true, true}}) {
     gpu::detail::attention_cluster_decode() = cluster;
+    gpu::detail::attention_prefill_wgmma() = wg;
     for (const Shape& s : kShapes) {
       CAPTURE(cluster);
+      CAPTURE(wg);
       CAPTURE(s.n_head);
       CAPTURE(s.n_head_kv);
       CAPTURE(s.head_dim);
@@ -294,6 +300,7 @@ TEST_CASE("gpu attention: several sequences in one step, each reading its own ro
     }
   }
   gpu::detail::attention_cluster_decode() = true;
+  gpu::detail::attention_prefill_wgmma() = saved_wg;
 }
 
 TEST_CASE("gpu attention: n_decode outside [-1, n_tok] is refused") {

@@ -583,17 +583,37 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
   REQUIRE_DEVICE();
   const int saved = gpu::detail::moe_gemv_max_tok();
   const bool saved_mma = gpu::detail::moe_gemm_mma();
+  const bool saved_int8 = gpu::detail::moe_gemm_int8();
+  const bool saved_wgmma = gpu::detail::moe_gemm_wgmma();
+  MESSAGE("wgmma kernel runs on this device: " << gpu::detail::moe_wgmma_runs());
   struct Types {
     GgmlType g, u, d;
   };
-  // The grouped GEMM on both kernels: mma.sync (n_embd 256 and n_ff 512 are multiples of 64)
-  // and WMMA.
-  for (const bool mma : {true, false})
+  // The grouped GEMM on its kernels: mma.sync on f16 (n_embd 256 and n_ff 512 are multiples of
+  // 64), wgmma on f16 (where this build's sm_90a code runs; else the mma.sync kernel again),
+  // mma.sync on int8 (every quantized type: scales per 32 and per 16; the F16 case falls back to
+  // f16), and WMMA.
+  enum class Gemm { mma_f16, wgmma_f16, mma_int8, wmma };
+  for (const Gemm gemm : {Gemm::mma_f16, Gemm::wgmma_f16, Gemm::mma_int8, Gemm::wmma})
     for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
-                     Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_0}}) {
+                     Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q4_0},
+                     Types{GgmlType::Q8_0, GgmlType::Q5_K, GgmlType::Q3_K},
+                     Types{GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q2_K},
+                     Types{GgmlType::Q5_1, GgmlType::Q4_0, GgmlType::Q8_0}}) {
+      const bool mma = gemm != Gemm::wmma;
+      const bool int8 = gemm == Gemm::mma_int8;
+      // The f16 and WMMA kernels ran every type in the matmul oracle; here the first two type
+      // sets cover them, the others the int8 kernel's decoding.
+      if (!int8 && ty.u != GgmlType::F16 && ty.g != GgmlType::Q4_K) continue;
       gpu::detail::moe_gemm_mma() = mma;
+      gpu::detail::moe_gemm_int8() = int8;
+      gpu::detail::moe_gemm_wgmma() = gemm == Gemm::wgmma_f16;
+      CAPTURE(gemm == Gemm::wgmma_f16);
+      // The int8 kernel rounds h and the SwiGLU output to 8 bits per 32, as the decode path does.
+      const bool int8_here = int8 && ty.u != GgmlType::F16;
       MoeCase mc(ty.g, ty.u, ty.d);
       CAPTURE(mma);
+      CAPTURE(int8_here);
       CAPTURE(type_name(ty.g));
       CAPTURE(type_name(ty.u));
       CAPTURE(type_name(ty.d));
@@ -608,7 +628,7 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
         const auto ref_keep = mc.reference(h, r, n_tok, keep);
         for (bool dec : {true, false}) {
           CAPTURE(dec);
-          const double tol = dec ? kTolMoeDecode : kTolMoePrefill;
+          const double tol = dec || int8_here ? kTolMoeDecode : kTolMoePrefill;
           const auto full = run_moe(mc, dh, dr, n_tok, all, dec);
           const double e_full = nmse_d(ref_all, full);
           CAPTURE(e_full);
@@ -633,6 +653,8 @@ TEST_CASE("gpu moe_experts: both paths against the CPU reference, masks, determi
       }
     }
   gpu::detail::moe_gemm_mma() = saved_mma;
+  gpu::detail::moe_gemm_int8() = saved_int8;
+  gpu::detail::moe_gemm_wgmma() = saved_wgmma;
   gpu::detail::moe_gemv_max_tok() = saved;
 }
 

@@ -672,17 +672,25 @@ TEST_CASE("gpu: attention prompt rows on tensor cores at 1, 127, 4096 and 32768 
       {{2, 1, 128}, 4096, 0, 4096},     // 4096 positions in one call from position 0
       {{4, 1, 128}, 32768, 32704, 64},  // a ubatch ending at position 32767, the cache full
   };
-  double worst = 0;
-  for (const Case& c : cases) {
-    CAPTURE(c.s.n_head);
-    CAPTURE(c.s.head_dim);
-    CAPTURE(c.n_past);
-    CAPTURE(c.n_tok);
-    const double e = attention_case(c.s, c.n_ctx, c.n_past, c.n_tok, 500 + c.n_tok, 0);
-    worst = std::max(worst, e);
-    CHECK(e <= kTolAttentionMma);
+  // Q K^T on mma.sync, then on wgmma (where this build's sm_90a code runs; else mma.sync again).
+  const bool saved_wg = gpu::detail::attention_prefill_wgmma();
+  MESSAGE("attention wgmma variant runs on this device: " << gpu::detail::attention_wgmma_runs());
+  for (const bool wg : {false, true}) {
+    gpu::detail::attention_prefill_wgmma() = wg;
+    CAPTURE(wg);
+    double worst = 0;
+    for (const Case& c : cases) {
+      CAPTURE(c.s.n_head);
+      CAPTURE(c.s.head_dim);
+      CAPTURE(c.n_past);
+      CAPTURE(c.n_tok);
+      const double e = attention_case(c.s, c.n_ctx, c.n_past, c.n_tok, 500 + c.n_tok, 0);
+      worst = std::max(worst, e);
+      CHECK(e <= kTolAttentionMma);
+    }
+    MESSAGE("attention prompt rows on tensor cores (wgmma " << wg << "): worst NMSE " << worst);
   }
-  MESSAGE("attention prompt rows on tensor cores: worst NMSE " << worst);
+  gpu::detail::attention_prefill_wgmma() = saved_wg;
 }
 
 TEST_CASE("gpu: a captured decode graph replays at later positions like eager launches") {

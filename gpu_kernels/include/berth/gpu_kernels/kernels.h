@@ -194,12 +194,35 @@ bool& attention_prefill_mma();
 /// capability and code >= 8.0, and both cache pointers 16-byte aligned: `caches_aligned`).
 /// The choice attention itself makes; tests pick their tolerance from it.
 bool attention_prompt_on_mma(int32_t head_dim, bool caches_aligned);
+/// Whether the tensor-core prompt attention computes Q K^T on Hopper's wgmma (head dims 64 and
+/// 128, where attention_prompt_on_mma and this build's sm_90a code run) instead of mma.sync
+/// (false by default: an experiment, measured in docs/performance.md). BERTH_ATTN_WGMMA=1 (or
+/// true, on, yes) sets it true (not thread safe).
+bool& attention_prefill_wgmma();
+/// Whether the wgmma variant can run on the current device (this build's sm_90a code is what the
+/// driver loaded). Synchronous: not while a stream captures.
+bool attention_wgmma_runs();
 /// Whether moe_experts' grouped GEMM (prompt rows), and matmul's prompt rows of invariant calls,
 /// run on the mma.sync kernel (compute capability >= 8.0; n_embd and n_ff, resp. n_in, multiples
 /// of 64) instead of the WMMA kernels (true by default). BERTH_MOE_MMA=0 (or false, off, no) sets
 /// it false. Tests and benchmarks turn it off to compare both paths (not thread safe: set before
 /// launching).
 bool& moe_gemm_mma();
+/// Whether moe_experts' f16 grouped GEMM runs on Hopper's wgmma (where moe_gemm_mma() applies,
+/// moe_gemm_int8() is off and this build's sm_90a code runs: CMAKE_CUDA_ARCHITECTURES with 90)
+/// instead of mma.sync (false by default: an experiment, measured in docs/performance.md).
+/// BERTH_MOE_WGMMA=1 (or true, on, yes) sets it true (not thread safe).
+bool& moe_gemm_wgmma();
+/// Whether the wgmma kernel can run on the current device (its sm_90a code is what the driver
+/// loaded). Synchronous: not while a stream captures.
+bool moe_wgmma_runs();
+/// Whether moe_experts' grouped GEMM runs prompt rows on int8 tensor cores (activations rounded
+/// to 8 bits per 32, as the decode GEMV does; mma.sync m16n8k32) instead of f16 (weights
+/// dequantized to f16), where moe_gemm_mma() applies and all three matrices are quantized
+/// (false by default: an experiment, measured in docs/performance.md). BERTH_MOE_INT8=1 (or
+/// true, on, yes) sets it true. The workspace size depends on it: set it before sizing (not
+/// thread safe).
+bool& moe_gemm_int8();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
