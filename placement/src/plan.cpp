@@ -913,10 +913,27 @@ Plan make_plan(const Request& req) {
         if (again.category() != ErrorCategory::out_of_memory) throw;
       }
     }
+    // Last, everything on the CPU (the GPU's scratch and margin then cost nothing): a board too
+    // small for them beside the rest plans this way already, so a larger one must too (without
+    // this, boards just above that size were refused).
+    if (!f.vram_budget) {
+      Request cpu_only = req;
+      cpu_only.flags.vram_budget = size_t{0};
+      try {
+        Plan p = make_plan_once(cpu_only, 0);
+        p.notes.push_back(
+            "automatic plan: nothing fits beside the GPU's scratch and margin in the unified "
+            "pool, so everything runs on the CPU (as --vram-budget 0)");
+        return p;
+      } catch (const Error& again) {
+        if (again.category() != ErrorCategory::out_of_memory) throw;
+      }
+    }
     if (std::none_of(has_exps.begin(), has_exps.end(), [](bool b) { return b; })) throw;
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("{}; nor does it fit with the routed experts of any number of layers "
-                            "computed by the CPU from the disk tier (--n-cpu-moe N, --cpu-moe)",
+                            "computed by the CPU from the disk tier (--n-cpu-moe N, --cpu-moe), "
+                            "nor all on the CPU",
                             e.what()));
   }
 }

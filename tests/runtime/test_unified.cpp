@@ -406,6 +406,30 @@ TEST_CASE("unified: the automatic plan moves routed experts to the disk tier bef
   CHECK(rc == 1);
   CHECK(has(err, "the pool is 1024.0 MiB"));
   CHECK(has(err, "--cpu-moe"));
+  CHECK(has(err, "nor all on the CPU"));
+  // A board above that: everything on the CPU (its disk tier) once nothing fits beside the GPU's
+  // scratch and margin; and a board that fits is never followed by a larger one that is refused
+  // (2 layers of the same shapes: 1.5-2 GB boards plan all on the CPU, 2.2 GB on the GPU; 1.8 and
+  // 2 GB were refused before).
+  j = plan_json("unified:3000M", model, "", &rc, &err);
+  INFO(err);
+  REQUIRE(rc == 0);
+  CHECK(any_note(j, "everything runs on the CPU (as --vram-budget 0)"));
+  CHECK(j["tiers"]["disk_bytes"].get<size_t>() > 0);
+  SynthSpec two = synth_preset("qwen3-30b-a3b");
+  two.type = "q4_k";
+  two.sparse = true;
+  two.n_layer = 2;
+  const auto two_path = test::temp_dir("unified") / "qwen3-30b-a3b-2l-q4_k-sparse.gguf";
+  if (!std::filesystem::exists(two_path)) write_synth_model(two, two_path.string(), 1);
+  bool fitted = false;
+  for (const char* board : {"1200M", "1500M", "1800M", "2G", "2200M", "3G"}) {
+    CAPTURE(board);
+    (void)plan_json(std::string("unified:") + board, two_path.string(), "", &rc, &err);
+    if (fitted) CHECK(rc == 0);
+    fitted = fitted || rc == 0;
+  }
+  CHECK(fitted);
 }
 
 TEST_CASE("unified: budgets above the pool are capped with a note naming the value and the pool") {
