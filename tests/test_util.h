@@ -4,10 +4,14 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "berth/core/error.h"
 
@@ -30,11 +34,36 @@ void expect_error(ErrorCategory cat, F&& f, std::initializer_list<std::string> n
 inline std::filesystem::path shared_dir() { return BERTH_SHARED_DIR; }
 inline std::filesystem::path stories260k() { return shared_dir() / "models" / "stories260K.gguf"; }
 
-/// A fresh, empty temporary directory for one test (removed at process exit is not promised).
+namespace detail {
+/// The temp_dir folders of this process, removed with their contents when it exits normally
+/// (a test binary's runs used to leave ~1 GB in /tmp each, until the disk filled). A forked
+/// child that exits leaves them to the process that made them; BERTH_KEEP_TEST_FILES=1 keeps
+/// them for a post-mortem.
+struct TempDirs {
+  pid_t owner = ::getpid();
+  std::mutex mu;
+  std::vector<std::filesystem::path> dirs;
+  ~TempDirs() {
+    if (::getpid() != owner || std::getenv("BERTH_KEEP_TEST_FILES") != nullptr) return;
+    std::error_code ec;
+    for (const auto& d : dirs) std::filesystem::remove_all(d, ec);
+  }
+};
+inline TempDirs& temp_dirs() {
+  static TempDirs t;
+  return t;
+}
+}  // namespace detail
+
+/// A temporary directory for `tag` in this process (the same path on every call with the same
+/// tag), removed at normal process exit (detail::TempDirs).
 inline std::filesystem::path temp_dir(const std::string& tag) {
   auto p = std::filesystem::temp_directory_path() /
            ("berth-test-" + tag + "-" + std::to_string(::getpid()));
   std::filesystem::create_directories(p);
+  detail::TempDirs& t = detail::temp_dirs();
+  const std::lock_guard<std::mutex> lock(t.mu);
+  if (std::find(t.dirs.begin(), t.dirs.end(), p) == t.dirs.end()) t.dirs.push_back(p);
   return p;
 }
 

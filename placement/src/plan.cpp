@@ -329,8 +329,11 @@ size_t padded_slice(size_t bytes, int32_t n_expert) {
   return (slice + 4095) / 4096 * 4096 + 4096;
 }
 
-// The disk tier (plan.h, make_plan's comment on it).
-void add_disk_tier(const Request& req, Plan& plan) {
+// The disk tier (plan.h, make_plan's comment on it). `pool_share`: req.ram_budget_bytes is the
+// CPU's share of a unified pool, a limit rather than the default budget's guess: where routed
+// experts could go to the disk tier but no RAM slot fits, that is refused here, naming the share
+// (a pool has no room for the file to page in and out).
+void add_disk_tier(const Request& req, Plan& plan, bool pool_share = false) {
   const auto n_layer = static_cast<size_t>(req.n_layer);
   plan.ram_budget_bytes = req.ram_budget_bytes;
   plan.layer_ram_slots.assign(n_layer, 0);
@@ -364,12 +367,16 @@ void add_disk_tier(const Request& req, Plan& plan) {
     max_c = std::min(max_c, t.n_expert - 1);
   }
   const size_t fixed = plan.cpu_weight_bytes - tier_bytes + plan.cpu_kv_bytes;
-  const std::string budget = fmt::format("--ram-budget {}", mib(req.ram_budget_bytes));
+  const std::string budget =
+      fmt::format("{} {}", pool_share ? "CPU's share of the unified pool," : "--ram-budget",
+                  mib(req.ram_budget_bytes));
+  const char* more = pool_share ? "put less on the GPU's side, lower -c, or use a larger board"
+                                : "raise --ram-budget or put more on the GPU";
   const size_t c_fit =
       fixed > req.ram_budget_bytes || per_slot == 0
           ? 0
           : std::min<size_t>((req.ram_budget_bytes - fixed) / per_slot, static_cast<size_t>(max_c));
-  if (!req.flags.ram_budget && c_fit < 1) {
+  if (!req.flags.ram_budget && !(pool_share && tier_bytes > 0) && c_fit < 1) {
     // The default budget (MemAvailable minus the margin) is a guess, not a demand: a model it
     // cannot tier runs from the mapping as before, with a note.
     plan.notes.push_back(fmt::format(
@@ -384,9 +391,9 @@ void add_disk_tier(const Request& req, Plan& plan) {
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("what must stay in RAM does not fit the {}: CPU-held weights other "
                             "than routed experts {} + KV cache {} = {} (routed experts that can "
-                            "go to the disk tier: {}); raise --ram-budget or put more on the GPU",
+                            "go to the disk tier: {}); {}",
                             budget, mib(plan.cpu_weight_bytes - tier_bytes), mib(plan.cpu_kv_bytes),
-                            mib(fixed), mib(tier_bytes)));
+                            mib(fixed), mib(tier_bytes), more));
   const size_t room = req.ram_budget_bytes - fixed;
   const size_t c = c_fit;
   if (c < 1)
@@ -857,7 +864,7 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
                        mib(ram), gpu, mib(pool_left)));
   }
   try {
-    add_disk_tier(cpu_side, plan);
+    add_disk_tier(cpu_side, plan, /*pool_share=*/true);
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::out_of_memory) throw;
     // What bounds the CPU's share: --ram-budget when it is below what the GPU side leaves of the

@@ -404,9 +404,18 @@ TEST_CASE("unified: the automatic plan moves routed experts to the disk tier bef
   // A board too small for any of it: refused, naming the alternatives it tried.
   j = plan_json("unified:2G", model, "", &rc, &err);
   CHECK(rc == 1);
-  CHECK(has(err, "the pool is 1024.0 MiB"));
+  CHECK(has(err, "(a pool of 1024.0 MiB)"));
   CHECK(has(err, "--cpu-moe"));
   CHECK(has(err, "nor all on the CPU"));
+  // --cpu-moe where the CPU's share of the pool cannot hold one RAM slot per layer: refused
+  // naming the share and the slot (the default RAM budget's leniency, leaving the file mapped to
+  // page in and out, has no room in a pool), not by a total that counts every routed expert as
+  // held in memory.
+  j = plan_json("unified:3G", model, " --cpu-moe", &rc, &err);
+  CHECK(rc == 1);
+  CHECK(has(err, "CPU's share of the unified pool"));
+  CHECK(has(err, "not enough for one RAM slot per MoE layer"));
+  CHECK_FALSE(has(err, "plan needs"));
   // A board above that: everything on the CPU (its disk tier) once nothing fits beside the GPU's
   // scratch and margin; and a board that fits is never followed by a larger one that is refused
   // (2 layers of the same shapes: 1.5-2 GB boards plan all on the CPU, 2.2 GB on the GPU; 1.8 and
