@@ -109,14 +109,15 @@ class RunningServer {
     mc.n_layer = hp.n_layer;
     mc.file_size = file_.file_size();
 
-    // The device first: the default context is sized by the memory the plan draws on (the
-    // unified pool on unified memory).
+    // The device first: the default context is sized by the plan serve makes with it.
     std::unique_ptr<Device> device = placement_device(o.placement);
+    SessionParams params = o.session;
+    params.hybrid.stream_experts_min_tokens = o.stream_min;
+    params.hybrid.host_expert_share = o.host_expert_share;
     int64_t n_ctx = o.n_ctx;
     if (n_ctx <= 0) {
       std::string note;
-      n_ctx = default_serve_context(*model_, file_.file_size(), o.n_slots, device.get(),
-                                    o.placement, &note);
+      n_ctx = default_serve_context(*model_, o.placement, params, device, &note);
       if (!note.empty()) log::warn("{}", note);
     }
     if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
@@ -126,10 +127,7 @@ class RunningServer {
                               n_ctx, o.n_slots, n_ctx / o.n_slots));
     n_ctx = n_ctx / o.n_slots * o.n_slots;  // every slot the same size
     if (std::string c = context_note(n_ctx, hp); !c.empty()) log::warn("{}", c);
-    SessionParams params = o.session;
     params.n_ctx = n_ctx;
-    params.hybrid.stream_experts_min_tokens = o.stream_min;
-    params.hybrid.host_expert_share = o.host_expert_share;
     placed_ = place(*model_, o.placement, params, true, false, std::move(device));
     use_disk_tier(file_, *model_, placed_.plan, params);
     params.hybrid.warm_workers_us = o.warm_workers_us;

@@ -12,22 +12,13 @@
 #include <pcre2.h>
 
 #include "berth/core/error.h"
+#include "internal.h"
 
 namespace berth::placement {
 
 std::string_view home_name(Home h) { return h == Home::gpu ? "GPU" : "CPU"; }
 
 namespace {
-
-constexpr double kMiB = 1024.0 * 1024.0;
-
-// MiB with one decimal; below 1 MiB in KiB or bytes, so a small budget never reads "0.0 MiB".
-std::string mib(size_t bytes) {
-  if (bytes < 1024) return fmt::format("{} B", bytes);
-  if (bytes < (size_t{1} << 20))
-    return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / 1024);
-  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / kMiB);
-}
 
 [[noreturn]] void bad(std::string message) {
   throw Error(ErrorCategory::invalid_argument, message);
@@ -163,6 +154,11 @@ std::string describe_flags(const Flags& f) {
 }
 
 enum class Group { embd, out_norm, out, attn, exps };
+
+// What unified mode means for a plan that puts everything on the CPU.
+constexpr const char* kUnifiedAllCpu =
+    ": unified mode stays on, with nothing to read in place; the plan is -ngl 0's (which turns "
+    "the mode off), bounded by the same pool, the OS's available memory minus 1 GiB";
 
 struct Unit {
   std::vector<size_t> tensors;  // indices of unpinned tensors
@@ -322,108 +318,7 @@ void add_expert_slots(const Request& req, Plan& plan, const std::vector<bool>& o
     if (c.expert_bytes[l] > 0) plan.layer_slots[l] = n;
 }
 
-// One expert's slice of a stacked tensor of `bytes` over `n_expert`, as the RAM cache stores it:
-// at most 4 KiB of padding in front (direct_layout's pad) and rounded up to 4 KiB.
-size_t padded_slice(size_t bytes, int32_t n_expert) {
-  const size_t slice = bytes / static_cast<size_t>(n_expert);
-  return (slice + 4095) / 4096 * 4096 + 4096;
-}
-
-// The disk tier (plan.h, make_plan's comment on it). `pool_share`: req.ram_budget_bytes is the
-// CPU's share of a unified pool, a limit rather than the default budget's guess: where routed
-// experts could go to the disk tier but no RAM slot fits, that is refused here, naming the share
-// (a pool has no room for the file to page in and out).
-void add_disk_tier(const Request& req, Plan& plan, bool pool_share = false) {
-  const auto n_layer = static_cast<size_t>(req.n_layer);
-  plan.ram_budget_bytes = req.ram_budget_bytes;
-  plan.layer_ram_slots.assign(n_layer, 0);
-  plan.layer_n_expert.assign(n_layer, 0);
-  std::vector<int32_t> n_exps(n_layer, 0);  // CPU-held stacked expert tensors per layer
-  std::vector<bool> no(n_layer, false);
-  for (size_t i = 0; i < req.tensors.size(); ++i) {
-    const TensorEntry& t = req.tensors[i];
-    if (!t.routed_expert() || t.layer < 0) continue;
-    const auto l = static_cast<size_t>(t.layer);
-    plan.layer_n_expert[l] = std::max(plan.layer_n_expert[l], t.n_expert);
-    if (plan.home[i] != Home::cpu || t.n_expert < 2 ||
-        (n_exps[l] > 0 && plan.layer_n_expert[l] != t.n_expert))
-      no[l] = true;
-    else
-      ++n_exps[l];
-  }
-  if (req.ram_budget_bytes == kNoRamBudget ||
-      plan.cpu_weight_bytes + plan.cpu_kv_bytes <= req.ram_budget_bytes)
-    return;
-  // Candidates: layers with exactly gate, up and down stacked and CPU-held.
-  size_t tier_bytes = 0, per_slot = 0;
-  int32_t max_c = std::numeric_limits<int32_t>::max();
-  std::vector<bool> cand(n_layer, false);
-  for (size_t l = 0; l < n_layer; ++l) cand[l] = !no[l] && n_exps[l] == 3;
-  for (size_t i = 0; i < req.tensors.size(); ++i) {
-    const TensorEntry& t = req.tensors[i];
-    if (!t.routed_expert() || t.layer < 0 || !cand[static_cast<size_t>(t.layer)]) continue;
-    tier_bytes += t.bytes;
-    per_slot += padded_slice(t.bytes, t.n_expert);
-    max_c = std::min(max_c, t.n_expert - 1);
-  }
-  const size_t fixed = plan.cpu_weight_bytes - tier_bytes + plan.cpu_kv_bytes;
-  const std::string budget =
-      fmt::format("{} {}", pool_share ? "CPU's share of the unified pool," : "--ram-budget",
-                  mib(req.ram_budget_bytes));
-  const char* more = pool_share ? "put less on the GPU's side, lower -c, or use a larger board"
-                                : "raise --ram-budget or put more on the GPU";
-  const size_t c_fit =
-      fixed > req.ram_budget_bytes || per_slot == 0
-          ? 0
-          : std::min<size_t>((req.ram_budget_bytes - fixed) / per_slot, static_cast<size_t>(max_c));
-  if (!req.flags.ram_budget && !(pool_share && tier_bytes > 0) && c_fit < 1) {
-    // The default budget (MemAvailable minus the margin) is a guess, not a demand: a model it
-    // cannot tier runs from the mapping as before, with a note.
-    plan.notes.push_back(fmt::format(
-        "the CPU-held weights ({}) and KV cache ({}) exceed the default RAM budget of {} "
-        "(MemAvailable minus 1 GiB) and the disk tier cannot make up the difference (what must "
-        "stay in RAM: {}): the file is mapped and pages in and out; --ram-budget SIZE asks for "
-        "the tier",
-        mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(req.ram_budget_bytes), mib(fixed)));
-    return;
-  }
-  if (fixed > req.ram_budget_bytes)
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("what must stay in RAM does not fit the {}: CPU-held weights other "
-                            "than routed experts {} + KV cache {} = {} (routed experts that can "
-                            "go to the disk tier: {}); {}",
-                            budget, mib(plan.cpu_weight_bytes - tier_bytes), mib(plan.cpu_kv_bytes),
-                            mib(fixed), mib(tier_bytes), more));
-  const size_t room = req.ram_budget_bytes - fixed;
-  const size_t c = c_fit;
-  if (c < 1)
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("the {} leaves {} for routed experts after the CPU-held weights "
-                            "other than routed experts ({}) and the KV cache ({}): not enough "
-                            "for one RAM slot per MoE layer ({})",
-                            budget, mib(room), mib(plan.cpu_weight_bytes - tier_bytes),
-                            mib(plan.cpu_kv_bytes), mib(per_slot)));
-  if (plan.expert_slots > 0) {
-    plan.notes.push_back(fmt::format(
-        "the disk tier turns the {} GPU expert slots per layer off (they need the experts "
-        "pinned in RAM)",
-        plan.expert_slots));
-    plan.expert_slots = 0;
-    plan.slot_bytes = 0;
-    plan.layer_slots.assign(n_layer, 0);
-  }
-  plan.ram_slots = static_cast<int32_t>(c);
-  for (size_t l = 0; l < n_layer; ++l)
-    if (cand[l]) plan.layer_ram_slots[l] = plan.ram_slots;
-  plan.disk_weight_bytes = tier_bytes;
-  plan.cpu_weight_bytes -= tier_bytes;
-  plan.ram_slot_bytes = per_slot * c;
-  plan.how += fmt::format("; disk tier: {} RAM expert slots per MoE layer", c);
-}
-
-// make_plan with the routed experts of the first `auto_cpu_moe` layers pinned to the CPU as
-// --n-cpu-moe would (the unified automatic plan's fallback: see make_plan).
-Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
+Plan make_plan_once(const Request& req) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
   if (n_layer < 0) bad(fmt::format("placement request: n_layer {} is negative", n_layer));
@@ -449,6 +344,7 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
   // (Only for models whose routed-expert tensors stack a known number of experts: slots hold
   // one expert's slices.)
   bool adaptive = false;
+  bool unified_all_cpu = false;  // the unified automatic plan found no split and put all on the CPU
   const bool unified = req.unified && req.has_device;
   const bool stacked =
       std::any_of(req.tensors.begin(), req.tensors.end(),
@@ -481,8 +377,10 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
   const bool tied = std::none_of(req.tensors.begin(), req.tensors.end(),
                                  [](const TensorEntry& t) { return t.role == WeightRole::head; });
   std::vector<Group> group(n);
+  std::vector<bool> layer_has_exps(static_cast<size_t>(n_layer), false);
   for (size_t i = 0; i < n; ++i) {
     const TensorEntry& t = req.tensors[i];
+    if (t.layer >= 0 && t.routed_expert()) layer_has_exps[static_cast<size_t>(t.layer)] = true;
     if (t.layer >= 0)
       group[i] = t.routed_expert() ? Group::exps : Group::attn;
     else if (t.role == WeightRole::embedding)
@@ -528,8 +426,7 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
           ot_pinned[i] = true;
           break;
         }
-      if (!pin[i] && t.routed_expert() && t.layer >= 0 &&
-          (f.cpu_moe || t.layer < std::max(f.n_cpu_moe, auto_cpu_moe)))
+      if (!pin[i] && t.routed_expert() && t.layer >= 0 && (f.cpu_moe || t.layer < f.n_cpu_moe))
         pin[i] = Home::cpu;
     }
 
@@ -602,8 +499,9 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
         if (pinned_gpu == 0)
           note(fmt::format(
               "automatic plan: scratch {} + margin {} exceed the GPU budget of {}; everything "
-              "runs on the CPU",
-              mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget)));
+              "runs on the CPU{}",
+              mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget),
+              unified ? kUnifiedAllCpu : ""));
         plan.how += " (the budget holds nothing: all on the CPU)";
       } else if (unified && budget >= overhead + pinned_gpu) {
         // Who computes each unit: the processor with the lower modelled time per token on the
@@ -649,23 +547,92 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
         // the GPU is the faster processor at all.
         const bool gpu_faster = unit_seconds(1e9, 1e9, r.gpu_gbps, r.gpu_tflops) <=
                                 unit_seconds(1e9, 1e9, r.cpu_gbps, r.cpu_tflops);
-        size_t on_gpu = 0, cpu_faster = 0;
+        // One pool holds both sides: a unit goes to the GPU only where the CPU's side keeps
+        // room for its least beside it (what must stay in RAM and one RAM slot per MoE layer
+        // whose routed experts it computes: the disk tier's minimum), within --ram-budget.
+        // over(): by how much the plan as it stands misses that (0: it fits); the GPU's side
+        // counts its scratch and margin from the start.
+        const auto over = [&] {
+          const size_t gpu_used = budget - left;
+          const CpuSide cs = cpu_side(req, plan.home, plan.kv_home);
+          const size_t pool_left = req.pool_bytes > gpu_used ? req.pool_bytes - gpu_used : 0;
+          const size_t limit = std::min(req.ram_budget_bytes, pool_left);
+          const size_t need = cs.all <= limit ? cs.all : cs.least;
+          return (gpu_used > req.pool_bytes ? gpu_used - req.pool_bytes : size_t{0}) +
+                 (need > limit ? need - limit : size_t{0});
+        };
+        const auto unplace = [&](const Unit& u) {
+          for (size_t i : u.tensors) plan.home[i] = Home::cpu;
+          if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::cpu;
+          left += u.bytes;
+        };
+        size_t on_gpu = 0, cpu_faster = 0, missed = over();
         for (const Cand& c : cand) {
           if (c.gain < 0 || (c.gain == 0 && !gpu_faster)) {
             ++cpu_faster;
             continue;
           }
-          if (try_place(*c.u)) ++on_gpu;
+          if (c.u->bytes > left) continue;
+          place(*c.u);
+          // Kept where the plan fits, or (while it does not yet) where it misses by no more.
+          if (const size_t now = over(); now == 0 || now <= missed) {
+            missed = now;
+            ++on_gpu;
+          } else {
+            unplace(*c.u);
+          }
         }
+        if (missed > 0 && pinned_gpu == 0 && on_gpu > 0) {
+          // No split fits beside the GPU's scratch and margin: everything on the CPU (they
+          // then cost nothing), which the checks below accept or refuse.
+          for (const Cand& c : cand)
+            if (!c.u->tensors.empty() ? plan.home[c.u->tensors.front()] == Home::gpu
+                                      : plan.kv_home[static_cast<size_t>(c.u->layer)] == Home::gpu)
+              unplace(*c.u);
+          on_gpu = 0;
+          unified_all_cpu = true;
+          note(fmt::format(
+              "automatic plan: nothing fits beside the GPU's scratch and margin in the unified "
+              "pool, so everything runs on the CPU (as --vram-budget 0){}",
+              kUnifiedAllCpu));
+        }
+        // Layers whose routed experts the CPU computes: those the flags pin there, and those the
+        // pool left it (the first N when they are the leading ones: as --n-cpu-moe N).
+        int32_t pinned_layers = 0, left_layers = 0, leading = 0;
+        bool lead = true;
+        for (int32_t l = 0; l < n_layer; ++l) {
+          const Unit& u = exps[static_cast<size_t>(l)];
+          const bool cpu_by_unit = !u.tensors.empty() && plan.home[u.tensors.front()] == Home::cpu;
+          const bool cpu_by_pin = u.tensors.empty() && layer_has_exps[static_cast<size_t>(l)];
+          pinned_layers += cpu_by_pin;
+          left_layers += cpu_by_unit;
+          if (lead && (cpu_by_unit || cpu_by_pin))
+            ++leading;
+          else
+            lead = false;
+        }
+        std::string cpu_part;
+        if (left_layers > 0 && !unified_all_cpu)
+          cpu_part = leading == pinned_layers + left_layers
+                         ? fmt::format(
+                               "; the CPU computes the routed experts of the first {} "
+                               "layers, as --n-cpu-moe {}, where the pool holds no more "
+                               "beside the disk tier's minimum",
+                               leading, leading)
+                         : fmt::format(
+                               "; the CPU computes the routed experts of {} more layers, "
+                               "where the pool holds no more beside the disk tier's "
+                               "minimum",
+                               left_layers);
         plan.how += fmt::format(
-            " (unified memory, cost model: the GPU computes {} of {} units{}{})", on_gpu,
+            " (unified memory, cost model: the GPU computes {} of {} units{}{}{})", on_gpu,
             cand.size(),
             cpu_faster > 0 ? fmt::format(", the CPU is faster for {}", cpu_faster) : "",
-            auto_cpu_moe > f.n_cpu_moe
-                ? fmt::format("; the CPU computes the routed experts of the first {} layers, as "
-                              "--n-cpu-moe {}, so that the pool holds them in the disk tier",
-                              auto_cpu_moe, auto_cpu_moe)
-                : "");
+            pinned_layers > 0
+                ? fmt::format(", and the flags keep the routed experts of {} layers on the CPU",
+                              pinned_layers)
+                : "",
+            cpu_part);
       } else if (budget >= overhead + pinned_gpu) {
         size_t all_attn = out_norm.bytes;
         for (const Unit& u : attn) all_attn += u.bytes;
@@ -830,7 +797,10 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
                     mib(plan.margin_bytes), describe_flags(f), refusal_hint(req, plan, has_exps)));
   }
   if (!unified) {
-    add_disk_tier(req, plan);
+    if (req.shared_pool_bytes > 0 && any_gpu)
+      finish_shared_pool(req, plan, describe_flags(f));
+    else
+      add_disk_tier(req, plan);
     return plan;
   }
   // Unified memory: the CPU's side gets what the device's side leaves of the pool (and at most
@@ -887,6 +857,18 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
                             req.device_name, mib(req.pool_bytes), share, unified_terms(req, plan),
                             describe_flags(f), e.what()));
   }
+  // --unified on on a GPU with memory of its own: its KV cache, scratch and margin are still
+  // allocations there (only the weights stay in host memory).
+  if (any_gpu && req.discrete_free_bytes > 0 &&
+      plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes > req.discrete_free_bytes)
+    throw Error(ErrorCategory::out_of_memory,
+                fmt::format("plan needs {} of {}'s own memory but it reports {} free (--unified "
+                            "on: the weights it computes stay in host memory, its KV cache {} + "
+                            "scratch {} + margin {} do not) ({}); lower -c or -ub, or use "
+                            "--unified off",
+                            mib(plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes),
+                            req.device_name, mib(req.discrete_free_bytes), mib(plan.gpu_kv_bytes),
+                            mib(plan.scratch_bytes), mib(plan.margin_bytes), describe_flags(f)));
   if (plan.pool_total() > req.pool_bytes)
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({})",
@@ -899,48 +881,18 @@ Plan make_plan_once(const Request& req, int32_t auto_cpu_moe) {
 
 Plan make_plan(const Request& req) {
   try {
-    return make_plan_once(req, 0);
+    return make_plan_once(req);
   } catch (const Error& e) {
-    // Unified memory, automatic plan: the greedy fill gives the GPU's side units up to the pool,
-    // which can leave the CPU's side no room for the disk tier's RAM slots. Before refusing,
-    // the CPU computes the routed experts of the first N layers (as --n-cpu-moe N: they go to
-    // the disk tier), for the smallest N that fits; N = n_layer is what --cpu-moe plans.
+    // Unified memory, automatic plan: it gave the GPU only what the pool holds beside the CPU's
+    // least, and everything to the CPU where no split fits; say so with the refusal.
     const Flags& f = req.flags;
     if (e.category() != ErrorCategory::out_of_memory || !req.unified || !req.has_device ||
-        f.n_gpu_layers >= 0 || f.cpu_moe)
+        f.n_gpu_layers >= 0)
       throw;
-    std::vector<bool> has_exps(static_cast<size_t>(std::max(req.n_layer, 0)), false);
-    for (const TensorEntry& t : req.tensors)
-      if (t.routed_expert() && t.layer >= 0) has_exps[static_cast<size_t>(t.layer)] = true;
-    for (int32_t n = std::max(f.n_cpu_moe, 0) + 1; n <= req.n_layer; ++n) {
-      if (!has_exps[static_cast<size_t>(n - 1)]) continue;  // the same plan as n - 1
-      try {
-        return make_plan_once(req, n);
-      } catch (const Error& again) {
-        if (again.category() != ErrorCategory::out_of_memory) throw;
-      }
-    }
-    // Last, everything on the CPU (the GPU's scratch and margin then cost nothing): a board too
-    // small for them beside the rest plans this way already, so a larger one must too (without
-    // this, boards just above that size were refused).
-    if (!f.vram_budget) {
-      Request cpu_only = req;
-      cpu_only.flags.vram_budget = size_t{0};
-      try {
-        Plan p = make_plan_once(cpu_only, 0);
-        p.notes.push_back(
-            "automatic plan: nothing fits beside the GPU's scratch and margin in the unified "
-            "pool, so everything runs on the CPU (as --vram-budget 0)");
-        return p;
-      } catch (const Error& again) {
-        if (again.category() != ErrorCategory::out_of_memory) throw;
-      }
-    }
-    if (std::none_of(has_exps.begin(), has_exps.end(), [](bool b) { return b; })) throw;
     throw Error(ErrorCategory::out_of_memory,
-                fmt::format("{}; nor does it fit with the routed experts of any number of layers "
-                            "computed by the CPU from the disk tier (--n-cpu-moe N, --cpu-moe), "
-                            "nor all on the CPU",
+                fmt::format("{}; the automatic plan gives the GPU only what the pool holds beside "
+                            "the CPU's least (what must stay in RAM and one RAM slot per MoE "
+                            "layer it computes), and tried everything on the CPU",
                             e.what()));
   }
 }

@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
+#include <optional>
 
 #include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
@@ -39,17 +41,54 @@ size_t host_available_bytes() {
   const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
 }
+
+// Error(invalid_argument) from parsing BERTH_SIM_DEVICE as Error(usage): a bad value is bad
+// usage of the command's environment (exit 2), not a bad input file or run.
+template <typename F>
+auto sim_usage(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (e.category() != ErrorCategory::invalid_argument) throw;
+    throw Error(ErrorCategory::usage, e.what());
+  }
+}
+
+// The simulated unified board BERTH_SIM_DEVICE=unified:... names, if any; Error(usage) when
+// malformed.
+std::optional<SimDeviceOptions> sim_board() {
+  const char* sim = std::getenv("BERTH_SIM_DEVICE");
+  if (!sim || std::string_view(sim).substr(0, 8) != "unified:") return std::nullopt;
+  const std::string spec(sim);
+  return sim_usage([&] { return parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec); });
+}
+
+// What the OS reports available, bytes: on a simulated unified board its available= (the
+// board's memory is the host's), else MemAvailable of this host.
+size_t os_available_bytes() {
+  if (const auto board = sim_board()) return board->os_available_bytes;
+  return host_available_bytes();
+}
 }  // namespace
 
 std::string PlacementSetup::summary() const {
+  // The CPU computes the routed experts of the disk tier too (read into its RAM slots).
+  const size_t cpu = plan.cpu_weight_bytes + plan.disk_weight_bytes;
+  const std::string disk =
+      plan.disk_weight_bytes > 0
+          ? fmt::format(
+                " ({:.2f} GiB of them routed experts read from disk into {} RAM slots per "
+                "MoE layer)",
+                gib(plan.disk_weight_bytes), plan.ram_slots)
+          : "";
   if (!device)
-    return fmt::format("placement: all {:.2f} GiB of weights on the CPU ({})",
-                       gib(plan.cpu_weight_bytes), plan.how);
+    return fmt::format("placement: all {:.2f} GiB of weights on the CPU{} ({})", gib(cpu), disk,
+                       plan.how);
   return fmt::format(
-      "placement ({}): {:.2f} GiB of weights + {:.2f} GiB KV cache + {:.2f} GiB scratch on {}, "
-      "{:.2f} GiB of weights on the CPU",
-      plan.how, gib(plan.gpu_weight_bytes), gib(plan.gpu_kv_bytes), gib(plan.scratch_bytes),
-      device->name(), gib(plan.cpu_weight_bytes));
+      "placement ({}): {:.2f} GiB of weights{} + {:.2f} GiB KV cache + {:.2f} GiB scratch on {}, "
+      "{:.2f} GiB of weights on the CPU{}",
+      plan.how, gib(plan.gpu_weight_bytes), plan.unified ? " (read in place in host memory)" : "",
+      gib(plan.gpu_kv_bytes), gib(plan.scratch_bytes), device->name(), gib(cpu), disk);
 }
 
 std::string auto_stream_off(const Model& model, const placement::Plan& plan, size_t host_available,
@@ -79,7 +118,7 @@ std::string auto_stream_off(const Model& model, const placement::Plan& plan, siz
 }
 
 size_t default_ram_budget() {
-  const size_t avail = host_available_bytes();
+  const size_t avail = os_available_bytes();
   return avail > placement::kRamMargin ? avail - placement::kRamMargin : 0;
 }
 
@@ -138,18 +177,19 @@ std::unique_ptr<Device> default_device() {
   // BERTH_SIM_DEVICE, when set, wins over a GPU that is present (the simulated cases of the test
   // suites run the same on a GPU machine).
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
-    const std::string_view spec(sim);
-    // A bad value is bad usage of the command's environment (Error(usage): exit 2), not a bad
-    // input file or run.
-    try {
+    const std::string spec(sim);
+    return sim_usage([&]() -> std::unique_ptr<Device> {
       if (spec.substr(0, 8) == "unified:")
-        return make_sim_device(
-            parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + std::string(spec)));
-      return make_sim_device(placement::parse_size(sim, "BERTH_SIM_DEVICE"));
-    } catch (const Error& e) {
-      if (e.category() != ErrorCategory::invalid_argument) throw;
-      throw Error(ErrorCategory::usage, e.what());
-    }
+        return make_sim_device(parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec));
+      const size_t size = placement::parse_size(spec, "BERTH_SIM_DEVICE");
+      // As unified:0: a device of no memory is a mistake, not a way to say "none".
+      if (size == 0)
+        throw Error(ErrorCategory::invalid_argument,
+                    fmt::format("BERTH_SIM_DEVICE={}: a simulated device's memory must be more "
+                                "than 0 (unset BERTH_SIM_DEVICE for no device)",
+                                spec));
+      return make_sim_device(size);
+    });
   }
   if (cuda_available()) return make_cuda_device(0);
   return nullptr;
@@ -172,8 +212,12 @@ bool flags_want_gpu(const placement::Flags& flags) {
 // --unified is on, or auto on a device that says it shares the host's memory. Then one pool:
 // the OS's available memory minus the margin (at most the board's memory), not what the device
 // reports free (on such boards cudaMemGetInfo counts the page cache as used).
+// `shared`: a board whose memory the device shares planned without unified mode (--unified off
+// with the GPU computing): the same pool, for both sides of a plan of copies
+// (Request::shared_pool_bytes). `discrete`: unified mode on a device with memory of its own
+// (--unified on on a discrete GPU), whose KV cache, scratch and margin still take that memory.
 struct UnifiedPool {
-  bool unified = false;
+  bool unified = false, shared = false, discrete = false;
   size_t os_available = 0, pool = 0;
 };
 
@@ -183,8 +227,10 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
   u.unified = has_device && flags_want_gpu(flags) &&
               (flags.unified == placement::UnifiedMode::on ||
                (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
-  if (!u.unified) return u;
-  u.os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : host_available_bytes();
+  u.shared = !u.unified && device && dinfo.unified && flags_want_gpu(flags);
+  u.discrete = u.unified && device && !dinfo.unified;
+  if (!u.unified && !u.shared) return u;
+  u.os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : os_available_bytes();
   u.pool = u.os_available > placement::kRamMargin ? u.os_available - placement::kRamMargin : 0;
   // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
   // weights in host memory, which its VRAM does not bound.
@@ -202,56 +248,141 @@ std::unique_ptr<Device> placement_device(const placement::Flags& flags) {
   return flags_want_gpu(flags) ? default_device() : nullptr;
 }
 
-int64_t default_serve_context(const Model& model, uint64_t file_bytes, int32_t n_slots,
-                              const Device* device, const placement::Flags& flags,
+namespace {
+// place() into `s`, whose device the caller set: on a throw `s` keeps it.
+void place_into(PlacementSetup& s, const Model& model, const placement::Flags& flags,
+                SessionParams& params, bool progress_to_stderr, bool plan_only);
+}  // namespace
+
+int64_t default_serve_context(const Model& model, const placement::Flags& flags,
+                              const SessionParams& params, std::unique_ptr<Device>& device,
                               std::string* note) {
   const Hparams& hp = model.hparams();
   const int64_t n = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
-  size_t per_token = 0, per_slot = 0;  // per_slot: recurrent layers' state (Qwen3.5)
-  for (const KvLayer& l : model.kv_layers()) {
-    per_token += static_cast<size_t>(l.k_dim + l.v_dim) * sizeof(float);
-    per_slot += static_cast<size_t>(l.conv_dim + l.ssm_dim) * sizeof(float);
+  // Without a device, run and serve plan for none (--vram-budget is ignored there).
+  placement::Flags f = flags;
+  if (!device) f.vram_budget.reset();
+  // The plan serve would make with `c` tokens (place() as serve calls it, quietly); the device
+  // comes back after each.
+  const auto plan_at = [&](int64_t c) {
+    SessionParams p = params;
+    p.n_ctx = c;
+    PlacementSetup s;
+    s.device = std::move(device);
+    try {
+      place_into(s, model, f, p, false, /*plan_only=*/true);
+    } catch (...) {
+      device = std::move(s.device);
+      throw;
+    }
+    device = std::move(s.device);
+    return s;
+  };
+  // What a plan holds against what it draws on: the KV cache (f16 where the GPU keeps it, f32
+  // on the CPU) beside what it cannot push out: the weights other than routed experts (those
+  // can go to the disk tier or the CPU), the recurrent state, the GPU's scratch and margin.
+  struct Sizing {
+    int64_t context = 0;
+    size_t kv = 0, memory = 0, fixed = 0, gpu_layers = 0, cpu_layers = 0;
+    bool scratch = false, state = false;
+    std::string where;
+    size_t left() const { return memory > fixed ? memory - fixed : 0; }
+    bool within_half() const { return kv <= left() / 2; }
+  };
+  const auto sizing = [&](int64_t c, const PlacementSetup& s) {
+    const placement::Plan& p = s.plan;
+    const placement::Request& r = s.request;
+    Sizing z;
+    z.context = c;
+    for (placement::Home h : p.kv_home) (h == placement::Home::gpu ? z.gpu_layers : z.cpu_layers)++;
+    z.kv = p.gpu_kv_bytes + (p.cpu_kv_bytes - p.state_bytes);
+    bool any_gpu = false;
+    for (placement::Home h : p.home) any_gpu = any_gpu || h == placement::Home::gpu;
+    any_gpu = any_gpu || z.gpu_layers > 0;
+    if (p.unified) {
+      z.memory = p.pool_bytes;
+      z.where = "the unified pool";
+    } else if (r.shared_pool_bytes > 0) {
+      z.memory = r.shared_pool_bytes;
+      z.where = "the board's memory (--unified off)";
+    } else {
+      const bool ram_limit = r.ram_budget_bytes != placement::kNoRamBudget;
+      z.memory = (any_gpu ? p.budget_bytes : 0) +
+                 (ram_limit ? r.ram_budget_bytes : physical_memory_bytes());
+      z.where = fmt::format("{}{}", any_gpu ? "the GPU's budget and " : "",
+                            ram_limit ? "the RAM budget" : "this machine's memory");
+    }
+    z.fixed = p.state_bytes + p.scratch_bytes + p.margin_bytes;
+    for (const placement::TensorEntry& t : r.tensors)
+      if (!t.routed_expert()) z.fixed += t.bytes;
+    z.scratch = p.scratch_bytes > 0;
+    z.state = p.state_bytes > 0;
+    return z;
+  };
+  const auto terms = [](const Sizing& z) {
+    return fmt::format(
+        "the KV cache ({:.1f} MiB at {} tokens as the plan holds it: {} layers f16 on the GPU, {} "
+        "f32 on the CPU) takes at most half of the {:.1f} MiB of {} ({:.1f} MiB) left beside "
+        "{:.1f} MiB of weights other than routed experts{}{}",
+        static_cast<double>(z.kv) / (1 << 20), z.context, z.gpu_layers, z.cpu_layers,
+        static_cast<double>(z.left()) / (1 << 20), z.where,
+        static_cast<double>(z.memory) / (1 << 20), static_cast<double>(z.fixed) / (1 << 20),
+        z.scratch ? ", the GPU's scratch and margin" : "",
+        z.state ? " and the recurrent state" : "");
+  };
+  // The plan at `c` fits, with its KV cache within half of what it leaves; `z` its sizing.
+  const auto accepts = [&](int64_t c, Sizing* z) {
+    try {
+      const PlacementSetup s = plan_at(c);
+      *z = sizing(c, s);
+      return z->within_half();
+    } catch (const Error& e) {
+      if (e.category() != ErrorCategory::out_of_memory) throw;
+      return false;
+    }
+  };
+  const int64_t least =
+      std::max<int64_t>(kMinDefaultContext, 2 * int64_t{std::max(params.n_seq, 1)});
+  const std::string refused = fmt::format(
+      "-c not given: the model's context_length {} cannot be lowered to a usable context ({} "
+      "tokens at least)",
+      n, least);
+  const std::string give = "give -c N to ask for a context anyway (the plan says whether it fits)";
+  Sizing z;
+  if (accepts(n, &z)) return n;
+  const int64_t c0 = std::min(n, (least + 255) / 256 * 256);
+  if (c0 < least || !accepts(c0, &z)) {
+    if (z.context == c0)  // the plan fits, its KV cache not within half
+      throw Error(ErrorCategory::out_of_memory, fmt::format("{}: {}; {}", refused, terms(z), give));
+    try {
+      (void)plan_at(c0);
+    } catch (const Error& e) {
+      if (e.category() != ErrorCategory::out_of_memory) throw;
+      throw Error(ErrorCategory::out_of_memory,
+                  fmt::format("{}: at {} tokens the plan does not fit: {}; {}", refused, c0,
+                              e.what(), give));
+    }
+    throw Error(ErrorCategory::out_of_memory, fmt::format("{}; {}", refused, give));
   }
-  // The memory the plan draws on: the unified pool, else this machine's memory. Beside the KV
-  // cache it holds the model file; on unified memory less the routed experts (the disk tier
-  // holds those the pool does not).
-  const UnifiedPool u = unified_pool(device, flags, device != nullptr);
-  const size_t memory = u.unified ? u.pool : physical_memory_bytes();
-  if (per_token == 0 || memory == 0) return n;
-  size_t weights = file_bytes;
-  if (u.unified) {
-    size_t exps = 0;
-    const graph::WeightTable& w = model.weights();
-    for (size_t i = 0; i < w.size(); ++i)
-      if (w.roles[i] == graph::WeightRole::routed_expert) exps += w.tensors[i].n_bytes;
-    weights = file_bytes > exps ? file_bytes - exps : 0;
+  // The largest multiple of 256 the plan accepts: accepts(lo * 256), not hi * 256.
+  int64_t lo = c0 / 256, hi = (n + 255) / 256;
+  Sizing best = z;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    Sizing m;
+    if (accepts(mid * 256, &m)) {
+      lo = mid;
+      best = m;
+    } else {
+      hi = mid;
+    }
   }
-  const size_t fixed = weights + per_slot * static_cast<size_t>(std::max(n_slots, 1));
-  const size_t left = memory > fixed ? memory - fixed : 0;
-  const int64_t fit = static_cast<int64_t>(left / 2 / per_token);
-  if (fit >= n) return n;
-  const std::string terms = fmt::format(
-      "the KV cache ({:.1f} KiB per token: f32 K and V) takes at most half of the {:.1f} MiB of "
-      "{} ({:.1f} MiB) left beside {:.1f} MiB of {}{}",
-      static_cast<double>(per_token) / 1024, static_cast<double>(left) / (1 << 20),
-      u.unified ? "the unified pool" : "this machine's memory",
-      static_cast<double>(memory) / (1 << 20), static_cast<double>(weights) / (1 << 20),
-      u.unified ? "weights other than routed experts" : "the model file",
-      per_slot > 0 ? " and the slots' recurrent state" : "");
-  const int64_t lowered = fit / 256 * 256;
-  if (lowered < std::max<int64_t>(kMinDefaultContext, 2 * int64_t{std::max(n_slots, 1)}))
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("-c not given: the model's context_length {} cannot be lowered to a "
-                            "usable context ({} tokens at least): {}, which holds {} tokens; "
-                            "give -c N to ask for a context anyway (the plan says whether it "
-                            "fits)",
-                            n, kMinDefaultContext, terms, fit));
   if (note)
     *note = fmt::format(
-        "-c not given: the model's context_length {} lowered to {} tokens, so "
-        "that {}",
-        n, lowered, terms);
-  return lowered;
+        "-c not given: the model's context_length {} lowered to {} tokens, the most (a multiple "
+        "of 256) for which the plan fits and {}",
+        n, best.context, terms(best));
+  return best.context;
 }
 
 PlacementSetup place(const Model& model, const placement::Flags& flags, SessionParams& params,
@@ -264,6 +395,14 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
                      bool progress_to_stderr, bool plan_only, std::unique_ptr<Device> device) {
   PlacementSetup s;
   s.device = std::move(device);
+  place_into(s, model, flags, params, progress_to_stderr, plan_only);
+  return s;
+}
+
+namespace {
+
+void place_into(PlacementSetup& s, const Model& model, const placement::Flags& flags,
+                SessionParams& params, bool progress_to_stderr, bool plan_only) {
   const bool wants_gpu = flags_want_gpu(flags);
   std::string device_name = s.device ? s.device->name() : std::string("GPU (--vram-budget)");
   size_t free_bytes = s.device ? s.device->free_bytes() : 0;
@@ -307,9 +446,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
   }
   // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin (unified: the
   // pool, of which make_plan gives the CPU what the device's side leaves).
-  const size_t ram_budget = flags.ram_budget ? *flags.ram_budget
-                            : unified        ? pool
-                                             : default_ram_budget();
+  const size_t ram_budget = flags.ram_budget       ? *flags.ram_budget
+                            : unified || up.shared ? pool
+                                                   : default_ram_budget();
   // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
   // the room otherwise).
@@ -349,6 +488,11 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       if (dinfo.cpu_gbps > 0) s.request.rates.cpu_gbps = dinfo.cpu_gbps;
       if (dinfo.gpu_tflops > 0) s.request.rates.gpu_tflops = dinfo.gpu_tflops;
       if (dinfo.cpu_tflops > 0) s.request.rates.cpu_tflops = dinfo.cpu_tflops;
+      if (up.discrete) s.request.discrete_free_bytes = free_bytes;
+    } else if (up.shared) {
+      s.request.shared_pool_bytes = pool;
+      s.request.os_available_bytes = os_available;
+      s.request.pool_margin_bytes = placement::kRamMargin;
     }
     s.plan = placement::make_plan(s.request);
   };
@@ -391,7 +535,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a
     // failed registration may fall back to one (HybridOptions::copy_host_experts stays true).
     const std::string off =
-        auto_stream_off(model, s.plan, host_available_bytes(), copies && !copy_read_by_cpu());
+        auto_stream_off(model, s.plan, os_available_bytes(), copies && !copy_read_by_cpu());
     if (!off.empty()) {
       stream = 0;
       make();
@@ -423,7 +567,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       params.weight_home = s.plan.home;
       params.kv_home = s.plan.kv_home;
     }
-    return s;
+    return;
   }
   for (const std::string& note : s.plan.notes) log::warn("{}", note);
   if (!any_gpu || !s.device) {
@@ -431,7 +575,7 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
     xs.slots_per_layer = 0;
     s.device.reset();
     params.device = nullptr;
-    return s;
+    return;
   }
   params.device = s.device.get();
   params.unified = unified;
@@ -465,8 +609,9 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
       }
     };
   }
-  return s;
 }
+
+}  // namespace
 
 std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
                                                              const PlacementSetup& setup,

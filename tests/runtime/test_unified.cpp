@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -79,6 +80,13 @@ test::CommandResult berth_with(const std::string& sim, const std::string& args) 
                            " " + args);
 }
 
+// The SessionParams serve passes to place() by default (-ub 512, one sequence).
+SessionParams serve_params() {
+  SessionParams p;
+  p.hybrid.stream_experts_min_tokens = kStreamExpertsAuto;
+  return p;
+}
+
 bool has(const std::string& text, const std::string& needle) {
   return text.find(needle) != std::string::npos;
 }
@@ -142,6 +150,53 @@ nlohmann::json plan_json(const std::string& sim, const std::string& model, const
   return nlohmann::json::parse(r.out);
 }
 
+// One `berth plan --json` case: BERTH_SIM_DEVICE, the flags, the exit code, and text that the
+// refusal (exit 1) or the plan's how and notes (exit 0) must contain, and must not.
+struct PlanCase {
+  std::string sim, flags;
+  int rc = 0;
+  std::vector<std::string> has, lacks;
+};
+
+// Runs each case with `model`; the plans, null for a refusal.
+std::vector<nlohmann::json> check_plans(const std::string& model,
+                                        const std::vector<PlanCase>& cases) {
+  std::vector<nlohmann::json> out;
+  for (const PlanCase& c : cases) {
+    CAPTURE(c.sim);
+    CAPTURE(c.flags);
+    int rc = 0;
+    std::string err;
+    nlohmann::json j = plan_json(c.sim, model, c.flags, &rc, &err);
+    CHECK_MESSAGE(rc == c.rc, err);
+    std::string text = err;
+    if (rc == 0) {
+      text = j["how"].get<std::string>();
+      for (const auto& n : j["notes"]) text += "\n" + n.get<std::string>();
+    }
+    for (const std::string& h : c.has) CHECK_MESSAGE(has(text, h), h, " in: ", text);
+    for (const std::string& h : c.lacks) CHECK_MESSAGE(!has(text, h), h, " in: ", text);
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+// "the GPU computes X of Y units" as the plan's tensors say it: a unit is a layer's routed
+// experts, the rest of a layer, or a global group (output norm, head, embedding); X of them on
+// the GPU.
+std::string units_text(const nlohmann::json& j) {
+  std::map<std::string, bool> unit;  // -> on the GPU
+  for (const auto& t : j["tensors"]) {
+    const int layer = t["layer"].get<int>();
+    const std::string role = t["role"].get<std::string>();
+    const std::string key =
+        layer < 0 ? role : fmt::format("{}{}", layer, role == "routed expert" ? " exps" : "");
+    unit[key] = unit[key] || t["home"].get<std::string>() == "GPU";
+  }
+  const auto on = std::count_if(unit.begin(), unit.end(), [](const auto& u) { return u.second; });
+  return fmt::format("the GPU computes {} of {} units", on, unit.size());
+}
+
 }  // namespace
 
 TEST_CASE("unified: the simulated board's spec") {
@@ -185,7 +240,9 @@ TEST_CASE("unified: the simulated board's spec") {
 
 TEST_CASE("unified: a malformed BERTH_SIM_DEVICE is a usage error (exit 2) naming the value") {
   const std::string model = test::shell_quote(moe_file());
-  for (const char* sim : {"unified:8G,fast=1", "unified:lots", "unified:8G,available=9G", "lots"})
+  // "0" as "unified:0": a device of no memory is a mistake (it planned for a GPU of 0 bytes).
+  for (const char* sim :
+       {"unified:8G,fast=1", "unified:lots", "unified:8G,available=9G", "lots", "0", "unified:0"})
     for (const char* cmd : {" plan -m ", " run -p hi -n 1 -m "}) {
       CAPTURE(sim);
       CAPTURE(cmd);
@@ -374,10 +431,9 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
     placement::Flags flags;
     ::setenv("BERTH_SIM_DEVICE", "unified:128G", 1);
     std::unique_ptr<Device> dev = placement_device(flags);
-    ::unsetenv("BERTH_SIM_DEVICE");
     std::string note;
-    CHECK(default_serve_context(*m, file.file_size(), 1, dev.get(), flags, &note) ==
-          m->hparams().n_ctx_train);
+    CHECK(default_serve_context(*m, flags, serve_params(), dev, &note) == m->hparams().n_ctx_train);
+    ::unsetenv("BERTH_SIM_DEVICE");
     CHECK(note.empty());
   }
   std::filesystem::remove(model);  // a hole, but 54 GB as ls sees it
@@ -385,60 +441,124 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
 
 TEST_CASE("unified: the automatic plan moves routed experts to the disk tier before refusing") {
   const std::string model = sparse_30b();
-  int rc = 0;
-  std::string err;
-  // Orin 8 GB without pageable access: the greedy fill alone gives the GPU's side the whole
-  // pool and leaves no room for RAM expert slots; --cpu-moe fits, so the automatic plan must.
-  nlohmann::json j = plan_json("unified:8G,pageable=0", model, "", &rc, &err);
-  INFO(err);
-  REQUIRE(rc == 0);
-  CHECK(j["unified"]["total_bytes"].get<size_t>() <= j["unified"]["pool_bytes"].get<size_t>());
-  CHECK(j["tiers"]["ram_slots"].get<int>() >= 1);
-  CHECK(j["tiers"]["disk_bytes"].get<size_t>() > 0);
-  CHECK(has(j["how"].get<std::string>(), "as --n-cpu-moe"));
-  // Where it fits as it is, the plan does not change (16 GB: the greedy fill's own disk tier).
-  j = plan_json("unified:16G", model, "", &rc, &err);
-  REQUIRE(rc == 0);
-  CHECK_FALSE(has(j["how"].get<std::string>(), "--n-cpu-moe"));
-  CHECK(j["tiers"]["ram_slots"].get<int>() == 4);
-  // A board too small for any of it: refused, naming the alternatives it tried.
-  j = plan_json("unified:2G", model, "", &rc, &err);
-  CHECK(rc == 1);
-  CHECK(has(err, "(a pool of 1024.0 MiB)"));
-  CHECK(has(err, "--cpu-moe"));
-  CHECK(has(err, "nor all on the CPU"));
-  // --cpu-moe where the CPU's share of the pool cannot hold one RAM slot per layer: refused
-  // naming the share and the slot (the default RAM budget's leniency, leaving the file mapped to
-  // page in and out, has no room in a pool), not by a total that counts every routed expert as
-  // held in memory.
-  j = plan_json("unified:3G", model, " --cpu-moe", &rc, &err);
-  CHECK(rc == 1);
-  CHECK(has(err, "CPU's share of the unified pool"));
-  CHECK(has(err, "not enough for one RAM slot per MoE layer"));
-  CHECK_FALSE(has(err, "plan needs"));
-  // A board above that: everything on the CPU (its disk tier) once nothing fits beside the GPU's
-  // scratch and margin; and a board that fits is never followed by a larger one that is refused
-  // (2 layers of the same shapes: 1.5-2 GB boards plan all on the CPU, 2.2 GB on the GPU; 1.8 and
-  // 2 GB were refused before).
-  j = plan_json("unified:3000M", model, "", &rc, &err);
-  INFO(err);
-  REQUIRE(rc == 0);
-  CHECK(any_note(j, "everything runs on the CPU (as --vram-budget 0)"));
-  CHECK(j["tiers"]["disk_bytes"].get<size_t>() > 0);
+  // The GPU's side takes only what the pool holds beside the CPU's least (what must stay in RAM
+  // and one RAM slot per MoE layer the CPU computes); the units the text counts are the plan's.
+  const std::vector<nlohmann::json> j = check_plans(
+      model, {
+                 // Orin 8 GB without pageable access: the first 33 layers' routed experts go to
+                 // the disk tier (the text said "66 of 66 units" beside them: 99 units).
+                 {"unified:8G,pageable=0", "", 0, {"as --n-cpu-moe 33", "of 99 units"}, {}},
+                 {"unified:16G", "", 0, {"as --n-cpu-moe 7", "of 99 units"}, {}},
+                 // A board too small for any of it: refused, saying what the plan tried.
+                 {"unified:2G",
+                  "",
+                  1,
+                  {"(a pool of 1024.0 MiB)", "tried everything on the CPU",
+                   "lower -c, use a smaller quantization or a larger board"},
+                  {"put less on the GPU's side"}},
+                 // A board above that: everything on the CPU (its disk tier), and what unified
+                 // mode then means.
+                 {"unified:3000M",
+                  "",
+                  0,
+                  {"everything runs on the CPU (as --vram-budget 0)", "unified mode stays on",
+                   "the plan is -ngl 0's"},
+                  {}},
+             });
+  for (const nlohmann::json& p : {j[0], j[1]}) {
+    CHECK(has(p["how"].get<std::string>(), units_text(p)));
+    CHECK(p["unified"]["total_bytes"].get<size_t>() <= p["unified"]["pool_bytes"].get<size_t>());
+    CHECK(p["tiers"]["ram_slots"].get<int>() >= 1);
+    CHECK(p["tiers"]["disk_bytes"].get<size_t>() > 0);
+  }
+  CHECK(j[1]["tiers"]["ram_slots"].get<int>() == 4);
+  CHECK(j[3]["tiers"]["disk_bytes"].get<size_t>() > 0);
+  // A board that fits is never followed by a larger one that is refused (2 layers of the same
+  // shapes: 1.5-2 GB boards plan all on the CPU, 2.2 GB on the GPU), and --cpu-moe fits wherever
+  // the automatic plan does (its greedy fill left the CPU 1-50 MiB, no RAM slot: 2-3 GB boards
+  // refused it while the automatic plan fitted at 3 GB).
   SynthSpec two = synth_preset("qwen3-30b-a3b");
   two.type = "q4_k";
   two.sparse = true;
   two.n_layer = 2;
   const auto two_path = test::temp_dir("unified") / "qwen3-30b-a3b-2l-q4_k-sparse.gguf";
   if (!std::filesystem::exists(two_path)) write_synth_model(two, two_path.string(), 1);
-  bool fitted = false;
-  for (const char* board : {"1200M", "1500M", "1800M", "2G", "2200M", "3G"}) {
-    CAPTURE(board);
-    (void)plan_json(std::string("unified:") + board, two_path.string(), "", &rc, &err);
-    if (fitted) CHECK(rc == 0);
-    fitted = fitted || rc == 0;
-  }
-  CHECK(fitted);
+  for (const std::string& file : {two_path.string(), model})
+    for (const char* flags : {"", " --cpu-moe"}) {
+      CAPTURE(file);
+      CAPTURE(flags);
+      bool fitted = false;
+      for (const char* board :
+           {"1200M", "1500M", "1800M", "2G", "2200M", "2500M", "3G", "3500M", "4G", "6G"}) {
+        CAPTURE(board);
+        int rc = 0, auto_rc = 0;
+        std::string err;
+        const std::string sim = std::string("unified:") + board;
+        (void)plan_json(sim, file, flags, &rc, &err);
+        if (fitted) CHECK(rc == 0);
+        fitted = fitted || rc == 0;
+        if (*flags == '\0') continue;
+        (void)plan_json(sim, file, "", &auto_rc, &err);
+        if (auto_rc == 0) CHECK(rc == 0);
+      }
+      CHECK(fitted);
+    }
+}
+
+TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of copies says so") {
+  const std::string model = sparse_30b();
+  const std::vector<nlohmann::json> j = check_plans(
+      model, {
+                 // --unified off: the GPU's copies and the CPU's side come from the same memory (it
+                 // planned 21.9 GiB on an 8 GiB board without a word).
+                 {"unified:8G",
+                  " --unified off",
+                  1,
+                  {"which the GPU shares with the CPU (a pool of 7168.0 MiB", "copies of",
+                   "the CPU's side", "--unified auto holds each weight once"},
+                  {}},
+                 {"unified:24G",
+                  " --unified off --vram-budget 4G",
+                  0,
+                  {"holds the 868.6 MiB of weights the GPU computes twice", "against the pool"},
+                  {}},
+                 // -ngl 0 and --vram-budget 0: the board's available memory bounds the CPU's side
+                 // (not this host's MemAvailable), the same plan either way.
+                 {"unified:8G,available=6G", " -ngl 0", 0, {}, {}},
+                 {"unified:8G,available=6G", " --vram-budget 0", 0, {"unified mode stays on"}, {}},
+                 // --unified on on a discrete device: its own memory holds the KV cache, scratch
+                 // and margin (the weights stay in host memory).
+                 {"2G",
+                  " --unified on -ngl 99 --cpu-moe -c 40960",
+                  1,
+                  {"of SIM0's own memory but it reports 2048.0 MiB free", "KV cache 3840.0 MiB"},
+                  {}},
+                 {"2G", " --unified on -ngl 99 --cpu-moe -c 4096", 0, {}, {}},
+             });
+  CHECK(j[2]["tiers"]["ram_budget_bytes"].get<size_t>() == size_t{5} << 30);
+  CHECK(j[2]["tiers"]["disk_bytes"].get<size_t>() > 0);
+  CHECK(j[3]["tiers"]["ram_bytes"] == j[2]["tiers"]["ram_bytes"]);
+  CHECK(j[3]["tiers"]["disk_bytes"] == j[2]["tiers"]["disk_bytes"]);
+}
+
+TEST_CASE("unified: the placement summary counts the disk tier's weights on the CPU") {
+  const std::string path = sparse_30b();
+  gguf::File file = gguf::File::open(path);
+  auto model = load_model(file);
+  SessionParams sp;
+  sp.n_ctx = 4096;
+  ::setenv("BERTH_SIM_DEVICE", "unified:8G", 1);
+  const PlacementSetup s = place(*model, placement::Flags{}, sp, false, /*plan_only=*/true);
+  ::unsetenv("BERTH_SIM_DEVICE");
+  REQUIRE(s.plan.disk_weight_bytes > 0);
+  const double gib = 1 << 30;
+  // It said "0.00 GiB of weights on the CPU" while the CPU computed 33 layers' routed experts.
+  CHECK(
+      has(s.summary(),
+          fmt::format("{:.2f} GiB of weights on the CPU ({:.2f} GiB of them routed experts read "
+                      "from disk into {} RAM slots per MoE layer)",
+                      static_cast<double>(s.plan.cpu_weight_bytes + s.plan.disk_weight_bytes) / gib,
+                      static_cast<double>(s.plan.disk_weight_bytes) / gib, s.plan.ram_slots)));
 }
 
 TEST_CASE("unified: budgets above the pool are capped with a note naming the value and the pool") {
@@ -470,43 +590,91 @@ TEST_CASE("unified: budgets above the pool are capped with a note naming the val
   CHECK(any_note(j, "--vram-budget 4096.0 MiB is more than the 1024.0 MiB free on SIM0"));
 }
 
-TEST_CASE("unified: serve's default context comes from the pool the plan uses") {
+TEST_CASE("unified: serve's default context is one the plan accepts, and its note is true") {
   const std::string path = sparse_30b();
   gguf::File file = gguf::File::open(path);
   auto model = load_model(file);
-  placement::Flags flags;
-  const auto context = [&](const std::string& sim, std::string* note) {
-    ::setenv("BERTH_SIM_DEVICE", sim.c_str(), 1);
-    std::unique_ptr<Device> dev = placement_device(flags);
-    ::unsetenv("BERTH_SIM_DEVICE");
-    return default_serve_context(*model, file.file_size(), 1, dev.get(), flags, note);
+  // serve's default context for `flags` (as `cli` on the command line) on `sim`: refused (-1),
+  // or a context `berth plan` with the same flags and serve's -ub accepts.
+  struct Case {
+    std::string sim, cli;
+    int64_t context;  // -1: refused; 0: any the plan accepts
+    std::vector<std::string> note;
   };
-  // A 2 GB board: a pool of 1 GiB beside ~0.85 GiB of weights other than routed experts leaves
-  // room for 402 tokens of f32 KV cache: 256 (this machine's own memory would give far more).
-  std::string note;
-  CHECK(context("unified:2G", &note) == 256);
-  CHECK(has(note, "context_length 40960 lowered to 256 tokens"));
-  CHECK(has(note, "the unified pool (1024.0 MiB)"));
-  // Below a usable context: a refusal naming the terms, not a context of 2 tokens.
-  test::expect_error(
-      ErrorCategory::out_of_memory, [&] { context("unified:1536M", nullptr); },
-      {"context_length 40960 cannot be lowered to a usable context", "the unified pool (512.0 MiB)",
-       "weights other than routed experts", "give -c N"});
+  const auto flags_of = [](const std::string& cli) {
+    placement::Flags f;
+    if (has(cli, "--cpu-moe")) f.cpu_moe = true;
+    if (has(cli, "--ram-budget 1G")) f.ram_budget = size_t{1} << 30;
+    if (has(cli, "--vram-budget 2G")) f.vram_budget = size_t{2} << 30;
+    if (has(cli, "-ngl 0")) f.n_gpu_layers = 0;
+    if (has(cli, "--unified off")) f.unified = placement::UnifiedMode::off;
+    return f;
+  };
+  const std::vector<Case> cases = {
+      // A pool of 1 GiB: the all-CPU plan needs the 868.6 MiB of weights other than routed
+      // experts, one RAM slot per layer (122.1 MiB) and the KV cache: not even 256 tokens (the
+      // sizing by the pool beside the weights alone gave 256, which the plan refused).
+      {"unified:2G", "", -1, {}},
+      {"unified:3G", "", 0, {"the unified pool (2048.0 MiB)"}},
+      // The GPU holds the KV cache: f16, 96 KiB per token (the note said f32, 192, before).
+      {"unified:8G", "", 0, {"48 layers f16 on the GPU, 0 f32 on the CPU"}},
+      {"unified:8G", "--cpu-moe", 0, {"48 layers f16 on the GPU"}},
+      // The budget flags bound it too.
+      {"unified:16G", "--ram-budget 1G", 0, {}},
+      {"unified:16G", "--vram-budget 2G", 0, {}},
+      // -ngl 0: the board's available memory, not this host's; f32, 192 KiB per token.
+      {"unified:8G,available=6G",
+       "-ngl 0",
+       0,
+       {"0 layers f16 on the GPU, 48 f32 on the CPU", "the RAM budget (5120.0 MiB)"}},
+      {"unified:12G", "--unified off --vram-budget 2G", 0, {"the board's memory (--unified off)"}},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.sim);
+    CAPTURE(c.cli);
+    const placement::Flags flags = flags_of(c.cli);
+    ::setenv("BERTH_SIM_DEVICE", c.sim.c_str(), 1);
+    std::unique_ptr<Device> dev = placement_device(flags);
+    std::string note;
+    int64_t ctx = -1;
+    try {
+      ctx = default_serve_context(*model, flags, serve_params(), dev, &note);
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::out_of_memory);
+      CHECK(has(e.what(), "cannot be lowered to a usable context"));
+    }
+    ::unsetenv("BERTH_SIM_DEVICE");
+    INFO(note);
+    if (c.context != 0) CHECK(ctx == c.context);
+    for (const std::string& n : c.note) CHECK(has(note, n));
+    // The KV cache's size in the note is the plan's: f16 on the GPU, f32 on the CPU.
+    if (has(note, "48 layers f16 on the GPU, 0 f32"))
+      CHECK(has(note, fmt::format("{:.1f} MiB at {} tokens", ctx * 96 / 1024.0, ctx)));
+    if (has(note, "0 layers f16 on the GPU, 48 f32"))
+      CHECK(has(note, fmt::format("{:.1f} MiB at {} tokens", ctx * 192 / 1024.0, ctx)));
+    if (ctx > 0) {
+      int rc = 0;
+      std::string err;
+      (void)plan_json(c.sim, path, fmt::format(" {} -ub 512 -c {}", c.cli, ctx), &rc, &err);
+      CHECK_MESSAGE(rc == 0, err);
+    }
+  }
+  // serve itself: refused before listening, naming the terms.
   const test::CommandResult r =
       berth_with("unified:1536M", "serve --port 0 -m " + test::shell_quote(path));
   CHECK(r.exit_code == 1);
   CHECK(has(r.err, "cannot be lowered to a usable context"));
   CHECK_FALSE(has(r.err, "listening"));
-  // A discrete device: this machine's memory beside the model file, as before (a tiny model:
-  // its context_length).
+  // A discrete device and a tiny model: its context_length, no note.
   gguf::File tiny_file = gguf::File::open(moe_file());
   auto tiny = load_model(tiny_file);
   ::setenv("BERTH_SIM_DEVICE", "1G", 1);
+  placement::Flags flags;
   std::unique_ptr<Device> dev = placement_device(flags);
-  ::unsetenv("BERTH_SIM_DEVICE");
-  note.clear();
-  CHECK(default_serve_context(*tiny, tiny_file.file_size(), 1, dev.get(), flags, &note) ==
+  std::string note;
+  CHECK(default_serve_context(*tiny, flags, serve_params(), dev, &note) ==
         tiny->hparams().n_ctx_train);
+  ::unsetenv("BERTH_SIM_DEVICE");
   CHECK(note.empty());
 }
 

@@ -164,6 +164,18 @@ struct Request {
   size_t device_reported_free_bytes = 0;
   UnifiedRates rates;
   int32_t n_expert_used = 0;  ///< routed experts per token (the cost of a layer's experts)
+  /// Unified mode on a device with memory of its own (--unified on on a discrete GPU): what it
+  /// reports free, which the GPU's KV cache, scratch and margin take (its weights stay in host
+  /// memory, in the pool); a plan whose device allocations exceed it is refused. 0: not that case.
+  size_t discrete_free_bytes = 0;
+  /// A board whose memory the device shares, planned without unified mode (--unified off): the
+  /// device's side (copies of the weights it computes, its KV cache, scratch, margin) and the
+  /// CPU's side draw on one pool of this many bytes (the OS's available memory minus
+  /// pool_margin_bytes, at most the board's memory; os_available_bytes as for unified). The
+  /// CPU's side gets at most what the device's side leaves; a plan beyond the pool is refused
+  /// naming every term, and one that fits says in a note that it holds the GPU's weights twice
+  /// (the device copies beside the file's pages). 0: a discrete device, or unified mode.
+  size_t shared_pool_bytes = 0;
   Flags flags;
 };
 
@@ -246,11 +258,13 @@ Plan make_plan(const Request& req);
 /// below), and everything pool_bytes: otherwise Error(out_of_memory) naming every term
 /// (weights held once and who computes them, both KV caches, scratch, margin, RAM slots, the
 /// OS's available memory, the pool's margin, the device's own report), before anything loads.
-/// An automatic plan (no -ngl, no --cpu-moe) that does not fit is planned again with the routed
-/// experts of the first N layers pinned to the CPU as --n-cpu-moe N (they go to the disk tier),
-/// for the smallest N that fits (N = n_layer: --cpu-moe's plan); a plan that fits the first time
-/// is unchanged. A --vram-budget above the pool (discrete: above the device's free memory) and
-/// an explicit --ram-budget above what the GPU's side leaves of the pool are capped with a note
+/// The automatic plan (no -ngl; --cpu-moe, --n-cpu-moe and -ot pins honoured) gives a unit to
+/// the device only where the CPU's side keeps room beside it for its least (CpuSide in
+/// placement/src/internal.h: what must stay in RAM plus one disk-tier RAM slot per MoE layer it
+/// computes) within the pool and --ram-budget, counting the device's scratch and margin; where
+/// no split fits, everything goes to the CPU (as --vram-budget 0) with a note, and the checks
+/// accept or refuse that. A --vram-budget above the pool (discrete: above the device's free memory)
+/// and an explicit --ram-budget above what the GPU's side leaves of the pool are capped with a note
 /// naming the value and the cap.
 ///
 /// Disk tier (Request::ram_budget_bytes): when cpu weights + CPU KV cache exceed the budget,

@@ -71,17 +71,19 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 /// something to compute (-ngl other than 0, or an -ot rule naming it), else none.
 std::unique_ptr<Device> placement_device(const placement::Flags& flags);
 
-/// `berth serve`'s context when -c is not given: the model's context_length (4096 when it has
-/// none), lowered to a multiple of 256 so that the KV cache (f32 K and V) takes at most half of
-/// the memory the plan draws on left beside the weights: with `device` (placement_device()) on
-/// unified memory, as place() decides it, the unified pool beside the weights other than routed
-/// experts (the disk tier holds those); else this machine's physical memory beside the model
-/// file of `file_bytes`; the recurrent state of `n_slots` slots counts with the weights. Sets
-/// `note` (when not null) to a line saying what it lowered and why, else leaves it. Throws
-/// Error(out_of_memory) naming those terms when that leaves fewer than 256 tokens (or 2 per
-/// slot).
-int64_t default_serve_context(const Model& model, uint64_t file_bytes, int32_t n_slots,
-                              const Device* device, const placement::Flags& flags,
+/// `berth serve`'s context when -c is not given, from the plan serve then makes (place() with
+/// `flags`, `params` as serve passes them, n_ctx set, and `device`: placement_device(), handed
+/// back after each trial): the model's context_length (4096 when it has none) when the plan
+/// accepts it with its KV cache (as the plan holds it: f16 on the GPU, f32 on the CPU) taking at
+/// most half of the memory the plan draws on (the unified pool; a board's memory under
+/// --unified off; else the GPU's budget plus the RAM budget, or this machine's memory with
+/// --ram-budget none) left beside the weights other than routed experts, the recurrent state
+/// and the GPU's scratch and margin; else the largest multiple of 256 below both bounds that
+/// the plan accepts. Sets `note` (when not null) to a line naming the terms when it lowers,
+/// else leaves it. Throws Error(out_of_memory) naming the terms (or the plan's refusal) when
+/// that leaves fewer than 256 tokens (or 2 per sequence); what place() throws otherwise.
+int64_t default_serve_context(const Model& model, const placement::Flags& flags,
+                              const SessionParams& params, std::unique_ptr<Device>& device,
                               std::string* note);
 
 /// The default --ram-budget: MemAvailable of /proc/meminfo minus placement::kRamMargin (0 when
