@@ -108,12 +108,16 @@ constexpr int kThreads = 128;  // 4 warps per GEMV block
 __device__ __forceinline__ float silu(float z) { return z / (1.0f + __expf(-z)); }
 
 // One warp per group of 32 values.
+// Threads i < n_zero also set zero[i] = 0 (the counts of moe_gemv_kernel).
 __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __restrict__ up,
                                     int64_t n_groups, int8_t* __restrict__ q,
-                                    float4* __restrict__ meta) {
+                                    float4* __restrict__ meta, unsigned* __restrict__ zero,
+                                    int64_t n_zero) {
   pdl_enter();
   const int lane = threadIdx.x & 31;
-  const int64_t grp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid < n_zero) zero[tid] = 0;
+  const int64_t grp = tid >> 5;
   if (grp >= n_groups) return;  // whole warps
   const int64_t i = grp * 32 + lane;
   float v = x[i];
@@ -142,26 +146,43 @@ struct GemvArgs {
   int n_more;
 };
 
-// Resolves the routed expert of this block (blockIdx.y = pair). False: slot skipped.
-__device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w, int64_t& act0,
-                                           int64_t& out0) {
-  w = a.w;
+// Expert of slot j of token t of a route, or -1 when the slot is outside [slot_begin,
+// slot_end), its id is invalid or its expert is masked out.
+__device__ __forceinline__ int route_expert(const GemvRoute& r, int64_t t, int64_t j) {
+  if (j < r.slot_begin || j >= r.slot_end) return -1;
+  const float ev = r.route[t * 2 * r.k + j];
+  if (!(ev >= 0.0f && ev < static_cast<float>(r.n_expert))) return -1;
+  const int e = static_cast<int>(ev);
+  if (r.mask && r.mask[e] == 0) return -1;
+  return e;
+}
+
+// Resolves the routed expert of this block (blockIdx.y = pair) in the matrices at base, expert
+// stride expert_bytes (a.w / a.r.expert_bytes, or another matrix of the same shape and route).
+// False: slot skipped.
+__device__ __forceinline__ bool gemv_setup_bytes(const GemvArgs& a, const uint8_t* base,
+                                                 size_t expert_bytes, const uint8_t*& w,
+                                                 int64_t& act0, int64_t& out0) {
+  w = base;
   act0 = 0;
   out0 = 0;
   if (a.r.route == nullptr) return true;
   const int64_t p = blockIdx.y;
   const int64_t t = p / a.r.k, j = p % a.r.k;
-  if (j < a.r.slot_begin || j >= a.r.slot_end) return false;
-  const float ev = a.r.route[t * 2 * a.r.k + j];
-  if (!(ev >= 0.0f && ev < static_cast<float>(a.r.n_expert))) return false;
-  const int e = static_cast<int>(ev);
-  if (a.r.mask && a.r.mask[e] == 0) return false;
+  const int e = route_expert(a.r, t, j);
+  if (e < 0) return false;
   const int64_t m =
       a.r.by_slot ? t * (a.r.slot_end - a.r.slot_begin) + j - a.r.slot_begin : int64_t{e};
-  w += static_cast<size_t>(m) * a.r.expert_bytes;
+  w += static_cast<size_t>(m) * expert_bytes;
   act0 = p / a.r.act_div;
   out0 = p;
   return true;
+}
+
+// gemv_setup_bytes on a's own matrices.
+__device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w, int64_t& act0,
+                                           int64_t& out0) {
+  return gemv_setup_bytes(a, a.w, a.r.expert_bytes, w, act0, out0);
 }
 
 // NT: accumulators per thread (1 for single-token calls, kGemvTok otherwise).
@@ -179,19 +200,17 @@ __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], 
   }
 }
 
+// The rows of one quantized GEMV block (w: the block's matrix, act0 / out0: its first
+// activation and output rows, from gemv_setup; out: its output base, a.out or another).
 template <GgmlType T, int NT>
-__global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
-  pdl_enter();
-  const uint8_t* w;
-  int64_t act0, out0;
-  if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
+__device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
+                                             int64_t out0, float* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_warp = 32 / a.lpr;
   const int sl = lane & (a.lpr - 1);
   int64_t r =
       (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
   // Rows past the first matrix belong to the next ones (a single-token matmul group).
-  float* out = a.out;
   int64_t n_out = a.n_out;
   for (int j = 0; j < a.n_more && r >= n_out; ++j) {
     r -= n_out;
@@ -236,6 +255,113 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
     }
   }
   gemv_store<NT>(a, acc, active, sl, out0, r, out);
+}
+
+template <GgmlType T, int NT>
+__global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
+  pdl_enter();
+  const uint8_t* w;
+  int64_t act0, out0;
+  if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
+  gemv_q_block<T, NT>(a, w, act0, out0, a.out);
+}
+
+// Whether this block is the last of `total` blocks to count at *count (the count's atomic add
+// after a fence: every block's stores are then visible to the last one, which reads them through
+// L2). Every thread of the block must call it.
+__device__ __forceinline__ bool last_block(unsigned* count, unsigned total) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(count, 1u) == total - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// moe_experts' routed decode GEMVs with their neighbours folded in, one launch each instead of
+// two or three, with the same bits (MoeGemvFuse in matmul_internal.h).
+//  kDown false: gate (grid z 0, into a.out) and up (z 1: f.up_*); the last block of a pair to
+//    finish writes the pair's down activations quantize(silu(G) * U), quantize_act's arithmetic.
+//  kDown true: down; the last of the k pair blocks of a token's x block to finish writes the
+//    token's out rows of that block: the sum over its valid slots, in slot order, of the route
+//    weight times Y (moe_combine's arithmetic). Every block counts, skipped pairs too.
+template <GgmlType T, bool kDown>
+__global__ void __launch_bounds__(kThreads) moe_gemv_kernel(GemvArgs a, MoeGemvFuse f) {
+  pdl_enter();
+  // Grid z 1 (up) reads its own matrices and writes its own output; `a` is never written (a
+  // written kernel parameter would be copied to local memory, and every read of it then loads).
+  const bool up = !kDown && blockIdx.z == 1;
+  const uint8_t* w;
+  int64_t act0, out0;
+  // Uniform over the block and over the pair.
+  const bool run = gemv_setup_bytes(a, up ? f.up_w : a.w, up ? f.up_expert_bytes : a.r.expert_bytes,
+                                    w, act0, out0);
+  if (!kDown && !run) return;  // every block of this pair returns: nothing to quantize
+  if (run) gemv_q_block<T, 1>(a, w, act0, out0, up ? f.up_out : a.out);
+  const int64_t p = blockIdx.y;
+  const int k = a.r.k;
+  // The last block's loads are issued together (kBatch groups per warp, up to kMaxK slots per
+  // row) before any use: one L2 round trip instead of one per group or slot.
+  constexpr int kBatch = 8, kMaxK = 16;
+  if constexpr (!kDown) {
+    if (!last_block(f.count + p, 2 * gridDim.x)) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t n = a.n_out, groups = n / 32;
+    const float* g = f.gate_out + p * a.out_stride;
+    const float* u = f.up_out + p * a.out_stride;
+    constexpr int kWarps = kThreads / 32;
+    for (int64_t g0 = warp; g0 < groups; g0 += kWarps * kBatch) {
+      float gv[kBatch], uv[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t grp = g0 + b * kWarps;
+        if (grp < groups) {
+          gv[b] = __ldcg(g + grp * 32 + lane);
+          uv[b] = __ldcg(u + grp * 32 + lane);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t grp = g0 + b * kWarps;
+        if (grp < groups) {
+          const float v = silu(gv[b]) * uv[b];
+          quantize_group(v, lane, f.aq + p * n + grp * 32, f.aqm + p * groups + grp);
+        }
+      }
+    }
+  } else {
+    const int64_t t = p / k;
+    if (!last_block(f.count + t * gridDim.x + blockIdx.x, static_cast<unsigned>(k))) return;
+    const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
+    const int64_t r0 = blockIdx.x * rows_per_block;
+    const int64_t r1 = r0 + rows_per_block < a.n_out ? r0 + rows_per_block : a.n_out;
+    const float* rw = a.r.route + t * 2 * k + k;
+    for (int64_t r = r0 + threadIdx.x; r < r1; r += kThreads) {
+      float acc = 0.0f;
+      if (k <= kMaxK) {
+        float wv[kMaxK], yv[kMaxK];
+        bool ok[kMaxK];
+#pragma unroll
+        for (int j = 0; j < kMaxK; ++j) {
+          ok[j] = j < k && route_expert(a.r, t, j) >= 0;
+          if (ok[j]) {
+            wv[j] = rw[j];
+            yv[j] = __ldcg(a.out + (t * k + j) * a.out_stride + r);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kMaxK; ++j)
+          if (ok[j]) acc = __fmaf_rn(wv[j], yv[j], acc);
+      } else {
+        for (int j = 0; j < k; ++j) {
+          if (route_expert(a.r, t, j) < 0) continue;
+          acc = __fmaf_rn(rw[j], __ldcg(a.out + (t * k + j) * a.out_stride + r), acc);
+        }
+      }
+      f.out[t * a.n_out + r] = acc;
+    }
+  }
 }
 
 // 8 consecutive weights from a 16-byte aligned address.
@@ -476,6 +602,14 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
 }
 
 template <GgmlType T>
+void launch_moe_gemv_t(const GemvArgs& a, const MoeGemvFuse& f, bool down, dim3 grid,
+                       cudaStream_t s) {
+  if constexpr (!is_float_type(T))
+    launch("moe_gemv_kernel", down ? moe_gemv_kernel<T, true> : moe_gemv_kernel<T, false>, grid,
+           kThreads, 0, s, a, f);
+}
+
+template <GgmlType T>
 void launch_router_t(const GemvArgs& a, int32_t k, bool norm, float* route, const Copies& cp,
                      uint32_t* flag, uint32_t value, size_t smem, cudaStream_t s,
                      const int32_t* forced) {
@@ -512,12 +646,12 @@ void launch_dequant_t(const void* w, int64_t n_in, int64_t n_w_rows, const int32
 
 }  // namespace
 
-void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa,
-                  cudaStream_t s) {
+void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa, cudaStream_t s,
+                  unsigned* zero, int64_t n_zero) {
   const int64_t groups = rows * (n / 32);
-  if (groups == 0) return;
-  launch("quantize_act_kernel", quantize_act_kernel, blocks_for(groups * 32, 256), 256, 0, s, x, up,
-         groups, qa.q, qa.meta);
+  if (groups == 0 && n_zero == 0) return;
+  launch("quantize_act_kernel", quantize_act_kernel, blocks_for(std::max(groups * 32, n_zero), 256),
+         256, 0, s, x, up, groups, qa.q, qa.meta, zero, n_zero);
 }
 
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
@@ -559,6 +693,45 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cu
   const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
   const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block)), 1u);
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
+}
+
+int64_t moe_gemv_counts(int64_t n_ff, int64_t n_embd, int64_t n_tok, int64_t pairs) {
+  const int64_t rows_per_block = (kThreads / 32) * (32 / lanes_per_row(n_ff / 32));
+  return pairs + n_tok * static_cast<int64_t>(blocks_for(n_embd, static_cast<int>(rows_per_block)));
+}
+
+void moe_gemv_gate_up(GgmlType type, const void* gate, const void* up, size_t up_expert_bytes,
+                      int64_t n_embd, int64_t n_ff, QAct hq, float* G, float* U, QAct aq,
+                      unsigned* count, const GemvRoute& r, cudaStream_t s) {
+  BERTH_CHECK(is_quantized(type) && n_ff % 32 == 0 && r.route, "moe_gemv_gate_up: arguments");
+  if (n_ff == 0 || r.pairs == 0) return;
+  const GemvArgs a = gemv_args(type, gate, n_embd, n_ff, nullptr, hq, 1, G, n_ff, r);
+  MoeGemvFuse f;
+  f.up_w = static_cast<const uint8_t*>(up);
+  f.up_expert_bytes = up_expert_bytes;
+  f.gate_out = G;
+  f.up_out = U;
+  f.aq = aq.q;
+  f.aqm = aq.meta;
+  f.count = count;
+  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
+  const dim3 grid(blocks_for(n_ff, static_cast<int>(rows_per_block)),
+                  static_cast<unsigned>(r.pairs), 2u);
+  BERTH_DISPATCH(type, launch_moe_gemv_t, a, f, false, grid, s)
+}
+
+void moe_gemv_down(GgmlType type, const void* down, int64_t n_ff, int64_t n_embd, QAct aq, float* Y,
+                   float* out, unsigned* count, const GemvRoute& r, cudaStream_t s) {
+  BERTH_CHECK(is_quantized(type) && r.route && r.act_div == 1, "moe_gemv_down: arguments");
+  if (n_embd == 0 || r.pairs == 0) return;
+  const GemvArgs a = gemv_args(type, down, n_ff, n_embd, nullptr, aq, 1, Y, n_embd, r);
+  MoeGemvFuse f;
+  f.out = out;
+  f.count = count;
+  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
+  const dim3 grid(blocks_for(n_embd, static_cast<int>(rows_per_block)),
+                  static_cast<unsigned>(r.pairs), 1u);
+  BERTH_DISPATCH(type, launch_moe_gemv_t, a, f, true, grid, s)
 }
 
 void dequant_rows(GgmlType type, const void* w, int64_t n_in, int64_t n_w_rows, const int32_t* rows,

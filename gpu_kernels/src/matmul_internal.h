@@ -85,9 +85,9 @@ struct QAct {
 QAct qact_at(void* p, int64_t rows, int64_t n);
 
 /// Quantizes rows of x ([rows, n], n % 32 == 0) into qa. When `up` is given, the values are
-/// silu(x) * up (SwiGLU fused into the quantization).
-void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa,
-                  cudaStream_t s);
+/// silu(x) * up (SwiGLU fused into the quantization). The same launch sets zero[0, n_zero) to 0.
+void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct qa, cudaStream_t s,
+                  unsigned* zero = nullptr, int64_t n_zero = 0);
 
 /// A routed GEMV (moe_experts' decode path): grid row y = (token, slot) pair p = t * k + j; the
 /// pair's expert e = route[t, j] picks the matrix at w + e * expert_bytes (by_slot: at
@@ -114,6 +114,33 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
 /// A single-token GEMV of 1-3 matrices of one quantized type and n_in on activations `qa`
 /// (quantize_act of one row), in one launch; each job's rows as gemv() computes them.
 void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cudaStream_t s);
+
+/// moe_experts' decode GEMVs on quantized weights with their neighbours in the same launch.
+/// moe_gemv_gate_up: G = gate GEMV and U = up GEMV of each pair (route r, whose expert_bytes is
+/// the gate's; up_expert_bytes the up matrix's), both [pairs, n_ff], then aq (rows = pairs) =
+/// quantize_act(G, U) of each pair, written by the last of the pair's blocks to finish.
+/// moe_gemv_down: Y [pairs, n_embd] = down GEMV of aq, then out [n_tok, n_embd] = the sum over
+/// each token's valid slots, in slot order, of its route weight times Y (moe_combine's order),
+/// written by the last pair block of each token and x block. Same type for gate and up. `count`:
+/// moe_gemv_counts() words, zero on entry (each kernel adds to its own part).
+struct MoeGemvFuse {
+  const uint8_t* up_w = nullptr;
+  size_t up_expert_bytes = 0;
+  float* gate_out = nullptr;
+  float* up_out = nullptr;
+  int8_t* aq = nullptr;
+  float4* aqm = nullptr;
+  float* out = nullptr;
+  unsigned* count = nullptr;
+};
+/// Counter words both fused launches of one call need: pairs (gate/up) + n_tok times the down
+/// GEMV's x blocks.
+int64_t moe_gemv_counts(int64_t n_ff, int64_t n_embd, int64_t n_tok, int64_t pairs);
+void moe_gemv_gate_up(GgmlType type, const void* gate, const void* up, size_t up_expert_bytes,
+                      int64_t n_embd, int64_t n_ff, QAct hq, float* G, float* U, QAct aq,
+                      unsigned* count, const GemvRoute& r, cudaStream_t s);
+void moe_gemv_down(GgmlType type, const void* down, int64_t n_ff, int64_t n_embd, QAct aq, float* Y,
+                   float* out, unsigned* count, const GemvRoute& r, cudaStream_t s);
 
 /// Dequantizes rows of W into dst [n_rows, n_in] (f16 when `half_out`, else f32). Row i of dst
 /// is row rows[i] of W (zeros when outside [0, n_w_rows)) when `rows` is given, else row

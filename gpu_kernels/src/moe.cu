@@ -759,7 +759,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ route, int k, PairS
       if (slot_expert(route, t, k, j, sel) < 0) continue;
       const int64_t p = t * k + j;
       const int64_t row = pos ? pos[p] : p;
-      acc += route[t * 2 * k + k + j] * y[row * n_embd + c];
+      acc = __fmaf_rn(route[t * 2 * k + k + j], y[row * n_embd + c], acc);
     }
     out[t * n_embd + c] = acc;
   }
@@ -857,6 +857,11 @@ void launch_grouped_gemm_i8(const GemmArgs& a, dim3 grid, cudaStream_t s) {
 }  // namespace
 
 namespace detail {
+bool& moe_gemv_fused() {
+  static bool v = env_says_on("BERTH_MOE_FUSED");
+  return v;
+}
+
 bool& moe_gemm_mma() {
   static bool v = !env_says_off("BERTH_MOE_MMA");
   return v;
@@ -921,12 +926,22 @@ bool prefill_int8(const MoeWeights& w) {
          w.n_ff % kMmaBK == 0 && mma_kernels_available();
 }
 
+// Whether the decode path runs on the fused GEMVs (moe_gemv_gate_up, moe_gemv_down: two launches
+// for gate, up, SwiGLU's quantization, down and the combine): all three matrices quantized, gate
+// and up of one type, n_ff a multiple of 32, and moe_gemv_fused() on.
+bool decode_fused(const MoeWeights& w) {
+  return detail::moe_gemv_fused() && is_quantized(w.gate_type) && w.up_type == w.gate_type &&
+         is_quantized(w.down_type) && w.n_ff % 32 == 0;
+}
+
 // Workspace layout of one call (both paths); `end` is moe_workspace_bytes. With staging, the
 // staged gate, up and down matrices come last, in slot order.
 struct MoeLayout {
   bool decode;
-  bool stage = false;                                            // decode, one token, staged
-  size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;                    // decode
+  bool stage = false;                          // decode, one token, staged
+  size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;  // decode
+  bool fused = false;  // decode on moe_gemv_gate_up / moe_gemv_down, whose counts are at cnt
+  size_t cnt = 0;
   size_t st[3] = {0, 0, 0};                                      // staged gate, up, down
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
   bool int8 = false;   // prefill on the int8 GEMM: hq, g, aq, y instead of a, g, act, y
@@ -954,6 +969,8 @@ struct MoeLayout {
       u = take(static_cast<size_t>(P * w.n_ff) * 4);
       if (is_quantized(w.down_type)) aq = take(qact_bytes(P, w.n_ff));
       y = take(static_cast<size_t>(P * w.n_embd) * 4);
+      fused = decode_fused(w);
+      if (fused) cnt = take(static_cast<size_t>(moe_gemv_counts(w.n_ff, w.n_embd, n_tok, P)) * 4);
       if (stage) {
         const int64_t n_sel = slot_end(w, slots) - slots.begin;
         st[0] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 0));
@@ -1053,9 +1070,12 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
     if (P > 65535)
       throw Error(ErrorCategory::invalid_argument, "moe_experts: too many (token, slot) pairs");
     QAct hq{}, aq{};
+    auto* cnt = reinterpret_cast<unsigned*>(ws + L.cnt);
     if (is_quantized(w.gate_type) || is_quantized(w.up_type)) {
       hq = qact_at(ws + L.hq, n_tok, w.n_embd);
-      quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream);
+      // (The fused GEMVs' counts are zeroed by the same launch.)
+      quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream, L.fused ? cnt : nullptr,
+                   L.fused ? moe_gemv_counts(w.n_ff, w.n_embd, n_tok, P) : 0);
     }
     auto* U = reinterpret_cast<float*>(ws + L.u);
     const void* wg = w.gate;
@@ -1091,6 +1111,15 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
     r.slot_end = sel.se;
     r.by_slot = L.stage;
     r.expert_bytes = gate_bytes;
+    if (L.fused) {
+      aq = qact_at(ws + L.aq, P, w.n_ff);
+      moe_gemv_gate_up(w.gate_type, wg, wu, up_bytes, w.n_embd, w.n_ff, hq, G, U, aq, cnt, r,
+                       stream);
+      r.act_div = 1;
+      r.expert_bytes = down_bytes;
+      moe_gemv_down(w.down_type, wd, w.n_ff, w.n_embd, aq, Y, out, cnt + P, r, stream);
+      return;
+    }
     gemv(w.gate_type, wg, w.n_embd, w.n_ff, h, hq, 1, G, w.n_ff, r, stream);
     r.expert_bytes = up_bytes;
     gemv(w.up_type, wu, w.n_embd, w.n_ff, h, hq, 1, U, w.n_ff, r, stream);

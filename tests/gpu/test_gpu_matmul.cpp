@@ -769,6 +769,50 @@ TEST_CASE("gpu moe_experts: slot ranges, and experts staged from pinned host mem
   gpu::detail::moe_gemv_max_tok() = saved;
 }
 
+TEST_CASE("gpu moe_experts decode: the fused launches give the five launches' bits") {
+  REQUIRE_DEVICE();
+  const int saved = gpu::detail::moe_gemv_max_tok();
+  const bool saved_fused = gpu::detail::moe_gemv_fused();
+  struct Types {
+    GgmlType g, d;
+  };
+  const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0},
+                                        rest = {1, 0, 1, 1, 0, 0, 1, 1};
+  for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q6_K}, Types{GgmlType::Q8_0, GgmlType::Q4_0},
+                   Types{GgmlType::Q2_K, GgmlType::Q3_K}, Types{GgmlType::Q5_1, GgmlType::Q8_0}}) {
+    MoeCase mc(ty.g, ty.g, ty.d);
+    CAPTURE(type_name(ty.g));
+    CAPTURE(type_name(ty.d));
+    Pinned hg(mc.gq), hu(mc.uq), hd(mc.dq);
+    gpu::MoeWeights hw = mc.weights();
+    hw.gate = hg.p;
+    hw.up = hu.p;
+    hw.down = hd.p;
+    for (int64_t n_tok : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{40}}) {
+      CAPTURE(n_tok);
+      const MoeInputs in(mc, n_tok, 300 + static_cast<uint64_t>(n_tok));
+      for (const auto* mask : {&all, &keep, &rest})
+        for (const gpu::MoeSlots sl : {gpu::MoeSlots{}, gpu::MoeSlots{0, 1}, gpu::MoeSlots{1, -1},
+                                       gpu::MoeSlots{1, 3}, gpu::MoeSlots{1, 3, true}}) {
+          CAPTURE(sl.begin);
+          CAPTURE(sl.end);
+          CAPTURE(sl.stage);
+          const gpu::MoeWeights* w = sl.stage ? &hw : nullptr;
+          gpu::detail::moe_gemv_fused() = false;
+          const auto five = run_moe(mc, in.dh, in.dr, n_tok, *mask, true, sl, w);
+          gpu::detail::moe_gemv_fused() = true;
+          const auto two = run_moe(mc, in.dh, in.dr, n_tok, *mask, true, sl, w);
+          CHECK(std::memcmp(five.data(), two.data(), five.size() * 4) == 0);
+          // And again: the counts the first call left behind do not leak into the second.
+          const auto again = run_moe(mc, in.dh, in.dr, n_tok, *mask, true, sl, w);
+          CHECK(std::memcmp(two.data(), again.data(), two.size() * 4) == 0);
+        }
+    }
+  }
+  gpu::detail::moe_gemv_fused() = saved_fused;
+  gpu::detail::moe_gemv_max_tok() = saved;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Speeds (printed, never asserted). Run with: test_gpu --no-skip -tc='*timing*'
 

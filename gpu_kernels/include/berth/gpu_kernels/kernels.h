@@ -223,6 +223,12 @@ bool moe_wgmma_runs();
 /// true, on, yes) sets it true. The workspace size depends on it: set it before sizing (not
 /// thread safe).
 bool& moe_gemm_int8();
+/// Whether moe_experts' decode rows (quantized gate, up and down, gate and up of one type, n_ff a
+/// multiple of 32) run on two fused launches (gate and up with SwiGLU's quantization; down with
+/// the combine) instead of five, with the same bits (false by default: slower on the H200 under
+/// graph replay, docs/performance.md). BERTH_MOE_FUSED=1 (or true, on, yes) sets it true. The
+/// workspace size depends on it: set it before sizing (not thread safe).
+bool& moe_gemv_fused();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
