@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -72,21 +73,22 @@ void allow_dynamic_smem(const void* kernel, size_t bytes) {
   have = bytes;
 }
 
-bool env_says_off(const char* name) {
+namespace {
+
+// Whether the variable `name` is set to one of `words` (case-insensitive).
+bool env_is_one_of(const char* name, std::initializer_list<const char*> words) {
   const char* e = std::getenv(name);
   if (e)
-    for (const char* off : {"0", "false", "off", "no"})
-      if (strcasecmp(e, off) == 0) return true;
+    for (const char* w : words)
+      if (strcasecmp(e, w) == 0) return true;
   return false;
 }
 
-bool env_says_on(const char* name) {
-  const char* e = std::getenv(name);
-  if (e)
-    for (const char* on : {"1", "true", "on", "yes"})
-      if (strcasecmp(e, on) == 0) return true;
-  return false;
-}
+}  // namespace
+
+bool env_says_off(const char* name) { return env_is_one_of(name, {"0", "false", "off", "no"}); }
+
+bool env_says_on(const char* name) { return env_is_one_of(name, {"1", "true", "on", "yes"}); }
 
 void set_pdl(bool on) { pdl_setting().store(on ? 1 : 0); }
 

@@ -195,9 +195,9 @@ bool& attention_prefill_mma();
 /// The choice attention itself makes; tests pick their tolerance from it.
 bool attention_prompt_on_mma(int32_t head_dim, bool caches_aligned);
 /// Whether the tensor-core prompt attention computes Q K^T on Hopper's wgmma (head dims 64 and
-/// 128, where attention_prompt_on_mma and this build's sm_90a code run) instead of mma.sync
-/// (false by default: an experiment, measured in docs/performance.md). BERTH_ATTN_WGMMA=1 (or
-/// true, on, yes) sets it true (not thread safe).
+/// 128, where attention_prompt_on_mma and this build's sm_90a code run: BERTH_SM90A_EXPERIMENTS)
+/// instead of mma.sync (false by default: an experiment, measured in docs/performance.md).
+/// BERTH_ATTN_WGMMA=1 (or true, on, yes) sets it true (not thread safe).
 bool& attention_prefill_wgmma();
 /// Whether the wgmma variant can run on the current device (this build's sm_90a code is what the
 /// driver loaded). Synchronous: not while a stream captures.
@@ -209,9 +209,9 @@ bool attention_wgmma_runs();
 /// launching).
 bool& moe_gemm_mma();
 /// Whether moe_experts' f16 grouped GEMM runs on Hopper's wgmma (where moe_gemm_mma() applies,
-/// moe_gemm_int8() is off and this build's sm_90a code runs: CMAKE_CUDA_ARCHITECTURES with 90)
-/// instead of mma.sync (false by default: an experiment, measured in docs/performance.md).
-/// BERTH_MOE_WGMMA=1 (or true, on, yes) sets it true (not thread safe).
+/// moe_gemm_int8() is off and this build's sm_90a code runs: CMAKE_CUDA_ARCHITECTURES with 90
+/// and BERTH_SM90A_EXPERIMENTS on) instead of mma.sync (false by default: an experiment, measured
+/// in docs/performance.md). BERTH_MOE_WGMMA=1 (or true, on, yes) sets it true (not thread safe).
 bool& moe_gemm_wgmma();
 /// Whether the wgmma kernel can run on the current device (its sm_90a code is what the driver
 /// loaded). Synchronous: not while a stream captures.
