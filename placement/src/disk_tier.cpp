@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 #include "berth/core/error.h"
@@ -73,7 +74,8 @@ CpuSide cpu_side(const Request& req, const std::vector<Home>& home,
   return c;
 }
 
-void add_disk_tier(const Request& req, Plan& plan, bool pool_share) {
+void add_disk_tier(const Request& req, Plan& plan, bool pool_share,
+                   const std::function<std::string()>& hint) {
   const auto n_layer = static_cast<size_t>(req.n_layer);
   plan.ram_budget_bytes = req.ram_budget_bytes;
   plan.layer_ram_slots.assign(n_layer, 0);
@@ -89,10 +91,17 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share) {
   const std::string budget =
       fmt::format("{} {}", pool_share ? "CPU's share of the unified pool," : "--ram-budget",
                   mib(req.ram_budget_bytes));
-  const bool gpu_side = plan.gpu_weight_bytes + plan.gpu_kv_bytes > 0;
-  const char* more = !pool_share ? "raise --ram-budget or put more on the GPU"
-                     : gpu_side  ? "put less on the GPU's side, lower -c, or use a larger board"
-                                 : "lower -c, use a smaller quantization or a larger board";
+  // What can help, when the caller does not say (`hint`): on a pool, a smaller context only where
+  // the plan fits without its KV cache (the recurrent state stays).
+  const size_t kv_only = plan.cpu_kv_bytes - std::min(plan.cpu_kv_bytes, plan.state_bytes);
+  const bool lower_c =
+      kv_only > 0 && fixed - kv_only + (tier_bytes > 0 ? per_slot : 0) <= req.ram_budget_bytes;
+  const auto more = [&]() -> std::string {
+    if (hint) return hint();
+    if (!pool_share) return "raise --ram-budget or put more on the GPU";
+    return lower_c ? "lower -c, use a smaller quantization or a larger board"
+                   : "use a smaller quantization or a larger board";
+  };
   const size_t c_fit =
       fixed > req.ram_budget_bytes || per_slot == 0
           ? 0
@@ -100,12 +109,20 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share) {
   if (!req.flags.ram_budget && !(pool_share && tier_bytes > 0) && c_fit < 1) {
     // The default budget (MemAvailable minus the margin) is a guess, not a demand: a model it
     // cannot tier runs from the mapping as before, with a note.
+    // Why: what must stay in RAM exceeds the budget, or (it fits) the room it leaves holds not
+    // one RAM slot per MoE layer.
+    const std::string why =
+        fixed > req.ram_budget_bytes || per_slot == 0
+            ? fmt::format("what must stay in RAM ({}) exceeds it", mib(fixed))
+            : fmt::format(
+                  "the {} it leaves beside what must stay in RAM ({}) holds not one RAM slot per "
+                  "MoE layer ({})",
+                  mib(req.ram_budget_bytes - fixed), mib(fixed), mib(per_slot));
     plan.notes.push_back(fmt::format(
         "the CPU-held weights ({}) and KV cache ({}) exceed the default RAM budget of {} "
-        "(MemAvailable minus 1 GiB) and the disk tier cannot make up the difference (what must "
-        "stay in RAM: {}): the file is mapped and pages in and out; --ram-budget SIZE asks for "
-        "the tier",
-        mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(req.ram_budget_bytes), mib(fixed)));
+        "(MemAvailable minus 1 GiB) and the disk tier cannot make up the difference: {}; the "
+        "file is mapped and pages in and out; --ram-budget SIZE asks for the tier",
+        mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(req.ram_budget_bytes), why));
     return;
   }
   if (fixed > req.ram_budget_bytes)
@@ -114,16 +131,16 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share) {
                             "than routed experts {} + KV cache {} = {} (routed experts that can "
                             "go to the disk tier: {}); {}",
                             budget, mib(plan.cpu_weight_bytes - tier_bytes), mib(plan.cpu_kv_bytes),
-                            mib(fixed), mib(tier_bytes), more));
+                            mib(fixed), mib(tier_bytes), more()));
   const size_t room = req.ram_budget_bytes - fixed;
   const size_t c = c_fit;
   if (c < 1)
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("the {} leaves {} for routed experts after the CPU-held weights "
                             "other than routed experts ({}) and the KV cache ({}): not enough "
-                            "for one RAM slot per MoE layer ({})",
+                            "for one RAM slot per MoE layer ({}); {}",
                             budget, mib(room), mib(plan.cpu_weight_bytes - tier_bytes),
-                            mib(plan.cpu_kv_bytes), mib(per_slot)));
+                            mib(plan.cpu_kv_bytes), mib(per_slot), more()));
   if (plan.expert_slots > 0) {
     plan.notes.push_back(fmt::format(
         "the disk tier turns the {} GPU expert slots per layer off (they need the experts "

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -42,12 +43,39 @@ CpuSide cpu_side(const Request& req, const std::vector<Home>& home,
 /// board's one pool, a limit rather than the default budget's guess: where routed experts could
 /// go to the disk tier but no RAM slot fits, that is refused, naming the share (a pool has no
 /// room for the file to page in and out). Throws Error(out_of_memory) naming the sizes.
-void add_disk_tier(const Request& req, Plan& plan, bool pool_share = false);
+/// `hint`: what can help, for the refusal (else one from the sizes: on a pool, lower -c only where
+/// the plan fits without its KV cache).
+void add_disk_tier(const Request& req, Plan& plan, bool pool_share = false,
+                   const std::function<std::string()>& hint = {});
 
 /// Request::shared_pool_bytes (a board whose memory the device shares, --unified off): gives the
 /// CPU's side (with its disk tier) at most what the GPU's side leaves of the pool, then refuses
-/// (Error(out_of_memory) naming every term and `flags`, the plan's flags described) a plan whose
-/// two sides exceed it, or notes that it holds the GPU's weights twice.
-void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags);
+/// (Error(out_of_memory) naming every term, `flags` (the plan's flags described) and `fix()`,
+/// the remedies that work) a plan whose two sides exceed it, or notes that it holds the GPU's
+/// weights twice. With nothing on the GPU (-ngl 0, or an automatic plan that found no split) the
+/// CPU's side is bounded by the whole pool, strictly (add_disk_tier's pool_share).
+void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags,
+                        const std::function<std::string()>& fix);
+
+/// make_plan without its refusal's wrapping (plan.cpp); `probing`: a try made while writing a
+/// refusal's hint (remedies), which computes no hints of its own.
+Plan make_plan_once(const Request& req, bool probing);
+
+/// True when `req` plans without an error (make_plan_once, probing).
+bool plan_fits(const Request& req);
+
+/// "a", "a, or b", "a, b, or c".
+std::string or_list(const std::vector<std::string>& parts);
+
+/// The remedies that make `req` (refused) fit when tried, as a list for a message: lower -ngl
+/// (-ngl 0 fits), --cpu-moe, the automatic plan, and on a board planned with copies (--unified
+/// off) --unified auto; when none does, lower -c (if the plan fits without any KV cache), a
+/// smaller quantization, more memory. `has_exps`: the model has routed experts. `probing`:
+/// inside such a try, nothing is tried (the last three are named).
+std::string remedies(const Request& req, bool has_exps, bool probing);
+
+/// What a user can do about a plan whose GPU side exceeds its budget: a budget that does not hold
+/// scratch and margin says so; an automatic plan's -ot rules; else remedies().
+std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bool probing);
 
 }  // namespace berth::placement

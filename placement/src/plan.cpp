@@ -96,23 +96,6 @@ std::vector<Rule> compile_rules(const Flags& flags) {
   return rules;
 }
 
-// What a user can do about a plan that does not fit.
-std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps) {
-  const Flags& f = req.flags;
-  if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes) {
-    // A budget the device caps cannot be raised by --vram-budget.
-    if (req.has_device && plan.budget_bytes >= req.device_free_bytes)
-      return "the device's free memory does not even hold the scratch and margin: run on the "
-             "CPU with -ngl 0";
-    return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
-           "or run on the CPU with -ngl 0";
-  }
-  if (f.n_gpu_layers < 0) return "the -ot rules send more to the GPU than the budget holds";
-  std::string hint = "lower -ngl";
-  if (has_exps && !f.cpu_moe) hint += ", add --n-cpu-moe N or --cpu-moe";
-  return hint + ", or leave out -ngl for the automatic plan";
-}
-
 // Splits an -ot list at commas outside (), [] and {}; a backslash protects the next character.
 std::vector<std::string> split_rules(std::string_view arg) {
   std::vector<std::string> parts;
@@ -318,7 +301,9 @@ void add_expert_slots(const Request& req, Plan& plan, const std::vector<bool>& o
     if (c.expert_bytes[l] > 0) plan.layer_slots[l] = n;
 }
 
-Plan make_plan_once(const Request& req) {
+}  // namespace
+
+Plan make_plan_once(const Request& req, bool probing) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
   if (n_layer < 0) bad(fmt::format("placement request: n_layer {} is negative", n_layer));
@@ -489,10 +474,52 @@ Plan make_plan_once(const Request& req) {
         if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::gpu;
         left -= u.bytes;
       };
+      const auto unplace = [&](const Unit& u) {
+        for (size_t i : u.tensors) plan.home[i] = Home::cpu;
+        if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::cpu;
+        left += u.bytes;
+      };
+      // One pool holds both sides (unified memory, or a board whose memory the GPU shares planned
+      // with copies: --unified off): a unit goes to the GPU only where the CPU's side keeps room
+      // for its least beside it (what must stay in RAM and one RAM slot per MoE layer whose
+      // routed experts it computes: the disk tier's minimum), within --ram-budget. over(): by how
+      // much the plan as it stands misses that (0: it fits); the GPU's side counts its scratch
+      // and margin from the start. --unified on on a GPU with memory of its own: its KV cache,
+      // scratch and margin must also fit what it reports free.
+      const bool pooled = unified || req.shared_pool;
+      const size_t pool = unified ? req.pool_bytes : req.shared_pool_bytes;
+      const auto over = [&] {
+        if (!pooled) return size_t{0};
+        const size_t gpu_used = budget - left;
+        const CpuSide cs = cpu_side(req, plan.home, plan.kv_home);
+        const size_t pool_left = pool > gpu_used ? pool - gpu_used : 0;
+        const size_t limit = std::min(req.ram_budget_bytes, pool_left);
+        const size_t need = cs.all <= limit ? cs.all : cs.least;
+        size_t miss = (gpu_used > pool ? gpu_used - pool : size_t{0}) +
+                      (need > limit ? need - limit : size_t{0});
+        if (unified && req.discrete_free_bytes > 0) {
+          size_t own = overhead;
+          for (size_t l = 0; l < plan.kv_home.size(); ++l)
+            if (plan.kv_home[l] == Home::gpu) own += req.kv_bytes[l];
+          if (own > req.discrete_free_bytes) miss += own - req.discrete_free_bytes;
+        }
+        return miss;
+      };
+      // Places `u` and keeps it where the plan fits the pool, or (while it does not yet) where it
+      // misses by no more than before.
+      size_t missed = over();
+      const auto keep = [&](const Unit& u) {
+        place(u);
+        if (const size_t now = over(); now == 0 || now <= missed) {
+          missed = now;
+          return true;
+        }
+        unplace(u);
+        return false;
+      };
       const auto try_place = [&](const Unit& u) {
         if (u.bytes > left) return false;
-        place(u);
-        return true;
+        return keep(u);
       };
 
       if (overhead > budget) {
@@ -547,40 +574,13 @@ Plan make_plan_once(const Request& req) {
         // the GPU is the faster processor at all.
         const bool gpu_faster = unit_seconds(1e9, 1e9, r.gpu_gbps, r.gpu_tflops) <=
                                 unit_seconds(1e9, 1e9, r.cpu_gbps, r.cpu_tflops);
-        // One pool holds both sides: a unit goes to the GPU only where the CPU's side keeps
-        // room for its least beside it (what must stay in RAM and one RAM slot per MoE layer
-        // whose routed experts it computes: the disk tier's minimum), within --ram-budget.
-        // over(): by how much the plan as it stands misses that (0: it fits); the GPU's side
-        // counts its scratch and margin from the start.
-        const auto over = [&] {
-          const size_t gpu_used = budget - left;
-          const CpuSide cs = cpu_side(req, plan.home, plan.kv_home);
-          const size_t pool_left = req.pool_bytes > gpu_used ? req.pool_bytes - gpu_used : 0;
-          const size_t limit = std::min(req.ram_budget_bytes, pool_left);
-          const size_t need = cs.all <= limit ? cs.all : cs.least;
-          return (gpu_used > req.pool_bytes ? gpu_used - req.pool_bytes : size_t{0}) +
-                 (need > limit ? need - limit : size_t{0});
-        };
-        const auto unplace = [&](const Unit& u) {
-          for (size_t i : u.tensors) plan.home[i] = Home::cpu;
-          if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::cpu;
-          left += u.bytes;
-        };
-        size_t on_gpu = 0, cpu_faster = 0, missed = over();
+        size_t on_gpu = 0, cpu_faster = 0;
         for (const Cand& c : cand) {
           if (c.gain < 0 || (c.gain == 0 && !gpu_faster)) {
             ++cpu_faster;
             continue;
           }
-          if (c.u->bytes > left) continue;
-          place(*c.u);
-          // Kept where the plan fits, or (while it does not yet) where it misses by no more.
-          if (const size_t now = over(); now == 0 || now <= missed) {
-            missed = now;
-            ++on_gpu;
-          } else {
-            unplace(*c.u);
-          }
+          if (try_place(*c.u)) ++on_gpu;
         }
         if (missed > 0 && pinned_gpu == 0 && on_gpu > 0) {
           // No split fits beside the GPU's scratch and margin: everything on the CPU (they
@@ -637,8 +637,11 @@ Plan make_plan_once(const Request& req) {
         size_t all_attn = out_norm.bytes;
         for (const Unit& u : attn) all_attn += u.bytes;
         if (all_attn <= left) {
-          place(out_norm);
-          for (int32_t l = n_layer - 1; l >= 0; --l) place(attn[static_cast<size_t>(l)]);
+          // (Without a pool, all of them fit.)
+          try_place(out_norm);
+          int32_t attn_on = 0;
+          for (int32_t l = n_layer - 1; l >= 0; --l)
+            if (try_place(attn[static_cast<size_t>(l)])) ++attn_on;
           const bool out_fits = try_place(out);
           bool any_exps = false;
           for (int32_t l = n_layer - 1; l >= 0; --l) {
@@ -654,6 +657,10 @@ Plan make_plan_once(const Request& req) {
             if (!u.tensors.empty() && plan.home[u.tensors.front()] == Home::gpu) break;
           }
           const std::string with_out = out_fits ? " and the output" : "";
+          // (Fewer than all only where the board's pool keeps the CPU's least.)
+          const std::string attn_layers = attn_on == n_layer
+                                              ? std::string("all layers")
+                                              : fmt::format("{} of {} layers", attn_on, n_layer);
           const std::string exps_part =
               n_cpu == n_layer ? "no routed experts"
               : n_cpu == 0
@@ -661,17 +668,21 @@ Plan make_plan_once(const Request& req) {
                   : fmt::format("the routed experts of the last {} layers", n_layer - n_cpu);
           plan.how +=
               any_exps
-                  ? fmt::format(" (attention of all layers{}, {}: about -ngl {} --n-cpu-moe {}{})",
-                                with_out, exps_part, out_fits ? n_layer + 1 : n_layer, n_cpu,
-                                adaptive ? ", the rest as expert slots" : "")
-                  : fmt::format(" (all layers{})", with_out);
+                  ? fmt::format(" (attention of {}{}, {}: about -ngl {} --n-cpu-moe {}{})",
+                                attn_layers, with_out, exps_part, out_fits ? n_layer + 1 : n_layer,
+                                n_cpu, adaptive ? ", the rest as expert slots" : "")
+                  : fmt::format(" ({}{})", attn_on == n_layer ? "all layers" : attn_layers,
+                                with_out);
         } else {
           int32_t k = 0;
           for (int32_t l = n_layer - 1; l >= 0; --l) {
             const auto L = static_cast<size_t>(l);
             if (attn[L].bytes + exps[L].bytes > left) break;
-            place(attn[L]);
             place(exps[L]);
+            if (!keep(attn[L])) {
+              unplace(exps[L]);
+              break;
+            }
             ++k;
           }
           plan.how += fmt::format(" (whole layers: like -ngl {})", k);
@@ -683,6 +694,21 @@ Plan make_plan_once(const Request& req) {
         }
       }
       // else: the pinned tensors alone do not fit; the check below says so.
+      if (!unified && missed > 0 && pinned_gpu == 0 && overhead <= budget) {
+        // The board's pool (--unified off) holds no split beside the GPU's scratch and margin:
+        // everything on the CPU, which the checks below accept or refuse.
+        for (size_t i = 0; i < n; ++i)
+          if (!pin[i]) plan.home[i] = Home::cpu;
+        for (const Unit& u : attn)
+          if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::cpu;
+        plan.how = describe_flags(f) + " (the board's pool holds no split: all on the CPU)";
+        note(fmt::format(
+            "automatic plan: nothing fits beside the GPU's scratch and margin in the {} of the "
+            "board's memory that the GPU shares with the CPU (beside the CPU's least: what must "
+            "stay in RAM and one RAM slot per MoE layer it computes), so everything runs on the "
+            "CPU",
+            mib(pool)));
+      }
     }
   }
 
@@ -766,8 +792,17 @@ Plan make_plan_once(const Request& req) {
     plan.margin_bytes = req.margin_bytes;
   }
   plan.layer_slots.assign(static_cast<size_t>(n_layer), 0);
-  if (adaptive && any_gpu && plan.gpu_total() < plan.budget_bytes)
-    add_expert_slots(req, plan, ot_pinned, plan.budget_bytes - plan.gpu_total());
+  if (adaptive && any_gpu && plan.gpu_total() < plan.budget_bytes) {
+    size_t room = plan.budget_bytes - plan.gpu_total();
+    // A board's one pool (--unified off): the slots take only what the CPU's side, with every
+    // expert it computes in RAM, leaves (with less, the disk tier would turn them off).
+    if (req.shared_pool) {
+      const size_t cpu_all = cpu_side(req, plan.home, plan.kv_home).all;
+      const size_t used = plan.gpu_total() + cpu_all;
+      room = std::min(room, req.shared_pool_bytes > used ? req.shared_pool_bytes - used : 0);
+    }
+    add_expert_slots(req, plan, ot_pinned, room);
+  }
   if (plan.expert_slots > 0)
     plan.how += fmt::format(" --residency adaptive: {} expert slots per CPU-held MoE layer",
                             plan.expert_slots);
@@ -779,7 +814,7 @@ Plan make_plan_once(const Request& req) {
                     "({}): {}; {}",
                     mib(plan.gpu_total()), req.device_name, by_flag ? "--vram-budget" : "the pool",
                     mib(plan.budget_bytes), describe_flags(f), unified_terms(req, plan),
-                    refusal_hint(req, plan, has_exps)));
+                    refusal_hint(req, plan, has_exps, probing)));
   }
   if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
     const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
@@ -794,11 +829,13 @@ Plan make_plan_once(const Request& req) {
                     "scratch {} + margin {} ({}); {}",
                     mib(plan.gpu_total()), req.device_name, mib(plan.budget_bytes), source,
                     mib(plan.gpu_weight_bytes), mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes),
-                    mib(plan.margin_bytes), describe_flags(f), refusal_hint(req, plan, has_exps)));
+                    mib(plan.margin_bytes), describe_flags(f),
+                    refusal_hint(req, plan, has_exps, probing)));
   }
   if (!unified) {
-    if (req.shared_pool_bytes > 0 && any_gpu)
-      finish_shared_pool(req, plan, describe_flags(f));
+    if (req.shared_pool)
+      finish_shared_pool(req, plan, describe_flags(f),
+                         [&] { return remedies(req, has_exps, probing); });
     else
       add_disk_tier(req, plan);
     return plan;
@@ -834,23 +871,30 @@ Plan make_plan_once(const Request& req) {
                        mib(ram), gpu, mib(pool_left)));
   }
   try {
-    add_disk_tier(cpu_side, plan, /*pool_share=*/true);
+    add_disk_tier(cpu_side, plan, /*pool_share=*/true,
+                  [&] { return remedies(req, has_exps, probing); });
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::out_of_memory) throw;
     // What bounds the CPU's share: --ram-budget when it is below what the GPU side leaves of the
     // pool (then raising it helps), else the pool itself.
     const bool by_ram_budget = req.ram_budget_bytes < pool_left;
+    const auto raise_fits = [&] {
+      Request r = req;
+      r.ram_budget_bytes = kNoRamBudget;
+      r.flags.ram_budget.reset();
+      return !probing && plan_fits(r);
+    };
     const std::string share =
-        by_ram_budget ? fmt::format(
-                            "the CPU's share, {} by --ram-budget (the pool minus the GPU side "
-                            "leaves {}), does not hold what must stay in RAM (raise --ram-budget, "
-                            "lower -c, or use a smaller quantization)",
-                            mib(req.ram_budget_bytes), mib(pool_left))
-                      : fmt::format(
-                            "the CPU's share, the pool minus the GPU side ({}), does not hold "
-                            "what must stay in RAM, and --ram-budget cannot raise it (lower -c, "
-                            "or use a smaller quantization)",
-                            mib(pool_left));
+        by_ram_budget
+            ? fmt::format(
+                  "the CPU's share, {} by --ram-budget (the pool minus the GPU side leaves {}), is "
+                  "too small{}",
+                  mib(req.ram_budget_bytes), mib(pool_left),
+                  raise_fits() ? " (raise --ram-budget)" : "")
+            : fmt::format(
+                  "the CPU's share, the pool minus the GPU side ({}), is too small, and "
+                  "--ram-budget cannot raise it",
+                  mib(pool_left));
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("plan does not fit {}'s unified memory (a pool of {}): {}: {} ({}); "
                             "{}",
@@ -860,15 +904,27 @@ Plan make_plan_once(const Request& req) {
   // --unified on on a GPU with memory of its own: its KV cache, scratch and margin are still
   // allocations there (only the weights stay in host memory).
   if (any_gpu && req.discrete_free_bytes > 0 &&
-      plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes > req.discrete_free_bytes)
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("plan needs {} of {}'s own memory but it reports {} free (--unified "
-                            "on: the weights it computes stay in host memory, its KV cache {} + "
-                            "scratch {} + margin {} do not) ({}); lower -c or -ub, or use "
-                            "--unified off",
-                            mib(plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes),
-                            req.device_name, mib(req.discrete_free_bytes), mib(plan.gpu_kv_bytes),
-                            mib(plan.scratch_bytes), mib(plan.margin_bytes), describe_flags(f)));
+      plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes > req.discrete_free_bytes) {
+    // What can help: a smaller KV cache where scratch and margin leave room for some, a smaller
+    // ubatch where margin and KV cache do; then what the flags can do.
+    const size_t own_free = req.discrete_free_bytes;
+    std::vector<std::string> parts;
+    if (plan.scratch_bytes + plan.margin_bytes < own_free && plan.gpu_kv_bytes > 0)
+      parts.push_back("lower -c");
+    if (plan.margin_bytes + plan.gpu_kv_bytes < own_free) parts.push_back("lower -ub");
+    const std::string flags_fix = remedies(req, has_exps, probing);
+    const std::string fix =
+        parts.empty() ? fmt::format("its margin and KV cache alone fill it: {}", flags_fix)
+                      : fmt::format("{}, or {}", or_list(parts), flags_fix);
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("plan needs {} of {}'s own memory but it reports {} free (--unified "
+                    "on: the weights it computes stay in host memory, its KV cache {} + "
+                    "scratch {} + margin {} do not) ({}); {}",
+                    mib(plan.gpu_kv_bytes + plan.scratch_bytes + plan.margin_bytes),
+                    req.device_name, mib(own_free), mib(plan.gpu_kv_bytes), mib(plan.scratch_bytes),
+                    mib(plan.margin_bytes), describe_flags(f), fix));
+  }
   if (plan.pool_total() > req.pool_bytes)
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({})",
@@ -877,11 +933,9 @@ Plan make_plan_once(const Request& req) {
   return plan;
 }
 
-}  // namespace
-
 Plan make_plan(const Request& req) {
   try {
-    return make_plan_once(req);
+    return make_plan_once(req, /*probing=*/false);
   } catch (const Error& e) {
     // Unified memory, automatic plan: it gave the GPU only what the pool holds beside the CPU's
     // least, and everything to the CPU where no split fits; say so with the refusal.

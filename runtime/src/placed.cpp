@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -54,11 +55,20 @@ auto sim_usage(F&& f) {
   }
 }
 
+// BERTH_SIM_DEVICE names a simulated unified board: "unified:" in any case ("UNIFIED:8G").
+bool unified_spec(std::string_view spec) {
+  constexpr std::string_view prefix = "unified:";
+  if (spec.size() < prefix.size()) return false;
+  for (size_t i = 0; i < prefix.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(spec[i])) != prefix[i]) return false;
+  return true;
+}
+
 // The simulated unified board BERTH_SIM_DEVICE=unified:... names, if any; Error(usage) when
 // malformed.
 std::optional<SimDeviceOptions> sim_board() {
   const char* sim = std::getenv("BERTH_SIM_DEVICE");
-  if (!sim || std::string_view(sim).substr(0, 8) != "unified:") return std::nullopt;
+  if (!sim || !unified_spec(sim)) return std::nullopt;
   const std::string spec(sim);
   return sim_usage([&] { return parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec); });
 }
@@ -179,7 +189,7 @@ std::unique_ptr<Device> default_device() {
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
     const std::string spec(sim);
     return sim_usage([&]() -> std::unique_ptr<Device> {
-      if (spec.substr(0, 8) == "unified:")
+      if (unified_spec(spec))
         return make_sim_device(parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec));
       const size_t size = placement::parse_size(spec, "BERTH_SIM_DEVICE");
       // As unified:0: a device of no memory is a mistake, not a way to say "none".
@@ -213,7 +223,8 @@ bool flags_want_gpu(const placement::Flags& flags) {
 // the OS's available memory minus the margin (at most the board's memory), not what the device
 // reports free (on such boards cudaMemGetInfo counts the page cache as used).
 // `shared`: a board whose memory the device shares planned without unified mode (--unified off
-// with the GPU computing): the same pool, for both sides of a plan of copies
+// with the GPU computing: the same pool, for both sides of a plan of copies; or nothing
+// computing on the GPU, -ngl 0: the pool bounds the CPU's side, strictly)
 // (Request::shared_pool_bytes). `discrete`: unified mode on a device with memory of its own
 // (--unified on on a discrete GPU), whose KV cache, scratch and margin still take that memory.
 struct UnifiedPool {
@@ -227,7 +238,12 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
   u.unified = has_device && flags_want_gpu(flags) &&
               (flags.unified == placement::UnifiedMode::on ||
                (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
-  u.shared = !u.unified && device && dinfo.unified && flags_want_gpu(flags);
+  // A unified board: the device says so, or (run and serve with -ngl 0 open none) the simulated
+  // board BERTH_SIM_DEVICE names. (A real board is known only from its device: with -ngl 0, run
+  // and serve do not open it.)
+  const std::optional<SimDeviceOptions> sim = device ? std::nullopt : sim_board();
+  const bool board = device ? dinfo.unified : sim.has_value();
+  u.shared = !u.unified && board;
   u.discrete = u.unified && device && !dinfo.unified;
   if (!u.unified && !u.shared) return u;
   u.os_available = dinfo.os_available_bytes > 0 ? dinfo.os_available_bytes : os_available_bytes();
@@ -235,6 +251,7 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
   // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
   // weights in host memory, which its VRAM does not bound.
   if (device && dinfo.unified) u.pool = std::min(u.pool, dinfo.total_bytes);
+  if (sim) u.pool = std::min(u.pool, sim->capacity_bytes);
   if (!device && flags.vram_budget) u.pool = std::min(u.pool, *flags.vram_budget);
   return u;
 }
@@ -284,10 +301,15 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
   struct Sizing {
     int64_t context = 0;
     size_t kv = 0, memory = 0, fixed = 0, gpu_layers = 0, cpu_layers = 0;
+    // On a board's one pool (unified, or --unified off): the KV cache counted at f32 (as the CPU
+    // holds it) whoever holds it, 0 elsewhere. There the criterion does not depend on the plan's
+    // shape (which changes with the context and the board: f16 on the GPU beside its scratch and
+    // margin, f32 on the CPU), so it holds for every smaller context and every larger board.
+    size_t kv_f32 = 0;
     bool scratch = false, state = false;
     std::string where;
     size_t left() const { return memory > fixed ? memory - fixed : 0; }
-    bool within_half() const { return kv <= left() / 2; }
+    bool within_half() const { return (kv_f32 > 0 ? kv_f32 : kv) <= left() / 2; }
   };
   const auto sizing = [&](int64_t c, const PlacementSetup& s) {
     const placement::Plan& p = s.plan;
@@ -302,9 +324,9 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
     if (p.unified) {
       z.memory = p.pool_bytes;
       z.where = "the unified pool";
-    } else if (r.shared_pool_bytes > 0) {
+    } else if (r.shared_pool && flags_want_gpu(f)) {
       z.memory = r.shared_pool_bytes;
-      z.where = "the board's memory (--unified off)";
+      z.where = "the board's pool (--unified off)";
     } else {
       const bool ram_limit = r.ram_budget_bytes != placement::kNoRamBudget;
       z.memory = (any_gpu ? p.budget_bytes : 0) +
@@ -312,19 +334,25 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
       z.where = fmt::format("{}{}", any_gpu ? "the GPU's budget and " : "",
                             ram_limit ? "the RAM budget" : "this machine's memory");
     }
-    z.fixed = p.state_bytes + p.scratch_bytes + p.margin_bytes;
+    const bool pool = p.unified || (r.shared_pool && flags_want_gpu(f));
+    if (pool)
+      for (size_t b : r.kv_bytes) z.kv_f32 += 2 * b;
+    z.fixed = p.state_bytes + (pool ? 0 : p.scratch_bytes + p.margin_bytes);
     for (const placement::TensorEntry& t : r.tensors)
       if (!t.routed_expert()) z.fixed += t.bytes;
-    z.scratch = p.scratch_bytes > 0;
+    z.scratch = !pool && p.scratch_bytes > 0;
     z.state = p.state_bytes > 0;
     return z;
   };
   const auto terms = [](const Sizing& z) {
     return fmt::format(
         "the KV cache ({:.1f} MiB at {} tokens as the plan holds it: {} layers f16 on the GPU, {} "
-        "f32 on the CPU) takes at most half of the {:.1f} MiB of {} ({:.1f} MiB) left beside "
+        "f32 on the CPU{}) takes at most half of the {:.1f} MiB of {} ({:.1f} MiB) left beside "
         "{:.1f} MiB of weights other than routed experts{}{}",
         static_cast<double>(z.kv) / (1 << 20), z.context, z.gpu_layers, z.cpu_layers,
+        z.kv_f32 > 0 ? fmt::format("; counted at f32 whoever holds it, {:.1f} MiB",
+                                   static_cast<double>(z.kv_f32) / (1 << 20))
+                     : std::string(),
         static_cast<double>(z.left()) / (1 << 20), z.where,
         static_cast<double>(z.memory) / (1 << 20), static_cast<double>(z.fixed) / (1 << 20),
         z.scratch ? ", the GPU's scratch and margin" : "",
@@ -490,6 +518,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       if (dinfo.cpu_tflops > 0) s.request.rates.cpu_tflops = dinfo.cpu_tflops;
       if (up.discrete) s.request.discrete_free_bytes = free_bytes;
     } else if (up.shared) {
+      s.request.shared_pool = true;
       s.request.shared_pool_bytes = pool;
       s.request.os_available_bytes = os_available;
       s.request.pool_margin_bytes = placement::kRamMargin;
@@ -528,8 +557,21 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         "buffers (--stream-experts N forces them)");
   }
   bool any_gpu = false;
-  for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
-  for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  const auto find_gpu = [&] {
+    any_gpu = false;
+    for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
+    for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  };
+  find_gpu();
+  // On a board's one pool (--unified off) the automatic plan puts everything on the CPU where no
+  // split fits beside the GPU's scratch: with the streaming buffers in it, one that fits without
+  // them may have been missed; plan without them then.
+  if (auto_stream && !stream_refused && !any_gpu && up.shared && wants_gpu) {
+    stream = 0;
+    make();
+    stream_refused = true;
+    find_gpu();
+  }
   if (auto_stream && !stream_refused && any_gpu && has_device) {
     const bool copies = !s.device || !registers_host_experts(*s.device);
     // A copy needs no room of its own (the CPU reads it instead of the file's pages), so a

@@ -75,6 +75,30 @@ std::string sparse_30b() {
   return path.string();
 }
 
+// The same in q4_k_m (~17.3 GiB; 951.3 MiB of weights other than routed experts), sparse.
+std::string sparse_big() {
+  SynthSpec spec = synth_preset("qwen3-30b-a3b");
+  spec.type = "q4_k_m";
+  spec.sparse = true;
+  const auto path = test::temp_dir("unified") / "qwen3-30b-a3b-q4_k_m-sparse.gguf";
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
+  return path.string();
+}
+
+// Qwen3-30B-A3B's shapes with 2 layers and a 32000-token vocabulary in q4_k (~740 MiB), written
+// sparse: plans of 1-3 GB boards. `n_ctx`: its context_length.
+std::string sparse_mid(int64_t n_ctx = 4096) {
+  SynthSpec spec = synth_preset("qwen3-30b-a3b");
+  spec.type = "q4_k";
+  spec.sparse = true;
+  spec.n_layer = 2;
+  spec.n_vocab = 32000;
+  spec.n_ctx_train = n_ctx;
+  const auto path = test::temp_dir("unified") / fmt::format("qwen3-30b-a3b-mid-{}.gguf", n_ctx);
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
+  return path.string();
+}
+
 test::CommandResult berth_with(const std::string& sim, const std::string& args) {
   return test::run_command("BERTH_SIM_DEVICE=" + test::shell_quote(sim) + " " + test::berth_bin() +
                            " " + args);
@@ -510,13 +534,22 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
   const std::vector<nlohmann::json> j = check_plans(
       model, {
                  // --unified off: the GPU's copies and the CPU's side come from the same memory (it
-                 // planned 21.9 GiB on an 8 GiB board without a word).
+                 // planned 21.9 GiB on an 8 GiB board without a word). The automatic plan keeps
+                 // the CPU's least beside the GPU's copies, so it fits; explicit flags beyond the
+                 // pool are refused, naming only remedies that work (not --unified auto, which
+                 // does not fit -ngl 99 --cpu-moe's GPU side either, nor --vram-budget, which
+                 // changes no explicit plan).
                  {"unified:8G",
                   " --unified off",
-                  1,
-                  {"which the GPU shares with the CPU (a pool of 7168.0 MiB", "copies of",
-                   "the CPU's side", "--unified auto holds each weight once"},
+                  0,
+                  {"counts both sides against the pool", "--unified auto holds each weight once"},
                   {}},
+                 {"unified:2G",
+                  " --unified off -ngl 99 --cpu-moe",
+                  1,
+                  {"which the GPU shares with the CPU (a pool of 1024.0 MiB", "copies of",
+                   "the CPU's side", "lower -c, use a smaller quantization or a larger board"},
+                  {"--unified auto", "--vram-budget SIZE", "lower -ngl", "leave out -ngl"}},
                  {"unified:24G",
                   " --unified off --vram-budget 4G",
                   0,
@@ -535,10 +568,10 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
                   {}},
                  {"2G", " --unified on -ngl 99 --cpu-moe -c 4096", 0, {}, {}},
              });
-  CHECK(j[2]["tiers"]["ram_budget_bytes"].get<size_t>() == size_t{5} << 30);
-  CHECK(j[2]["tiers"]["disk_bytes"].get<size_t>() > 0);
-  CHECK(j[3]["tiers"]["ram_bytes"] == j[2]["tiers"]["ram_bytes"]);
-  CHECK(j[3]["tiers"]["disk_bytes"] == j[2]["tiers"]["disk_bytes"]);
+  CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() == size_t{5} << 30);
+  CHECK(j[3]["tiers"]["disk_bytes"].get<size_t>() > 0);
+  CHECK(j[4]["tiers"]["ram_bytes"] == j[3]["tiers"]["ram_bytes"]);
+  CHECK(j[4]["tiers"]["disk_bytes"] == j[3]["tiers"]["disk_bytes"]);
 }
 
 TEST_CASE("unified: the placement summary counts the disk tier's weights on the CPU") {
@@ -627,7 +660,7 @@ TEST_CASE("unified: serve's default context is one the plan accepts, and its not
        "-ngl 0",
        0,
        {"0 layers f16 on the GPU, 48 f32 on the CPU", "the RAM budget (5120.0 MiB)"}},
-      {"unified:12G", "--unified off --vram-budget 2G", 0, {"the board's memory (--unified off)"}},
+      {"unified:12G", "--unified off --vram-budget 2G", 0, {"the board's pool (--unified off)"}},
   };
   for (const Case& c : cases) {
     CAPTURE(c.sim);
@@ -727,4 +760,168 @@ TEST_CASE("unified: the tiers line counts the weights the GPU computes from host
   REQUIRE(rc == 0);
   CHECK(d["tiers"]["gpu_computed_host_bytes"] == 0);
   std::filesystem::remove(model);
+}
+
+TEST_CASE(
+    "unified: --unified off fits wherever a smaller board fits (the GPU keeps the CPU's least)") {
+  // The automatic plan of copies filled the GPU by the device's report (the whole board) and
+  // left the CPU's side of the pool too little: the 2-layer file ran (all on the CPU) at 1152M,
+  // was refused from 1216M to 2496M, fitted again from 2560M; the 48-layer file fitted at
+  // 1-1.75 GB, was refused from 1920M to 19840M. Now the GPU takes a unit only where the pool
+  // keeps the CPU's least beside it, else everything runs on the CPU.
+  const std::string mid = sparse_mid(), big = sparse_30b();
+  std::vector<std::string> mid_boards, big_boards;
+  for (int mb = 1152; mb <= 2624; mb += 64) mid_boards.push_back(fmt::format("{}M", mb));
+  for (const char* b : {"1024M", "1536M", "1792M", "1920M", "2G", "2500M", "3G", "4G", "6G", "8G",
+                        "12G", "16G", "19840M", "19968M", "24G"})
+    big_boards.emplace_back(b);
+  for (const auto& [file, boards] : {std::pair{mid, mid_boards}, std::pair{big, big_boards}}) {
+    CAPTURE(file);
+    bool fitted = false;
+    for (const std::string& board : boards) {
+      CAPTURE(board);
+      int rc = 0;
+      std::string err;
+      const nlohmann::json j = plan_json("unified:" + board, file, " --unified off", &rc, &err);
+      if (fitted) CHECK_MESSAGE(rc == 0, err);
+      fitted = fitted || rc == 0;
+      if (rc != 0) continue;
+      // What the plan holds, both sides, is within the pool: the board's memory less 1 GiB.
+      const size_t pool = placement::parse_size(board, "board") - (size_t{1} << 30);
+      const size_t gpu = j["devices"]["GPU"]["total_bytes"].get<size_t>();
+      const size_t cpu = j["tiers"]["ram_bytes"].get<size_t>();  // with the RAM slots
+      CHECK(gpu + cpu <= pool);
+    }
+    CHECK(fitted);
+  }
+  // The 2-layer file fits from 1216M (all on the CPU, its disk tier); 1152M's pool of 128 MiB
+  // holds what must stay in RAM but not one RAM slot per layer beside it: refused (it ran,
+  // paging the file in and out of a pool that has no room for it).
+  check_plans(mid,
+              {
+                  {"unified:1152M",
+                   " --unified off",
+                   1,
+                   {"not enough for one RAM slot per MoE layer", "nothing computes on the GPU"},
+                   {}},
+                  {"unified:1216M", " --unified off", 0, {"all on the CPU"}, {}},
+                  {"unified:2496M", " --unified off", 0, {}, {}},
+              });
+}
+
+TEST_CASE("unified: -ngl 0 on a unified board is bounded by the pool, in plan and run") {
+  const std::string tiny = moe_file(), big = sparse_big();
+  // A 16384 MiB KV cache on a 2 GiB board planned with rc 0 (the file "pages in and out").
+  check_plans(tiny, {{"unified:2G",
+                      " -ngl 0 -c 16777216",
+                      1,
+                      {"what must stay in RAM does not fit", "KV cache 16384.0 MiB",
+                       "nothing computes on the GPU", "a pool of 1024.0 MiB", "lower -c"},
+                      {}},
+                     {"unified:2G", " -ngl 0 -c 4096", 0, {}, {}}});
+  // A pool of 0 B (1 GiB board, less the 1 GiB margin): refused (it planned with a RAM budget
+  // of 0 B). -c 256: what must stay in RAM fits the 1 GiB pool, one RAM slot per layer beside it
+  // does not: the refusal says so (the note said "the disk tier cannot make up the difference
+  // (what must stay in RAM: 999.3 MiB)" under a budget of 1024 MiB), and not "lower -c", which
+  // cannot help.
+  check_plans(big, {{"unified:1G", " -ngl 0", 1, {"a pool of 0 B"}, {}},
+                    {"unified:2G",
+                     " -ngl 0 -c 256",
+                     1,
+                     {"not enough for one RAM slot per MoE layer", "a larger board"},
+                     {"what must stay in RAM does not fit", "lower -c"}},
+                    {"unified:8G", " -ngl 0", 0, {}, {}}});
+  // run opens no device with -ngl 0: the simulated board still bounds it, before loading.
+  const test::CommandResult r =
+      berth_with("unified:2G", "run -ngl 0 -c 16777216 -p hi -n 1 -m " + test::shell_quote(tiny));
+  CHECK(r.exit_code == 1);
+  CHECK(has(r.err, "what must stay in RAM does not fit"));
+  CHECK(has(r.err, "a pool of 1024.0 MiB"));
+}
+
+TEST_CASE("unified: refusal hints name only remedies that work") {
+  const std::string big = sparse_big(), mid = sparse_mid();
+  check_plans(big, {// -ngl 0, --cpu-moe and the automatic plan are all refused on this pool: only a
+                    // larger board helps (it said "lower -ngl, or leave out -ngl").
+                    {"unified:2G",
+                     " --cpu-moe -ngl 99",
+                     1,
+                     {"use a smaller quantization or a larger board"},
+                     {"lower -ngl", "leave out -ngl", "lower -c"}},
+                    // The cause is the RAM slots, not the context (it said "lower -c" first).
+                    {"unified:2G",
+                     " -c 256",
+                     1,
+                     {"not enough for one RAM slot per MoE layer",
+                      "use a smaller quantization or a larger board"},
+                     {"lower -c", "does not hold what must stay in RAM"}},
+                    // Where -ngl 0 fits, lowering -ngl is named.
+                    {"unified:8G", " -ngl 99", 1, {"lower -ngl"}, {}}});
+  // --unified on on a discrete device whose 512 MiB margin alone fills it: the automatic plan
+  // runs on the CPU; -ngl 99's refusal does not say "lower -c or -ub", which cannot help.
+  check_plans(mid, {{"512M", " --unified on", 0, {}, {}},
+                    {"512M",
+                     " --unified on -ngl 99",
+                     1,
+                     {"its margin and KV cache alone fill it", "lower -ngl"},
+                     {"lower -c", "lower -ub"}}});
+}
+
+TEST_CASE("unified: serve's default context does not shrink on a larger board") {
+  // A 2-layer file trained on 262144 tokens: 1800M gave 43520 tokens (all on the CPU), 1900M
+  // 20992 (the GPU's scratch and margin beside an f16 cache), 2G 39936.
+  const std::string path = sparse_mid(262144);
+  gguf::File file = gguf::File::open(path);
+  auto model = load_model(file);
+  int64_t last = 0;
+  for (const char* board : {"1700M", "1800M", "1900M", "2G", "2200M", "2500M", "3G", "4G"}) {
+    CAPTURE(board);
+    ::setenv("BERTH_SIM_DEVICE", (std::string("unified:") + board).c_str(), 1);
+    placement::Flags flags;
+    std::unique_ptr<Device> dev = placement_device(flags);
+    std::string note;
+    int64_t ctx = 0;
+    try {
+      ctx = default_serve_context(*model, flags, serve_params(), dev, &note);
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::out_of_memory);
+    }
+    ::unsetenv("BERTH_SIM_DEVICE");
+    INFO(note);
+    CHECK(ctx >= last);
+    last = std::max(last, ctx);
+  }
+  CHECK(last > 0);
+}
+
+TEST_CASE("unified: the default RAM budget's note says why the disk tier cannot help") {
+  // One MoE layer: 100 MiB that must stay in RAM, 8 experts of 3 x 8 MiB each, under a default
+  // (not given) budget of 101 MiB: what must stay fits, one RAM slot beside it does not.
+  placement::Request r;
+  r.n_layer = 1;
+  r.kv_bytes = {0};
+  const size_t MiB = size_t{1} << 20;
+  r.tensors.push_back(
+      {"blk.0.attn_q.weight", 100 * MiB, 0, graph::WeightRole::attention, "f32", 0});
+  for (const char* n :
+       {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"})
+    r.tensors.push_back({n, 64 * MiB, 0, graph::WeightRole::routed_expert, "f32", 8});
+  r.ram_budget_bytes = 101 * MiB;
+  const placement::Plan p = placement::make_plan(r);
+  std::string notes;
+  for (const std::string& n : p.notes) notes += n + "\n";
+  INFO(notes);
+  CHECK(has(notes, "holds not one RAM slot per MoE layer"));
+  CHECK_FALSE(has(notes, "exceeds it"));
+  r.ram_budget_bytes = 99 * MiB;
+  notes.clear();
+  for (const std::string& n : placement::make_plan(r).notes) notes += n + "\n";
+  CHECK(has(notes, "what must stay in RAM (100.0 MiB) exceeds it"));
+}
+
+TEST_CASE("unified: BERTH_SIM_DEVICE's unified: prefix in any case") {
+  const test::CommandResult r =
+      berth_with("UNIFIED:8G", "plan -c 64 -m " + test::shell_quote(moe_file()));
+  CHECK(r.exit_code == 0);
+  CHECK(has(r.out, "unified memory (detected)"));
 }

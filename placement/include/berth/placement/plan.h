@@ -173,8 +173,14 @@ struct Request {
   /// CPU's side draw on one pool of this many bytes (the OS's available memory minus
   /// pool_margin_bytes, at most the board's memory; os_available_bytes as for unified). The
   /// CPU's side gets at most what the device's side leaves; a plan beyond the pool is refused
-  /// naming every term, and one that fits says in a note that it holds the GPU's weights twice
-  /// (the device copies beside the file's pages). 0: a discrete device, or unified mode.
+  /// naming every term and the remedies that make it fit when tried, and one that fits says in a
+  /// note that it holds the GPU's weights twice (the device copies beside the file's pages). The
+  /// automatic plan gives the GPU a unit only where the CPU's side keeps room for its least
+  /// beside it (as on unified memory), else everything runs on the CPU. With nothing on the GPU
+  /// (-ngl 0 on such a board, has_device or not) the pool bounds the CPU's side strictly: what
+  /// must stay in RAM and one disk-tier RAM slot per MoE layer must fit, or the plan is refused.
+  /// Only with shared_pool (which is false for a discrete device, none, or unified mode).
+  bool shared_pool = false;
   size_t shared_pool_bytes = 0;
   Flags flags;
 };

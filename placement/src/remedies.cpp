@@ -1,0 +1,86 @@
+// What a user can do about a plan that does not fit: the remedies that make it fit when tried
+// (placement's refusal messages name only those).
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "berth/core/error.h"
+#include "internal.h"
+
+namespace berth::placement {
+
+// True when `req` plans without running out of memory (a probe for refusal hints: no hints of
+// its own are computed inside it).
+bool plan_fits(const Request& req) {
+  try {
+    (void)make_plan_once(req, /*probing=*/true);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+// "a", "a, or b", "a, b, or c".
+std::string or_list(const std::vector<std::string>& parts) {
+  std::string s;
+  for (size_t i = 0; i < parts.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == parts.size() ? ", or " : ", ") + parts[i];
+  return s;
+}
+
+// The remedies that make `req` (refused) fit when tried, as a list for a message: lower -ngl
+// (-ngl 0 fits), --cpu-moe, the automatic plan, and on a board planned with copies (--unified
+// off) --unified auto; when none does, a smaller context (if the plan fits without any KV
+// cache), a smaller quantization, more memory. `probing`: inside such a try; nothing is tried.
+std::string remedies(const Request& req, bool has_exps, bool probing) {
+  const Flags& f = req.flags;
+  const bool board = (req.unified && req.discrete_free_bytes == 0) || req.shared_pool;
+  const std::string more = board ? "a larger board" : "a GPU with more memory";
+  if (probing) return more;
+  const auto with = [&](auto change) {
+    Request r = req;
+    change(r.flags);
+    return plan_fits(r);
+  };
+  std::vector<std::string> parts;
+  if (req.shared_pool && req.has_device && f.n_gpu_layers != 0) {
+    Request u = req;
+    u.unified = true;
+    u.pool_bytes = u.device_free_bytes = req.shared_pool_bytes;
+    u.device_reported_free_bytes = req.device_free_bytes;
+    u.shared_pool = false;
+    if (plan_fits(u)) parts.push_back("--unified auto (which holds each weight once)");
+  }
+  if (f.n_gpu_layers > 0 && with([](Flags& g) { g.n_gpu_layers = 0; }))
+    parts.push_back("lower -ngl");
+  if (f.n_gpu_layers != 0 && has_exps && !f.cpu_moe && with([](Flags& g) { g.cpu_moe = true; }))
+    parts.push_back("add --n-cpu-moe N or --cpu-moe");
+  if (f.n_gpu_layers >= 0 && with([](Flags& g) { g.n_gpu_layers = -1; }))
+    parts.push_back("leave out -ngl for the automatic plan");
+  if (!parts.empty()) return or_list(parts);
+  // Nothing the placement flags can do: a smaller context (when the plan fits without a KV
+  // cache at all), a smaller file, more memory.
+  Request r = req;
+  if (f.n_gpu_layers > 0) r.flags.n_gpu_layers = -1;
+  std::fill(r.kv_bytes.begin(), r.kv_bytes.end(), size_t{0});
+  const bool ctx = plan_fits(r);
+  return fmt::format("{}use a smaller quantization or {}", ctx ? "lower -c, " : "", more);
+}
+
+// What a user can do about a plan whose GPU side does not fit: only the remedies that make the
+// plan fit when tried (`probing`: inside such a try, the remedies are not tried again).
+std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bool probing) {
+  const Flags& f = req.flags;
+  if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes) {
+    // A budget the device caps cannot be raised by --vram-budget.
+    if (req.has_device && plan.budget_bytes >= req.device_free_bytes)
+      return "the device's free memory does not even hold the scratch and margin: run on the "
+             "CPU with -ngl 0";
+    return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
+           "or run on the CPU with -ngl 0";
+  }
+  if (f.n_gpu_layers < 0) return "the -ot rules send more to the GPU than the budget holds";
+  return remedies(req, has_exps, probing);
+}
+
+}  // namespace berth::placement
