@@ -35,7 +35,8 @@ struct PlacementSetup {
 /// The device to plan for: the first CUDA device when this build and machine have one; else, when
 /// the environment variable BERTH_SIM_DEVICE=SIZE is set (e.g. "1G"), a simulated device of that
 /// size (runs the hybrid executor on the CPU: for tests of the placement paths without a GPU), or
-/// with BERTH_SIM_DEVICE=unified:SIZE[,KEY=VALUE...] a simulated unified-memory board
+/// with BERTH_SIM_DEVICE=unified:SIZE[,KEY=VALUE...] (the prefix in any case) a simulated
+/// unified-memory board
 /// (parse_unified_sim in backends/device.h: e.g. "unified:128G" for a GB10,
 /// "unified:8G,available=6G" for an Orin 8 GB); else none. Throws Error(usage) for a
 /// bad BERTH_SIM_DEVICE.
@@ -52,8 +53,9 @@ std::unique_ptr<Device> default_device();
 /// otherwise); on unified memory, where nothing is loaded to the device, it prints the
 /// "note: unified memory ..." line `berth plan` shows instead. Unified mode is decided here for
 /// plan, run and serve alike: never when nothing would be computed on the GPU (-ngl 0 and no -ot
-/// naming it). Throws what placement::make_plan throws (Error(out_of_memory) naming every term
-/// when the plan cannot fit).
+/// naming it); on a unified board (its device, or the simulated one BERTH_SIM_DEVICE names when
+/// none is opened) the pool then still bounds the CPU's side (Request::shared_pool). Throws what
+/// placement::make_plan throws (Error(out_of_memory) naming every term when the plan cannot fit).
 ///
 /// `plan_only` (`berth plan`): the device is opened whatever the flags (the plan shows it); with
 /// none found and --vram-budget SIZE, the plan is made for a GPU of that size ("GPU (none
@@ -74,14 +76,17 @@ std::unique_ptr<Device> placement_device(const placement::Flags& flags);
 /// `berth serve`'s context when -c is not given, from the plan serve then makes (place() with
 /// `flags`, `params` as serve passes them, n_ctx set, and `device`: placement_device(), handed
 /// back after each trial): the model's context_length (4096 when it has none) when the plan
-/// accepts it with its KV cache (as the plan holds it: f16 on the GPU, f32 on the CPU) taking at
-/// most half of the memory the plan draws on (the unified pool; a board's memory under
-/// --unified off; else the GPU's budget plus the RAM budget, or this machine's memory with
-/// --ram-budget none) left beside the weights other than routed experts, the recurrent state
-/// and the GPU's scratch and margin; else the largest multiple of 256 below both bounds that
-/// the plan accepts. Sets `note` (when not null) to a line naming the terms when it lowers,
-/// else leaves it. Throws Error(out_of_memory) naming the terms (or the plan's refusal) when
-/// that leaves fewer than 256 tokens (or 2 per sequence); what place() throws otherwise.
+/// accepts it with its KV cache taking at most half of the memory the plan draws on left beside
+/// the weights other than routed experts and the recurrent state: on a board's pool (unified, or
+/// --unified off with the GPU computing) the KV cache counted at f32 whoever holds it, and the
+/// GPU's scratch and margin left to the plan's own check (a criterion independent of the plan's
+/// shape: the context never shrinks on a larger board); else the KV cache as the plan holds it
+/// (f16 on the GPU, f32 on the CPU), the memory the GPU's budget plus the RAM budget (or this
+/// machine's memory with --ram-budget none) less the GPU's scratch and margin. Else the largest
+/// multiple of 256 below both bounds that the plan accepts (by bisection). Sets `note` (when not
+/// null) to a line naming the terms when it lowers, else leaves it. Throws Error(out_of_memory)
+/// naming the terms (or the plan's refusal) when that leaves fewer than 256 tokens (or 2 per
+/// sequence); what place() throws otherwise.
 int64_t default_serve_context(const Model& model, const placement::Flags& flags,
                               const SessionParams& params, std::unique_ptr<Device>& device,
                               std::string* note);
