@@ -34,6 +34,7 @@
 #include "berth/backends/device.h"
 #include "berth/core/error.h"
 #include "berth/core/fp16.h"
+#include "berth/cpu_kernels/gdn.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
 #include "stream_device.h"
@@ -509,11 +510,81 @@ class SimDevice final : public backend_detail::StreamDevice {
     });
   }
 
+  // The Qwen3.5 hybrids' ops (graph.h), with the CPU executor's kernels in its order: tokens in
+  // row order, each against its sequence's state (zeroed at position 0).
+  void head_slice(int s, const float* x, float* out, int64_t rows, int64_t n_group,
+                  graph::SliceParams p) {
+    enqueue(s, [=] {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n_group; ++j)
+          std::memcpy(out + (r * n_group + j) * p.len, x + (r * n_group + j) * p.group + p.offset,
+                      static_cast<size_t>(p.len) * sizeof(float));
+    });
+  }
+  void sigmoid_mul(int s, const float* x, const float* gate, float* out, int64_t rows, int64_t cols,
+                   bool per_row) {
+    enqueue(s, [=] {
+      std::vector<float> row(per_row ? static_cast<size_t>(cols) : 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* gr = gate + r * cols;
+        if (per_row) {
+          std::fill(row.begin(), row.end(), gate[r]);
+          gr = row.data();
+        }
+        cpu::sigmoid_gate(x + r * cols, gr, out + r * cols, cols);
+      }
+    });
+  }
+  void rms_norm_gated(int s, const float* x, const float* z, const float* w, float* out,
+                      int64_t rows, int64_t cols, int64_t group, float eps) {
+    enqueue(s, [=] {
+      for (int64_t r = 0; r < rows * (cols / group); ++r)
+        cpu::rms_norm_gated(x + r * group, w, z + r * group, out + r * group, group, eps);
+    });
+  }
+  void ssm_conv(int s, const float* x, float* out, int64_t n_tok, int64_t cols, const float* w,
+                int32_t kernel, float* state, const int32_t* positions, const int32_t* seqs) {
+    enqueue(s, [=] {
+      const int64_t dim = (kernel - 1) * cols;
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* st = state + (seqs ? seqs[t] : 0) * dim;
+        if (positions[t] == 0) std::fill_n(st, dim, 0.0f);
+        cpu::conv1d_causal(x + t * cols, cols, out + t * cols, cols, 1, w, kernel, st, cols, 0,
+                           cols, true);
+      }
+    });
+  }
+  void gated_delta(int s, const float* y, const float* alpha, const float* b, const float* ssm_a,
+                   const float* dt_bias, int64_t n_tok, graph::SsmParams p, float* state,
+                   const int32_t* positions, const int32_t* seqs, float* out) {
+    enqueue(s, [=] {
+      const int64_t hk = p.n_k_head, hv = p.n_v_head, dk = p.d_k, dv = p.d_v;
+      const int64_t qk_cols = 2 * hk * dk, y_cols = qk_cols + hv * dv, dim = hv * dk * dv;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+      std::vector<float> qk(static_cast<size_t>(qk_cols)), g(static_cast<size_t>(hv)),
+          beta(static_cast<size_t>(hv));
+      for (int64_t t = 0; t < n_tok; ++t) {
+        float* st = state + (seqs ? seqs[t] : 0) * dim;
+        if (positions[t] == 0) std::fill_n(st, dim, 0.0f);
+        for (int64_t j = 0; j < 2 * hk; ++j)
+          cpu::l2_norm(y + t * y_cols + j * dk, qk.data() + j * dk, dk, p.eps);
+        cpu::gdn_gates(alpha + t * hv, b + t * hv, dt_bias, ssm_a, g.data(), beta.data(), hv);
+        for (int64_t h = 0; h < hv; ++h) {
+          const int64_t j = h % hk;  // V head h reads K head h mod H_k
+          cpu::gated_delta_rule(qk.data() + j * dk, qk_cols, qk.data() + (hk + j) * dk, qk_cols,
+                                y + t * y_cols + qk_cols + h * dv, y_cols, g.data() + h,
+                                beta.data() + h, hv, 1, static_cast<int32_t>(dk),
+                                static_cast<int32_t>(dv), scale, st + h * dk * dv,
+                                out + t * hv * dv + h * dv, hv * dv, 0, static_cast<int32_t>(dv));
+        }
+      }
+    });
+  }
+
   // --- Compute: every op kind; fused calls run as their parts, one after the other. ---------
   bool supports(const Op& op) const override {
-    // The recurrent and gating ops of the Qwen3.5 hybrids run on the CPU (cpu_executor.cpp):
-    // no kernels here yet, so placement keeps them there (their state is host memory).
-    return !graph::is_hybrid_op(op.kind);
+    (void)op;
+    return true;
   }
 
   size_t op_workspace(const StepView& view, const Op& op, bool host_w) const override {
@@ -616,12 +687,29 @@ class SimDevice final : public backend_detail::StreamDevice {
                     b.ws);
         return;
       }
-      case OpKind::head_slice:
-      case OpKind::sigmoid_mul:
-      case OpKind::ssm_conv:
-      case OpKind::gated_delta:
+      case OpKind::head_slice: {
+        const int64_t in_cols = g.values[static_cast<size_t>(op.inputs[0])].cols;
+        head_slice(kMain, in(0), out, rows, in_cols / op.slice.group, op.slice);
+        return;
+      }
+      case OpKind::sigmoid_mul: {
+        const bool per_row = g.values[static_cast<size_t>(op.inputs[1])].cols == 1 && cols != 1;
+        sigmoid_mul(kMain, in(0), in(1), out, rows, cols, per_row);
+        return;
+      }
       case OpKind::rms_norm_gated:
-        break;  // not supported here (supports() is false): placement keeps them on the CPU
+        rms_norm_gated(kMain, in(0), in(1), wf(op.weight), out, rows, cols, op.norm_group, op.eps);
+        return;
+      case OpKind::ssm_conv: {
+        const auto kernel = static_cast<int32_t>(weights[op.weight].ne[0]);
+        ssm_conv(kMain, in(0), out, rows, cols, wf(op.weight), kernel,
+                 b.conv_state.at(static_cast<size_t>(op.ssm.layer)), b.positions, b.seqs);
+        return;
+      }
+      case OpKind::gated_delta:
+        gated_delta(kMain, in(0), in(1), in(2), wf(op.weight), wf(op.ssm.dt_bias), rows, op.ssm,
+                    b.ssm_state.at(static_cast<size_t>(op.ssm.layer)), b.positions, b.seqs, out);
+        return;
     }
     throw Error(ErrorCategory::internal, fmt::format("SIM0: op '{}' has an unknown kind", op.name));
   }

@@ -568,14 +568,15 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     const auto kvl = model->kv_layers();
     for (size_t l = 0; l < kvl.size(); ++l) {
       const uint64_t avg = static_cast<uint64_t>(kvl[l].k_dim + kvl[l].v_dim) * kv_positions_x2 / 2;
+      // The recurrent state, read and written, where the layer's KV cache is (f32 either side).
+      const uint64_t state = 2 * static_cast<uint64_t>(kvl[l].conv_dim + kvl[l].ssm_dim) * 4;
       if (placed.plan.kv_home[l] == placement::Home::gpu)
-        kv_gpu += avg * 2;  // f16
+        kv_gpu += avg * 2 + state;  // f16 rows
       else
-        kv_cpu += avg * 4;  // f32
+        kv_cpu += avg * 4 + state;  // f32 rows
     }
     r.decode_gpu_bytes = decode_weight_bytes(*model, &home, placement::Home::gpu) + kv_gpu;
-    r.decode_cpu_bytes =
-        decode_weight_bytes(*model, &home, placement::Home::cpu) + kv_cpu + r.decode_state_bytes;
+    r.decode_cpu_bytes = decode_weight_bytes(*model, &home, placement::Home::cpu) + kv_cpu;
     if (!r.host_experts_pinning.empty()) {
       r.decode_share_bytes = decode_share_bytes(*model, home, o.host_expert_share);
       r.decode_cpu_bytes -= r.decode_share_bytes;

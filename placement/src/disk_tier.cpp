@@ -65,8 +65,7 @@ CpuSide cpu_side(const Request& req, const std::vector<Home>& home,
   for (size_t i = 0; i < req.tensors.size(); ++i)
     if (home[i] == Home::cpu) c.all += req.tensors[i].bytes;
   for (size_t l = 0; l < kv_home.size() && l < req.kv_bytes.size(); ++l)
-    if (kv_home[l] == Home::cpu) c.all += 2 * req.kv_bytes[l];  // the host cache keeps f32
-  for (size_t b : req.state_bytes) c.all += b;
+    if (kv_home[l] == Home::cpu) c.all += layer_cache_cpu(req, l);  // the host cache keeps f32
   c.least = c.all;
   const TierShape s = tier_shape(req, home);
   if (s.tier_bytes > 0 && s.max_c >= 1)
@@ -93,7 +92,7 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share,
                   mib(req.ram_budget_bytes));
   // What can help, when the caller does not say (`hint`): on a pool, a smaller context only where
   // the plan fits without its KV cache (the recurrent state stays).
-  const size_t kv_only = plan.cpu_kv_bytes - std::min(plan.cpu_kv_bytes, plan.state_bytes);
+  const size_t kv_only = plan.cpu_kv_bytes - std::min(plan.cpu_kv_bytes, plan.cpu_state_bytes);
   const bool lower_c =
       kv_only > 0 && fixed - kv_only + (tier_bytes > 0 ? per_slot : 0) <= req.ram_budget_bytes;
   const auto more = [&]() -> std::string {

@@ -15,6 +15,19 @@ namespace berth::placement {
 /// MiB with one decimal; below 1 MiB in KiB or bytes, so a small budget never reads "0.0 MiB".
 std::string mib(size_t bytes);
 
+/// Bytes of layer l's recurrent state (Request::state_bytes; 0 without one).
+inline size_t layer_state(const Request& req, size_t l) {
+  return l < req.state_bytes.size() ? req.state_bytes[l] : 0;
+}
+/// Bytes of what layer l keeps between steps where kv_home puts it: on the GPU its f16 KV cache
+/// and its recurrent state; on the CPU its f32 KV cache (twice kv_bytes) and its state.
+inline size_t layer_cache_gpu(const Request& req, size_t l) {
+  return req.kv_bytes[l] + layer_state(req, l);
+}
+inline size_t layer_cache_cpu(const Request& req, size_t l) {
+  return 2 * req.kv_bytes[l] + layer_state(req, l);
+}
+
 /// What the disk tier could take under `home` (per tensor, Request::tensors order): per layer
 /// whether it is a candidate (its gate, up and down tensors stacked, n_expert >= 2 of one count,
 /// all CPU-held), the candidates' bytes, one RAM slot of every candidate layer (one expert's three

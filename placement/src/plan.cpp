@@ -339,7 +339,7 @@ Plan make_plan_once(const Request& req, bool probing) {
         std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));
     size_t all = req.scratch_bytes + req.margin_bytes;
     for (const TensorEntry& t : req.tensors) all += t.bytes;
-    for (size_t b : req.kv_bytes) all += b;
+    for (size_t l = 0; l < req.kv_bytes.size(); ++l) all += layer_cache_gpu(req, l);
     adaptive = f.residency == ResidencyMode::adaptive || all > budget;
   }
   plan.residency = adaptive ? ResidencyMode::adaptive : ResidencyMode::fixed;
@@ -448,9 +448,9 @@ Plan make_plan_once(const Request& req, bool probing) {
         const int64_t a = anchor[L];
         if (a < 0 || !pin[static_cast<size_t>(a)]) {
           attn[L].has_kv = true;
-          attn[L].bytes += req.kv_bytes[L];
+          attn[L].bytes += layer_cache_gpu(req, L);
         } else if (*pin[static_cast<size_t>(a)] == Home::gpu) {
-          pinned_gpu += req.kv_bytes[L];
+          pinned_gpu += layer_cache_gpu(req, L);
         }
       }
       for (size_t i = 0; i < n; ++i) {
@@ -500,7 +500,7 @@ Plan make_plan_once(const Request& req, bool probing) {
         if (unified && req.discrete_free_bytes > 0) {
           size_t own = overhead;
           for (size_t l = 0; l < plan.kv_home.size(); ++l)
-            if (plan.kv_home[l] == Home::gpu) own += req.kv_bytes[l];
+            if (plan.kv_home[l] == Home::gpu) own += layer_cache_gpu(req, l);
           if (own > req.discrete_free_bytes) miss += own - req.discrete_free_bytes;
         }
         return miss;
@@ -554,8 +554,12 @@ Plan make_plan_once(const Request& req, bool probing) {
             read += static_cast<double>(t.bytes) * share;
             weights += static_cast<double>(t.bytes) * share / bytes_per_weight(t.type);
           }
-          // A layer's KV cache: a token reads all of it (at full context).
-          if (u.has_kv) read += static_cast<double>(req.kv_bytes[static_cast<size_t>(u.layer)]);
+          // A layer's KV cache: a token reads all of it (at full context); its recurrent state
+          // is read and written.
+          if (u.has_kv) {
+            const auto L = static_cast<size_t>(u.layer);
+            read += static_cast<double>(req.kv_bytes[L] + 2 * layer_state(req, L));
+          }
           const double gain = unit_seconds(read, weights, r.cpu_gbps, r.cpu_tflops) -
                               unit_seconds(read, weights, r.gpu_gbps, r.gpu_tflops);
           cand.push_back({&u, gain, static_cast<double>(std::max<size_t>(u.bytes, 1))});
@@ -762,15 +766,15 @@ Plan make_plan_once(const Request& req, bool probing) {
     }
   }
   for (size_t l = 0; l < plan.kv_home.size(); ++l) {
+    plan.state_bytes += layer_state(req, l);
     if (plan.kv_home[l] == Home::gpu) {
-      plan.gpu_kv_bytes += req.kv_bytes[l];
+      plan.gpu_kv_bytes += layer_cache_gpu(req, l);
       any_gpu = true;
     } else {
-      plan.cpu_kv_bytes += 2 * req.kv_bytes[l];  // the host cache keeps f32
+      plan.cpu_kv_bytes += layer_cache_cpu(req, l);  // the host cache keeps f32
+      plan.cpu_state_bytes += layer_state(req, l);
     }
   }
-  for (size_t b : req.state_bytes) plan.state_bytes += b;
-  plan.cpu_kv_bytes += plan.state_bytes;
   if (req.has_device) {
     plan.budget_bytes =
         std::min(req.device_free_bytes, f.vram_budget.value_or(std::numeric_limits<size_t>::max()));

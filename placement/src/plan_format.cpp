@@ -14,7 +14,7 @@ namespace {
 size_t kv_layer_bytes(const Request& req, const Plan& plan, size_t l) {
   return req.kv_bytes.at(l) * (plan.kv_home.at(l) == Home::gpu ? 1 : 2);
 }
-// Bytes of layer l's recurrent state (host-held, f32), 0 for a layer without one.
+// Bytes of layer l's recurrent state (f32, where its KV cache is), 0 for a layer without one.
 size_t state_layer_bytes(const Request& req, size_t l) {
   return l < req.state_bytes.size() ? req.state_bytes[l] : 0;
 }
@@ -134,12 +134,18 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
                          home_name(plan.kv_home[a]));
       a = b;
     }
-    if (plan.state_bytes > 0) {
-      size_t n = 0;
-      for (size_t l = 0; l < plan.kv_home.size(); ++l) n += state_layer_bytes(req, l) > 0;
-      out += fmt::format("{:<{}}  {:>12.3f}  CPU\n",
-                         fmt::format("recurrent state ({} layers, f32)", n), name_w + type_w + 2,
-                         to_mib(plan.state_bytes));
+    // The recurrent state, per side (it lives with its layer's KV cache).
+    for (const Home side : {Home::gpu, Home::cpu}) {
+      size_t n = 0, bytes = 0;
+      for (size_t l = 0; l < plan.kv_home.size(); ++l)
+        if (plan.kv_home[l] == side && state_layer_bytes(req, l) > 0) {
+          ++n;
+          bytes += state_layer_bytes(req, l);
+        }
+      if (n > 0)
+        out += fmt::format("{:<{}}  {:>12.3f}  {}\n",
+                           fmt::format("recurrent state ({} layers, f32)", n), name_w + type_w + 2,
+                           to_mib(bytes), home_name(side));
     }
   }
 

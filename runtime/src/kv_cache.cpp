@@ -56,6 +56,8 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_se
   }
   view_.dev_k.assign(layers.size(), nullptr);
   view_.dev_v.assign(layers.size(), nullptr);
+  view_.dev_conv.assign(layers.size(), nullptr);
+  view_.dev_ssm.assign(layers.size(), nullptr);
 }
 
 KvCache::~KvCache() { release_device(); }
@@ -71,18 +73,48 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
     for (size_t l = 0; l < kv_home.size(); ++l) {
       if (kv_home[l] != placement::Home::gpu) continue;
       const KvLayer& kl = view_.layers[l];
+      if (kl.recurrent()) {
+        // The layer's recurrent state moves to the device whole (its ssm_conv and gated_delta
+        // run there): f32 as on the host, zeroed.
+        const size_t cb = static_cast<size_t>(int64_t{view_.n_seq} * kl.conv_dim) * 4;
+        const size_t sb = static_cast<size_t>(int64_t{view_.n_seq} * kl.ssm_dim) * 4;
+        if (cb > 0)
+          view_.dev_conv[l] =
+              static_cast<float*>(dev.alloc(cb, fmt::format("the conv state of layer {}", l)));
+        if (sb > 0)
+          view_.dev_ssm[l] = static_cast<float*>(
+              dev.alloc(sb, fmt::format("the delta-rule state of layer {}", l)));
+        device_bytes_ += cb + sb;
+      }
       const size_t kb = static_cast<size_t>(view_.n_rows() * kl.k_dim) * 2;
       const size_t vb = static_cast<size_t>(view_.n_rows() * kl.v_dim) * 2;
-      if (kb + vb == 0) continue;  // a recurrent layer: no K/V rows (its state stays on the host)
+      if (kb + vb == 0) continue;
       view_.dev_k[l] =
           static_cast<uint16_t*>(dev.alloc(kb, fmt::format("the K cache of layer {}", l)));
       view_.dev_v[l] =
           static_cast<uint16_t*>(dev.alloc(vb, fmt::format("the V cache of layer {}", l)));
       device_bytes_ += kb + vb;
     }
+    for (int32_t s = 0; s < view_.n_seq; ++s) zero_device_state(s);
   } catch (...) {
     release_device();
     throw;
+  }
+}
+
+void KvCache::zero_device_state(int32_t seq) {
+  for (int32_t l = 0; l < n_layer(); ++l) {
+    const KvLayer& kl = view_.layer(l);
+    const auto li = static_cast<size_t>(l);
+    if (view_.dev_conv[li] || view_.dev_ssm[li])
+      zeros_.resize(
+          std::max(zeros_.size(), static_cast<size_t>(std::max(kl.conv_dim, kl.ssm_dim))));
+    if (view_.dev_conv[li])
+      dev_->upload(view_.dev_conv[li] + seq * kl.conv_dim, zeros_.data(),
+                   static_cast<size_t>(kl.conv_dim) * sizeof(float));
+    if (view_.dev_ssm[li])
+      dev_->upload(view_.dev_ssm[li] + seq * kl.ssm_dim, zeros_.data(),
+                   static_cast<size_t>(kl.ssm_dim) * sizeof(float));
   }
 }
 
@@ -91,6 +123,10 @@ void KvCache::release_device() {
   for (uint16_t*& p : view_.dev_k)
     if (p) dev_->dealloc(p), p = nullptr;
   for (uint16_t*& p : view_.dev_v)
+    if (p) dev_->dealloc(p), p = nullptr;
+  for (float*& p : view_.dev_conv)
+    if (p) dev_->dealloc(p), p = nullptr;
+  for (float*& p : view_.dev_ssm)
     if (p) dev_->dealloc(p), p = nullptr;
   device_bytes_ = 0;
   dev_ = nullptr;
@@ -147,12 +183,18 @@ void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
   for (size_t l = 0; l < view_.layers.size(); ++l) {
     const KvLayer& kl = view_.layers[l];
     const auto li = static_cast<int32_t>(l);
-    if (kl.conv_dim > 0)
-      std::memcpy(view_.conv_state(li, dst), view_.conv_state(li, src),
-                  static_cast<size_t>(kl.conv_dim) * sizeof(float));
-    if (kl.ssm_dim > 0)
-      std::memcpy(view_.ssm_state(li, dst), view_.ssm_state(li, src),
-                  static_cast<size_t>(kl.ssm_dim) * sizeof(float));
+    const size_t cb = static_cast<size_t>(kl.conv_dim) * sizeof(float);
+    const size_t sb = static_cast<size_t>(kl.ssm_dim) * sizeof(float);
+    if (view_.dev_conv[l])
+      dev_->copy(kSync, view_.dev_conv[l] + dst * kl.conv_dim,
+                 view_.dev_conv[l] + src * kl.conv_dim, cb);
+    else if (kl.conv_dim > 0)
+      std::memcpy(view_.conv_state(li, dst), view_.conv_state(li, src), cb);
+    if (view_.dev_ssm[l])
+      dev_->copy(kSync, view_.dev_ssm[l] + dst * kl.ssm_dim, view_.dev_ssm[l] + src * kl.ssm_dim,
+                 sb);
+    else if (kl.ssm_dim > 0)
+      std::memcpy(view_.ssm_state(li, dst), view_.ssm_state(li, src), sb);
     const size_t ks = static_cast<size_t>(n * kl.k_dim), vs = static_cast<size_t>(n * kl.v_dim);
     const int64_t s0 = view_.row(src, 0), d0 = view_.row(dst, 0);
     std::memcpy(view_.k[l] + d0 * kl.k_dim, view_.k[l] + s0 * kl.k_dim, ks * sizeof(float));
@@ -176,6 +218,7 @@ void KvCache::reset_state(int32_t seq) {
     if (kl.conv_dim > 0) std::fill_n(view_.conv_state(l, seq), kl.conv_dim, 0.0f);
     if (kl.ssm_dim > 0) std::fill_n(view_.ssm_state(l, seq), kl.ssm_dim, 0.0f);
   }
+  if (dev_) zero_device_state(seq);
 }
 
 std::vector<float> KvCache::save_state(int32_t seq) const {
@@ -183,10 +226,21 @@ std::vector<float> KvCache::save_state(int32_t seq) const {
   std::vector<float> out;
   for (int32_t l = 0; l < n_layer(); ++l) {
     const KvLayer& kl = view_.layer(l);
+    const auto li = static_cast<size_t>(l);
+    const auto take = [&](const float* dev, const float* host, int64_t n) {
+      const size_t at = out.size();
+      out.resize(at + static_cast<size_t>(n));
+      if (dev)
+        dev_->download(out.data() + at, dev, static_cast<size_t>(n) * sizeof(float));
+      else
+        std::copy_n(host, n, out.data() + at);
+    };
     if (kl.conv_dim > 0)
-      out.insert(out.end(), view_.conv_state(l, seq), view_.conv_state(l, seq) + kl.conv_dim);
+      take(view_.dev_conv[li] ? view_.dev_conv[li] + seq * kl.conv_dim : nullptr,
+           view_.conv_state(l, seq), kl.conv_dim);
     if (kl.ssm_dim > 0)
-      out.insert(out.end(), view_.ssm_state(l, seq), view_.ssm_state(l, seq) + kl.ssm_dim);
+      take(view_.dev_ssm[li] ? view_.dev_ssm[li] + seq * kl.ssm_dim : nullptr,
+           view_.ssm_state(l, seq), kl.ssm_dim);
   }
   return out;
 }
@@ -203,12 +257,21 @@ void KvCache::restore_state(int32_t seq, std::span<const float> state) {
   const float* p = state.data();
   for (int32_t l = 0; l < n_layer(); ++l) {
     const KvLayer& kl = view_.layer(l);
+    const auto li = static_cast<size_t>(l);
     if (kl.conv_dim > 0) {
-      std::copy_n(p, kl.conv_dim, view_.conv_state(l, seq));
+      if (view_.dev_conv[li])
+        dev_->upload(view_.dev_conv[li] + seq * kl.conv_dim, p,
+                     static_cast<size_t>(kl.conv_dim) * sizeof(float));
+      else
+        std::copy_n(p, kl.conv_dim, view_.conv_state(l, seq));
       p += kl.conv_dim;
     }
     if (kl.ssm_dim > 0) {
-      std::copy_n(p, kl.ssm_dim, view_.ssm_state(l, seq));
+      if (view_.dev_ssm[li])
+        dev_->upload(view_.dev_ssm[li] + seq * kl.ssm_dim, p,
+                     static_cast<size_t>(kl.ssm_dim) * sizeof(float));
+      else
+        std::copy_n(p, kl.ssm_dim, view_.ssm_state(l, seq));
       p += kl.ssm_dim;
     }
   }

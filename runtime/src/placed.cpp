@@ -317,7 +317,7 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
     Sizing z;
     z.context = c;
     for (placement::Home h : p.kv_home) (h == placement::Home::gpu ? z.gpu_layers : z.cpu_layers)++;
-    z.kv = p.gpu_kv_bytes + (p.cpu_kv_bytes - p.state_bytes);
+    z.kv = p.gpu_kv_bytes + p.cpu_kv_bytes - p.state_bytes;  // both sides hold state
     bool any_gpu = false;
     for (placement::Home h : p.home) any_gpu = any_gpu || h == placement::Home::gpu;
     any_gpu = any_gpu || z.gpu_layers > 0;

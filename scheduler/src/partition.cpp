@@ -327,6 +327,28 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
                                   "its attention",
                                   op.name, op.attn.layer, caps.device_name));
         break;
+      case OpKind::ssm_conv:
+      case OpKind::gated_delta: {
+        // The recurrent state's home decides, as the KV cache does for attention; the op's small
+        // weights (conv taps, ssm_a, ssm_dt) must be there too.
+        const auto l = static_cast<size_t>(op.ssm.layer);
+        side = side_of(kv_home.at(l));
+        cause = Cause::kv_cache;
+        for (graph::WeightId w : {op.weight, op.ssm.dt_bias})
+          if (w != graph::kNoWeight && side_of(home_of(w)) != side)
+            throw Error(
+                ErrorCategory::invalid_argument,
+                fmt::format("{}: the recurrent state of layer {} is placed on {} but {} on "
+                            "{}; a Gated DeltaNet layer's ssm tensors live with its state",
+                            op.name, l, side == Side::device ? caps.device_name : "the CPU",
+                            weights[w].name, side == Side::device ? "the CPU" : caps.device_name));
+        if (side == Side::device && caps.supports && !caps.supports(op))
+          throw Error(ErrorCategory::invalid_argument,
+                      fmt::format("{}: the recurrent state of layer {} is placed on {}, which "
+                                  "cannot run {}",
+                                  op.name, l, caps.device_name, graph::op_name(op.kind)));
+        break;
+      }
       default:
         if (op.weight != graph::kNoWeight) {
           side = side_of(home_of(op.weight));

@@ -338,6 +338,8 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     st.out_host = st.host_val[static_cast<size_t>(sg.output)];
     b.k_cache = kv_.dev_k;
     b.v_cache = kv_.dev_v;
+    b.conv_state = kv_.dev_conv;
+    b.ssm_state = kv_.dev_ssm;
     b.tokens = tokens_dev_;
     b.positions = positions_dev_;
     b.seqs = kv_.n_seq > 1 ? seqs_dev_ : nullptr;
@@ -635,7 +637,7 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   dev_->synchronize(kMain);
   dev_->synchronize(kAux);
   for (const auto& [kind, ab] : marks_) {
-    if (gpu_prof_.empty()) gpu_prof_.resize(static_cast<size_t>(OpKind::moe_experts) + 1);
+    if (gpu_prof_.empty()) gpu_prof_.resize(graph::kNumOpKinds);
     auto& t = gpu_prof_[static_cast<size_t>(kind)];
     t.seconds += dev_->elapsed_ms(ab.first, ab.second) / 1e3;
     ++t.calls;

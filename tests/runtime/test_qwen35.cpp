@@ -1,9 +1,10 @@
 // The Qwen3.5 hybrids (qwen35, qwen35moe) through the engine: F32 synthetic tiny files against
 // the f64 oracle (tests/oracle/naive_qwen35.h), H_k != H_v included (a wrong V-head mapping only
 // shows there); prompt splits (one ubatch, token by token, -ub 3); several sequences per step
-// bit-identical to each alone; placement invariance on the simulated device (the GDN ops stay on
-// the CPU, Device::supports); the recurrent state across fork (KvCache::copy), save/restore and
-// truncation; the loader's errors and the skipped MTP block.
+// bit-identical to each alone; placement invariance on the simulated device and CUDA (the GDN ops
+// run where their layer's recurrent state lives: the CPU or the device); the recurrent state
+// across fork (KvCache::copy), save/restore and truncation, on the host and on the device; the
+// loader's errors and the skipped MTP block.
 //
 // The device cases use the simulated device (CI) unless BERTH_TEST_DEVICE=cuda.
 #include <doctest/doctest.h>
@@ -248,21 +249,34 @@ namespace {
 struct Homes {
   std::vector<Home> w, kv;
 };
+/// Weights on the device where gpu(role, layer) says; layer l's KV cache or recurrent state there
+/// where kv(l) does.
 Homes homes_by(const Model& m, const std::function<bool(graph::WeightRole, int32_t)>& gpu,
-               bool kv_gpu) {
+               const std::function<bool(int32_t)>& kv) {
   Homes h;
   const graph::WeightTable& w = m.weights();
   for (size_t i = 0; i < w.size(); ++i) {
     const auto id = static_cast<graph::WeightId>(i);
     h.w.push_back(gpu(w.role(id), w.layer(id)) ? Home::gpu : Home::cpu);
   }
-  h.kv.assign(static_cast<size_t>(m.hparams().n_layer), kv_gpu ? Home::gpu : Home::cpu);
+  for (int32_t l = 0; l < m.hparams().n_layer; ++l) h.kv.push_back(kv(l) ? Home::gpu : Home::cpu);
   return h;
+}
+/// Every layer's KV cache and recurrent state on the device.
+Homes homes_kv_on_device(const Model& m,
+                         const std::function<bool(graph::WeightRole, int32_t)>& gpu) {
+  return homes_by(m, gpu, [](int32_t) { return true; });
+}
+
+/// Whether layer l of `m` is a Gated DeltaNet layer (keeps a recurrent state).
+bool recurrent_layer(const Model& m, int32_t l) {
+  return m.kv_layers().at(static_cast<size_t>(l)).recurrent();
 }
 
 }  // namespace
 
-TEST_CASE("qwen35: placements on the device give the CPU-only tokens; GDN ops stay on the CPU") {
+TEST_CASE(
+    "qwen35: placements on the device give the CPU-only tokens; GDN ops run with their state") {
   for (const char* preset : {"tiny-qwen35", "tiny-qwen35moe"}) {
     const std::string name = preset;
     CAPTURE(name);
@@ -274,27 +288,32 @@ TEST_CASE("qwen35: placements on the device give the CPU-only tokens; GDN ops st
     const Run want = greedy(cpu, prompt, 16);
     auto dev = test_device();
     using R = graph::WeightRole;
+    const Model& model = *m;
     struct Case {
       const char* name;
       std::function<bool(R, int32_t)> gpu;
-      bool kv_gpu;
+      std::function<bool(int32_t)> kv;
     };
+    const auto all = [](int32_t) { return true; };
     const Case cases[] = {
-        {"all on the device", [](R, int32_t) { return true; }, true},
+        {"all on the device", [](R, int32_t) { return true; }, all},
         {"FFN and experts on the device, attention and GDN on the CPU",
          [](R r, int32_t) {
            return r == R::dense_ffn || r == R::routed_expert || r == R::shared_expert ||
                   r == R::router;
          },
-         false},
+         [](int32_t) { return false; }},
         {"layers 2 and 3 on the device (--n-gpu-layers style)", [](R, int32_t l) { return l >= 2; },
-         true},
+         [](int32_t l) { return l >= 2; }},
         {"all but routed experts (--cpu-moe)", [](R r, int32_t) { return r != R::routed_expert; },
-         true},
+         all},
+        {"GDN layers' token mixers on the CPU, the rest on the device",
+         [&](R r, int32_t l) { return r != R::attention || !recurrent_layer(model, l); },
+         [&](int32_t l) { return !recurrent_layer(model, l); }},
     };
     for (const Case& c : cases) {
       CAPTURE(c.name);
-      const Homes h = homes_by(*m, c.gpu, c.kv_gpu);
+      const Homes h = homes_by(*m, c.gpu, c.kv);
       SessionParams sp = cpu_params();
       sp.device = dev.get();
       sp.weight_home = h.w;
@@ -304,25 +323,50 @@ TEST_CASE("qwen35: placements on the device give the CPU-only tokens; GDN ops st
       CHECK(got.tokens == want.tokens);
       // The device keeps K and V in f16: logits move by about 2^-11 relative.
       CHECK(nmse(got, want) <= 1e-6);
-      // Every recurrent / gating op ran on the CPU (the device does not support them), and
-      // with the FFN on the device something did run there.
+      // ssm_conv and gated_delta run where their layer's recurrent state lives; something ran
+      // on the device.
       const graph::Graph g = m->build_step(1, 1);
-      const Schedule& sch = s.scheduler().schedule(g);
-      int device_ops = 0;
+      int device_ops = 0, recurrent_ops = 0;
       for (size_t i = 0; i < g.ops.size(); ++i) {
-        if (graph::is_hybrid_op(g.ops[i].kind)) {
-          CAPTURE(g.ops[i].name);
-          CHECK(s.scheduler().op_home(g, i) == Home::cpu);
+        const graph::Op& op = g.ops[i];
+        if (op.kind == graph::OpKind::ssm_conv || op.kind == graph::OpKind::gated_delta) {
+          CAPTURE(op.name);
+          CHECK(s.scheduler().op_home(g, i) == h.kv.at(static_cast<size_t>(op.ssm.layer)));
+          ++recurrent_ops;
         }
         device_ops += s.scheduler().op_home(g, i) == Home::gpu;
       }
+      CHECK(recurrent_ops > 0);
       CHECK(device_ops > 0);
-      (void)sch;
     }
   }
 }
 
-TEST_CASE("qwen35: the plan counts the recurrent state on the CPU, where it lives") {
+TEST_CASE("qwen35: a GDN layer's ssm tensors apart from its state is refused, naming both") {
+  gguf::File f = gguf::File::open(tiny_file("tiny-qwen35"));
+  std::unique_ptr<Model> m = load_model(f);
+  auto dev = test_device();
+  // Every weight on the device, but the recurrent state of layer 0 on the CPU.
+  const Homes h = homes_by(
+      *m, [](graph::WeightRole, int32_t) { return true; }, [](int32_t l) { return l != 0; });
+  REQUIRE(recurrent_layer(*m, 0));
+  SessionParams sp = cpu_params();
+  sp.device = dev.get();
+  sp.weight_home = h.w;
+  sp.kv_home = h.kv;
+  try {
+    Session s(*m, sp);
+    (void)greedy(s, prompt_of(4, 1, static_cast<int32_t>(m->hparams().n_vocab)), 1);
+    FAIL("a GDN layer split from its state must be refused");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::invalid_argument);
+    const std::string what = e.what();
+    CHECK(what.find("recurrent state of layer 0") != std::string::npos);
+    CHECK(what.find("blk.0.ssm_") != std::string::npos);
+  }
+}
+
+TEST_CASE("qwen35: the plan counts the recurrent state where its layer is") {
   const char* e = std::getenv("BERTH_TEST_DEVICE");
   if (e && std::string(e) == "cuda") return;  // place() opens the first CUDA device there
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
@@ -335,44 +379,65 @@ TEST_CASE("qwen35: the plan counts the recurrent state on the CPU, where it live
     kv_f16 += static_cast<size_t>(l.k_dim + l.v_dim) * 2 * n_ctx * n_seq;
   }
   REQUIRE(state > 0);
-  ::setenv("BERTH_SIM_DEVICE", "1G", 1);
-  placement::Flags flags;
-  flags.n_gpu_layers = 99;
-  SessionParams sp = cpu_params(n_ctx, 16, n_seq);
-  const PlacementSetup placed = place(*m, flags, sp, false);
-  ::unsetenv("BERTH_SIM_DEVICE");
-  REQUIRE(placed.device != nullptr);
-  const placement::Plan& plan = placed.plan;
-  // Every layer is on the device; its K/V rows are, its recurrent state is not.
-  CHECK(plan.state_bytes == state);
-  CHECK(plan.gpu_kv_bytes == kv_f16);
-  CHECK(plan.cpu_kv_bytes == state);
-  const std::string table = placement::plan_table(placed.request, plan);
-  CHECK(table.find("recurrent state (3 layers, f32)") != std::string::npos);
-  // The device holds no more than the plan says without the margin: the state is not there.
-  Session s(*m, sp);
-  (void)greedy(s, prompt_of(9, 1, static_cast<int32_t>(m->hparams().n_vocab)), 4);
-  const size_t used = placed.device->total_bytes() - placed.device->free_bytes();
-  CHECK(used <= plan.gpu_total() - plan.margin_bytes);
+  for (const int32_t ngl : {99, 0}) {
+    CAPTURE(ngl);
+    ::setenv("BERTH_SIM_DEVICE", "1G", 1);
+    placement::Flags flags;
+    flags.n_gpu_layers = ngl;
+    SessionParams sp = cpu_params(n_ctx, 16, n_seq);
+    const PlacementSetup placed = place(*m, flags, sp, false);
+    ::unsetenv("BERTH_SIM_DEVICE");
+    const placement::Plan& plan = placed.plan;
+    CHECK(plan.state_bytes == state);
+    const std::string table = placement::plan_table(placed.request, plan);
+    if (ngl == 99) {
+      // Every layer on the device: its K/V rows (f16) and its recurrent state (f32) are there.
+      CHECK(plan.gpu_kv_bytes == kv_f16 + state);
+      CHECK(plan.cpu_kv_bytes == 0);
+      CHECK(plan.cpu_state_bytes == 0);
+      CHECK(table.find("recurrent state (3 layers, f32)") != std::string::npos);
+      CHECK(table.find("GPU") != std::string::npos);
+    } else {
+      // Every layer on the CPU: f32 K/V rows and the state there.
+      CHECK(plan.gpu_kv_bytes == 0);
+      CHECK(plan.cpu_kv_bytes == 2 * kv_f16 + state);
+      CHECK(plan.cpu_state_bytes == state);
+    }
+    if (ngl == 0) continue;  // nothing on the device: place() opens none
+    // The device holds what the plan says (without its margin), the state included.
+    REQUIRE(placed.device != nullptr);
+    Session s(*m, sp);
+    (void)greedy(s, prompt_of(9, 1, static_cast<int32_t>(m->hparams().n_vocab)), 4);
+    const size_t used = placed.device->total_bytes() - placed.device->free_bytes();
+    CHECK(used <= plan.gpu_total() - plan.margin_bytes);
+    CHECK(s.kv().device_bytes() == plan.gpu_kv_bytes);
+  }
 }
 
-TEST_CASE("qwen35: with the FFN on the device, a sequence beside others is bit-identical") {
+TEST_CASE("qwen35: on the device, a sequence beside others is bit-identical") {
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
   std::unique_ptr<Model> m = load_model(f);
   const std::vector<int32_t> prompt = prompt_of(19, 9, static_cast<int32_t>(m->hparams().n_vocab));
   auto dev = test_device();
   using R = graph::WeightRole;
-  // Everything but the GDN layers' weights on the device (attention layers' KV there too).
-  const Homes h = homes_by(
-      *m, [&](R r, int32_t l) { return r != R::attention || (l + 1) % 4 == 0; }, true);
-  const Run alone = loop_run(*m, prompt, 10, 0, 0, 512, dev.get(), &h.w, &h.kv);
-  REQUIRE(alone.tokens.size() == 10);
-  for (const auto& [n_others, n_ubatch] : {std::pair{3, 512}, std::pair{4, 5}}) {
-    CAPTURE(n_others);
-    CAPTURE(n_ubatch);
-    const Run got = loop_run(*m, prompt, 10, n_others, 1, n_ubatch, dev.get(), &h.w, &h.kv);
-    CHECK(got.tokens == alone.tokens);
-    CHECK(same_bits(got, alone));
+  const Model& model = *m;
+  // Everything but the GDN layers' token mixers on the device (attention layers' KV there too);
+  // then everything, the recurrent state included.
+  const Homes split = homes_by(
+      *m, [&](R r, int32_t l) { return r != R::attention || !recurrent_layer(model, l); },
+      [&](int32_t l) { return !recurrent_layer(model, l); });
+  const Homes all = homes_kv_on_device(*m, [](R, int32_t) { return true; });
+  for (const Homes* h : {&split, &all}) {
+    CAPTURE(h == &all);
+    const Run alone = loop_run(*m, prompt, 10, 0, 0, 512, dev.get(), &h->w, &h->kv);
+    REQUIRE(alone.tokens.size() == 10);
+    for (const auto& [n_others, n_ubatch] : {std::pair{3, 512}, std::pair{4, 5}}) {
+      CAPTURE(n_others);
+      CAPTURE(n_ubatch);
+      const Run got = loop_run(*m, prompt, 10, n_others, 1, n_ubatch, dev.get(), &h->w, &h->kv);
+      CHECK(got.tokens == alone.tokens);
+      CHECK(same_bits(got, alone));
+    }
   }
 }
 
@@ -380,60 +445,85 @@ TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") 
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35"));
   std::unique_ptr<Model> m = load_model(f);
   const std::vector<int32_t> prompt = prompt_of(11, 6, static_cast<int32_t>(m->hparams().n_vocab));
-  Session s(*m, cpu_params(64, 512, 3));
-  KvCache& kv = s.kv();
-  REQUIRE(kv.recurrent());
-  const int32_t a = kv.acquire(), b = kv.acquire();
-  const auto n = static_cast<int32_t>(prompt.size());
-  auto step = [&](int32_t seq, std::span<const int32_t> toks, int32_t pos0) {
-    std::vector<int32_t> pos(toks.size()), seqs(toks.size(), seq);
-    for (size_t i = 0; i < toks.size(); ++i) pos[i] = pos0 + static_cast<int32_t>(i);
-    std::span<const float> l = s.eval_step(toks, pos, seqs, 1);
-    return std::vector<float>(l.begin(), l.end());
-  };
-  step(a, prompt, 0);
-  kv.copy(a, b, n);
-  // A continuation on the fork equals the same continuation on the original, bit for bit.
-  const int32_t next[3] = {5, 77, 300};
-  std::vector<std::vector<float>> on_a, on_b;
-  const std::vector<float> saved = kv.save_state(a);
-  for (int i = 0; i < 3; ++i) on_a.push_back(step(a, std::span<const int32_t>(&next[i], 1), n + i));
-  for (int i = 0; i < 3; ++i) on_b.push_back(step(b, std::span<const int32_t>(&next[i], 1), n + i));
-  CHECK(on_a == on_b);
-  // Restoring a's state at the end of the prompt and replaying gives the same bits (the KV rows
-  // of later positions are overwritten by the replay).
-  CHECK(kv.save_state(a) != saved);
-  kv.restore_state(a, saved);
-  CHECK(kv.save_state(a) == saved);
-  for (int i = 0; i < 3; ++i)
-    CHECK(step(a, std::span<const int32_t>(&next[i], 1), n + i) == on_a[static_cast<size_t>(i)]);
-  // Without the state copy (a fork of the KV rows only) the continuation differs: the state
-  // matters.
-  const int32_t c = kv.acquire();
-  kv.copy(a, c, n);
-  kv.reset_state(c);
-  CHECK(step(c, std::span<const int32_t>(&next[0], 1), n) != on_a[0]);
-  CHECK_THROWS_AS(kv.restore_state(a, std::span<const float>(saved.data(), saved.size() - 1)),
-                  Error);
+  auto dev = test_device();
+  const Homes all = homes_kv_on_device(*m, [](graph::WeightRole, int32_t) { return true; });
+  for (const bool on_device : {false, true}) {
+    CAPTURE(on_device);
+    SessionParams sp = cpu_params(64, 512, 3);
+    if (on_device) {  // the recurrent state on the device: copy, save and restore go there
+      sp.device = dev.get();
+      sp.weight_home = all.w;
+      sp.kv_home = all.kv;
+    }
+    Session s(*m, sp);
+    KvCache& kv = s.kv();
+    REQUIRE(kv.recurrent());
+    CHECK((kv.device_bytes() > 0) == on_device);
+    const int32_t a = kv.acquire(), b = kv.acquire();
+    const auto n = static_cast<int32_t>(prompt.size());
+    auto step = [&](int32_t seq, std::span<const int32_t> toks, int32_t pos0) {
+      std::vector<int32_t> pos(toks.size()), seqs(toks.size(), seq);
+      for (size_t i = 0; i < toks.size(); ++i) pos[i] = pos0 + static_cast<int32_t>(i);
+      std::span<const float> l = s.eval_step(toks, pos, seqs, 1);
+      return std::vector<float>(l.begin(), l.end());
+    };
+    step(a, prompt, 0);
+    kv.copy(a, b, n);
+    // A continuation on the fork equals the same continuation on the original, bit for bit.
+    const int32_t next[3] = {5, 77, 300};
+    std::vector<std::vector<float>> on_a, on_b;
+    const std::vector<float> saved = kv.save_state(a);
+    for (int i = 0; i < 3; ++i)
+      on_a.push_back(step(a, std::span<const int32_t>(&next[i], 1), n + i));
+    for (int i = 0; i < 3; ++i)
+      on_b.push_back(step(b, std::span<const int32_t>(&next[i], 1), n + i));
+    CHECK(on_a == on_b);
+    // Restoring a's state at the end of the prompt and replaying gives the same bits (the KV rows
+    // of later positions are overwritten by the replay).
+    CHECK(kv.save_state(a) != saved);
+    kv.restore_state(a, saved);
+    CHECK(kv.save_state(a) == saved);
+    for (int i = 0; i < 3; ++i)
+      CHECK(step(a, std::span<const int32_t>(&next[i], 1), n + i) == on_a[static_cast<size_t>(i)]);
+    // Without the state copy (a fork of the KV rows only) the continuation differs: the state
+    // matters.
+    const int32_t c = kv.acquire();
+    kv.copy(a, c, n);
+    kv.reset_state(c);
+    CHECK(step(c, std::span<const int32_t>(&next[0], 1), n) != on_a[0]);
+    CHECK_THROWS_AS(kv.restore_state(a, std::span<const float>(saved.data(), saved.size() - 1)),
+                    Error);
+  }
 }
 
 TEST_CASE("qwen35: truncation goes back to 0 only; a reset session repeats its first run") {
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35"));
   std::unique_ptr<Model> m = load_model(f);
   const std::vector<int32_t> prompt = prompt_of(10, 7, static_cast<int32_t>(m->hparams().n_vocab));
-  Session s(*m, cpu_params());
-  CHECK_FALSE(s.can_truncate());
-  const Run first = greedy(s, prompt, 5);
-  try {
-    s.truncate(4);
-    FAIL("truncate(4) of a recurrent state must throw");
-  } catch (const Error& e) {
-    CHECK(e.category() == ErrorCategory::unsupported);
-    CHECK(std::string(e.what()).find("recurrent state") != std::string::npos);
+  auto dev = test_device();
+  const Homes all = homes_kv_on_device(*m, [](graph::WeightRole, int32_t) { return true; });
+  for (const bool on_device : {false, true}) {
+    CAPTURE(on_device);
+    SessionParams sp = cpu_params();
+    if (on_device) {  // reset zeroes the device-held state
+      sp.device = dev.get();
+      sp.weight_home = all.w;
+      sp.kv_home = all.kv;
+    }
+    Session s(*m, sp);
+    CHECK_FALSE(s.can_truncate());
+    const Run first = greedy(s, prompt, 5);
+    try {
+      s.truncate(4);
+      FAIL("truncate(4) of a recurrent state must throw");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::unsupported);
+      CHECK(std::string(e.what()).find("recurrent state") != std::string::npos);
+    }
+    s.truncate(s.n_past());  // staying where it is works
+    s.reset();
+    CHECK(same_bits(greedy(s, prompt, 5), first));
   }
-  s.truncate(s.n_past());  // staying where it is works
-  s.reset();
-  CHECK(same_bits(greedy(s, prompt, 5), first));
 }
 
 TEST_CASE("qwen35: missing or inconsistent metadata names the key") {

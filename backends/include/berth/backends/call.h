@@ -112,6 +112,10 @@ struct StepBindings {
   std::vector<float*> value, host;
   /// Per layer: the f16 KV cache on the device ([n_ctx, k_dim] and [n_ctx, v_dim]), or null.
   std::vector<uint16_t*> k_cache, v_cache;
+  /// Per layer: the f32 recurrent state on the device (KvView::dev_conv / dev_ssm: sequence s's
+  /// conv state at conv_state[l] + s * conv_dim, its delta-rule state at ssm_state[l] + s *
+  /// ssm_dim), or null.
+  std::vector<float*> conv_state, ssm_state;
   const int32_t* tokens = nullptr;     ///< device copy of the ubatch's token ids
   const int32_t* positions = nullptr;  ///< device copy of their positions
   /// Device copy of their sequence ids (DeviceInfo::multi_seq devices read it): token t's KV row

@@ -133,8 +133,8 @@ class Device {
 
   // --- Compute --------------------------------------------------------------------------------
   /// Whether this device runs `op` (the scheduler runs ops it does not on the CPU). The CUDA and
-  /// simulated devices answer false for graph::is_hybrid_op kinds (the Qwen3.5 GDN and gating
-  /// ops, whose recurrent state lives on the host).
+  /// simulated devices run every kind, the Qwen3.5 GDN ops too (ssm_conv and gated_delta on the
+  /// recurrent state of StepBindings::conv_state / ssm_state).
   virtual bool supports(const graph::Op& op) const = 0;
   /// A step's calls as this device will enqueue them: with `fuse`, neighbouring calls one launch
   /// can do with the same bits replaced by the fused kinds of CallKind; each call's ws_bytes set

@@ -23,8 +23,12 @@ struct KvView {
   /// Host f32 recurrent state of each layer with KvLayer::recurrent() (else null): sequence s's
   /// conv state at conv[l] + s * conv_dim, its delta-rule state at ssm[l] + s * ssm_dim. The
   /// CPU executor's ssm_conv / gated_delta ops read and write them (and zero a sequence's state
-  /// at its position 0). Always on the host in this version: the devices do not run those ops.
+  /// at its position 0) for the layers whose state lives on the host.
   std::vector<float*> conv, ssm;
+  /// Device f32 recurrent state of the recurrent layers whose state lives on the device (their
+  /// ssm_conv / gated_delta run there), same layout as conv / ssm, or null. A layer's state lives
+  /// on one side only: where dev_conv[l] is set, the host's conv[l] / ssm[l] are unused.
+  std::vector<float*> dev_conv, dev_ssm;
 
   /// Rows of every layer: n_seq * n_ctx.
   int64_t n_rows() const { return n_ctx * n_seq; }

@@ -126,7 +126,8 @@ struct ModelBenchResult {
   uint64_t decode_weight_bytes = 0;  ///< weights read per decode token
   uint64_t decode_kv_bytes = 0;      ///< KV cache read per decode token (average)
   /// Recurrent state (Qwen3.5's GDN layers) read and written per decode token: 2 x (conv_dim +
-  /// ssm_dim) x 4 bytes per recurrent layer; host-held, so on the CPU's side of the hybrid bound.
+  /// ssm_dim) x 4 bytes per recurrent layer; on the side of the hybrid bound where the layer's
+  /// KV cache (and so its state) lives.
   uint64_t decode_state_bytes = 0;
   /// dram / (decode_weight_bytes + decode_kv_bytes + decode_state_bytes)
   double bound_tok_s = 0;

@@ -9,6 +9,7 @@
 // The graph's output value holds the logits, [n_out, n_vocab], one row per requested token.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -145,9 +146,11 @@ enum class OpKind {
 };
 
 std::string_view op_name(OpKind k);
+/// The number of op kinds (OpKind values are 0 .. kNumOpKinds - 1; rms_norm_gated is the last).
+inline constexpr size_t kNumOpKinds = static_cast<size_t>(OpKind::rms_norm_gated) + 1;
 
 /// The ops the Qwen3.5 hybrids added (head_slice, sigmoid_mul, ssm_conv, gated_delta,
-/// rms_norm_gated): only the CPU executor runs them so far (Device::supports is false).
+/// rms_norm_gated).
 constexpr bool is_hybrid_op(OpKind k) {
   return k == OpKind::head_slice || k == OpKind::sigmoid_mul || k == OpKind::ssm_conv ||
          k == OpKind::gated_delta || k == OpKind::rms_norm_gated;

@@ -133,9 +133,8 @@ struct Request {
   /// A layer on the CPU keeps f32 K and V: twice this.
   std::vector<size_t> kv_bytes;
   /// The recurrent state of each layer (Qwen3.5's Gated DeltaNet: conv rows and the delta-rule
-  /// matrix, f32, all sequences), bytes; empty or 0: none. The state stays in host memory
-  /// whatever the layer's home (the device does not run the ops that update it), so the plan
-  /// counts it in cpu_kv_bytes, never on the GPU.
+  /// matrix, f32, all sequences), bytes; empty or 0: none. It lives with the layer's KV cache
+  /// (kv_home: the ops that update it run there), f32 on either side.
   std::vector<size_t> state_bytes;
   /// Device bytes for activations and kernel workspaces at the chosen ubatch size.
   size_t scratch_bytes = 0;
@@ -190,9 +189,10 @@ struct Plan {
   std::vector<Home> kv_home;  ///< per layer: where its attention runs and its KV cache lives
   size_t budget_bytes = 0;    ///< min(device free, --vram-budget); 0 without a device
   size_t gpu_weight_bytes = 0, cpu_weight_bytes = 0;
-  /// KV caches; cpu_kv_bytes includes state_bytes (the recurrent state, host-held).
+  /// KV caches, each with the recurrent state of its layers (Request::state_bytes).
   size_t gpu_kv_bytes = 0, cpu_kv_bytes = 0;
-  size_t state_bytes = 0;                      ///< of cpu_kv_bytes: the recurrent state
+  size_t state_bytes = 0;      ///< the recurrent state of every layer, wherever it lives
+  size_t cpu_state_bytes = 0;  ///< of cpu_kv_bytes (and state_bytes): the CPU-held state
   size_t scratch_bytes = 0, margin_bytes = 0;  ///< 0 when nothing is on the GPU
   std::string how;  ///< "automatic", "-ngl 12", "-ngl 99 --cpu-moe", ... (for the table)
   /// --residency as resolved: static or adaptive.

@@ -28,10 +28,11 @@ namespace berth {
 /// Error(invalid_argument) for n_ctx < 1 or n_seq < 1.
 ///
 /// Recurrent layers (KvLayer::recurrent(): Gated DeltaNet) hold, per sequence, their conv and
-/// delta-rule state on the host, n_seq * (conv_dim + ssm_dim) * 4 bytes per layer (counted by
-/// bytes()), zeroed when a sequence is acquired and by reset_state(); the executors also start a
-/// sequence from zero at its position 0. Such a state summarises every position processed and
-/// cannot be cut back: save_state() / restore_state() keep and bring back a whole sequence.
+/// delta-rule state, n_seq * (conv_dim + ssm_dim) * 4 bytes per layer, on the host (counted by
+/// bytes()) or, for the layers allocate_device() is given, on the device (device_bytes()), zeroed
+/// when a sequence is acquired and by reset_state(); the executors also start a sequence from zero
+/// at its position 0. Such a state summarises every position processed and cannot be cut back:
+/// save_state() / restore_state() keep and bring back a whole sequence.
 class KvCache {
  public:
   KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq = 1);
@@ -40,7 +41,9 @@ class KvCache {
   KvCache& operator=(const KvCache&) = delete;
 
   /// Allocates on `dev` the f16 rows of each layer l with kv_home[l] == GPU (one entry per
-  /// layer). `dev` must outlive the cache. Throws Error(invalid_argument) when kv_home does not
+  /// layer), and the recurrent state (f32, zeroed) of such layers that keep one: from then on
+  /// their state lives on the device only (reset_state, copy, save_state and restore_state go
+  /// there). `dev` must outlive the cache. Throws Error(invalid_argument) when kv_home does not
   /// have n_layer() entries, and the device's Error(out_of_memory) (naming the layer).
   void allocate_device(Device& dev, const std::vector<placement::Home>& kv_home);
 
@@ -86,12 +89,15 @@ class KvCache {
 
  private:
   void release_device();
+  // Zeroes sequence seq's device-held recurrent state (layers with dev_conv / dev_ssm).
+  void zero_device_state(int32_t seq);
   void check_seq(int32_t seq, const char* what) const;
   KvView view_;
   std::vector<std::unique_ptr<float[]>> k_, v_, conv_, ssm_;
   std::vector<uint8_t> used_;  // per sequence: acquired
   Device* dev_ = nullptr;
   size_t device_bytes_ = 0;
+  std::vector<float> zeros_;  // the zeros zero_device_state uploads
 };
 
 }  // namespace berth

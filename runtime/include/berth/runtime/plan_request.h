@@ -20,7 +20,7 @@ namespace berth {
 ///   (model.kv_layers(); a layer without an entry gets 0); n_ctx counts the rows of all
 ///   sequences;
 /// - state_bytes: per layer, a recurrent layer's f32 state of `n_seq` sequences,
-///   (conv_dim + ssm_dim) * 4 * n_seq bytes (host-held: placement counts it on the CPU);
+///   (conv_dim + ssm_dim) * 4 * n_seq bytes (it lives with the layer's KV cache);
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
 ///   stream_experts_min_tokens, host_expert_share) (scheduler/memory.h, residency/residency.h:
 ///   --stream-experts and

@@ -62,14 +62,15 @@ enum class Cause : uint8_t {
   no_device,       ///< CPU: the step has no device
   weight,          ///< its weight lives there
   expert_weights,  ///< moe_experts: its expert tensors live there
-  kv_cache,        ///< attention: its layer's KV cache lives there
-  streamed,        ///< device: CPU-held experts streamed to it (a prefill step of >= N tokens)
-  host_share,      ///< device: its slots of CPU-held experts, read from page-locked host memory
-  expert_slots,    ///< device: the layer's slot-resident experts, read from the expert slots
-  not_resident,    ///< CPU: the layer's experts not in its expert slots
-  device_input,    ///< weightless: an input was produced on the device
-  host_inputs,     ///< weightless: every input (if any) was produced on the CPU
-  unsupported,     ///< CPU: the device cannot run this op
+  kv_cache,      ///< attention, ssm_conv, gated_delta: its layer's KV cache / recurrent state lives
+                 ///< there
+  streamed,      ///< device: CPU-held experts streamed to it (a prefill step of >= N tokens)
+  host_share,    ///< device: its slots of CPU-held experts, read from page-locked host memory
+  expert_slots,  ///< device: the layer's slot-resident experts, read from the expert slots
+  not_resident,  ///< CPU: the layer's experts not in its expert slots
+  device_input,  ///< weightless: an input was produced on the device
+  host_inputs,   ///< weightless: every input (if any) was produced on the CPU
+  unsupported,   ///< CPU: the device cannot run this op
 };
 std::string_view cause_name(Cause c);
 
