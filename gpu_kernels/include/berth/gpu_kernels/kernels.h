@@ -302,4 +302,63 @@ size_t top_k_workspace_bytes(int64_t n_vocab, int32_t k);
 void top_k(const float* logits, int64_t n_vocab, int32_t k, int32_t* ids, float* values,
            void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// --- Qwen3.5 hybrids: Gated DeltaNet and gated-attention ops (graph.h's head_slice, sigmoid_mul,
+// rms_norm_gated, ssm_conv, gated_delta; CPU twins in cpu_kernels/gdn.h). Matrices are f32
+// [rows, cols] with cols contiguous. Recurrent states are per sequence: token t belongs to
+// sequence seqs[t] (seqs null: all sequence 0) at position positions[t] (both n_tok int32 in
+// device memory, read by the kernels, so a captured graph replays with new ones); a token at
+// position 0 starts its sequence from a zero state (the buffer's old contents are not read).
+// The last n_decode rows are decode rows, each the only token of its sequence in the step (run
+// in parallel); the first n_tok - n_decode rows are prompt rows, run in row order (any
+// sequences, none of them a decode row's). Errors: Error(invalid_argument) for bad sizes.
+
+/// head_slice: x [rows, n_group * group] -> out [rows, n_group * len],
+/// out[r, j * len + i] = x[r, j * group + offset + i]. Requires group > 0, offset >= 0, len >= 0,
+/// offset + len <= group. out must not overlap x.
+void head_slice(const float* x, float* out, int64_t rows, int64_t n_group, int32_t group,
+                int32_t offset, int32_t len, cudaStream_t stream);
+
+/// out = x * sigmoid(gate), computed as x / (1 + exp(-gate)); x/out [rows, cols]; gate [rows,
+/// cols], or [rows, 1] when per_row (one gate per row broadcast over the columns). out may alias
+/// x, or gate when gate has out's shape (not a per-row gate of a row of cols > 1).
+void sigmoid_mul(const float* x, const float* gate, float* out, int64_t rows, int64_t cols,
+                 bool per_row, cudaStream_t stream);
+
+/// Gated RMSNorm per group: x, z, out [rows, cols] (cols a multiple of group), w [group] f32:
+/// out = x / sqrt(mean_group(x^2) + eps) * w * silu(z), each run of `group` columns on its own
+/// (sum of squares in double). out may alias x or z. One warp per run.
+void rms_norm_gated(const float* x, const float* z, const float* w, float* out, int64_t rows,
+                    int64_t cols, int32_t group, float eps, cudaStream_t stream);
+
+/// ssm_conv: causal depthwise conv1d + SiLU over per-sequence rolling state.
+/// x, out [n_tok, channels] (must not overlap each other or the state); w [channels][kernel]
+/// (channel c's taps at w[c * kernel + i], i = 0 oldest); state: sequence s's conv state at
+/// state + s * (kernel - 1) * channels, kernel - 1 rows of `channels` (row kernel - 2 the newest
+/// input). out[t, c] = silu(sum_i w[c * kernel + i] * window[i]), the window the last `kernel`
+/// inputs of t's sequence up to and including t; the state then holds the last kernel - 1.
+/// Sequences, positions and n_decode as the section's comment says (positions required).
+/// Requires 1 <= kernel <= 8, 0 <= n_decode <= n_tok.
+void ssm_conv(const float* x, float* out, int64_t n_tok, int64_t channels, const float* w,
+              int32_t kernel, float* state, const int32_t* positions, const int32_t* seqs,
+              int64_t n_decode, cudaStream_t stream);
+
+/// Workspace gated_delta needs (the normalised q/k rows and gates of n_tok tokens).
+size_t gated_delta_workspace_bytes(int64_t n_tok, int32_t hk, int32_t hv, int32_t dk);
+
+/// gated_delta: the gated delta rule with its L2 norms and gates. y [n_tok, 2*hk*dk + hv*dv]
+/// (q heads, k heads, v heads), alpha, b [n_tok, hv], ssm_a, dt_bias [hv] f32; state: sequence
+/// s's state at state + s * hv*dk*dv, V head h's d_k x d_v block at + h*dk*dv (d_v contiguous:
+/// S[i][j] at [i*dv + j]). Per token and V head h, with K head h % hk: q, k = l2_norm (x /
+/// sqrt(sum x^2 + eps), as cpu::l2_norm); g = ssm_a * softplus(alpha + dt_bias) (softplus(u) = u
+/// for u > 20); beta = sigmoid(b); S = exp(g) S; S += k (beta (v - S^T k))^T; out[t, h*dv + j] =
+/// (S^T q)_j / sqrt(dk). out [n_tok, hv*dv], must not overlap y or the state. Sequences,
+/// positions and n_decode as the section's comment says (positions required). Two launches: the
+/// norms and gates into ws, then the recurrence (the state in registers, tokens in order).
+/// ws: at least gated_delta_workspace_bytes, 16-byte aligned. Requires 1 <= dk <= 256, 1 <= dv <=
+/// 256, hv % hk == 0, 0 <= n_decode <= n_tok; Error(invalid_argument) otherwise.
+void gated_delta(const float* y, const float* alpha, const float* b, const float* ssm_a,
+                 const float* dt_bias, int64_t n_tok, int32_t hk, int32_t hv, int32_t dk,
+                 int32_t dv, float eps, float* state, const int32_t* positions, const int32_t* seqs,
+                 int64_t n_decode, float* out, void* ws, size_t ws_bytes, cudaStream_t stream);
+
 }  // namespace berth::gpu
