@@ -253,9 +253,8 @@ class CudaDevice final : public backend_detail::StreamDevice {
   }
 
   bool supports(const graph::Op& op) const override {
-    // The recurrent and gating ops of the Qwen3.5 hybrids run on the CPU (cpu_executor.cpp):
-    // no kernels here yet, so placement keeps them there (their state is host memory).
-    return !graph::is_hybrid_op(op.kind);
+    (void)op;
+    return true;
   }
   size_t op_workspace(const StepView& view, const graph::Op& op, bool host_w) const override;
   void enqueue(const Call& c, const StepBindings& b) override;
@@ -362,6 +361,8 @@ size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w)
     case OpKind::attention:
       return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim,
                                             g.decode_rows(rows));
+    case OpKind::gated_delta:
+      return gpu::gated_delta_workspace_bytes(rows, op.ssm.n_k_head, op.ssm.n_v_head, op.ssm.d_k);
     case OpKind::moe_experts: {
       const gpu::MoeWeights mw = moe_weights(w, op.moe, nullptr);
       const gpu::MoeSlots sl = moe_slots(op, host_w);
@@ -467,12 +468,36 @@ bool CudaDevice::enqueue_op(const StepBindings& b, int32_t index, bool host_w, v
                        out + n_prompt * cols, b.ws, b.ws_bytes, s, sl, gpu::MoePath::gemv);
       return false;
     }
-    case OpKind::head_slice:
-    case OpKind::sigmoid_mul:
-    case OpKind::ssm_conv:
-    case OpKind::gated_delta:
+    case OpKind::head_slice: {
+      const int64_t in_cols = g.values[static_cast<size_t>(op.inputs[0])].cols;
+      gpu::head_slice(in(0), out, rows, in_cols / op.slice.group, op.slice.group, op.slice.offset,
+                      op.slice.len, s);
+      return false;
+    }
+    case OpKind::sigmoid_mul: {
+      const bool per_row = g.values[static_cast<size_t>(op.inputs[1])].cols == 1 && cols != 1;
+      gpu::sigmoid_mul(in(0), in(1), out, rows, cols, per_row, s);
+      return false;
+    }
     case OpKind::rms_norm_gated:
-      break;  // not supported here (supports() is false): placement keeps them on the CPU
+      gpu::rms_norm_gated(in(0), in(1), weight_f32(b, op.weight), out, rows, cols, op.norm_group,
+                          op.eps, s);
+      return false;
+    case OpKind::ssm_conv: {
+      const auto kernel = static_cast<int32_t>(weights[op.weight].ne[0]);
+      gpu::ssm_conv(in(0), out, rows, cols, weight_f32(b, op.weight), kernel,
+                    b.conv_state.at(static_cast<size_t>(op.ssm.layer)), b.positions, b.seqs, n_dec,
+                    s);
+      return false;
+    }
+    case OpKind::gated_delta: {
+      const graph::SsmParams& p = op.ssm;
+      gpu::gated_delta(in(0), in(1), in(2), weight_f32(b, op.weight), weight_f32(b, p.dt_bias),
+                       rows, p.n_k_head, p.n_v_head, p.d_k, p.d_v, p.eps,
+                       b.ssm_state.at(static_cast<size_t>(p.layer)), b.positions, b.seqs, n_dec,
+                       out, b.ws, b.ws_bytes, s);
+      return false;
+    }
   }
   throw Error(ErrorCategory::internal, fmt::format("op '{}' has an unknown kind", op.name));
 }
