@@ -311,34 +311,45 @@ TEST_CASE(
          [&](R r, int32_t l) { return r != R::attention || !recurrent_layer(model, l); },
          [&](int32_t l) { return !recurrent_layer(model, l); }},
     };
-    for (const Case& c : cases) {
-      CAPTURE(c.name);
-      const Homes h = homes_by(*m, c.gpu, c.kv);
-      SessionParams sp = cpu_params();
-      sp.device = dev.get();
-      sp.weight_home = h.w;
-      sp.kv_home = h.kv;
-      Session s(*m, sp);
-      const Run got = greedy(s, prompt, 16);
-      CHECK(got.tokens == want.tokens);
-      // The device keeps K and V in f16: logits move by about 2^-11 relative.
-      CHECK(nmse(got, want) <= 1e-6);
-      // ssm_conv and gated_delta run where their layer's recurrent state lives; something ran
-      // on the device.
-      const graph::Graph g = m->build_step(1, 1);
-      int device_ops = 0, recurrent_ops = 0;
-      for (size_t i = 0; i < g.ops.size(); ++i) {
-        const graph::Op& op = g.ops[i];
-        if (op.kind == graph::OpKind::ssm_conv || op.kind == graph::OpKind::gated_delta) {
-          CAPTURE(op.name);
-          CHECK(s.scheduler().op_home(g, i) == h.kv.at(static_cast<size_t>(op.ssm.layer)));
-          ++recurrent_ops;
+    for (const Case& c : cases)
+      for (const int32_t n_seq : {2, 1}) {
+        const std::string case_name = c.name;
+        CAPTURE(case_name);
+        CAPTURE(n_seq);
+        const Homes h = homes_by(*m, c.gpu, c.kv);
+        SessionParams sp = cpu_params(128, 512, n_seq);
+        sp.device = dev.get();
+        sp.weight_home = h.w;
+        sp.kv_home = h.kv;
+        Session s(*m, sp);
+        const Run got = greedy(s, prompt, 16);
+        CHECK(got.tokens == want.tokens);
+        const double e = nmse(got, want);
+        MESSAGE(name, ", ", case_name, ", n_seq ", n_seq, ": NMSE ", e);
+        // Several sequences (batch-invariant steps): every row on the exact f32 kernels; the
+        // device keeps K and V in f16, so logits move by about 2^-11 relative.
+        // One sequence on CUDA: prompt rows of F32 weights take cuBLAS on f16 copies of the
+        // weights (gpu_kernels/kernels.h, matmul's `invariant`): each weight rounded by up to
+        // 2^-12 relative, about 2e-8 of NMSE per matmul output, over the ~30 matmuls of the
+        // prompt's path and into the recurrent state the decode steps read (1.0e-6 measured on an
+        // H200, 2026-12-03); the simulated device has no such path.
+        CHECK(e <= (n_seq == 1 && test::use_cuda() ? 4e-6 : 1e-6));
+        // ssm_conv and gated_delta run where their layer's recurrent state lives; something ran
+        // on the device.
+        const graph::Graph g = m->build_step(1, 1);
+        int device_ops = 0, recurrent_ops = 0;
+        for (size_t i = 0; i < g.ops.size(); ++i) {
+          const graph::Op& op = g.ops[i];
+          if (op.kind == graph::OpKind::ssm_conv || op.kind == graph::OpKind::gated_delta) {
+            CAPTURE(op.name);
+            CHECK(s.scheduler().op_home(g, i) == h.kv.at(static_cast<size_t>(op.ssm.layer)));
+            ++recurrent_ops;
+          }
+          device_ops += s.scheduler().op_home(g, i) == Home::gpu;
         }
-        device_ops += s.scheduler().op_home(g, i) == Home::gpu;
+        CHECK(recurrent_ops > 0);
+        CHECK(device_ops > 0);
       }
-      CHECK(recurrent_ops > 0);
-      CHECK(device_ops > 0);
-    }
   }
 }
 
