@@ -307,6 +307,8 @@ TEST_CASE(
          [](int32_t l) { return l >= 2; }},
         {"all but routed experts (--cpu-moe)", [](R r, int32_t) { return r != R::routed_expert; },
          all},
+        {"all but the first 2 layers' routed experts (--n-cpu-moe 2)",
+         [](R r, int32_t l) { return r != R::routed_expert || l >= 2; }, all},
         {"GDN layers' token mixers on the CPU, the rest on the device",
          [&](R r, int32_t l) { return r != R::attention || !recurrent_layer(model, l); },
          [&](int32_t l) { return !recurrent_layer(model, l); }},
