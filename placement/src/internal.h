@@ -70,6 +70,20 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share = false,
 void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags,
                         const std::function<std::string()>& fix);
 
+/// The flags as a plan's `how` and its messages name them: "automatic" or "-ngl N", then
+/// --cpu-moe, --n-cpu-moe N and each -ot rule.
+std::string describe_flags(const Flags& f);
+
+/// make_plan_once's last step (plan_accounting.cpp), once every tensor's and KV cache's home is
+/// decided: counts the plan's bytes, gives adaptive residency (`adaptive`) its expert slots
+/// (`ot_pinned`: the tensors an -ot rule placed, which get none), checks the GPU's side against
+/// its budget, and gives the CPU's side its disk tier within --ram-budget, the board's pool
+/// (finish_shared_pool) or, on unified memory, what the GPU's side leaves of the pool. Throws
+/// Error(out_of_memory) naming every term, with hints unless `probing`. `has_exps`: the model
+/// has routed experts.
+void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pinned, bool adaptive,
+                  bool has_exps, bool probing);
+
 /// make_plan without its refusal's wrapping (plan.cpp); `probing`: a try made while writing a
 /// refusal's hint (remedies), which computes no hints of its own.
 Plan make_plan_once(const Request& req, bool probing);
