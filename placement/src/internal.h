@@ -80,9 +80,11 @@ std::string describe_flags(const Flags& f);
 /// its budget, and gives the CPU's side its disk tier within --ram-budget, the board's pool
 /// (finish_shared_pool) or, on unified memory, what the GPU's side leaves of the pool. Throws
 /// Error(out_of_memory) naming every term, with hints unless `probing`. `has_exps`: the model
-/// has routed experts.
+/// has routed experts. `slots_at`: where in plan.how the automatic plan, which left the room
+/// beside its units to expert slots, says what became of it (npos: nowhere): ", the rest as
+/// expert slots" where slots are kept, else that none fits or that the disk tier turned them off.
 void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pinned, bool adaptive,
-                  bool has_exps, bool probing);
+                  size_t slots_at, bool has_exps, bool probing);
 
 /// make_plan without its refusal's wrapping (plan.cpp); `probing`: a try made while writing a
 /// refusal's hint (remedies), which computes no hints of its own.

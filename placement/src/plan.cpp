@@ -263,6 +263,9 @@ Plan make_plan_once(const Request& req, bool probing) {
   // (Only for models whose routed-expert tensors stack a known number of experts: slots hold
   // one expert's slices.)
   bool adaptive = false;
+  // Where the automatic plan's `how` says what became of the room it left for expert slots
+  // (account_plan fills it in once the slots are known); npos: nowhere.
+  size_t slots_at = std::string::npos;
   bool unified_all_cpu = false;  // the unified automatic plan found no split and put all on the CPU
   const bool unified = req.unified && req.has_device;
   const bool stacked =
@@ -604,13 +607,13 @@ Plan make_plan_once(const Request& req, bool probing) {
               : n_cpu == 0
                   ? "the routed experts of every layer"
                   : fmt::format("the routed experts of the last {} layers", n_layer - n_cpu);
-          plan.how +=
-              any_exps
-                  ? fmt::format(" (attention of {}{}, {}: about -ngl {} --n-cpu-moe {}{})",
-                                attn_layers, with_out, exps_part, out_fits ? n_layer + 1 : n_layer,
-                                n_cpu, adaptive ? ", the rest as expert slots" : "")
-                  : fmt::format(" ({}{})", attn_on == n_layer ? "all layers" : attn_layers,
-                                with_out);
+          plan.how += any_exps
+                          ? fmt::format(" (attention of {}{}, {}: about -ngl {} --n-cpu-moe {})",
+                                        attn_layers, with_out, exps_part,
+                                        out_fits ? n_layer + 1 : n_layer, n_cpu)
+                          : fmt::format(" ({}{})", attn_on == n_layer ? "all layers" : attn_layers,
+                                        with_out);
+          if (any_exps && adaptive) slots_at = plan.how.size() - 1;  // before the ")"
         } else {
           int32_t k = 0;
           for (int32_t l = n_layer - 1; l >= 0; --l) {
@@ -640,6 +643,7 @@ Plan make_plan_once(const Request& req, bool probing) {
         for (const Unit& u : attn)
           if (u.has_kv) plan.kv_home[static_cast<size_t>(u.layer)] = Home::cpu;
         plan.how = describe_flags(f) + " (the board's pool holds no split: all on the CPU)";
+        slots_at = std::string::npos;
         note(fmt::format(
             "automatic plan: nothing fits beside the GPU's scratch and margin in the {} of the "
             "board's memory that the GPU shares with the CPU (beside the CPU's least: what must "
@@ -688,7 +692,7 @@ Plan make_plan_once(const Request& req, bool probing) {
                      [&](const TensorEntry& t) { return r.search(t.name); }))
       note(fmt::format("-ot {} matches no tensor of this model", r.text));
 
-  account_plan(req, plan, ot_pinned, adaptive, has_exps, probing);
+  account_plan(req, plan, ot_pinned, adaptive, slots_at, has_exps, probing);
   return plan;
 }
 

@@ -82,7 +82,7 @@ void add_expert_slots(const Request& req, Plan& plan, const std::vector<bool>& o
 }  // namespace
 
 void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pinned, bool adaptive,
-                  bool has_exps, bool probing) {
+                  size_t slots_at, bool has_exps, bool probing) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
   const size_t n = req.tensors.size();
@@ -141,9 +141,7 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
     }
     add_expert_slots(req, plan, ot_pinned, room);
   }
-  if (plan.expert_slots > 0)
-    plan.how += fmt::format(" --residency adaptive: {} expert slots per CPU-held MoE layer",
-                            plan.expert_slots);
+  const int32_t slots_given = plan.expert_slots;  // the disk tier may turn them off
   if (unified && any_gpu && plan.gpu_total() > plan.budget_bytes) {
     const bool by_flag = f.vram_budget && *f.vram_budget < req.pool_bytes;
     throw Error(
@@ -176,6 +174,15 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
                          [&] { return remedies(req, has_exps, probing); });
     else
       add_disk_tier(req, plan);
+    // What became of the room the automatic plan left for expert slots, and the slots kept.
+    if (slots_at != std::string::npos)
+      plan.how.insert(slots_at, plan.expert_slots > 0 ? ", the rest as expert slots"
+                                : slots_given > 0     ? ", no expert slots: the disk tier turns "
+                                                        "them off"
+                                                      : ", no expert slot fits");
+    if (plan.expert_slots > 0)
+      plan.how += fmt::format(" --residency adaptive: {} expert slots per CPU-held MoE layer",
+                              plan.expert_slots);
     return;
   }
   // Unified memory: the CPU's side gets what the device's side leaves of the pool (and at most

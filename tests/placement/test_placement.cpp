@@ -1088,3 +1088,50 @@ TEST_CASE("--ram-budget: routed experts beyond the budget go to the disk tier") 
     return n.find("the disk tier turns the 2 GPU expert slots per layer off") != std::string::npos;
   }));
 }
+
+TEST_CASE("the automatic plan says what became of the room it left for expert slots") {
+  const auto how_of = [](const Request& r) {
+    const Plan p = make_plan(r);
+    INFO(p.how);
+    return std::pair{p.how, p.expert_slots};
+  };
+  // The budget's room holds slots (as above: 2 at 400 MiB).
+  Request r = stacked_moe_request();
+  r.flags.vram_budget = 400 * MiB;
+  auto [how, slots] = how_of(r);
+  CHECK(slots == 2);
+  CHECK(how.find("--n-cpu-moe 4, the rest as expert slots)") != std::string::npos);
+  CHECK(how.find("--residency adaptive: 2 expert slots per CPU-held MoE layer") !=
+        std::string::npos);
+
+  // A board's one pool (--unified off): the GPU's side takes 399 MiB (327 + 72 MiB of slots)
+  // beside the CPU's 360 MiB of routed experts. A pool of 700 MiB leaves the slots 13 MiB, less
+  // than one (36 MiB): it said "the rest as expert slots" with none.
+  r.shared_pool = true;
+  r.shared_pool_bytes = 700 * MiB;
+  std::tie(how, slots) = how_of(r);
+  CHECK(slots == 0);
+  CHECK(how.find("--n-cpu-moe 4, no expert slot fits)") != std::string::npos);
+  CHECK(how.find("expert slots") == std::string::npos);
+  // 800 MiB: 113 MiB beside both sides, the budget's 73 MiB room holds 2.
+  r.shared_pool_bytes = 800 * MiB;
+  std::tie(how, slots) = how_of(r);
+  CHECK(slots == 2);
+  CHECK(how.find("--n-cpu-moe 4, the rest as expert slots)") != std::string::npos);
+
+  // The disk tier turns the slots off: the plan says so, and claims none.
+  Request d = stacked_moe_request();
+  d.flags.vram_budget = 400 * MiB;
+  d.ram_budget_bytes = 300 * MiB;
+  std::tie(how, slots) = how_of(d);
+  CHECK(slots == 0);
+  CHECK(how.find("--n-cpu-moe 4, no expert slots: the disk tier turns them off)") !=
+        std::string::npos);
+  CHECK(how.find("--residency adaptive:") == std::string::npos);
+  CHECK(how.find("; disk tier: ") != std::string::npos);
+
+  // Static residency: no clause.
+  r.flags.residency = ResidencyMode::fixed;
+  std::tie(how, slots) = how_of(r);
+  CHECK(how.find("expert slot") == std::string::npos);
+}

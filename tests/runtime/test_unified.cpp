@@ -574,6 +574,23 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
   CHECK(j[4]["tiers"]["disk_bytes"] == j[3]["tiers"]["disk_bytes"]);
 }
 
+TEST_CASE("unified: --unified off with adaptive residency says whether expert slots fit") {
+  // The automatic plan leaves the GPU's room beside the attention to expert slots; on a board's
+  // pool of copies the CPU's side (every routed expert) takes the rest first. It said "the rest
+  // as expert slots" on an 8 GB board, where none fits (the CPU's side goes to the disk tier).
+  check_plans(sparse_30b(), {{"unified:8G",
+                              " --unified off --residency adaptive",
+                              0,
+                              {"--n-cpu-moe 48, no expert slot fits)", "disk tier:"},
+                              {"the rest as expert slots", "--residency adaptive:"}},
+                             {"unified:24G",
+                              " --unified off --residency adaptive",
+                              0,
+                              {"--n-cpu-moe 48, the rest as expert slots)",
+                               "--residency adaptive: 44 expert slots per CPU-held MoE layer"},
+                              {"no expert slot fits"}}});
+}
+
 TEST_CASE("unified: the placement summary counts the disk tier's weights on the CPU") {
   const std::string path = sparse_30b();
   gguf::File file = gguf::File::open(path);
