@@ -178,7 +178,11 @@ class CudaDevice final : public backend_detail::StreamDevice {
 
   void copy(int s, void* dst, const void* src, size_t bytes) override {
     if (s == kSync) {
+      // cudaMemcpy may return before a device-to-device copy, or the DMA of a pageable upload,
+      // has landed, and the legacy stream it uses does not order the non-blocking step streams:
+      // wait for it, so that the next step reads what was copied.
       check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+      check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
       return;
     }
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st(s)), "cudaMemcpyAsync");
@@ -253,7 +257,10 @@ class CudaDevice final : public backend_detail::StreamDevice {
   }
 
   bool supports(const graph::Op& op) const override {
-    (void)op;
+    // The GDN kernels' limits (gpu_kernels/kernels.h: gated_delta, ssm_conv).
+    if (op.kind == graph::OpKind::gated_delta)
+      return op.ssm.d_k >= 1 && op.ssm.d_k <= 256 && op.ssm.d_v >= 1 && op.ssm.d_v <= 256 &&
+             op.ssm.n_k_head >= 1 && op.ssm.n_v_head % op.ssm.n_k_head == 0;
     return true;
   }
   size_t op_workspace(const StepView& view, const graph::Op& op, bool host_w) const override;

@@ -137,6 +137,8 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
       const bool on_dev = dev && sp.kv_home[static_cast<size_t>(l)] == Home::gpu;
       bytes[on_dev ? 1 : 0] +=
           avg_pos * static_cast<double>(kl.k_dim + kl.v_dim) * (on_dev ? 2.0 : 4.0) * n_seq;
+      // A recurrent layer's state (f32, where its KV cache is), read and written per sequence.
+      bytes[on_dev ? 1 : 0] += 2.0 * static_cast<double>(kl.conv_dim + kl.ssm_dim) * 4.0 * n_seq;
     }
 
     std::vector<int32_t> seqs(static_cast<size_t>(n_seq));

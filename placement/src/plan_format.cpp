@@ -144,8 +144,8 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
         }
       if (n > 0)
         out += fmt::format("{:<{}}  {:>12.3f}  {}\n",
-                           fmt::format("recurrent state ({} layers, f32)", n), name_w + type_w + 2,
-                           to_mib(bytes), home_name(side));
+                           fmt::format("recurrent state ({} layer{}, f32)", n, n == 1 ? "" : "s"),
+                           name_w + type_w + 2, to_mib(bytes), home_name(side));
     }
   }
 

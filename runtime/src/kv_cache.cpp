@@ -60,14 +60,14 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_se
   view_.dev_ssm.assign(layers.size(), nullptr);
 }
 
-KvCache::~KvCache() { release_device(); }
+KvCache::~KvCache() { release_device(false); }
 
 void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& kv_home) {
   if (kv_home.size() != view_.layers.size())
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("placement names the KV cache of {} layers but the model has {}",
                             kv_home.size(), view_.layers.size()));
-  release_device();
+  release_device(true);
   dev_ = &dev;
   try {
     for (size_t l = 0; l < kv_home.size(); ++l) {
@@ -85,6 +85,10 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
           view_.dev_ssm[l] = static_cast<float*>(
               dev.alloc(sb, fmt::format("the delta-rule state of layer {}", l)));
         device_bytes_ += cb + sb;
+        // The state lives on the device only: the host's copy goes.
+        conv_[l].reset();
+        ssm_[l].reset();
+        view_.conv[l] = view_.ssm[l] = nullptr;
       }
       const size_t kb = static_cast<size_t>(view_.n_rows() * kl.k_dim) * 2;
       const size_t vb = static_cast<size_t>(view_.n_rows() * kl.v_dim) * 2;
@@ -97,7 +101,7 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
     }
     for (int32_t s = 0; s < view_.n_seq; ++s) zero_device_state(s);
   } catch (...) {
-    release_device();
+    release_device(true);
     throw;
   }
 }
@@ -118,8 +122,24 @@ void KvCache::zero_device_state(int32_t seq) {
   }
 }
 
-void KvCache::release_device() {
+void KvCache::release_device(bool keep_host_state) {
   if (!dev_) return;
+  // The layers whose state was on the device get a zeroed host state back (the cache stays
+  // usable on the CPU), unless the cache itself goes.
+  for (size_t l = 0; keep_host_state && l < view_.layers.size(); ++l) {
+    const KvLayer& kl = view_.layers[l];
+    if (!view_.dev_conv[l] && !view_.dev_ssm[l]) continue;
+    conv_[l] =
+        kl.conv_dim > 0
+            ? std::make_unique<float[]>(static_cast<size_t>(int64_t{view_.n_seq} * kl.conv_dim))
+            : nullptr;
+    ssm_[l] =
+        kl.ssm_dim > 0
+            ? std::make_unique<float[]>(static_cast<size_t>(int64_t{view_.n_seq} * kl.ssm_dim))
+            : nullptr;
+    view_.conv[l] = conv_[l].get();
+    view_.ssm[l] = ssm_[l].get();
+  }
   for (uint16_t*& p : view_.dev_k)
     if (p) dev_->dealloc(p), p = nullptr;
   for (uint16_t*& p : view_.dev_v)
@@ -134,10 +154,17 @@ void KvCache::release_device() {
 
 size_t KvCache::bytes() const {
   size_t total = 0;
-  for (const KvLayer& l : view_.layers)
+  for (size_t i = 0; i < view_.layers.size(); ++i) {
+    const KvLayer& l = view_.layers[i];
+    // Before the constructor has allocated (its memory check) every state is counted; after
+    // allocate_device, the device-held ones are not.
+    const bool host_state = i >= view_.dev_conv.size() || (!view_.dev_conv[i] && !view_.dev_ssm[i]);
     total += (static_cast<size_t>(view_.n_rows()) * static_cast<size_t>(l.k_dim + l.v_dim) +
-              static_cast<size_t>(view_.n_seq) * static_cast<size_t>(l.conv_dim + l.ssm_dim)) *
+              (host_state
+                   ? static_cast<size_t>(view_.n_seq) * static_cast<size_t>(l.conv_dim + l.ssm_dim)
+                   : 0)) *
              sizeof(float);
+  }
   return total;
 }
 
@@ -188,12 +215,12 @@ void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
     if (view_.dev_conv[l])
       dev_->copy(kSync, view_.dev_conv[l] + dst * kl.conv_dim,
                  view_.dev_conv[l] + src * kl.conv_dim, cb);
-    else if (kl.conv_dim > 0)
+    else if (view_.conv[l])
       std::memcpy(view_.conv_state(li, dst), view_.conv_state(li, src), cb);
     if (view_.dev_ssm[l])
       dev_->copy(kSync, view_.dev_ssm[l] + dst * kl.ssm_dim, view_.dev_ssm[l] + src * kl.ssm_dim,
                  sb);
-    else if (kl.ssm_dim > 0)
+    else if (view_.ssm[l])
       std::memcpy(view_.ssm_state(li, dst), view_.ssm_state(li, src), sb);
     const size_t ks = static_cast<size_t>(n * kl.k_dim), vs = static_cast<size_t>(n * kl.v_dim);
     const int64_t s0 = view_.row(src, 0), d0 = view_.row(dst, 0);
@@ -215,8 +242,9 @@ void KvCache::reset_state(int32_t seq) {
   check_seq(seq, "reset_state");
   for (int32_t l = 0; l < n_layer(); ++l) {
     const KvLayer& kl = view_.layer(l);
-    if (kl.conv_dim > 0) std::fill_n(view_.conv_state(l, seq), kl.conv_dim, 0.0f);
-    if (kl.ssm_dim > 0) std::fill_n(view_.ssm_state(l, seq), kl.ssm_dim, 0.0f);
+    const auto li = static_cast<size_t>(l);
+    if (view_.conv[li]) std::fill_n(view_.conv_state(l, seq), kl.conv_dim, 0.0f);
+    if (view_.ssm[li]) std::fill_n(view_.ssm_state(l, seq), kl.ssm_dim, 0.0f);
   }
   if (dev_) zero_device_state(seq);
 }
@@ -235,12 +263,13 @@ std::vector<float> KvCache::save_state(int32_t seq) const {
       else
         std::copy_n(host, n, out.data() + at);
     };
+    // The state is on one side: the device's when it has one (the host's is gone then).
     if (kl.conv_dim > 0)
       take(view_.dev_conv[li] ? view_.dev_conv[li] + seq * kl.conv_dim : nullptr,
-           view_.conv_state(l, seq), kl.conv_dim);
+           view_.dev_conv[li] ? nullptr : view_.conv_state(l, seq), kl.conv_dim);
     if (kl.ssm_dim > 0)
       take(view_.dev_ssm[li] ? view_.dev_ssm[li] + seq * kl.ssm_dim : nullptr,
-           view_.ssm_state(l, seq), kl.ssm_dim);
+           view_.dev_ssm[li] ? nullptr : view_.ssm_state(l, seq), kl.ssm_dim);
   }
   return out;
 }

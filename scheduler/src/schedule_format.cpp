@@ -35,6 +35,8 @@ std::string why(const Schedule& s, const graph::WeightTable& w, size_t i) {
     case Cause::expert_weights:
       return fmt::format("expert weights {} on the {}", printable(w[op.moe.gate].name), side);
     case Cause::kv_cache:
+      if (op.kind == graph::OpKind::ssm_conv || op.kind == graph::OpKind::gated_delta)
+        return fmt::format("recurrent state of layer {} on the {}", op.ssm.layer, side);
       return fmt::format("KV cache of layer {} on the {}", op.attn.layer, side);
     case Cause::streamed:
       return fmt::format("streamed: {} on the CPU, {} tokens", printable(w[op.moe.gate].name),

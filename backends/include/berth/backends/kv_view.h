@@ -20,14 +20,14 @@ struct KvView {
   std::vector<float*> k, v;
   /// Device f16 rows of the layers whose attention runs on the device, same shapes, or null.
   std::vector<uint16_t*> dev_k, dev_v;
-  /// Host f32 recurrent state of each layer with KvLayer::recurrent() (else null): sequence s's
-  /// conv state at conv[l] + s * conv_dim, its delta-rule state at ssm[l] + s * ssm_dim. The
-  /// CPU executor's ssm_conv / gated_delta ops read and write them (and zero a sequence's state
-  /// at its position 0) for the layers whose state lives on the host.
+  /// Host f32 recurrent state of each layer with KvLayer::recurrent() whose state is not on the
+  /// device (else null): sequence s's conv state at conv[l] + s * conv_dim, its delta-rule state
+  /// at ssm[l] + s * ssm_dim. The CPU executor's ssm_conv / gated_delta ops read and write them
+  /// (and zero a sequence's state at its position 0).
   std::vector<float*> conv, ssm;
   /// Device f32 recurrent state of the recurrent layers whose state lives on the device (their
   /// ssm_conv / gated_delta run there), same layout as conv / ssm, or null. A layer's state lives
-  /// on one side only: where dev_conv[l] is set, the host's conv[l] / ssm[l] are unused.
+  /// on one side only: where dev_conv[l] is set, the host's conv[l] / ssm[l] are null.
   std::vector<float*> dev_conv, dev_ssm;
 
   /// Rows of every layer: n_seq * n_ctx.

@@ -82,13 +82,16 @@ class KvCache {
   const KvLayer& layer(int32_t l) const { return view_.layer(l); }
   float* k(int32_t l) { return view_.k.at(static_cast<size_t>(l)); }
   float* v(int32_t l) { return view_.v.at(static_cast<size_t>(l)); }
-  /// Host bytes held (reserved).
+  /// Host bytes held (reserved): K/V rows, and the recurrent state of the layers whose state is
+  /// not on the device.
   size_t bytes() const;
   /// Device bytes held.
   size_t device_bytes() const { return device_bytes_; }
 
  private:
-  void release_device();
+  // Frees the device's rows and state; with keep_host_state, the layers whose state was there
+  // get a zeroed host state back.
+  void release_device(bool keep_host_state);
   // Zeroes sequence seq's device-held recurrent state (layers with dev_conv / dev_ssm).
   void zero_device_state(int32_t seq);
   void check_seq(int32_t seq, const char* what) const;
