@@ -73,6 +73,33 @@ std::optional<SimDeviceOptions> sim_board() {
   return sim_usage([&] { return parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec); });
 }
 
+// A real unified board's integrated GPU, asked when no device is opened (run and serve with
+// -ngl 0) and BERTH_SIM_DEVICE names none: device 0's DeviceInfo when it says it shares the host's
+// memory (CUDA: cudaDevAttrIntegrated, as on GB10 and Jetson Orin), so that the board's pool
+// bounds the plan as it does for `berth plan`, which opens the device. Asked once per process
+// (default_serve_context plans many times), through the device-info path the plan uses: the
+// device is opened, read and closed, which makes a CUDA context; so only where a CUDA device is
+// present (cuda_available(): none is made without one, nor in a build without CUDA) and on Arm
+// hosts, where every integrated GPU CUDA supports is (elsewhere a -ngl 0 run touches no device).
+std::optional<DeviceInfo> real_board() {
+#if defined(__aarch64__)
+  if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) return std::nullopt;
+  static const std::optional<DeviceInfo> board = []() -> std::optional<DeviceInfo> {
+    if (!cuda_available()) return std::nullopt;
+    try {
+      DeviceInfo info = make_cuda_device(0)->info();
+      if (info.unified) return info;
+    } catch (const Error&) {
+      // A device that cannot be opened is not one to plan for: as none.
+    }
+    return std::nullopt;
+  }();
+  return board;
+#else
+  return std::nullopt;
+#endif
+}
+
 // What the OS reports available, bytes: on a simulated unified board its available= (the
 // board's memory is the host's), else MemAvailable of this host.
 size_t os_available_bytes() {
@@ -239,10 +266,10 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
               (flags.unified == placement::UnifiedMode::on ||
                (flags.unified == placement::UnifiedMode::automatic && dinfo.unified));
   // A unified board: the device says so, or (run and serve with -ngl 0 open none) the simulated
-  // board BERTH_SIM_DEVICE names. (A real board is known only from its device: with -ngl 0, run
-  // and serve do not open it.)
+  // board BERTH_SIM_DEVICE names, or a real board's integrated GPU, asked (real_board()).
   const std::optional<SimDeviceOptions> sim = device ? std::nullopt : sim_board();
-  const bool board = device ? dinfo.unified : sim.has_value();
+  const std::optional<DeviceInfo> real = device || sim ? std::nullopt : real_board();
+  const bool board = device ? dinfo.unified : sim.has_value() || real.has_value();
   u.shared = !u.unified && board;
   u.discrete = u.unified && device && !dinfo.unified;
   if (!u.unified && !u.shared) return u;
@@ -252,6 +279,7 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
   // weights in host memory, which its VRAM does not bound.
   if (device && dinfo.unified) u.pool = std::min(u.pool, dinfo.total_bytes);
   if (sim) u.pool = std::min(u.pool, sim->capacity_bytes);
+  if (real) u.pool = std::min(u.pool, real->total_bytes);
   if (!device && flags.vram_budget) u.pool = std::min(u.pool, *flags.vram_budget);
   return u;
 }

@@ -53,8 +53,9 @@ std::unique_ptr<Device> default_device();
 /// otherwise); on unified memory, where nothing is loaded to the device, it prints the
 /// "note: unified memory ..." line `berth plan` shows instead. Unified mode is decided here for
 /// plan, run and serve alike: never when nothing would be computed on the GPU (-ngl 0 and no -ot
-/// naming it); on a unified board (its device, or the simulated one BERTH_SIM_DEVICE names when
-/// none is opened) the pool then still bounds the CPU's side (Request::shared_pool). Throws what
+/// naming it); on a unified board (its device, or when none is opened the simulated one
+/// BERTH_SIM_DEVICE names, or on an Arm host a CUDA device 0 that reports itself integrated,
+/// asked once) the pool then still bounds the CPU's side (Request::shared_pool). Throws what
 /// placement::make_plan throws (Error(out_of_memory) naming every term when the plan cannot fit).
 ///
 /// `plan_only` (`berth plan`): the device is opened whatever the flags (the plan shows it); with
