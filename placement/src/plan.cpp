@@ -386,8 +386,10 @@ Plan make_plan_once(const Request& req, bool probing) {
         if (a < 0 || !pin[static_cast<size_t>(a)]) {
           attn[L].has_kv = true;
           attn[L].bytes += layer_cache_gpu(req, L);
-        } else if (*pin[static_cast<size_t>(a)] == Home::gpu) {
-          pinned_gpu += layer_cache_gpu(req, L);
+        } else {
+          // The anchor's -ot rule places the layer's KV cache and state with it.
+          plan.kv_home[L] = *pin[static_cast<size_t>(a)];
+          if (plan.kv_home[L] == Home::gpu) pinned_gpu += layer_cache_gpu(req, L);
         }
       }
       for (size_t i = 0; i < n; ++i) {
@@ -655,6 +657,19 @@ Plan make_plan_once(const Request& req, bool probing) {
   }
 
   if (unified && plan.how.find("unified") == std::string::npos) plan.how += " (unified memory)";
+  // The tensors the recurrent-state ops read go where their layer's state is (a few KiB each).
+  for (size_t i = 0; i < n; ++i) {
+    const TensorEntry& t = req.tensors[i];
+    if (!t.state_companion || t.layer < 0) continue;
+    const Home h = plan.kv_home[static_cast<size_t>(t.layer)];
+    if (plan.home[i] == h) continue;
+    if (ot_pinned[i])
+      note(
+          fmt::format("{} stays {} with the recurrent state of layer {} (which follows the "
+                      "layer's first token-mixer tensor): the -ot rule that matches it is ignored",
+                      t.name, h == Home::gpu ? "on the GPU" : "on the CPU", t.layer));
+    plan.home[i] = h;
+  }
   // The executor runs a layer's routed experts as one op: its expert tensors must share a home.
   {
     std::vector<std::pair<int64_t, Home>> first(static_cast<size_t>(n_layer), {-1, Home::cpu});

@@ -52,6 +52,15 @@ placement::Request plan_request(const Model& model, int64_t n_ctx, int32_t n_uba
     e.type = std::string(type_name(t.type));
     req.tensors.push_back(std::move(e));
   }
+  // The weights the recurrent-state ops read (placement keeps them with the state).
+  {
+    std::unordered_set<std::string_view> companions;
+    for (const graph::Op& op : model.build_step(1, 1).ops)
+      if (op.kind == graph::OpKind::ssm_conv || op.kind == graph::OpKind::gated_delta)
+        for (graph::WeightId id : {op.weight, op.ssm.dt_bias})
+          if (id != graph::kNoWeight) companions.insert(w.tensors[static_cast<size_t>(id)].name);
+    for (placement::TensorEntry& e : req.tensors) e.state_companion = companions.contains(e.name);
+  }
   const std::vector<KvLayer> kv = model.kv_layers();
   req.kv_bytes.assign(static_cast<size_t>(req.n_layer), 0);
   req.state_bytes.assign(static_cast<size_t>(req.n_layer), 0);

@@ -427,6 +427,72 @@ TEST_CASE("qwen35: the plan counts the recurrent state where its layer is") {
   }
 }
 
+TEST_CASE("qwen35: -ot rules keep a GDN layer's state ops with its state; the tokens hold") {
+  const char* e = std::getenv("BERTH_TEST_DEVICE");
+  if (e && std::string(e) == "cuda") return;  // place() opens the first CUDA device there
+  gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
+  std::unique_ptr<Model> m = load_model(f);
+  const std::vector<int32_t> prompt = prompt_of(9, 3, static_cast<int32_t>(m->hparams().n_vocab));
+  Session cpu(*m, cpu_params(64));
+  const Run want = greedy(cpu, prompt, 6);
+  const auto home_of = [&](const PlacementSetup& p, const std::string& name) {
+    for (size_t i = 0; i < p.request.tensors.size(); ++i)
+      if (p.request.tensors[i].name == name) return p.plan.home[i];
+    FAIL("no tensor " << name);
+    return Home::cpu;
+  };
+  struct Case {
+    const char* name;
+    int32_t ngl;
+    std::vector<std::pair<std::string, std::string>> ot;
+    Home kv0, kv1;     // where layers 0 and 1 keep their state
+    const char* note;  // a note the plan must give (empty: none asked)
+  };
+  const Case cases[] = {
+      // Automatic plan, layers 0 and 1 pinned to the GPU: their state goes with them.
+      {"automatic, -ot blk.[01].=GPU", -1, {{"blk\\.[01]\\.", "GPU"}}, Home::gpu, Home::gpu, ""},
+      // The state follows attn_qkv (the layer's first token-mixer tensor) to the CPU.
+      {"-ngl 99, -ot blk.1.attn_qkv=CPU",
+       99,
+       {{"blk\\.1\\.attn_qkv", "CPU"}},
+       Home::gpu,
+       Home::cpu,
+       ""},
+      // A rule on a tensor the state's ops read is overruled, with a note.
+      {"-ngl 99, -ot blk.1.ssm_a=CPU",
+       99,
+       {{"blk\\.1\\.ssm_a", "CPU"}},
+       Home::gpu,
+       Home::gpu,
+       "blk.1.ssm_a stays on the GPU with the recurrent state of layer 1"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(std::string(c.name));
+    ::setenv("BERTH_SIM_DEVICE", "1G", 1);
+    placement::Flags flags;
+    flags.n_gpu_layers = c.ngl;
+    flags.overrides = c.ot;
+    SessionParams sp = cpu_params(64);
+    const PlacementSetup placed = place(*m, flags, sp, false);
+    ::unsetenv("BERTH_SIM_DEVICE");
+    REQUIRE(placed.device != nullptr);
+    CHECK(placed.plan.kv_home.at(0) == c.kv0);
+    CHECK(placed.plan.kv_home.at(1) == c.kv1);
+    for (int32_t l : {0, 1})
+      for (const char* t : {"ssm_conv1d.weight", "ssm_a", "ssm_dt.bias"})
+        CHECK(home_of(placed, fmt::format("blk.{}.{}", l, t)) ==
+              placed.plan.kv_home.at(static_cast<size_t>(l)));
+    if (*c.note) {
+      bool found = false;
+      for (const std::string& n : placed.plan.notes)
+        found = found || n.find(c.note) != std::string::npos;
+      CHECK(found);
+    }
+    Session s(*m, sp);
+    CHECK(greedy(s, prompt, 6).tokens == want.tokens);
+  }
+}
+
 TEST_CASE("qwen35: on the device, a sequence beside others is bit-identical") {
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35moe"));
   std::unique_ptr<Model> m = load_model(f);

@@ -17,7 +17,8 @@
 // Attention and KV cache: everything of layer N that is not a routed expert moves with the layer,
 // and the layer's KV cache lives where its attention runs (kv_home[N] = home of the layer's first
 // attention-role tensor, blk.N.attn_q or attn_qkv, when -ot splits a layer; else of its first
-// other non-expert tensor).
+// other non-expert tensor). A recurrent layer's state lives with its KV cache, and the small
+// tensors the state's ops read (TensorEntry::state_companion) follow it, -ot notwithstanding.
 //
 // Without -ngl and with a device, the automatic plan fills the budget (what is left after
 // scratch, margin and tensors that -ot sends to the GPU) in order of time saved per byte: output
@@ -72,6 +73,9 @@ struct TensorEntry {
   /// Routed experts: how many experts the tensor stacks (ne[2]); each expert's slice is
   /// bytes / n_expert. 0 otherwise (or unknown: such a layer gets no expert slots).
   int32_t n_expert = 0;
+  /// Read by the ops that update its layer's recurrent state (Qwen3.5's ssm_conv1d, ssm_a,
+  /// ssm_dt): it lives where the layer's state does (Plan::kv_home), whatever -ot says.
+  bool state_companion = false;
   bool routed_expert() const { return role == graph::WeightRole::routed_expert; }
 };
 
