@@ -251,7 +251,7 @@ std::string scalar_to_string(const T& x) {
   if constexpr (std::is_same_v<T, bool>) {
     return x ? "true" : "false";
   } else if constexpr (std::is_same_v<T, std::string>) {
-    return "'" + escape_value(x) + "'";
+    return fmt::format("'{}'", escape_value(x));
   } else if constexpr (std::is_same_v<T, int8_t> || std::is_same_v<T, uint8_t>) {
     return fmt::format("{}", static_cast<int>(x));
   } else {

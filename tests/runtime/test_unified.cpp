@@ -196,7 +196,10 @@ std::vector<nlohmann::json> check_plans(const std::string& model,
     std::string text = err;
     if (rc == 0) {
       text = j["how"].get<std::string>();
-      for (const auto& n : j["notes"]) text += "\n" + n.get<std::string>();
+      for (const auto& n : j["notes"]) {
+        text += '\n';
+        text += n.get<std::string>();
+      }
     }
     for (const std::string& h : c.has) CHECK_MESSAGE(has(text, h), h, " in: ", text);
     for (const std::string& h : c.lacks) CHECK_MESSAGE(!has(text, h), h, " in: ", text);
