@@ -16,11 +16,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Blocks for a grid-stride loop over n elements (capped: the loops stride over the rest).
-unsigned grid_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
-}
+// Blocks for a grid-stride loop over n elements (launch.cuh).
+unsigned grid_for(int64_t n) { return grid_stride_blocks(n, kThreads); }
 
 // Values a thread of a whole-row norm keeps in registers (rows of up to kPer x 256 = 4096 values
 // are read once, all loads in flight together; longer rows stream through the loops).

@@ -19,11 +19,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Blocks for a grid-stride loop over n elements (capped: the loops stride over the rest).
-unsigned grid_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
-}
+// Blocks for a grid-stride loop over n elements (launch.cuh).
+unsigned grid_for(int64_t n) { return grid_stride_blocks(n, kThreads); }
 
 void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
 

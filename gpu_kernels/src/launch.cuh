@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <utility>
 
 #include "check.cuh"
@@ -56,6 +57,13 @@ void allow_dynamic_smem(const void* kernel, size_t bytes);
 template <typename... P>
 void allow_dynamic_smem(void (*kernel)(P...), size_t bytes) {
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
+}
+
+/// Blocks of `threads` threads for a grid-stride loop over n elements: enough for one element
+/// per thread, at least 1 and at most 65536 (the loops stride over the rest).
+inline unsigned grid_stride_blocks(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
 }
 
 /// Whether launch() asks for PDL on the current device: compute capability >= 9.0, and neither

@@ -24,6 +24,7 @@
 #include "berth/gpu_kernels/kernels.h"
 #include "core/kernel_harness.h"
 #include "gpu/attention_tol.h"
+#include "gpu/gpu_test_util.h"
 
 namespace berth {
 namespace {
@@ -33,47 +34,9 @@ namespace {
 using test::attention_tol;
 using test::kTolAttention;
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  REQUIRE_MESSAGE(have_device(), "no CUDA device: test_gpu must run on a machine with a GPU")
-
-void ck(cudaError_t e, const char* what) {
-  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorString(e));
-}
-
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
-  }
-  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  void up(const std::vector<T>& h) {
-    ck(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  }
-  std::vector<T> down() const {
-    std::vector<T> h(n);
-    ck(cudaDeviceSynchronize(), "kernel");
-    ck(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return h;
-  }
-  void poison() {
-    ck(cudaMemset(p, 0xff, n * sizeof(T)), "poison");
-    ck(cudaDeviceSynchronize(), "poison");
-  }
-};
-
-double nmse(const std::vector<float>& ref, const std::vector<float>& got) {
-  REQUIRE(ref.size() == got.size());
-  return test::nmse(ref.data(), got.data(), ref.size());
-}
+using gpu_test::ck;
+using gpu_test::Dev;
+using gpu_test::nmse;
 
 using test::gaussian;
 

@@ -26,6 +26,7 @@
 #include "berth/cpu_kernels/gdn.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "core/kernel_harness.h"
+#include "gpu/gpu_test_util.h"
 
 namespace berth {
 namespace {
@@ -48,56 +49,11 @@ constexpr double kTolConv = 1e-12;
 // SIMD kernel's bound for the same arithmetic (measured <= 2.2e-13 over 70 tokens there).
 constexpr double kTolDelta = 1e-10;
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_DEVICE() \
-  REQUIRE_MESSAGE(have_device(), "no CUDA device: test_gpu must run on a machine with a GPU")
-
-void ck(cudaError_t e, const char* what) {
-  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorString(e));
-}
-
-// A device array of T, freed on scope exit.
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    ck(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(1, n) * sizeof(T)), "cudaMalloc");
-  }
-  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  void up(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    ck(cudaDeviceSynchronize(), "sync before upload");
-    ck(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  }
-  std::vector<T> down() const {
-    std::vector<T> h(n);
-    ck(cudaDeviceSynchronize(), "kernel");
-    ck(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return h;
-  }
-  void poison() {  // synchronous, so work on any stream sees it
-    ck(cudaMemset(p, 0xff, n * sizeof(T)), "poison");
-    ck(cudaDeviceSynchronize(), "poison");
-  }
-};
-
-double nmse(const std::vector<float>& ref, const std::vector<float>& got) {
-  REQUIRE(ref.size() == got.size());
-  return test::nmse(ref.data(), got.data(), ref.size());
-}
-
+using gpu_test::ck;
+using gpu_test::Dev;
+using gpu_test::nmse;
+using gpu_test::same_bits;
 using test::gaussian;
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // All bits set: the float pattern poison() writes on the device (a NaN).
 float garbage() {

@@ -55,48 +55,43 @@ std::string moe_file() {
   return path.string();
 }
 
-// Qwen3.5-27B's shape in f16 (~54 GB), written sparse: plans only.
+// `spec` written sparse (its tensor data left as holes: plans only) as `name` in the test temp
+// dir, once.
+std::string sparse_file(SynthSpec spec, const std::string& name) {
+  spec.sparse = true;
+  const auto path = test::temp_dir("unified") / name;
+  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
+  return path.string();
+}
+SynthSpec preset_as(const std::string& preset, const std::string& type) {
+  SynthSpec spec = synth_preset(preset);
+  spec.type = type;
+  return spec;
+}
+
+// Qwen3.5-27B's shape in f16 (~54 GB).
 std::string sparse_27b() {
-  SynthSpec spec = synth_preset("qwen3.5-27b");
-  spec.type = "f16";
-  spec.sparse = true;
-  const auto path = test::temp_dir("unified") / "qwen3.5-27b-f16-sparse.gguf";
-  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
-  return path.string();
+  return sparse_file(preset_as("qwen3.5-27b", "f16"), "qwen3.5-27b-f16-sparse.gguf");
 }
 
-// Qwen3-30B-A3B's shape in q4_k (~16 GiB, 15 GiB of it routed experts), written sparse: plans.
+// Qwen3-30B-A3B's shape in q4_k (~16 GiB, 15 GiB of it routed experts).
 std::string sparse_30b() {
-  SynthSpec spec = synth_preset("qwen3-30b-a3b");
-  spec.type = "q4_k";
-  spec.sparse = true;
-  const auto path = test::temp_dir("unified") / "qwen3-30b-a3b-q4_k-sparse.gguf";
-  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
-  return path.string();
+  return sparse_file(preset_as("qwen3-30b-a3b", "q4_k"), "qwen3-30b-a3b-q4_k-sparse.gguf");
 }
 
-// The same in q4_k_m (~17.3 GiB; 951.3 MiB of weights other than routed experts), sparse.
+// The same in q4_k_m (~17.3 GiB; 951.3 MiB of weights other than routed experts).
 std::string sparse_big() {
-  SynthSpec spec = synth_preset("qwen3-30b-a3b");
-  spec.type = "q4_k_m";
-  spec.sparse = true;
-  const auto path = test::temp_dir("unified") / "qwen3-30b-a3b-q4_k_m-sparse.gguf";
-  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
-  return path.string();
+  return sparse_file(preset_as("qwen3-30b-a3b", "q4_k_m"), "qwen3-30b-a3b-q4_k_m-sparse.gguf");
 }
 
 // Qwen3-30B-A3B's shapes with 2 layers and a 32000-token vocabulary in q4_k (~740 MiB), written
 // sparse: plans of 1-3 GB boards. `n_ctx`: its context_length.
 std::string sparse_mid(int64_t n_ctx = 4096) {
-  SynthSpec spec = synth_preset("qwen3-30b-a3b");
-  spec.type = "q4_k";
-  spec.sparse = true;
+  SynthSpec spec = preset_as("qwen3-30b-a3b", "q4_k");
   spec.n_layer = 2;
   spec.n_vocab = 32000;
   spec.n_ctx_train = n_ctx;
-  const auto path = test::temp_dir("unified") / fmt::format("qwen3-30b-a3b-mid-{}.gguf", n_ctx);
-  if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 1);
-  return path.string();
+  return sparse_file(spec, fmt::format("qwen3-30b-a3b-mid-{}.gguf", n_ctx));
 }
 
 test::CommandResult berth_with(const std::string& sim, const std::string& args) {
