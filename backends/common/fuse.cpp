@@ -172,6 +172,21 @@ std::vector<Call> fuse_calls(const StepView& view, std::vector<Call> calls) {
       used[k + 1] = true;
       continue;
     }
+    if (op.kind == OpKind::swiglu && op_call(k + 1)) {
+      // A decode row's FFN down projection (quantized weights) reading the swiglu alone: the
+      // swiglu's output goes straight into the projection's 8-bit blocks.
+      const Op& mm = op_at(k + 1);
+      const auto v = static_cast<size_t>(op.output);
+      if (mm.kind == OpKind::matmul && static_cast<size_t>(calls[k + 1].ops[0]) == i + 1 &&
+          mm.inputs[0] == op.output && readers[v] == 1 && op.output != g.output &&
+          !calls[k + 1].streamed && !calls[k + 1].host_w && g.values[v].rows == 1 &&
+          g.decode_rows(1) == 1 && !is_float(w[mm.weight].type)) {
+        out.push_back(
+            Call{.kind = CallKind::swiglu_matmul, .ops = {c.ops[0], calls[k + 1].ops[0]}});
+        used[k + 1] = true;
+        continue;
+      }
+    }
     if (op.kind == OpKind::attention && op_call(k + 1)) {
       // The output projection of one token with quantized weights, reading the attention's
       // output: the attention can leave its 8-bit blocks in the workspace (unless another matmul

@@ -12,7 +12,7 @@ namespace berth {
 /// `calls` with neighbouring calls replaced by the fused kinds of CallKind where the rules allow
 /// (each fused call gives the bits of the calls it replaces): matmul_group, add_norm,
 /// wait_add_norm, norm_rope, route_fork and router_route_fork (flag hand-off only),
-/// attention_q8.
+/// attention_q8, swiglu_matmul.
 std::vector<Call> fuse_calls(const StepView& view, std::vector<Call> calls);
 
 }  // namespace berth

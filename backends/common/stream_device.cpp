@@ -40,6 +40,8 @@ std::string_view call_kind_name(CallKind k) {
       return "wait_add_norm";
     case CallKind::attention_q8:
       return "attention_q8";
+    case CallKind::swiglu_matmul:
+      return "swiglu_matmul";
   }
   return "?";
 }

@@ -616,6 +616,15 @@ void CudaDevice::enqueue(const Call& c, const StepBindings& b) {
       enqueue_op(b, c.ops[1], false, nullptr, q8);
       return;
     }
+    case CallKind::swiglu_matmul: {
+      const Op& sw = op_at(0);
+      const Op& mm = op_at(1);
+      const TensorView& w = weights[mm.weight];
+      gpu::swiglu_matmul(w.type, b.weight.at(static_cast<size_t>(mm.weight)), w.ne[0], w.n_rows(),
+                         dv(sw.inputs[0]), dv(sw.inputs[1]), dv(mm.output), b.ws, b.ws_bytes,
+                         st(kMain));
+      return;
+    }
     default:
       throw Error(ErrorCategory::internal,
                   fmt::format("{}: cannot enqueue a {} call", name_, call_kind_name(c.kind)));

@@ -8,8 +8,14 @@
 // ..., chosen so that the groups of a row fill the lanes), 4 warps per block; each lane walks
 // its row's groups with stride lpr (consecutive lanes read consecutive blocks: coalesced) and
 // keeps up to kGemvTok token accumulators, so each weight is read once per 8 tokens; the lanes
-// of a row finish with a butterfly reduction. Float weights: the same layout with 8 elements
-// (one 16-byte load of f16/bf16, two of f32) per lane step and f32 activations.
+// of a row finish with a butterfly reduction. Q4_K, Q5_K and Q6_K take their own kernel
+// (gemv_kq_block, gemv_kq() on by default): 64-element units per lane whose loaded bytes are all
+// used by that lane (16-byte loads of the superblock header and quants), two rows per lane set
+// sharing the activations' loads in large launches. Float weights: the same layout as the group
+// kernel with 8 elements (one 16-byte load of f16/bf16, two of f32) per lane step and f32
+// activations; launches of few long rows (Qwen3.5's ssm_alpha / ssm_beta) spread a row over 128
+// lanes (4 warps, summed through shared memory). Lanes per row follow n_in (and, for float
+// weights, the launch's row count), never the token count, so a row's bits never depend on it.
 //
 // Rows by kind (issue 19: a row's bits never depend on the step's size or its other rows): the
 // last n_decode rows (decode tokens) take the GEMV above in launches of up to kGemvTok rows, whose
@@ -34,10 +40,12 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "act_quant.cuh"
 #include "berth/core/error.h"
@@ -60,6 +68,28 @@ namespace detail {
 // token, crossing near 3 tokens).
 int& gemv_max_tok() {
   static int v = 8;
+  return v;
+}
+bool& gemv_kq() {
+  static bool v = !env_says_off("BERTH_GEMV_KQ");
+  return v;
+}
+bool& gemv_kq_slice() {
+  static bool v = env_says_on("BERTH_GEMV_KQ_SLICE");
+  return v;
+}
+int& gemv_kq_lanes() {
+  static int v = [] {
+    const char* e = std::getenv("BERTH_GEMV_KQ_LANES");
+    return e ? std::atoi(e) : 0;
+  }();
+  return v;
+}
+int& gemv_kq_rps() {
+  static int v = [] {
+    const char* e = std::getenv("BERTH_GEMV_KQ_RPS");
+    return e ? std::atoi(e) : 0;
+  }();
   return v;
 }
 int& gemv_max_tok_float() {
@@ -105,10 +135,19 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps per GEMV block
 
+// Rows one GEMV block computes: 4 warps, 32 / lpr lane sets per warp, rps rows per lane set
+// (lpr 64 or 128: a row spans warps, rps 1).
+__host__ __device__ constexpr int64_t rows_per_block(int lpr, int rps) {
+  return lpr <= 32 ? (kThreads / 32) * (32 / lpr) * rps : kThreads / lpr;
+}
+
 __device__ __forceinline__ float silu(float z) { return z / (1.0f + __expf(-z)); }
 
-// One warp per group of 32 values.
+// One warp per group of 32 values. With `up`: the values are silu(x) * up (kSwiglu: swiglu_kernel's
+// arithmetic in elementwise.cu, x / (1 + expf(-x)) * up, so the blocks are those of swiglu's
+// output; else the MoE GEMVs' silu with __expf).
 // Threads i < n_zero also set zero[i] = 0 (the counts of moe_gemv_kernel).
+template <bool kSwiglu>
 __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __restrict__ up,
                                     int64_t n_groups, int8_t* __restrict__ q,
                                     float4* __restrict__ meta, unsigned* __restrict__ zero,
@@ -121,7 +160,7 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, const float* __
   if (grp >= n_groups) return;  // whole warps
   const int64_t i = grp * 32 + lane;
   float v = x[i];
-  if (up) v = silu(v) * up[i];
+  if (up) v = kSwiglu ? v / (1.0f + expf(-v)) * up[i] : silu(v) * up[i];
   quantize_group(v, lane, q + grp * 32, meta + grp);
 }
 
@@ -136,8 +175,11 @@ struct GemvArgs {
   float* out;
   int64_t out_stride;
   GemvRoute r;
-  int lpr;   // lanes per row (power of two <= 32)
-  bool vec;  // float kernel: 16-byte loads allowed
+  int lpr;             // lanes per row (power of two <= 32)
+  int rps = 1;         // rows per lane set (gemv_kq_block: 1 or 2; 1 elsewhere)
+  bool kq = false;     // Q4_K / Q5_K / Q6_K through gemv_kq_block (gemv_kq() on)
+  bool slice = false;  // Q4_K / Q5_K there in 32-element slices (gemv_kq_slice() on)
+  bool vec;            // float kernel: 16-byte loads allowed
   // Quantized single-token calls only (matmul_group): up to two more matrices of the same type
   // and n_in, whose rows follow the first's in the grid (rows n_out.. are the second's, ...).
   const uint8_t* w_more[2];
@@ -185,14 +227,40 @@ __device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w,
   return gemv_setup_bytes(a, a.w, a.r.expert_bytes, w, act0, out0);
 }
 
+// Warps of a block that gemv_store's shared sums serve (router_route_kernel's 16).
+constexpr int kStoreWarps = 16;
+
 // NT: accumulators per thread (1 for single-token calls, kGemvTok otherwise).
-// Epilogue of both GEMVs: the lanes of a row sum their partial dot products, lane 0 stores them.
+// Epilogue of the GEMVs: the lanes of a row sum their partial dot products, lane 0 stores them.
+// Up to 32 lanes per row: a butterfly of shuffles. 64 or 128 (float weights, few rows: a row
+// spans 2 or 4 warps, gemv_shape): the butterfly within each warp, then the row's first lane
+// adds its warps' sums in order, (w0 + w1) or (w0 + w1) + (w2 + w3), from shared memory; every
+// thread of the block must then call it.
 template <int NT>
 __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], bool active, int sl,
                                            int64_t out0, int64_t r, float* out) {
+  const int wl = a.lpr < 32 ? a.lpr : 32;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
-    for (int o = a.lpr >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+    for (int o = wl >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+  if (a.lpr > 32) {
+    __shared__ float part[kStoreWarps][NT];
+    const int warp = static_cast<int>(threadIdx.x >> 5);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) part[warp][t] = acc[t];
+    }
+    __syncthreads();
+    if (sl == 0) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float v = part[warp][t] + part[warp + 1][t];
+        if (a.lpr == 128) v = v + (part[warp + 2][t] + part[warp + 3][t]);
+        acc[t] = v;
+      }
+    }
+    __syncthreads();  // part is reused by the caller's next rows
+  }
   if (active && sl == 0) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -200,11 +268,320 @@ __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], 
   }
 }
 
+// ---- K-quant decode GEMV (Q4_K, Q5_K, Q6_K) ------------------------------------------------
+// A lane owns 64-element units of a row, every loaded weight byte used by that lane:
+//  Q4_K / Q5_K: unit u = the 32-byte chunk c = u & 3 of superblock u >> 2 (elements 64u..64u+63:
+//    group 2u in the low nibbles, group 2u + 1 in the high ones; Q5_K adds bits 2c, 2c+1 of qh),
+//    loaded with the superblock's 16-byte header (d, dmin, the 12 scale bytes) in 16-byte loads;
+//    a group contributes x.d * (d*s * dot) + (-dmin*m) * x.sum (the activations' group sum,
+//    meta .w);
+//  Q6_K: unit u = (half h, 16-element column range hf) of superblock u >> 2: 16 elements of
+//    each of the half's four 32-element groups (ql, qh bytes 2-byte aligned: 4-byte loads and
+//    funnel shifts), q - 32 as a signed byte, so a piece contributes x.d * (d*s8 * dot).
+// Each lane set (lpr lanes) computes rps rows at once, loading each unit's activations once for
+// all of them. A row's arithmetic depends on lpr (from n_in) only, never on rps or the number of
+// tokens: the sum of its units in lane-strided order, then the butterfly.
+constexpr bool is_kq(GgmlType t) {
+  return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K;
+}
+
+// A decoded unit: q bytes (Q4_K/Q5_K: words 0-7 group 2u, 8-15 group 2u+1, unsigned; Q6_K: words
+// 4k..4k+3 piece k, signed), the pieces' scales, and (Q4_K/Q5_K) the groups' offsets.
+struct KqUnit {
+  uint32_t q[16];
+  float sc[4];
+  float mn[2];
+};
+
+// 16 bytes at a 2-byte aligned address, as 4 words (aligned 4-byte loads and funnel shifts; the
+// fifth word only when the address is not 4-byte aligned, so nothing past the 16 bytes' word is
+// read).
+__device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&out)[4]) {
+  const uintptr_t ad = reinterpret_cast<uintptr_t>(p);
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(ad & ~uintptr_t{3});
+  const unsigned sh = static_cast<unsigned>(ad & 2) * 8;
+  uint32_t w[5];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = __ldg(q + i);
+  w[4] = sh ? __ldg(q + 4) : 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = __funnelshift_r(w[i], w[i + 1], sh);
+}
+
+template <GgmlType T>
+__device__ __forceinline__ void load_kq_unit(const uint8_t* row, int u, KqUnit& k) {
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+    constexpr int kBytes = T == GgmlType::Q4_K ? 144 : 176;
+    constexpr int kQs = T == GgmlType::Q4_K ? 16 : 48;
+    const uint8_t* b = row + static_cast<size_t>(u >> 2) * kBytes;
+    const int c = u & 3;
+    const uint4 hd = __ldg(reinterpret_cast<const uint4*>(b));
+    const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c));
+    const uint4 v1 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c) + 1);
+    const uint32_t v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    uint32_t hb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if constexpr (T == GgmlType::Q5_K) {
+      const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(b + 16));
+      const uint4 h1 = __ldg(reinterpret_cast<const uint4*>(b + 16) + 1);
+      const uint32_t h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+      for (int w = 0; w < 8; ++w) hb[w] = h[w];
+    }
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      k.q[w] = v[w] & 0x0F0F0F0Fu;
+      k.q[8 + w] = (v[w] >> 4) & 0x0F0F0F0Fu;
+      if constexpr (T == GgmlType::Q5_K) {
+        k.q[w] |= ((hb[w] >> (2 * c)) & 0x01010101u) << 4;
+        k.q[8 + w] |= ((hb[w] >> (2 * c + 1)) & 0x01010101u) << 4;
+      }
+    }
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFFu)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
+    // Scale bytes s[0..11] = header bytes 4..15 (words y, z, w); k_scale_min's unpacking.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int j = 2 * c + i, sh = 8 * (j & 3);
+      const uint32_t sa = (hd.y >> sh) & 0xFFu, sb = (hd.z >> sh) & 0xFFu,
+                     sc = (hd.w >> sh) & 0xFFu;
+      const uint32_t scale = j < 4 ? (sa & 63u) : ((sc & 0xFu) | ((sa >> 6) << 4));
+      const uint32_t mn = j < 4 ? (sb & 63u) : ((sc >> 4) | ((sb >> 6) << 4));
+      k.sc[i] = d * static_cast<float>(scale);
+      k.mn[i] = -dmin * static_cast<float>(mn);
+    }
+    k.sc[2] = k.sc[3] = 0.0f;
+  } else {
+    static_assert(T == GgmlType::Q6_K, "load_kq_unit: Q4_K, Q5_K or Q6_K");
+    const uint8_t* b = row + static_cast<size_t>(u >> 2) * 210;
+    const int h = (u >> 1) & 1, hf = u & 1;
+    uint32_t qa[4], qb[4], qh[4];
+    ld16_a2(b + 64 * h + 16 * hf, qa);
+    ld16_a2(b + 64 * h + 32 + 16 * hf, qb);
+    ld16_a2(b + 128 + 32 * h + 16 * hf, qh);
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t lo = ((p & 1 ? qb[w] : qa[w]) >> (4 * (p >> 1))) & 0x0F0F0F0Fu;
+        const uint32_t hi = (qh[w] >> (2 * p)) & 0x03030303u;
+        k.q[4 * p + w] = __vsub4(lo | (hi << 4), 0x20202020u);  // q - 32, in [-32, 31]
+      }
+    // The pieces' scales: int8 at 192 + 8h + 2p + hf.
+    const uint8_t* sp = b + 192 + 8 * h;
+    const uint32_t s01 = ld32_a2(sp), s23 = ld32_a2(sp + 4);
+    const float d = f16_at(b + 208);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t word = p < 2 ? s01 : s23;
+      const int8_t s8 = static_cast<int8_t>((word >> (8 * (2 * (p & 1) + hf))) & 0xFFu);
+      k.sc[p] = d * static_cast<float>(s8);
+    }
+    k.mn[0] = k.mn[1] = 0.0f;
+  }
+}
+
+// The unit's dot product with token row ar of the 8-bit activations (xq, xm; n_in elements).
+template <GgmlType T>
+__device__ __forceinline__ float kq_dot(const KqUnit& k, const int8_t* __restrict__ xq,
+                                        const float4* __restrict__ xm, int64_t ar, int64_t n_in,
+                                        int u) {
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+    const uint4* xp = reinterpret_cast<const uint4*>(xq + ar * n_in + 64 * u);
+    const float4* mp = xm + ar * (n_in / 32) + 2 * u;
+    int s[2];
+#pragma unroll
+    for (int gi = 0; gi < 2; ++gi) {
+      const uint4 x0 = __ldg(xp + 2 * gi), x1 = __ldg(xp + 2 * gi + 1);
+      const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      int acc = 0;
+#pragma unroll
+      for (int w = 0; w < 8; ++w)
+        acc = __dp4a(static_cast<int>(k.q[8 * gi + w]), static_cast<int>(xv[w]), acc);
+      s[gi] = acc;
+    }
+    const float4 m0 = __ldg(mp), m1 = __ldg(mp + 1);
+    const float t0 =
+        __fmaf_rn(m0.x, __fmul_rn(k.sc[0], static_cast<float>(s[0])), __fmul_rn(k.mn[0], m0.w));
+    const float t1 =
+        __fmaf_rn(m1.x, __fmul_rn(k.sc[1], static_cast<float>(s[1])), __fmul_rn(k.mn[1], m1.w));
+    return __fadd_rn(t0, t1);
+  } else {
+    // Piece p: group 8(u >> 2) + 4h + p, its elements 16hf..16hf+15.
+    const int64_t g0 = 8 * (u >> 2) + 4 * ((u >> 1) & 1);
+    const int8_t* xr = xq + ar * n_in + 32 * g0 + 16 * (u & 1);
+    const float4* mr = xm + ar * (n_in / 32) + g0;
+    float t[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(xr + 32 * p));
+      int acc = __dp4a(static_cast<int>(k.q[4 * p]), static_cast<int>(x.x), 0);
+      acc = __dp4a(static_cast<int>(k.q[4 * p + 1]), static_cast<int>(x.y), acc);
+      acc = __dp4a(static_cast<int>(k.q[4 * p + 2]), static_cast<int>(x.z), acc);
+      acc = __dp4a(static_cast<int>(k.q[4 * p + 3]), static_cast<int>(x.w), acc);
+      t[p] = __fmul_rn(__ldg(&mr[p].x), __fmul_rn(k.sc[p], static_cast<float>(acc)));
+    }
+    return __fadd_rn(__fadd_rn(t[0], t[1]), __fadd_rn(t[2], t[3]));
+  }
+}
+
+// Q4_K / Q5_K in 32-element slices (gemv_kq_slice()): slice s = the 16-byte half h = s & 1 of
+// chunk c = (s >> 1) & 3 of superblock s >> 3: elements 16h..16h+15 of group 2c (low nibbles,
+// words 0-3) and of group 2c + 1 (high nibbles, words 4-7). A warp's qs loads are then 512
+// contiguous bytes but for the headers; a group's half contributes x.d * (d*s * dot) + (-dmin*m)
+// * x.half_sum (meta .y or .z).
+template <GgmlType T>
+__device__ __forceinline__ void load_kq_slice(const uint8_t* row, int u, KqUnit& k) {
+  constexpr int kBytes = T == GgmlType::Q4_K ? 144 : 176;
+  constexpr int kQs = T == GgmlType::Q4_K ? 16 : 48;
+  const uint8_t* b = row + static_cast<size_t>(u >> 3) * kBytes;
+  const int c = (u >> 1) & 3, h = u & 1;
+  const uint4 hd = __ldg(reinterpret_cast<const uint4*>(b));
+  const uint4 v4 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c + 16 * h));
+  const uint32_t v[4] = {v4.x, v4.y, v4.z, v4.w};
+  uint32_t hb[4] = {0, 0, 0, 0};
+  if constexpr (T == GgmlType::Q5_K) {
+    const uint4 h4 = __ldg(reinterpret_cast<const uint4*>(b + 16 + 16 * h));
+    hb[0] = h4.x, hb[1] = h4.y, hb[2] = h4.z, hb[3] = h4.w;
+  }
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    k.q[w] = v[w] & 0x0F0F0F0Fu;
+    k.q[4 + w] = (v[w] >> 4) & 0x0F0F0F0Fu;
+    if constexpr (T == GgmlType::Q5_K) {
+      k.q[w] |= ((hb[w] >> (2 * c)) & 0x01010101u) << 4;
+      k.q[4 + w] |= ((hb[w] >> (2 * c + 1)) & 0x01010101u) << 4;
+    }
+  }
+  const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFFu)));
+  const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int j = 2 * c + i, sh = 8 * (j & 3);
+    const uint32_t sa = (hd.y >> sh) & 0xFFu, sb = (hd.z >> sh) & 0xFFu, sc = (hd.w >> sh) & 0xFFu;
+    const uint32_t scale = j < 4 ? (sa & 63u) : ((sc & 0xFu) | ((sa >> 6) << 4));
+    const uint32_t mn = j < 4 ? (sb & 63u) : ((sc >> 4) | ((sb >> 6) << 4));
+    k.sc[i] = d * static_cast<float>(scale);
+    k.mn[i] = -dmin * static_cast<float>(mn);
+  }
+}
+
+template <GgmlType T>
+__device__ __forceinline__ float kq_slice_dot(const KqUnit& k, const int8_t* __restrict__ xq,
+                                              const float4* __restrict__ xm, int64_t ar,
+                                              int64_t n_in, int u) {
+  const int64_t g0 = 2 * static_cast<int64_t>(u >> 1);  // group 2c of superblock u >> 3
+  const int h = u & 1;
+  const int8_t* xr = xq + ar * n_in + 32 * g0 + 16 * h;
+  const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(xr));
+  const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(xr + 32));
+  int s0 = __dp4a(static_cast<int>(k.q[0]), static_cast<int>(x0.x), 0);
+  s0 = __dp4a(static_cast<int>(k.q[1]), static_cast<int>(x0.y), s0);
+  s0 = __dp4a(static_cast<int>(k.q[2]), static_cast<int>(x0.z), s0);
+  s0 = __dp4a(static_cast<int>(k.q[3]), static_cast<int>(x0.w), s0);
+  int s1 = __dp4a(static_cast<int>(k.q[4]), static_cast<int>(x1.x), 0);
+  s1 = __dp4a(static_cast<int>(k.q[5]), static_cast<int>(x1.y), s1);
+  s1 = __dp4a(static_cast<int>(k.q[6]), static_cast<int>(x1.z), s1);
+  s1 = __dp4a(static_cast<int>(k.q[7]), static_cast<int>(x1.w), s1);
+  const float4* mp = xm + ar * (n_in / 32) + g0;
+  const float4 m0 = __ldg(mp), m1 = __ldg(mp + 1);
+  const float t0 = __fmaf_rn(m0.x, __fmul_rn(k.sc[0], static_cast<float>(s0)),
+                             __fmul_rn(k.mn[0], h ? m0.z : m0.y));
+  const float t1 = __fmaf_rn(m1.x, __fmul_rn(k.sc[1], static_cast<float>(s1)),
+                             __fmul_rn(k.mn[1], h ? m1.z : m1.y));
+  return __fadd_rn(t0, t1);
+}
+
+// The rows of one K-quant GEMV block (gemv_q_block's contract; R = a.rps).
+template <GgmlType T, int NT, int R, bool kSlice>
+__device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
+                                              int64_t out0, float* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sl = lane & (a.lpr - 1);
+  const int64_t set =
+      (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * (32 / a.lpr) + lane / a.lpr;
+  const uint8_t* row[R];
+  float* dst[R];
+  int64_t rr[R];
+  bool on[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    // Rows past the first matrix belong to the next ones (a single-token matmul group).
+    int64_t r = set * R + i, n_out = a.n_out;
+    const uint8_t* wi = w;
+    float* oi = out;
+    for (int j = 0; j < a.n_more && r >= n_out; ++j) {
+      r -= n_out;
+      wi = a.w_more[j];
+      oi = a.out_more[j];
+      n_out = a.rows_more[j];
+    }
+    on[i] = r < n_out;
+    rr[i] = r;
+    row[i] = wi + static_cast<size_t>(on[i] ? r : 0) * a.row_bytes;
+    dst[i] = oi;
+  }
+  float acc[R][NT];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
+  const int U = static_cast<int>(a.n_in / (kSlice ? 32 : 64));
+#pragma unroll(R == 1 ? 2 : 1)
+  for (int u = sl; u < U; u += a.lpr) {
+    KqUnit k[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (on[i]) {
+        if constexpr (kSlice)
+          load_kq_slice<T>(row[i], u, k[i]);
+        else
+          load_kq_unit<T>(row[i], u, k[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 16; ++e) k[i].q[e] = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) k[i].sc[e] = 0.0f;
+        k[i].mn[0] = k[i].mn[1] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (NT == 1 || t < a.n_tok) {
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+          acc[i][t] =
+              __fadd_rn(acc[i][t], kSlice ? kq_slice_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u)
+                                          : kq_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) gemv_store<NT>(a, acc[i], on[i], sl, out0, rr[i], dst[i]);
+}
+
 // The rows of one quantized GEMV block (w: the block's matrix, act0 / out0: its first
 // activation and output rows, from gemv_setup; out: its output base, a.out or another).
 template <GgmlType T, int NT>
 __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
                                              int64_t out0, float* out) {
+  if constexpr (is_kq(T)) {
+    if (a.kq) {
+      if constexpr (T != GgmlType::Q6_K) {
+        if (a.slice) {
+          if (a.rps == 2)
+            gemv_kq_block<T, NT, 2, true>(a, w, act0, out0, out);
+          else
+            gemv_kq_block<T, NT, 1, true>(a, w, act0, out0, out);
+          return;
+        }
+      }
+      if (a.rps == 2)
+        gemv_kq_block<T, NT, 2, false>(a, w, act0, out0, out);
+      else
+        gemv_kq_block<T, NT, 1, false>(a, w, act0, out0, out);
+      return;
+    }
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_warp = 32 / a.lpr;
   const int sl = lane & (a.lpr - 1);
@@ -333,9 +710,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(GemvArgs a, MoeGemvF
   } else {
     const int64_t t = p / k;
     if (!last_block(f.count + t * gridDim.x + blockIdx.x, static_cast<unsigned>(k))) return;
-    const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
-    const int64_t r0 = blockIdx.x * rows_per_block;
-    const int64_t r1 = r0 + rows_per_block < a.n_out ? r0 + rows_per_block : a.n_out;
+    const int64_t rpb = rows_per_block(a.lpr, a.rps);
+    const int64_t r0 = blockIdx.x * rpb;
+    const int64_t r1 = r0 + rpb < a.n_out ? r0 + rpb : a.n_out;
     const float* rw = a.r.route + t * 2 * k + k;
     for (int64_t r = r0 + threadIdx.x; r < r1; r += kThreads) {
       float acc = 0.0f;
@@ -429,18 +806,26 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
   const uint8_t* w;
   int64_t act0, out0;
   if (!gemv_setup(a, w, act0, out0)) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rows_per_warp = 32 / a.lpr;
-  const int sl = lane & (a.lpr - 1);
-  const int64_t r =
-      (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
-  const bool active = r < a.n_out;
+  // Lane sl of row r: thread g of the grid's row blocks, r = g / lpr, sl = g % lpr.
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int sl = static_cast<int>(g & (a.lpr - 1));
+  int64_t r = g / a.lpr;
+  // Rows past the first matrix belong to the next ones (a single-token matmul group).
+  int64_t n_out = a.n_out;
+  float* out = a.out;
+  for (int j = 0; j < a.n_more && r >= n_out; ++j) {
+    r -= n_out;
+    w = a.w_more[j];
+    out = a.out_more[j];
+    n_out = a.rows_more[j];
+  }
+  const bool active = r < n_out;
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
   if (active) gemv_f_lane<T, NT>(a, row, act0, sl, acc);
-  gemv_store<NT>(a, acc, active, sl, out0, r, a.out);
+  gemv_store<NT>(a, acc, active, sl, out0, r, out);
 }
 
 // ---- the decode router and its route in one launch (thread block cluster, sm_90) -------------
@@ -462,13 +847,14 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
   extern __shared__ double route_ex[];  // [n_expert] doubles, then the logits [n_expert]
   float* logit_s = reinterpret_cast<float*>(route_ex + a.n_out);
   const int rank = static_cast<int>(cluster.block_rank());
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rows_per_warp = 32 / a.lpr;
-  const int sl = lane & (a.lpr - 1);
-  for (int64_t base = (static_cast<int64_t>(rank) * kRouterWarps + warp) * rows_per_warp;
-       base < a.n_out;
-       base += static_cast<int64_t>(kRouterCluster) * kRouterWarps * rows_per_warp) {
-    const int64_t r = base + lane / a.lpr;
+  const int warp = threadIdx.x >> 5;
+  // Lane sl of row r, as in gemv_f_kernel: thread g of the cluster, r = g / lpr (+ the rows of
+  // earlier passes), sl = g % lpr. Every thread makes the same passes (gemv_store may meet).
+  const int64_t g = static_cast<int64_t>(rank) * (kRouterWarps * 32) + threadIdx.x;
+  const int sl = static_cast<int>(g & (a.lpr - 1));
+  const int64_t per_pass = static_cast<int64_t>(kRouterCluster) * kRouterWarps * 32 / a.lpr;
+  for (int64_t base = 0; base < a.n_out; base += per_pass) {
+    const int64_t r = base + g / a.lpr;
     const bool active = r < a.n_out;
     float acc[1] = {0.0f};
     if (active) gemv_f_lane<T, 1>(a, a.w + static_cast<size_t>(r) * a.row_bytes, 0, sl, acc);
@@ -563,8 +949,54 @@ int lanes_per_row(int64_t units) {
   return l;
 }
 
+// lanes_per_row with a quarter of the lane steps allowed idle.
+int lanes_per_row_waste4(int64_t units) {
+  int l = 32;
+  while (l > 1) {
+    const int64_t steps = (units + l - 1) / l;
+    if ((steps * l - units) * 4 <= units) break;
+    l >>= 1;
+  }
+  return l;
+}
+
 unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+// Lanes per row and rows per lane set of a GEMV of n_out rows of n_in over grid_yz row
+// blocks' worth of pairs (and matrices): K-quants through gemv_kq_block (64-element units, 2 rows
+// per lane set once the launch has 512 blocks or more), others by 32-element groups (quantized)
+// or 8-element steps (float), 1 row per lane set.
+struct GemvShape {
+  int lpr, rps;
+  bool kq, slice;
+};
+GemvShape gemv_shape(GgmlType type, int64_t n_in, int64_t n_out, int64_t grid_yz) {
+  if (is_kq(type) && gemv_kq()) {
+    // Lanes per row: 32, or the units' count rounded up to a power of two when smaller (from
+    // n_in alone, so a row's bits never depend on the launch). Idle lanes in a row's last step
+    // cost no bandwidth; a row's serial chain is what limits small launches.
+    const bool slice = type != GgmlType::Q6_K && gemv_kq_slice();
+    const int64_t units = n_in / (slice ? 32 : 64);
+    int lpr = 1;
+    while (lpr < 32 && lpr < units) lpr <<= 1;
+    if (gemv_kq_lanes() == 1) lpr = lanes_per_row(units);  // the group kernel's waste rule
+    if (gemv_kq_lanes() == 2) lpr = lanes_per_row_waste4(units);
+    const int64_t blocks2 =
+        static_cast<int64_t>(blocks_for(n_out, static_cast<int>(rows_per_block(lpr, 2))));
+    const int forced = gemv_kq_rps();
+    return {lpr, forced == 1 || forced == 2 ? forced : (blocks2 * grid_yz >= 512 ? 2 : 1), true,
+            slice};
+  }
+  if (is_quantized(type)) return {lanes_per_row(n_in / 32), 1, false, false};
+  // Float weights: a row of at least 512 eight-element steps in a launch of at most 256 rows
+  // (ssm_alpha / ssm_beta, 48 x 5120 f32 in Qwen3.5-27B: 12 blocks of 4 rows otherwise) spans
+  // 128 lanes, 4 steps or more each.
+  const int64_t units = std::max<int64_t>(1, n_in / 8);
+  const int lpr = lanes_per_row(units);
+  if (lpr == 32 && units >= 4 * 128 && n_out * grid_yz <= 256) return {128, 1, false, false};
+  return {lpr, 1, false, false};
 }
 
 // The arguments of a GEMV launch (gemv(), router_route_signal()).
@@ -583,7 +1015,11 @@ GemvArgs gemv_args(GgmlType type, const void* w, int64_t n_in, int64_t n_out, co
   a.out_stride = out_stride;
   a.r = route;
   const bool q = is_quantized(type);
-  a.lpr = lanes_per_row(q ? n_in / 32 : std::max<int64_t>(1, n_in / 8));
+  const GemvShape sh = gemv_shape(type, n_in, n_out, route.route ? route.pairs : 1);
+  a.lpr = sh.lpr;
+  a.rps = sh.rps;
+  a.kq = sh.kq;
+  a.slice = sh.slice;
   a.vec = !q && n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
           (reinterpret_cast<uintptr_t>(xf) & 15) == 0;
   if (!q && route.route) a.vec = a.vec && route.expert_bytes % 16 == 0;
@@ -650,8 +1086,9 @@ void quantize_act(const float* x, const float* up, int64_t rows, int64_t n, QAct
                   unsigned* zero, int64_t n_zero) {
   const int64_t groups = rows * (n / 32);
   if (groups == 0 && n_zero == 0) return;
-  launch("quantize_act_kernel", quantize_act_kernel, blocks_for(std::max(groups * 32, n_zero), 256),
-         256, 0, s, x, up, groups, qa.q, qa.meta, zero, n_zero);
+  launch("quantize_act_kernel", quantize_act_kernel<false>,
+         blocks_for(std::max(groups * 32, n_zero), 256), 256, 0, s, x, up, groups, qa.q, qa.meta,
+         zero, n_zero);
 }
 
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
@@ -659,21 +1096,30 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
   if (n_out == 0 || n_tok == 0 || (route.route && route.pairs == 0)) return;
   BERTH_CHECK(n_tok <= kGemvTok, "gemv: n_tok " + std::to_string(n_tok));
   const GemvArgs a = gemv_args(type, w, n_in, n_out, xf, qa, n_tok, out, out_stride, route);
-  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
-  dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block)),
+  dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block(a.lpr, a.rps))),
             route.route ? static_cast<unsigned>(route.pairs) : 1u);
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
 }
 
-void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cudaStream_t s) {
+bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in) {
+  int64_t total = 0;
+  for (int j = 0; j < n_jobs; ++j) total += jobs[j].n_out;
+  const int lpr = gemv_shape(jobs[0].type, n_in, total, 1).lpr;
+  for (int j = 0; j < n_jobs; ++j)
+    if (gemv_shape(jobs[j].type, n_in, jobs[j].n_out, 1).lpr != lpr) return false;
+  return true;
+}
+
+void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, const float* x,
+                    cudaStream_t s) {
   if (n_jobs < 1 || n_jobs > 3) throw Error(ErrorCategory::internal, "gemv_one_token: n_jobs");
   const GgmlType type = jobs[0].type;
-  BERTH_CHECK(is_quantized(type), "gemv_one_token: quantized weights only");
   GemvArgs a{};
   a.w = static_cast<const uint8_t*>(jobs[0].w);
   a.row_bytes = row_bytes(type, n_in);
   a.n_in = n_in;
   a.n_out = jobs[0].n_out;
+  a.xf = x;
   a.xq = qa.q;
   a.xm = qa.meta;
   a.n_tok = 1;
@@ -688,16 +1134,28 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cu
     total += jobs[j].n_out;
   }
   a.n_more = n_jobs - 1;
-  a.lpr = lanes_per_row(n_in / 32);
+  if (!is_quantized(type)) {
+    BERTH_CHECK(x != nullptr, "gemv_one_token: float weights need x");
+    a.vec = n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+    for (int j = 0; j < n_jobs; ++j)
+      a.vec = a.vec && (reinterpret_cast<uintptr_t>(jobs[j].w) & 15) == 0;
+  }
+  const GemvShape sh = gemv_shape(type, n_in, total, 1);
+  a.lpr = sh.lpr;
+  a.rps = sh.rps;
+  a.kq = sh.kq;
+  a.slice = sh.slice;
   if (total == 0) return;
-  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
-  const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block)), 1u);
+  const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block(a.lpr, a.rps))), 1u);
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
 }
 
-int64_t moe_gemv_counts(int64_t n_ff, int64_t n_embd, int64_t n_tok, int64_t pairs) {
-  const int64_t rows_per_block = (kThreads / 32) * (32 / lanes_per_row(n_ff / 32));
-  return pairs + n_tok * static_cast<int64_t>(blocks_for(n_embd, static_cast<int>(rows_per_block)));
+int64_t moe_gemv_counts(GgmlType down_type, int64_t n_ff, int64_t n_embd, int64_t n_tok,
+                        int64_t pairs) {
+  // moe_gemv_down's grid (gemv_args with a route of `pairs` pairs).
+  const GemvShape sh = gemv_shape(down_type, n_ff, n_embd, pairs);
+  return pairs + n_tok * static_cast<int64_t>(
+                             blocks_for(n_embd, static_cast<int>(rows_per_block(sh.lpr, sh.rps))));
 }
 
 void moe_gemv_gate_up(GgmlType type, const void* gate, const void* up, size_t up_expert_bytes,
@@ -714,8 +1172,7 @@ void moe_gemv_gate_up(GgmlType type, const void* gate, const void* up, size_t up
   f.aq = aq.q;
   f.aqm = aq.meta;
   f.count = count;
-  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
-  const dim3 grid(blocks_for(n_ff, static_cast<int>(rows_per_block)),
+  const dim3 grid(blocks_for(n_ff, static_cast<int>(rows_per_block(a.lpr, a.rps))),
                   static_cast<unsigned>(r.pairs), 2u);
   BERTH_DISPATCH(type, launch_moe_gemv_t, a, f, false, grid, s)
 }
@@ -728,8 +1185,7 @@ void moe_gemv_down(GgmlType type, const void* down, int64_t n_ff, int64_t n_embd
   MoeGemvFuse f;
   f.out = out;
   f.count = count;
-  const int64_t rows_per_block = (kThreads / 32) * (32 / a.lpr);
-  const dim3 grid(blocks_for(n_embd, static_cast<int>(rows_per_block)),
+  const dim3 grid(blocks_for(n_embd, static_cast<int>(rows_per_block(a.lpr, a.rps))),
                   static_cast<unsigned>(r.pairs), 1u);
   BERTH_DISPATCH(type, launch_moe_gemv_t, a, f, true, grid, s)
 }
@@ -1091,24 +1547,31 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
   // quantized once and read by every job.
   const QAct qa = qact_at(workspace, n_tok, n_in);
   if (!x_q8) quantize_act(x, nullptr, n_tok, n_in, qa, stream);
-  if (n_tok == 1 && n_jobs <= 3) {
-    // One launch per weight type (a decode step's Q and K, often V too): the rows of the
-    // matrices follow one another in the grid.
-    bool done[3] = {false, false, false};
+  if (n_tok == 1) {
+    // One launch per weight type and up to 3 matrices (a decode step's Q and K, often V too; a
+    // Qwen3.5 GDN layer's ssm_alpha and ssm_beta): the rows of the matrices follow one another
+    // in the grid. Float matrices share a launch only where each alone would get the same
+    // lanes per row (gemv_shape), so each row keeps its bits.
+    std::vector<bool> done(static_cast<size_t>(n_jobs), false);
     for (int j = 0; j < n_jobs; ++j) {
-      if (done[j]) continue;
+      if (done[static_cast<size_t>(j)]) continue;
       MatmulJob same[3];
       int n = 0;
-      for (int k = j; k < n_jobs; ++k)
-        if (!done[k] && jobs[k].type == jobs[j].type && is_quantized(jobs[k].type))
-          same[n++] = jobs[k], done[k] = true;
-      if (n == 0) continue;  // a float job: below
-      gemv_one_token(same, n, n_in, qa, stream);
+      for (int k = j; k < n_jobs && n < 3; ++k)
+        if (!done[static_cast<size_t>(k)] && jobs[k].type == jobs[j].type && jobs[k].n_out > 0) {
+          same[n++] = jobs[k];
+          if (!is_quantized(jobs[k].type) && !gemv_one_token_lanes_agree(same, n, n_in)) {
+            --n;
+            continue;
+          }
+          done[static_cast<size_t>(k)] = true;
+        }
+      if (n == 0) {
+        done[static_cast<size_t>(j)] = true;  // no rows
+        continue;
+      }
+      gemv_one_token(same, n, n_in, qa, x, stream);
     }
-    for (int j = 0; j < n_jobs; ++j)
-      if (!done[j] && jobs[j].n_out > 0)
-        gemv(jobs[j].type, jobs[j].w, n_in, jobs[j].n_out, x, QAct{}, 1, jobs[j].out, jobs[j].n_out,
-             GemvRoute{}, stream);
     return;
   }
   for (int j = 0; j < n_jobs; ++j) {
@@ -1121,6 +1584,27 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
            GemvRoute{}, stream);
     }
   }
+}
+
+void swiglu_matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* gate,
+                   const float* up, float* out, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  check_type(type, n_in, "swiglu_matmul");
+  if (!is_quantized(type))
+    throw Error(ErrorCategory::invalid_argument,
+                "swiglu_matmul: weight type " + std::string(type_name(type)) +
+                    " (quantized weights only: float weights read f32 activations)");
+  const size_t need = qact_bytes(1, n_in);
+  if (workspace_bytes < need || workspace == nullptr)
+    throw Error(ErrorCategory::invalid_argument, "swiglu_matmul: workspace of " +
+                                                     std::to_string(workspace_bytes) + " bytes, " +
+                                                     std::to_string(need) + " needed");
+  if (n_in == 0 || n_out == 0) return;
+  // matmul's decode row: quantize_act of the row, then the GEMV of one token.
+  const QAct qa = qact_at(workspace, 1, n_in);
+  launch("quantize_act_kernel (swiglu)", quantize_act_kernel<true>, blocks_for(n_in, 256), 256, 0,
+         stream, gate, up, n_in / 32, qa.q, qa.meta, nullptr, int64_t{0});
+  gemv(type, w, n_in, n_out, nullptr, qa, 1, out, n_out, GemvRoute{}, stream);
 }
 
 void embed(GgmlType type, const void* w, int64_t n_embd, int64_t n_vocab, const int32_t* tokens,

@@ -50,6 +50,7 @@ inline constexpr int kGemvTok = 8;
 /// safe: set before launching).
 int& gemv_max_tok();
 int& gemv_max_tok_float();
+
 int& moe_gemv_max_tok();
 bool matmul_uses_gemv(GgmlType t, int64_t n_tok);
 
@@ -111,9 +112,13 @@ struct GemvRoute {
 /// route). Quantized types read qa, float types read xf.
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s);
-/// A single-token GEMV of 1-3 matrices of one quantized type and n_in on activations `qa`
-/// (quantize_act of one row), in one launch; each job's rows as gemv() computes them.
-void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, cudaStream_t s);
+/// A single-token GEMV of 1-3 matrices of one type and n_in, in one launch; each job's rows as
+/// gemv() computes them. Quantized types read activations `qa` (quantize_act of one row), float
+/// types x (f32 [n_in]), whose jobs must agree on the lanes per row
+/// (gemv_one_token_lanes_agree).
+void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, const float* x,
+                    cudaStream_t s);
+bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in);
 
 /// moe_experts' decode GEMVs on quantized weights with their neighbours in the same launch.
 /// moe_gemv_gate_up: G = gate GEMV and U = up GEMV of each pair (route r, whose expert_bytes is
@@ -135,7 +140,8 @@ struct MoeGemvFuse {
 };
 /// Counter words both fused launches of one call need: pairs (gate/up) + n_tok times the down
 /// GEMV's x blocks.
-int64_t moe_gemv_counts(int64_t n_ff, int64_t n_embd, int64_t n_tok, int64_t pairs);
+int64_t moe_gemv_counts(GgmlType down_type, int64_t n_ff, int64_t n_embd, int64_t n_tok,
+                        int64_t pairs);
 void moe_gemv_gate_up(GgmlType type, const void* gate, const void* up, size_t up_expert_bytes,
                       int64_t n_embd, int64_t n_ff, QAct hq, float* G, float* U, QAct aq,
                       unsigned* count, const GemvRoute& r, cudaStream_t s);

@@ -970,7 +970,9 @@ struct MoeLayout {
       if (is_quantized(w.down_type)) aq = take(qact_bytes(P, w.n_ff));
       y = take(static_cast<size_t>(P * w.n_embd) * 4);
       fused = decode_fused(w);
-      if (fused) cnt = take(static_cast<size_t>(moe_gemv_counts(w.n_ff, w.n_embd, n_tok, P)) * 4);
+      if (fused)
+        cnt =
+            take(static_cast<size_t>(moe_gemv_counts(w.down_type, w.n_ff, w.n_embd, n_tok, P)) * 4);
       if (stage) {
         const int64_t n_sel = slot_end(w, slots) - slots.begin;
         st[0] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 0));
@@ -1075,7 +1077,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       hq = qact_at(ws + L.hq, n_tok, w.n_embd);
       // (The fused GEMVs' counts are zeroed by the same launch.)
       quantize_act(h, nullptr, n_tok, w.n_embd, hq, stream, L.fused ? cnt : nullptr,
-                   L.fused ? moe_gemv_counts(w.n_ff, w.n_embd, n_tok, P) : 0);
+                   L.fused ? moe_gemv_counts(w.down_type, w.n_ff, w.n_embd, n_tok, P) : 0);
     }
     auto* U = reinterpret_cast<float*>(ws + L.u);
     const void* wg = w.gate;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <thread>
 
@@ -500,7 +501,8 @@ void Scheduler::enqueue_step(Step& st) {
     if (profiling_ && c.kind == CallKind::op) {
       const int a = dev_->record(kMain);
       dev_->enqueue(c, st.b);
-      marks_.push_back({s.g.ops[static_cast<size_t>(c.ops[0])].kind, {a, dev_->record(kMain)}});
+      marks_.push_back(
+          {profile_entry(s.g.ops[static_cast<size_t>(c.ops[0])]), {a, dev_->record(kMain)}});
     } else {
       dev_->enqueue(c, st.b);
     }
@@ -636,9 +638,8 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   // The step's streams only: copies into expert slots on kCopy may go on into the next step.
   dev_->synchronize(kMain);
   dev_->synchronize(kAux);
-  for (const auto& [kind, ab] : marks_) {
-    if (gpu_prof_.empty()) gpu_prof_.resize(graph::kNumOpKinds);
-    auto& t = gpu_prof_[static_cast<size_t>(kind)];
+  for (const auto& [entry, ab] : marks_) {
+    auto& t = gpu_prof_[entry];
     t.seconds += dev_->elapsed_ms(ab.first, ab.second) / 1e3;
     ++t.calls;
   }
@@ -695,12 +696,28 @@ void Scheduler::release_flags(Step& st, size_t from) {
     std::atomic_ref<uint32_t>(st.b.flags[2 * j + 1]).store(1, std::memory_order_release);
 }
 
+std::string Scheduler::profile_entry(const graph::Op& op) {
+  static const bool by_name = [] {
+    const char* e = std::getenv("BERTH_PROFILE_BY_NAME");
+    return e != nullptr && std::string_view(e) == "1";
+  }();
+  std::string entry(graph::op_name(op.kind));
+  if (!by_name || op.name.empty()) return entry;
+  std::string_view n = op.name;
+  // "blk.12.attn_qkv" -> "attn_qkv"
+  if (n.starts_with("blk.")) {
+    const size_t dot = n.find('.', 4);
+    if (dot != std::string_view::npos) n.remove_prefix(dot + 1);
+  }
+  return entry + " " + std::string(n);
+}
+
 std::vector<CpuExecutor::OpTime> Scheduler::gpu_profile() const {
   std::vector<CpuExecutor::OpTime> out;
-  for (size_t k = 0; k < gpu_prof_.size(); ++k)
-    if (gpu_prof_[k].calls > 0) {
-      out.push_back(gpu_prof_[k]);
-      out.back().kind = graph::op_name(static_cast<OpKind>(k));
+  for (const auto& [entry, t] : gpu_prof_)
+    if (t.calls > 0) {
+      out.push_back(t);
+      out.back().kind = entry;
     }
   std::sort(out.begin(), out.end(),
             [](const auto& a, const auto& b) { return a.seconds > b.seconds; });

@@ -247,6 +247,114 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
   }
 }
 
+TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or rows per lane set") {
+  REQUIRE_DEVICE();
+  // The 64-element-unit kernel (gemv_kq on): lengths of 1, 3, 9 and 20 superblocks (4, 12, 36
+  // and 80 units: 4, 16 and 32 lanes per row, the last two with idle lanes in a row's last
+  // step), an odd row count (the last lane set of 2 rows half outside), 1 and 8 tokens, 1 and 2
+  // rows per lane set; and the 32-element-group kernel (gemv_kq off) on the same data, both
+  // within the reference's bound.
+  // Q4_K and Q5_K also in 32-element slices (gemv_kq_slice on).
+  const bool saved_kq = gpu::detail::gemv_kq();
+  const int saved_rps = gpu::detail::gemv_kq_rps();
+  const bool saved_slice = gpu::detail::gemv_kq_slice();
+  uint64_t seed = 4400;
+  for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
+    CAPTURE(type_name(t));
+    for (const bool slice : {false, true}) {
+      if (slice && t == GgmlType::Q6_K) continue;
+      CAPTURE(slice);
+      gpu::detail::gemv_kq_slice() = slice;
+      for (const int64_t n_in : {int64_t{256}, int64_t{768}, int64_t{2304}, int64_t{5120}}) {
+        CAPTURE(n_in);
+        const int64_t n_out = 1031, n_tok = 8;
+        const auto wq = make_weights(t, n_out, n_in, seed += 100);
+        const auto W = decode(t, wq, n_out, n_in);
+        const auto x = gaussian(static_cast<size_t>(n_tok * n_in), seed + 1, 1.0f, 0.1f);
+        const auto ref = ref_matmul(W, x, n_in, n_out, n_tok);
+        Dev dw(wq.size()), dx(x.size() * 4), dout(static_cast<size_t>(n_tok * n_out) * 4);
+        dw.put(wq);
+        dx.put(x);
+        const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
+        Dev ws(wsb);
+        auto run = [&](bool kq, int rps, int64_t nt) {
+          gpu::detail::gemv_kq() = kq;
+          gpu::detail::gemv_kq_rps() = rps;
+          dout.poison();
+          gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>(), nt, dout.as<float>(), ws.p, wsb,
+                      nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          gpu::detail::gemv_kq() = saved_kq;
+          gpu::detail::gemv_kq_rps() = saved_rps;
+          return dout.get<float>(static_cast<size_t>(nt * n_out));
+        };
+        const auto base = run(true, 1, n_tok);
+        const std::vector<double> ref8(ref.begin(), ref.end());
+        const double e = nmse_d(ref8, base);
+        CAPTURE(e);
+        CHECK(e <= kTolGemvQShape);
+        const auto two = run(true, 2, n_tok);
+        CHECK(std::memcmp(base.data(), two.data(), base.size() * 4) == 0);
+        for (const int rps : {1, 2}) {
+          CAPTURE(rps);
+          const auto one = run(true, rps, 1);
+          CHECK(std::memcmp(base.data(), one.data(), one.size() * 4) == 0);
+        }
+        const auto old = run(false, 0, n_tok);
+        const double e_old = nmse_d(ref8, old);
+        CAPTURE(e_old);
+        CHECK(e_old <= kTolGemvQShape);
+        // The two kernels sum in different orders, so their bits differ; they differ only by
+        // rounding.
+        CHECK(nmse_d(std::vector<double>(base.begin(), base.end()), old) <= 1e-9);
+      }
+    }
+  }
+  gpu::detail::gemv_kq_slice() = saved_slice;
+}
+
+TEST_CASE("gpu decode GEMV, float weights with few rows: 128 lanes per row, same bits per token") {
+  REQUIRE_DEVICE();
+  // 48 x 5120 (Qwen3.5-27B's ssm_alpha, ssm_beta) and 7 x 4096: rows spanning 4 warps; 300 x
+  // 4096: 32 lanes per row. 1 and 8 tokens: token 0's row has the same bits.
+  struct Shape {
+    int64_t n_out, n_in;
+  };
+  uint64_t seed = 5100;
+  for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16})
+    for (const Shape sh : {Shape{48, 5120}, Shape{7, 4096}, Shape{300, 4096}}) {
+      CAPTURE(type_name(t));
+      CAPTURE(sh.n_out);
+      CAPTURE(sh.n_in);
+      const int64_t n_tok = 8;
+      const auto wq = make_weights(t, sh.n_out, sh.n_in, seed += 10);
+      const auto W = decode(t, wq, sh.n_out, sh.n_in);
+      const auto x = gaussian(static_cast<size_t>(n_tok * sh.n_in), seed + 3, 1.0f, 0.1f);
+      const auto ref = ref_matmul(W, x, sh.n_in, sh.n_out, n_tok);
+      Dev dw(wq.size()), dx(x.size() * 4), dout(static_cast<size_t>(n_tok * sh.n_out) * 4);
+      dw.put(wq);
+      dx.put(x);
+      const size_t wsb = gpu::matmul_workspace_bytes(t, sh.n_in, sh.n_out, n_tok);
+      Dev ws(wsb);
+      const int saved_f = gpu::detail::gemv_max_tok_float();
+      gpu::detail::gemv_max_tok_float() = 1 << 30;
+      auto run = [&](int64_t nt) {
+        dout.poison();
+        gpu::matmul(t, dw.p, sh.n_in, sh.n_out, dx.as<float>(), nt, dout.as<float>(), ws.p, wsb,
+                    nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        return dout.get<float>(static_cast<size_t>(nt * sh.n_out));
+      };
+      const auto all = run(n_tok);
+      const auto one = run(1);
+      gpu::detail::gemv_max_tok_float() = saved_f;
+      const double e = nmse_d(ref, all);
+      CAPTURE(e);
+      CHECK(e <= kTolGemvFShape);
+      CHECK(std::memcmp(all.data(), one.data(), one.size() * 4) == 0);
+    }
+}
+
 TEST_CASE("gpu matmul_group: the same bits as one matmul per job, mixed types, both paths") {
   REQUIRE_DEVICE();
   // A layer's Q, K, V (different types and widths, one input), plus an f32 job (no quantized
@@ -344,6 +452,85 @@ TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, sam
       CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
     }
   }
+}
+
+TEST_CASE("gpu matmul_group, one token, five jobs: launches by type, float rows of 128 lanes") {
+  REQUIRE_DEVICE();
+  // A Qwen3.5-27B GDN layer's group (attn_qkv Q5_K, attn_gate Q4_K, ssm_beta and ssm_alpha f32,
+  // rows of 128 lanes that share a launch) plus an f16 job: each job's bits as matmul alone.
+  const int64_t n_in = 5120;
+  const GgmlType types[] = {GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::F32, GgmlType::F32,
+                            GgmlType::F16};
+  const int64_t outs[] = {300, 129, 48, 48, 7};
+  const auto x = gaussian(static_cast<size_t>(n_in), 7301, 1.0f, 0.1f);
+  Dev dx(x.size() * 4);
+  dx.put(x);
+  size_t wsb = 0;
+  for (int j = 0; j < 5; ++j)
+    wsb = std::max(wsb, gpu::matmul_workspace_bytes(types[j], n_in, outs[j], 1));
+  Dev ws(wsb);
+  std::vector<std::unique_ptr<Dev>> dws, one, grp;
+  std::vector<MatmulJob> jobs;
+  for (int j = 0; j < 5; ++j) {
+    const auto wq = make_weights(types[j], outs[j], n_in, 7400 + static_cast<uint64_t>(j));
+    dws.push_back(std::make_unique<Dev>(wq.size()));
+    dws.back()->put(wq);
+    one.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+    grp.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+    one.back()->poison();
+    grp.back()->poison();
+    gpu::matmul(types[j], dws.back()->p, n_in, outs[j], dx.as<float>(), 1, one.back()->as<float>(),
+                ws.p, wsb, nullptr);
+    jobs.push_back({types[j], dws.back()->p, outs[j], grp.back()->as<float>()});
+  }
+  gpu::matmul_group(jobs.data(), 5, n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  for (int j = 0; j < 5; ++j) {
+    CAPTURE(j);
+    const auto a = one[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+    const auto b = grp[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("gpu swiglu_matmul: the bits of swiglu then matmul of one decode row") {
+  REQUIRE_DEVICE();
+  // FFN down projections: Qwen3.5-0.8B's (3584 -> 1024, Q6_K), 27B's (17408 -> 5120, Q4_K),
+  // and a Q8_0 one on the 32-element-group kernel; float weights refused.
+  struct Shape {
+    GgmlType t;
+    int64_t n_in, n_out;
+  };
+  uint64_t seed = 8100;
+  for (const Shape sh : {Shape{GgmlType::Q6_K, 3584, 1024}, Shape{GgmlType::Q4_K, 17408, 5120},
+                         Shape{GgmlType::Q8_0, 1024, 300}}) {
+    CAPTURE(type_name(sh.t));
+    const auto wq = make_weights(sh.t, sh.n_out, sh.n_in, seed += 10);
+    const auto gate = gaussian(static_cast<size_t>(sh.n_in), seed + 1, 2.0f);
+    const auto up = gaussian(static_cast<size_t>(sh.n_in), seed + 2, 1.0f);
+    Dev dw(wq.size()), dg(gate.size() * 4), du(up.size() * 4), dh(gate.size() * 4);
+    Dev o1(static_cast<size_t>(sh.n_out) * 4), o2(static_cast<size_t>(sh.n_out) * 4);
+    dw.put(wq);
+    dg.put(gate);
+    du.put(up);
+    o1.poison();
+    o2.poison();
+    const size_t wsb = gpu::matmul_workspace_bytes(sh.t, sh.n_in, sh.n_out, 1);
+    Dev ws(wsb);
+    gpu::swiglu(dg.as<float>(), du.as<float>(), dh.as<float>(), sh.n_in, nullptr);
+    gpu::matmul(sh.t, dw.p, sh.n_in, sh.n_out, dh.as<float>(), 1, o1.as<float>(), ws.p, wsb,
+                nullptr);
+    gpu::swiglu_matmul(sh.t, dw.p, sh.n_in, sh.n_out, dg.as<float>(), du.as<float>(),
+                       o2.as<float>(), ws.p, wsb, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto a = o1.get<float>(static_cast<size_t>(sh.n_out));
+    const auto b = o2.get<float>(static_cast<size_t>(sh.n_out));
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+  }
+  Dev ws(1 << 16);
+  CHECK_THROWS_WITH(gpu::swiglu_matmul(GgmlType::F32, nullptr, 64, 4, nullptr, nullptr, nullptr,
+                                       ws.p, 1 << 16, nullptr),
+                    doctest::Contains("quantized weights only"));
 }
 
 // matmul_group with x_q8 (the activation blocks left in the workspace by the producer of x)
@@ -846,6 +1033,10 @@ double time_ms(F&& f, int reps = 20) {
   return ms / reps;
 }
 
+bool is_kq_type(GgmlType t) {
+  return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K;
+}
+
 TEST_CASE("gpu matmul timing" * doctest::skip()) {
   REQUIRE_DEVICE();
   cudaDeviceProp prop{};
@@ -870,11 +1061,72 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
   // Decode GEMV bandwidth: the stacked 128 experts of a 2048 -> 768 layer as one matrix.
   for (GgmlType t : {GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K,
                      GgmlType::Q3_K, GgmlType::F16, GgmlType::BF16}) {
-    for (int64_t nt : {1, 8}) {
-      const auto [ms, gbs] = bench(t, 2048, 768 * 128, nt, true);
-      std::printf("gemv %-5s 2048x98304 n_tok %ld: %.3f ms, %.0f GB/s\n",
-                  std::string(type_name(t)).c_str(), static_cast<long>(nt), ms, gbs);
+    for (int64_t nt : {1, 8})
+      for (const bool kq : {false, true}) {
+        const bool saved_kq = gpu::detail::gemv_kq();
+        gpu::detail::gemv_kq() = kq;
+        const auto [ms, gbs] = bench(t, 2048, 768 * 128, nt, true);
+        gpu::detail::gemv_kq() = saved_kq;
+        std::printf("gemv %-5s 2048x98304 n_tok %ld%s: %.3f ms, %.0f GB/s\n",
+                    std::string(type_name(t)).c_str(), static_cast<long>(nt), kq ? " kq" : "", ms,
+                    gbs);
+      }
+  }
+  // Dense decode GEMVs of the Qwen3.5 presets (27B: 5120 -> 17408 and back; the 0.8B head,
+  // 1024 -> 151936), one token, through both quantized GEMV kernels (gemv_kq on, off).
+  {
+    const bool saved_kq = gpu::detail::gemv_kq();
+    struct Shape {
+      GgmlType t;
+      int64_t n_in, n_out;
+    };
+    for (const Shape& sh : {Shape{GgmlType::Q4_K, 5120, 17408}, Shape{GgmlType::Q4_K, 17408, 5120},
+                            Shape{GgmlType::Q6_K, 17408, 5120}, Shape{GgmlType::Q5_K, 5120, 10240},
+                            Shape{GgmlType::Q4_K, 5120, 5120}, Shape{GgmlType::Q4_K, 2560, 9728},
+                            Shape{GgmlType::Q4_K, 1024, 3584}, Shape{GgmlType::Q6_K, 1024, 151936},
+                            Shape{GgmlType::Q6_K, 5120, 151936}, Shape{GgmlType::F32, 5120, 48},
+                            Shape{GgmlType::F32, 1024, 16}}) {
+      // Copies of the matrix, at least 512 MB in all, taken in turn: reads come from HBM, not
+      // from the 50 MB L2.
+      gpu::detail::gemv_max_tok() = 1 << 30;
+      const size_t wb = row_bytes(sh.t, sh.n_in) * static_cast<size_t>(sh.n_out);
+      const int copies = static_cast<int>(std::max<size_t>(1, (size_t{512} << 20) / wb + 1));
+      std::vector<std::unique_ptr<Dev>> ws_;
+      for (int c = 0; c < copies; ++c) {
+        ws_.push_back(std::make_unique<Dev>(wb));
+        CUDA_OK(cudaMemset(ws_.back()->p, 0x11, wb));
+      }
+      Dev x(static_cast<size_t>(sh.n_in) * 4), o(static_cast<size_t>(sh.n_out) * 4);
+      x.put(gaussian(static_cast<size_t>(sh.n_in), 5));
+      const size_t wsb = gpu::matmul_workspace_bytes(sh.t, sh.n_in, sh.n_out, 1);
+      Dev scratch(wsb);
+      for (const int variant : {0, 1, 2}) {
+        const bool kq = variant > 0;
+        if (variant == 2 && (sh.t == GgmlType::Q6_K || !is_kq_type(sh.t))) continue;
+        gpu::detail::gemv_kq() = kq;
+        const bool saved_slice = gpu::detail::gemv_kq_slice();
+        gpu::detail::gemv_kq_slice() = variant == 2;
+        int c = 0;
+        const double ms = time_ms(
+            [&] {
+              gpu::matmul(sh.t, ws_[static_cast<size_t>(c)]->p, sh.n_in, sh.n_out, x.as<float>(), 1,
+                          o.as<float>(), scratch.p, wsb, nullptr);
+              c = (c + 1) % copies;
+            },
+            200);
+        CUDA_OK(cudaDeviceSynchronize());
+        gpu::detail::gemv_kq_slice() = saved_slice;
+        std::printf("gemv %-5s %ldx%ld n_tok 1 %s: %.4f ms, %.0f GB/s\n",
+                    std::string(type_name(sh.t)).c_str(), static_cast<long>(sh.n_in),
+                    static_cast<long>(sh.n_out),
+                    variant == 2 ? "slice"
+                    : kq         ? "kq   "
+                                 : "group",
+                    ms, wb / ms / 1e6);
+      }
+      gpu::detail::gemv_max_tok() = saved;
     }
+    gpu::detail::gemv_kq() = saved_kq;
   }
   // Crossover GEMV (token chunks of 8) vs dequantize + cuBLAS.
   for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16})

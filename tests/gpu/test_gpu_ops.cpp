@@ -353,8 +353,9 @@ TEST_CASE("gpu: router_route_signal equals matmul + moe_route_signal bit for bit
     int32_t n_expert, k;
     int64_t n_in;
   };
-  // qwen3moe's router; an n_in of 64 (several rows per warp); more experts than warps.
-  const Case cases[] = {{128, 8, 2048}, {60, 4, 64}, {256, 8, 4096}, {8, 2, 40}};
+  // qwen3moe's router; an n_in of 64 (several rows per warp); more experts than warps; rows
+  // of 128 lanes (4096 and 5120 inputs: 4 warps per row, gemv_store's shared sums).
+  const Case cases[] = {{128, 8, 2048}, {60, 4, 64}, {256, 8, 4096}, {8, 2, 40}, {48, 4, 5120}};
   for (const GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16}) {
     for (const Case& c : cases) {
       CAPTURE(type_name(t));

@@ -58,6 +58,9 @@ enum class CallKind : uint8_t {
   /// ops[0] single-token attention that also leaves its output's 8-bit blocks in the
   /// workspace, ops[1] the matmul reading that output (which then skips quantizing it).
   attention_q8,
+  /// ops[0] a single-token swiglu whose only reader is ops[1], a matmul with quantized weights:
+  /// the swiglu's 8-bit blocks made from gate and up directly, its f32 output never written.
+  swiglu_matmul,
 };
 
 std::string_view call_kind_name(CallKind k);

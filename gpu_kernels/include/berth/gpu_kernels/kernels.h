@@ -82,6 +82,17 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
                   void* workspace, size_t workspace_bytes, cudaStream_t stream, bool x_q8 = false,
                   int64_t n_decode = -1, bool invariant = true);
 
+/// out [n_out] = w times swiglu(gate, up) for one decode row: gate, up [n_in] f32, w n_out rows
+/// of n_in elements of a quantized `type`. The 8-bit blocks of gate / (1 + exp(-gate)) * up are
+/// made in one launch (swiglu()'s arithmetic) and read by the GEMV, so out has the bits of
+/// swiglu() then matmul() of one decode row, one launch fewer and swiglu's output never written.
+/// `workspace` holds at least matmul_workspace_bytes(type, n_in, n_out, 1). Errors:
+/// Error(invalid_argument) for float weights or a short workspace; unsupported types as
+/// supports().
+void swiglu_matmul(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* gate,
+                   const float* up, float* out, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
+
 /// out [n_tok, n_embd] = rows tokens[t] of w (n_vocab rows of n_embd elements of `type`),
 /// dequantized. Token ids are read from device memory; ids outside [0, n_vocab) give zero rows
 /// (the host validates ids before a step).
@@ -229,6 +240,25 @@ bool& moe_gemm_int8();
 /// graph replay, docs/performance.md). BERTH_MOE_FUSED=1 (or true, on, yes) sets it true. The
 /// workspace size depends on it: set it before sizing (not thread safe).
 bool& moe_gemv_fused();
+/// Whether decode GEMVs (matmul's decode rows, matmul_group, moe_experts' decode rows) on Q4_K,
+/// Q5_K and Q6_K weights run on the 64-element-unit kernel (true by default: every loaded weight
+/// byte used by the lane that loads it, several rows per lane set sharing the activations'
+/// loads) instead of the 32-element-group kernel of the other types. BERTH_GEMV_KQ=0 (or false,
+/// off, no) sets it false. The two sum a row in different orders (different rounding). Not
+/// thread safe: set before launching.
+bool& gemv_kq();
+/// Rows per lane set of that kernel: 0 (default) chooses by the launch's size (2 from 512 blocks
+/// of 2-row sets on), 1 or 2 forces it (BERTH_GEMV_KQ_RPS sets it). A row's bits never depend on
+/// it (tested).
+int& gemv_kq_rps();
+/// Lanes per row of that kernel (from n_in alone): 0 (default) 32, or the unit count rounded up
+/// to a power of two when smaller; 1 the group kernel's rule (at most 1/8 of the lane steps
+/// idle); 2 at most 1/4 idle. BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
+int& gemv_kq_lanes();
+/// Whether that kernel takes Q4_K / Q5_K in 32-element slices (the 16-byte half of a 32-byte
+/// chunk per lane: a warp's weight loads contiguous) instead of 64-element chunks (false by
+/// default; BERTH_GEMV_KQ_SLICE=1 sets it). Not thread safe: set before launching.
+bool& gemv_kq_slice();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -137,10 +138,15 @@ class Scheduler {
   /// run other one is freed to make room).
   size_t n_steps() const { return steps_.size(); }
   /// Device time per op kind: when on, steps run eagerly and unfused (no graph replay) with a
-  /// timed mark around each device op; gpu_profile() sums them since the last reset.
+  /// timed mark around each device op; gpu_profile() sums them since the last reset. With the
+  /// environment variable BERTH_PROFILE_BY_NAME=1 an entry is an op kind and its op's name
+  /// without the layer prefix ("matmul attn_qkv", "matmul ffn_down"), to tell apart the weights
+  /// of one kind.
   void set_profiling(bool on) { profiling_ = on; }
   std::vector<CpuExecutor::OpTime> gpu_profile() const;
   void reset_gpu_profile() { gpu_prof_.clear(); }
+  /// gpu_profile()'s entry for an op (its kind, and its name with BERTH_PROFILE_BY_NAME=1).
+  static std::string profile_entry(const graph::Op& op);
   /// The hand-off in use (automatic resolved; callback without a device).
   Handoff handoff() const { return handoff_; }
   /// HybridOptions::warm_workers_us in effect in single-token (decode) steps, in us (0: off):
@@ -226,8 +232,8 @@ class Scheduler {
   std::atomic<bool> serve_abort_{false};  // an eager step's enqueue failed: stop serving
   Handoff handoff_ = Handoff::callback;
   bool profiling_ = false;
-  std::vector<std::pair<graph::OpKind, std::pair<int, int>>> marks_;  // this step's timed ops
-  std::vector<CpuExecutor::OpTime> gpu_prof_;                         // indexed by OpKind
+  std::vector<std::pair<std::string, std::pair<int, int>>> marks_;  // this step's timed ops
+  std::map<std::string, CpuExecutor::OpTime> gpu_prof_;             // by entry (gpu_profile)
   int64_t n_streamed_ = 0, n_host_w_ = 0;
   int64_t n_warm_spins_ = 0;  // written by serve_segments (a step's server thread), read after
 };
