@@ -74,10 +74,6 @@ bool& gemv_kq() {
   static bool v = !env_says_off("BERTH_GEMV_KQ");
   return v;
 }
-bool& gemv_kq_slice() {
-  static bool v = env_says_on("BERTH_GEMV_KQ_SLICE");
-  return v;
-}
 int& gemv_kq_lanes() {
   static int v = [] {
     const char* e = std::getenv("BERTH_GEMV_KQ_LANES");
@@ -175,11 +171,10 @@ struct GemvArgs {
   float* out;
   int64_t out_stride;
   GemvRoute r;
-  int lpr;             // lanes per row (power of two <= 32)
-  int rps = 1;         // rows per lane set (gemv_kq_block: 1 or 2; 1 elsewhere)
-  bool kq = false;     // Q4_K / Q5_K / Q6_K through gemv_kq_block (gemv_kq() on)
-  bool slice = false;  // Q4_K / Q5_K there in 32-element slices (gemv_kq_slice() on)
-  bool vec;            // float kernel: 16-byte loads allowed
+  int lpr;          // lanes per row (power of two <= 32)
+  int rps = 1;      // rows per lane set (gemv_kq_block: 1 or 2; 1 elsewhere)
+  bool kq = false;  // Q4_K / Q5_K / Q6_K through gemv_kq_block (gemv_kq() on)
+  bool vec;         // float kernel: 16-byte loads allowed
   // Quantized single-token calls only (matmul_group): up to two more matrices of the same type
   // and n_in, whose rows follow the first's in the grid (rows n_out.. are the second's, ...).
   const uint8_t* w_more[2];
@@ -424,75 +419,8 @@ __device__ __forceinline__ float kq_dot(const KqUnit& k, const int8_t* __restric
   }
 }
 
-// Q4_K / Q5_K in 32-element slices (gemv_kq_slice()): slice s = the 16-byte half h = s & 1 of
-// chunk c = (s >> 1) & 3 of superblock s >> 3: elements 16h..16h+15 of group 2c (low nibbles,
-// words 0-3) and of group 2c + 1 (high nibbles, words 4-7). A warp's qs loads are then 512
-// contiguous bytes but for the headers; a group's half contributes x.d * (d*s * dot) + (-dmin*m)
-// * x.half_sum (meta .y or .z).
-template <GgmlType T>
-__device__ __forceinline__ void load_kq_slice(const uint8_t* row, int u, KqUnit& k) {
-  constexpr int kBytes = T == GgmlType::Q4_K ? 144 : 176;
-  constexpr int kQs = T == GgmlType::Q4_K ? 16 : 48;
-  const uint8_t* b = row + static_cast<size_t>(u >> 3) * kBytes;
-  const int c = (u >> 1) & 3, h = u & 1;
-  const uint4 hd = __ldg(reinterpret_cast<const uint4*>(b));
-  const uint4 v4 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c + 16 * h));
-  const uint32_t v[4] = {v4.x, v4.y, v4.z, v4.w};
-  uint32_t hb[4] = {0, 0, 0, 0};
-  if constexpr (T == GgmlType::Q5_K) {
-    const uint4 h4 = __ldg(reinterpret_cast<const uint4*>(b + 16 + 16 * h));
-    hb[0] = h4.x, hb[1] = h4.y, hb[2] = h4.z, hb[3] = h4.w;
-  }
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    k.q[w] = v[w] & 0x0F0F0F0Fu;
-    k.q[4 + w] = (v[w] >> 4) & 0x0F0F0F0Fu;
-    if constexpr (T == GgmlType::Q5_K) {
-      k.q[w] |= ((hb[w] >> (2 * c)) & 0x01010101u) << 4;
-      k.q[4 + w] |= ((hb[w] >> (2 * c + 1)) & 0x01010101u) << 4;
-    }
-  }
-  const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x & 0xFFFFu)));
-  const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(hd.x >> 16)));
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int j = 2 * c + i, sh = 8 * (j & 3);
-    const uint32_t sa = (hd.y >> sh) & 0xFFu, sb = (hd.z >> sh) & 0xFFu, sc = (hd.w >> sh) & 0xFFu;
-    const uint32_t scale = j < 4 ? (sa & 63u) : ((sc & 0xFu) | ((sa >> 6) << 4));
-    const uint32_t mn = j < 4 ? (sb & 63u) : ((sc >> 4) | ((sb >> 6) << 4));
-    k.sc[i] = d * static_cast<float>(scale);
-    k.mn[i] = -dmin * static_cast<float>(mn);
-  }
-}
-
-template <GgmlType T>
-__device__ __forceinline__ float kq_slice_dot(const KqUnit& k, const int8_t* __restrict__ xq,
-                                              const float4* __restrict__ xm, int64_t ar,
-                                              int64_t n_in, int u) {
-  const int64_t g0 = 2 * static_cast<int64_t>(u >> 1);  // group 2c of superblock u >> 3
-  const int h = u & 1;
-  const int8_t* xr = xq + ar * n_in + 32 * g0 + 16 * h;
-  const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(xr));
-  const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(xr + 32));
-  int s0 = __dp4a(static_cast<int>(k.q[0]), static_cast<int>(x0.x), 0);
-  s0 = __dp4a(static_cast<int>(k.q[1]), static_cast<int>(x0.y), s0);
-  s0 = __dp4a(static_cast<int>(k.q[2]), static_cast<int>(x0.z), s0);
-  s0 = __dp4a(static_cast<int>(k.q[3]), static_cast<int>(x0.w), s0);
-  int s1 = __dp4a(static_cast<int>(k.q[4]), static_cast<int>(x1.x), 0);
-  s1 = __dp4a(static_cast<int>(k.q[5]), static_cast<int>(x1.y), s1);
-  s1 = __dp4a(static_cast<int>(k.q[6]), static_cast<int>(x1.z), s1);
-  s1 = __dp4a(static_cast<int>(k.q[7]), static_cast<int>(x1.w), s1);
-  const float4* mp = xm + ar * (n_in / 32) + g0;
-  const float4 m0 = __ldg(mp), m1 = __ldg(mp + 1);
-  const float t0 = __fmaf_rn(m0.x, __fmul_rn(k.sc[0], static_cast<float>(s0)),
-                             __fmul_rn(k.mn[0], h ? m0.z : m0.y));
-  const float t1 = __fmaf_rn(m1.x, __fmul_rn(k.sc[1], static_cast<float>(s1)),
-                             __fmul_rn(k.mn[1], h ? m1.z : m1.y));
-  return __fadd_rn(t0, t1);
-}
-
 // The rows of one K-quant GEMV block (gemv_q_block's contract; R = a.rps).
-template <GgmlType T, int NT, int R, bool kSlice>
+template <GgmlType T, int NT, int R>
 __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
                                               int64_t out0, float* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -525,17 +453,14 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
   for (int i = 0; i < R; ++i)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
-  const int U = static_cast<int>(a.n_in / (kSlice ? 32 : 64));
+  const int U = static_cast<int>(a.n_in / 64);
 #pragma unroll(R == 1 ? 2 : 1)
   for (int u = sl; u < U; u += a.lpr) {
     KqUnit k[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (on[i]) {
-        if constexpr (kSlice)
-          load_kq_slice<T>(row[i], u, k[i]);
-        else
-          load_kq_unit<T>(row[i], u, k[i]);
+        load_kq_unit<T>(row[i], u, k[i]);
       } else {
 #pragma unroll
         for (int e = 0; e < 16; ++e) k[i].q[e] = 0;
@@ -549,9 +474,7 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
       if (NT == 1 || t < a.n_tok) {
 #pragma unroll
         for (int i = 0; i < R; ++i)
-          acc[i][t] =
-              __fadd_rn(acc[i][t], kSlice ? kq_slice_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u)
-                                          : kq_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u));
+          acc[i][t] = __fadd_rn(acc[i][t], kq_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u));
       }
     }
   }
@@ -566,19 +489,10 @@ __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w
                                              int64_t out0, float* out) {
   if constexpr (is_kq(T)) {
     if (a.kq) {
-      if constexpr (T != GgmlType::Q6_K) {
-        if (a.slice) {
-          if (a.rps == 2)
-            gemv_kq_block<T, NT, 2, true>(a, w, act0, out0, out);
-          else
-            gemv_kq_block<T, NT, 1, true>(a, w, act0, out0, out);
-          return;
-        }
-      }
       if (a.rps == 2)
-        gemv_kq_block<T, NT, 2, false>(a, w, act0, out0, out);
+        gemv_kq_block<T, NT, 2>(a, w, act0, out0, out);
       else
-        gemv_kq_block<T, NT, 1, false>(a, w, act0, out0, out);
+        gemv_kq_block<T, NT, 1>(a, w, act0, out0, out);
       return;
     }
   }
@@ -970,33 +884,35 @@ unsigned blocks_for(int64_t n, int threads) {
 // or 8-element steps (float), 1 row per lane set.
 struct GemvShape {
   int lpr, rps;
-  bool kq, slice;
+  bool kq;
 };
 GemvShape gemv_shape(GgmlType type, int64_t n_in, int64_t n_out, int64_t grid_yz) {
   if (is_kq(type) && gemv_kq()) {
-    // Lanes per row: 32, or the units' count rounded up to a power of two when smaller (from
-    // n_in alone, so a row's bits never depend on the launch). Idle lanes in a row's last step
-    // cost no bandwidth; a row's serial chain is what limits small launches.
-    const bool slice = type != GgmlType::Q6_K && gemv_kq_slice();
-    const int64_t units = n_in / (slice ? 32 : 64);
-    int lpr = 1;
-    while (lpr < 32 && lpr < units) lpr <<= 1;
-    if (gemv_kq_lanes() == 1) lpr = lanes_per_row(units);  // the group kernel's waste rule
+    // Lanes per row, from n_in alone (so a row's bits never depend on the launch): by default
+    // the group kernel's rule (the most lanes, up to 32, that leave at most 1/8 of the lane steps
+    // idle); gemv_kq_lanes() 1: 32, or the unit count rounded up to a power of two when smaller;
+    // 2: at most 1/4 idle. Measured in docs/performance.md (the default was faster at 4B, the
+    // power-of-two rule at 0.8B).
+    const int64_t units = n_in / 64;
+    int lpr = lanes_per_row(units);
+    if (gemv_kq_lanes() == 1) {
+      lpr = 1;
+      while (lpr < 32 && lpr < units) lpr <<= 1;
+    }
     if (gemv_kq_lanes() == 2) lpr = lanes_per_row_waste4(units);
     const int64_t blocks2 =
         static_cast<int64_t>(blocks_for(n_out, static_cast<int>(rows_per_block(lpr, 2))));
     const int forced = gemv_kq_rps();
-    return {lpr, forced == 1 || forced == 2 ? forced : (blocks2 * grid_yz >= 512 ? 2 : 1), true,
-            slice};
+    return {lpr, forced == 1 || forced == 2 ? forced : (blocks2 * grid_yz >= 512 ? 2 : 1), true};
   }
-  if (is_quantized(type)) return {lanes_per_row(n_in / 32), 1, false, false};
+  if (is_quantized(type)) return {lanes_per_row(n_in / 32), 1, false};
   // Float weights: a row of at least 512 eight-element steps in a launch of at most 256 rows
   // (ssm_alpha / ssm_beta, 48 x 5120 f32 in Qwen3.5-27B: 12 blocks of 4 rows otherwise) spans
   // 128 lanes, 4 steps or more each.
   const int64_t units = std::max<int64_t>(1, n_in / 8);
   const int lpr = lanes_per_row(units);
-  if (lpr == 32 && units >= 4 * 128 && n_out * grid_yz <= 256) return {128, 1, false, false};
-  return {lpr, 1, false, false};
+  if (lpr == 32 && units >= 4 * 128 && n_out * grid_yz <= 256) return {128, 1, false};
+  return {lpr, 1, false};
 }
 
 // The arguments of a GEMV launch (gemv(), router_route_signal()).
@@ -1019,7 +935,6 @@ GemvArgs gemv_args(GgmlType type, const void* w, int64_t n_in, int64_t n_out, co
   a.lpr = sh.lpr;
   a.rps = sh.rps;
   a.kq = sh.kq;
-  a.slice = sh.slice;
   a.vec = !q && n_in % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
           (reinterpret_cast<uintptr_t>(xf) & 15) == 0;
   if (!q && route.route) a.vec = a.vec && route.expert_bytes % 16 == 0;
@@ -1144,7 +1059,6 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, co
   a.lpr = sh.lpr;
   a.rps = sh.rps;
   a.kq = sh.kq;
-  a.slice = sh.slice;
   if (total == 0) return;
   const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block(a.lpr, a.rps))), 1u);
   BERTH_DISPATCH(type, launch_gemv_t, a, grid, s)
@@ -1335,8 +1249,13 @@ void gemm_f16(const __half* x, const __half* w, int64_t M, int64_t N, int64_t K,
            ldc);
 }
 
+// Rows of one dequantized f16 chunk: a multiple of 64 when the matrix takes several chunks, so
+// every chunk's GEMM starts at an output column offset of 256 bytes with a row count a multiple
+// of 8. (Chunks of 6553 rows at n_in 5120 left cuBLAS misaligned output pointers and odd m:
+// Qwen3.5-27B's prompt FFN GEMMs ran at about 90 TFLOP/s, docs/performance.md.)
 int64_t chunk_rows(int64_t n_in, int64_t n_out) {
-  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes) / (n_in * 2));
+  int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes) / (n_in * 2));
+  if (per < n_out) per = std::max<int64_t>(64, per / 64 * 64);
   return std::min(n_out, per);
 }
 

@@ -250,21 +250,20 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
 TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or rows per lane set") {
   REQUIRE_DEVICE();
   // The 64-element-unit kernel (gemv_kq on): lengths of 1, 3, 9 and 20 superblocks (4, 12, 36
-  // and 80 units: 4, 16 and 32 lanes per row, the last two with idle lanes in a row's last
-  // step), an odd row count (the last lane set of 2 rows half outside), 1 and 8 tokens, 1 and 2
-  // rows per lane set; and the 32-element-group kernel (gemv_kq off) on the same data, both
+  // and 80 units), an odd row count (the last lane set of 2 rows half outside), 1 and 8 tokens, 1
+  // and 2 rows per lane set; and the 32-element-group kernel (gemv_kq off) on the same data, both
   // within the reference's bound.
-  // Q4_K and Q5_K also in 32-element slices (gemv_kq_slice on).
+  // Both lane rules (gemv_kq_lanes 0: at most 1/8 of the lane steps idle, lanes 4, 4, 8, 16;
+  // 1: powers of two up to 32, lanes 4, 16, 32, 32).
   const bool saved_kq = gpu::detail::gemv_kq();
   const int saved_rps = gpu::detail::gemv_kq_rps();
-  const bool saved_slice = gpu::detail::gemv_kq_slice();
+  const int saved_lanes = gpu::detail::gemv_kq_lanes();
   uint64_t seed = 4400;
   for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
     CAPTURE(type_name(t));
-    for (const bool slice : {false, true}) {
-      if (slice && t == GgmlType::Q6_K) continue;
-      CAPTURE(slice);
-      gpu::detail::gemv_kq_slice() = slice;
+    for (const int lanes : {0, 1}) {
+      CAPTURE(lanes);
+      gpu::detail::gemv_kq_lanes() = lanes;
       for (const int64_t n_in : {int64_t{256}, int64_t{768}, int64_t{2304}, int64_t{5120}}) {
         CAPTURE(n_in);
         const int64_t n_out = 1031, n_tok = 8;
@@ -310,7 +309,7 @@ TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or ro
       }
     }
   }
-  gpu::detail::gemv_kq_slice() = saved_slice;
+  gpu::detail::gemv_kq_lanes() = saved_lanes;
 }
 
 TEST_CASE("gpu decode GEMV, float weights with few rows: 128 lanes per row, same bits per token") {
@@ -1102,10 +1101,10 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
       Dev scratch(wsb);
       for (const int variant : {0, 1, 2}) {
         const bool kq = variant > 0;
-        if (variant == 2 && (sh.t == GgmlType::Q6_K || !is_kq_type(sh.t))) continue;
+        if (variant == 2 && !is_kq_type(sh.t)) continue;
         gpu::detail::gemv_kq() = kq;
-        const bool saved_slice = gpu::detail::gemv_kq_slice();
-        gpu::detail::gemv_kq_slice() = variant == 2;
+        const int saved_lanes = gpu::detail::gemv_kq_lanes();
+        gpu::detail::gemv_kq_lanes() = variant == 2 ? 1 : 0;
         int c = 0;
         const double ms = time_ms(
             [&] {
@@ -1115,11 +1114,11 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
             },
             200);
         CUDA_OK(cudaDeviceSynchronize());
-        gpu::detail::gemv_kq_slice() = saved_slice;
+        gpu::detail::gemv_kq_lanes() = saved_lanes;
         std::printf("gemv %-5s %ldx%ld n_tok 1 %s: %.4f ms, %.0f GB/s\n",
                     std::string(type_name(sh.t)).c_str(), static_cast<long>(sh.n_in),
                     static_cast<long>(sh.n_out),
-                    variant == 2 ? "slice"
+                    variant == 2 ? "kq-p2"
                     : kq         ? "kq   "
                                  : "group",
                     ms, wb / ms / 1e6);

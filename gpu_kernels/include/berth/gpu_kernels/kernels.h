@@ -251,14 +251,10 @@ bool& gemv_kq();
 /// of 2-row sets on), 1 or 2 forces it (BERTH_GEMV_KQ_RPS sets it). A row's bits never depend on
 /// it (tested).
 int& gemv_kq_rps();
-/// Lanes per row of that kernel (from n_in alone): 0 (default) 32, or the unit count rounded up
-/// to a power of two when smaller; 1 the group kernel's rule (at most 1/8 of the lane steps
-/// idle); 2 at most 1/4 idle. BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
+/// Lanes per row of that kernel (from n_in alone): 0 (default) the group kernel's rule (up to 32,
+/// at most 1/8 of the lane steps idle); 1 32, or the unit count rounded up to a power of two when
+/// smaller; 2 at most 1/4 idle. BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
 int& gemv_kq_lanes();
-/// Whether that kernel takes Q4_K / Q5_K in 32-element slices (the 16-byte half of a 32-byte
-/// chunk per lane: a warp's weight loads contiguous) instead of 64-element chunks (false by
-/// default; BERTH_GEMV_KQ_SLICE=1 sets it). Not thread safe: set before launching.
-bool& gemv_kq_slice();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
