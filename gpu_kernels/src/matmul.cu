@@ -15,7 +15,7 @@
 // kernel with 8 elements (one 16-byte load of f16/bf16, two of f32) per lane step and f32
 // activations; launches of few long rows (Qwen3.5's ssm_alpha / ssm_beta) spread a row over 128
 // lanes (4 warps, summed through shared memory). Lanes per row follow n_in (and, for float
-// weights, the launch's row count), never the token count, so a row's bits never depend on it.
+// weights, the matrix's row count), never the token count, so a row's bits never depend on it.
 //
 // Rows by kind (issue 19: a row's bits never depend on the step's size or its other rows): the
 // last n_decode rows (decode tokens) take the GEMV above in launches of up to kGemvTok rows, whose
@@ -906,12 +906,14 @@ GemvShape gemv_shape(GgmlType type, int64_t n_in, int64_t n_out, int64_t grid_yz
     return {lpr, forced == 1 || forced == 2 ? forced : (blocks2 * grid_yz >= 512 ? 2 : 1), true};
   }
   if (is_quantized(type)) return {lanes_per_row(n_in / 32), 1, false};
-  // Float weights: a row of at least 512 eight-element steps in a launch of at most 256 rows
+  // Float weights: a row of at least 512 eight-element steps in a matrix of at most 256 rows
   // (ssm_alpha / ssm_beta, 48 x 5120 f32 in Qwen3.5-27B: 12 blocks of 4 rows otherwise) spans
   // 128 lanes, 4 steps or more each.
   const int64_t units = std::max<int64_t>(1, n_in / 8);
   const int lpr = lanes_per_row(units);
-  if (lpr == 32 && units >= 4 * 128 && n_out * grid_yz <= 256) return {128, 1, false};
+  // (From n_out alone, not the launch's pairs: a routed row's bits must not follow the token
+  // count.)
+  if (lpr == 32 && units >= 4 * 128 && n_out <= 256) return {128, 1, false};
   return {lpr, 1, false};
 }
 
@@ -1020,8 +1022,13 @@ bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in)
   int64_t total = 0;
   for (int j = 0; j < n_jobs; ++j) total += jobs[j].n_out;
   const int lpr = gemv_shape(jobs[0].type, n_in, total, 1).lpr;
-  for (int j = 0; j < n_jobs; ++j)
+  // Float jobs also agree on 16-byte loads (gemv_args' vec): a group takes them only when every
+  // matrix is 16-byte aligned, so all or none of them must be.
+  const bool aligned0 = (reinterpret_cast<uintptr_t>(jobs[0].w) & 15) == 0;
+  for (int j = 0; j < n_jobs; ++j) {
     if (gemv_shape(jobs[j].type, n_in, jobs[j].n_out, 1).lpr != lpr) return false;
+    if (((reinterpret_cast<uintptr_t>(jobs[j].w) & 15) == 0) != aligned0) return false;
+  }
   return true;
 }
 
@@ -1131,7 +1138,9 @@ void router_route_signal(GgmlType type, const void* w, int64_t n_in, const float
   check_route(n_expert, k);
   const Copies cp = pack_copies(copies, n, "gpu::router_route_signal");
   const size_t smem = static_cast<size_t>(n_expert) * (sizeof(double) + sizeof(float));
-  if (!cluster_kernels_available() || smem > 48 * 1024) {
+  // (48 KiB of shared memory per block without opting in, less the static part: gemv_store's
+  // sums, kStoreWarps floats.)
+  if (!cluster_kernels_available() || smem + detail::kStoreWarps * sizeof(float) > 48 * 1024) {
     detail::gemv(type, w, n_in, n_expert, x, detail::QAct{}, 1, logits, n_expert,
                  detail::GemvRoute{}, s);
     moe_route_signal(logits, n_expert, k, norm, route, copies, n, flag, value, s, forced);

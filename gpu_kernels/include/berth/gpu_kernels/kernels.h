@@ -245,7 +245,8 @@ bool& moe_gemv_fused();
 /// byte used by the lane that loads it, several rows per lane set sharing the activations'
 /// loads) instead of the 32-element-group kernel of the other types. BERTH_GEMV_KQ=0 (or false,
 /// off, no) sets it false. The two sum a row in different orders (different rounding). Not
-/// thread safe: set before launching.
+/// thread safe: set before launching. moe_experts' workspace size depends on it and on
+/// gemv_kq_rps() and gemv_kq_lanes() (the fused decode's count words): set them before sizing.
 bool& gemv_kq();
 /// Rows per lane set of that kernel: 0 (default) chooses by the launch's size (2 from 512 blocks
 /// of 2-row sets on), 1 or 2 forces it (BERTH_GEMV_KQ_RPS sets it). A row's bits never depend on
