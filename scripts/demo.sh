@@ -11,7 +11,7 @@ if [[ ! -f $model ]]; then
     "../shared/models/)" >&2
   exit 1
 fi
-scripts/setup.sh >&2
+scripts/setup.sh --build-only >&2  # the build's packages (the tests' Node.js client is not needed)
 scripts/build.sh berth >&2  # only the executable and its libraries; build logs go to stderr
 ./build/bin/berth run -m "$model" -p "Once upon a time" -n 64 --temp 0
 echo

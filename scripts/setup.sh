@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Installs berth's build dependencies from Debian/Ubuntu packages. Idempotent: packages that are
+# Installs berth's build dependencies from Debian/Ubuntu packages, then what the tests need
+# (below; skipped with --build-only, as scripts/demo.sh runs it). Idempotent: packages that are
 # already installed are skipped, so a second run does nothing and needs no network.
 set -euo pipefail
+build_only=0
+for a in "$@"; do
+  case $a in
+    --build-only) build_only=1 ;;
+    *) echo "setup: unknown argument '$a' (expected --build-only)" >&2; exit 2 ;;
+  esac
+done
 pkgs=(build-essential cmake ninja-build pkg-config ccache
       libtbb-dev libhwloc-dev liburing-dev libhwy-dev libspdlog-dev libfmt-dev
       doctest-dev libcli11-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev)
@@ -18,6 +26,8 @@ if ((${#missing[@]})); then
 else
   echo "setup: all build dependencies are installed"
 fi
+
+((build_only)) && exit 0
 
 # The official OpenAI client library the server tests round-trip with (tests/server/openai-client):
 # `npm ci` from the committed lockfile, skipped when node_modules already holds that lockfile's
