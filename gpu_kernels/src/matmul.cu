@@ -183,6 +183,19 @@ struct GemvArgs {
   int n_more;
 };
 
+// Rows past the first matrix belong to the next ones (a single-token matmul group): moves row r
+// of the launch to its matrix (weights w, output out, n_out rows); a row past them all keeps
+// r >= n_out.
+__device__ __forceinline__ void group_row(const GemvArgs& a, int64_t& r, const uint8_t*& w,
+                                          float*& out, int64_t& n_out) {
+  for (int j = 0; j < a.n_more && r >= n_out; ++j) {
+    r -= n_out;
+    w = a.w_more[j];
+    out = a.out_more[j];
+    n_out = a.rows_more[j];
+  }
+}
+
 // Expert of slot j of token t of a route, or -1 when the slot is outside [slot_begin,
 // slot_end), its id is invalid or its expert is masked out.
 __device__ __forceinline__ int route_expert(const GemvRoute& r, int64_t t, int64_t j) {
@@ -433,16 +446,10 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
   bool on[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    // Rows past the first matrix belong to the next ones (a single-token matmul group).
     int64_t r = set * R + i, n_out = a.n_out;
     const uint8_t* wi = w;
     float* oi = out;
-    for (int j = 0; j < a.n_more && r >= n_out; ++j) {
-      r -= n_out;
-      wi = a.w_more[j];
-      oi = a.out_more[j];
-      n_out = a.rows_more[j];
-    }
+    group_row(a, r, wi, oi, n_out);
     on[i] = r < n_out;
     rr[i] = r;
     row[i] = wi + static_cast<size_t>(on[i] ? r : 0) * a.row_bytes;
@@ -501,14 +508,8 @@ __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w
   const int sl = lane & (a.lpr - 1);
   int64_t r =
       (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * rows_per_warp + lane / a.lpr;
-  // Rows past the first matrix belong to the next ones (a single-token matmul group).
   int64_t n_out = a.n_out;
-  for (int j = 0; j < a.n_more && r >= n_out; ++j) {
-    r -= n_out;
-    w = a.w_more[j];
-    out = a.out_more[j];
-    n_out = a.rows_more[j];
-  }
+  group_row(a, r, w, out, n_out);
   const bool active = r < n_out;
   const int G = static_cast<int>(a.n_in / 32);
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
@@ -724,15 +725,9 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int sl = static_cast<int>(g & (a.lpr - 1));
   int64_t r = g / a.lpr;
-  // Rows past the first matrix belong to the next ones (a single-token matmul group).
   int64_t n_out = a.n_out;
   float* out = a.out;
-  for (int j = 0; j < a.n_more && r >= n_out; ++j) {
-    r -= n_out;
-    w = a.w_more[j];
-    out = a.out_more[j];
-    n_out = a.rows_more[j];
-  }
+  group_row(a, r, w, out, n_out);
   const bool active = r < n_out;
   const uint8_t* row = w + static_cast<size_t>(active ? r : 0) * a.row_bytes;
   float acc[NT];
@@ -863,17 +858,6 @@ int lanes_per_row(int64_t units) {
   return l;
 }
 
-// lanes_per_row with a quarter of the lane steps allowed idle.
-int lanes_per_row_waste4(int64_t units) {
-  int l = 32;
-  while (l > 1) {
-    const int64_t steps = (units + l - 1) / l;
-    if ((steps * l - units) * 4 <= units) break;
-    l >>= 1;
-  }
-  return l;
-}
-
 unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
@@ -886,24 +870,44 @@ struct GemvShape {
   int lpr, rps;
   bool kq;
 };
-GemvShape gemv_shape(GgmlType type, int64_t n_in, int64_t n_out, int64_t grid_yz) {
+// Rows per lane set of the K-quant kernel for a launch of `rows` rows at lpr lanes per row over
+// grid_yz row blocks' worth of pairs: 2 once the launch has 512 blocks of 2-row sets (a row's
+// bits do not depend on it), unless gemv_kq_rps() forces it.
+int kq_rps(int lpr, int64_t rows, int64_t grid_yz) {
+  const int forced = gemv_kq_rps();
+  if (forced == 1 || forced == 2) return forced;
+  const int64_t blocks2 =
+      static_cast<int64_t>(blocks_for(rows, static_cast<int>(rows_per_block(lpr, 2))));
+  return blocks2 * grid_yz >= 512 ? 2 : 1;
+}
+
+// Row blocks (of 1-row lane sets) below which a K-quant matrix that is not routed gets more
+// lanes per row (gemv_shape): about two blocks per SM of an H200 (132 SMs).
+constexpr int64_t kKqFillBlocks = 256;
+
+GemvShape gemv_shape(GgmlType type, int64_t n_in, int64_t n_out, int64_t grid_yz, bool routed) {
   if (is_kq(type) && gemv_kq()) {
-    // Lanes per row, from n_in alone (so a row's bits never depend on the launch): by default
-    // the group kernel's rule (the most lanes, up to 32, that leave at most 1/8 of the lane steps
-    // idle); gemv_kq_lanes() 1: 32, or the unit count rounded up to a power of two when smaller;
-    // 2: at most 1/4 idle. Measured in docs/performance.md (the default was faster at 4B, the
-    // power-of-two rule at 0.8B).
+    // Lanes per row, from the matrix's shape alone (so a row's bits never depend on the launch):
+    // by default the group kernel's rule (the most lanes, up to 32, that leave at most 1/8 of the
+    // lane steps idle), then, for a matrix that is not routed and would fill fewer than
+    // kKqFillBlocks blocks of 1-row sets, doubled while that holds and the lanes stay within the
+    // unit count rounded up to a power of two (Qwen3.5-0.8B's ffn_down, 1024 rows of 56 units:
+    // 8 lanes, 64 blocks on 132 SMs, become 32 lanes, 256 blocks). A routed matrix's launch has a
+    // row block per pair, so it keeps the first rule. gemv_kq_lanes() 1: 32, or the unit count
+    // rounded up to a power of two when smaller; 2: the first rule alone (measured in
+    // docs/performance.md).
     const int64_t units = n_in / 64;
     int lpr = lanes_per_row(units);
     if (gemv_kq_lanes() == 1) {
       lpr = 1;
       while (lpr < 32 && lpr < units) lpr <<= 1;
+    } else if (gemv_kq_lanes() == 0 && !routed) {
+      while (lpr < 32 && lpr < units &&
+             static_cast<int64_t>(blocks_for(n_out, static_cast<int>(rows_per_block(lpr, 1)))) <
+                 kKqFillBlocks)
+        lpr <<= 1;
     }
-    if (gemv_kq_lanes() == 2) lpr = lanes_per_row_waste4(units);
-    const int64_t blocks2 =
-        static_cast<int64_t>(blocks_for(n_out, static_cast<int>(rows_per_block(lpr, 2))));
-    const int forced = gemv_kq_rps();
-    return {lpr, forced == 1 || forced == 2 ? forced : (blocks2 * grid_yz >= 512 ? 2 : 1), true};
+    return {lpr, kq_rps(lpr, n_out, grid_yz), true};
   }
   if (is_quantized(type)) return {lanes_per_row(n_in / 32), 1, false};
   // Float weights: a row of at least 512 eight-element steps in a matrix of at most 256 rows
@@ -933,7 +937,7 @@ GemvArgs gemv_args(GgmlType type, const void* w, int64_t n_in, int64_t n_out, co
   a.out_stride = out_stride;
   a.r = route;
   const bool q = is_quantized(type);
-  const GemvShape sh = gemv_shape(type, n_in, n_out, route.route ? route.pairs : 1);
+  const GemvShape sh = gemv_shape(type, n_in, n_out, route.route ? route.pairs : 1, route.route);
   a.lpr = sh.lpr;
   a.rps = sh.rps;
   a.kq = sh.kq;
@@ -1019,15 +1023,15 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
 }
 
 bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in) {
-  int64_t total = 0;
-  for (int j = 0; j < n_jobs; ++j) total += jobs[j].n_out;
-  const int lpr = gemv_shape(jobs[0].type, n_in, total, 1).lpr;
+  const int lpr = gemv_shape(jobs[0].type, n_in, jobs[0].n_out, 1, false).lpr;
   // Float jobs also agree on 16-byte loads (gemv_args' vec): a group takes them only when every
   // matrix is 16-byte aligned, so all or none of them must be.
   const bool aligned0 = (reinterpret_cast<uintptr_t>(jobs[0].w) & 15) == 0;
   for (int j = 0; j < n_jobs; ++j) {
-    if (gemv_shape(jobs[j].type, n_in, jobs[j].n_out, 1).lpr != lpr) return false;
-    if (((reinterpret_cast<uintptr_t>(jobs[j].w) & 15) == 0) != aligned0) return false;
+    if (gemv_shape(jobs[j].type, n_in, jobs[j].n_out, 1, false).lpr != lpr) return false;
+    if (!is_quantized(jobs[j].type) &&
+        ((reinterpret_cast<uintptr_t>(jobs[j].w) & 15) == 0) != aligned0)
+      return false;
   }
   return true;
 }
@@ -1062,9 +1066,11 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, co
     for (int j = 0; j < n_jobs; ++j)
       a.vec = a.vec && (reinterpret_cast<uintptr_t>(jobs[j].w) & 15) == 0;
   }
-  const GemvShape sh = gemv_shape(type, n_in, total, 1);
+  // Lanes per row from the matrices (each alone gets the same: gemv_one_token_lanes_agree), rows
+  // per lane set from the launch.
+  const GemvShape sh = gemv_shape(type, n_in, jobs[0].n_out, 1, false);
   a.lpr = sh.lpr;
-  a.rps = sh.rps;
+  a.rps = sh.kq ? kq_rps(sh.lpr, total, 1) : sh.rps;
   a.kq = sh.kq;
   if (total == 0) return;
   const dim3 grid(blocks_for(total, static_cast<int>(rows_per_block(a.lpr, a.rps))), 1u);
@@ -1074,7 +1080,7 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, co
 int64_t moe_gemv_counts(GgmlType down_type, int64_t n_ff, int64_t n_embd, int64_t n_tok,
                         int64_t pairs) {
   // moe_gemv_down's grid (gemv_args with a route of `pairs` pairs).
-  const GemvShape sh = gemv_shape(down_type, n_ff, n_embd, pairs);
+  const GemvShape sh = gemv_shape(down_type, n_ff, n_embd, pairs, true);
   return pairs + n_tok * static_cast<int64_t>(
                              blocks_for(n_embd, static_cast<int>(rows_per_block(sh.lpr, sh.rps))));
 }
@@ -1478,8 +1484,8 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
   if (n_tok == 1) {
     // One launch per weight type and up to 3 matrices (a decode step's Q and K, often V too; a
     // Qwen3.5 GDN layer's ssm_alpha and ssm_beta): the rows of the matrices follow one another
-    // in the grid. Float matrices share a launch only where each alone would get the same
-    // lanes per row (gemv_shape), so each row keeps its bits.
+    // in the grid. Matrices share a launch only where each alone would get the same lanes per
+    // row (gemv_shape: a K-quant matrix of few rows gets more), so each row keeps its bits.
     std::vector<bool> done(static_cast<size_t>(n_jobs), false);
     for (int j = 0; j < n_jobs; ++j) {
       if (done[static_cast<size_t>(j)]) continue;
@@ -1488,7 +1494,7 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
       for (int k = j; k < n_jobs && n < 3; ++k)
         if (!done[static_cast<size_t>(k)] && jobs[k].type == jobs[j].type && jobs[k].n_out > 0) {
           same[n++] = jobs[k];
-          if (!is_quantized(jobs[k].type) && !gemv_one_token_lanes_agree(same, n, n_in)) {
+          if (!gemv_one_token_lanes_agree(same, n, n_in)) {
             --n;
             continue;
           }

@@ -114,8 +114,8 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s);
 /// A single-token GEMV of 1-3 matrices of one type and n_in, in one launch; each job's rows as
 /// gemv() computes them. Quantized types read activations `qa` (quantize_act of one row), float
-/// types x (f32 [n_in]), whose jobs must agree on the lanes per row
-/// (gemv_one_token_lanes_agree).
+/// types x (f32 [n_in]). The jobs must agree on the lanes per row, which follow each matrix's
+/// shape (gemv_one_token_lanes_agree; float jobs also on 16-byte alignment).
 void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, const float* x,
                     cudaStream_t s);
 bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in);

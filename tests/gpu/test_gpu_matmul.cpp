@@ -253,15 +253,16 @@ TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or ro
   // and 80 units), an odd row count (the last lane set of 2 rows half outside), 1 and 8 tokens, 1
   // and 2 rows per lane set; and the 32-element-group kernel (gemv_kq off) on the same data, both
   // within the reference's bound.
-  // Both lane rules (gemv_kq_lanes 0: at most 1/8 of the lane steps idle, lanes 4, 4, 8, 16;
-  // 1: powers of two up to 32, lanes 4, 16, 32, 32).
+  // The three lane rules (gemv_kq_lanes 0: at most 1/8 of the lane steps idle, then wider for
+  // these 1031 rows, lanes 4, 16, 32, 32; 1: powers of two up to 32, lanes 4, 16, 32, 32; 2: the
+  // first step of rule 0 alone, lanes 4, 4, 8, 16).
   const bool saved_kq = gpu::detail::gemv_kq();
   const int saved_rps = gpu::detail::gemv_kq_rps();
   const int saved_lanes = gpu::detail::gemv_kq_lanes();
   uint64_t seed = 4400;
   for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
     CAPTURE(type_name(t));
-    for (const int lanes : {0, 1}) {
+    for (const int lanes : {0, 1, 2}) {
       CAPTURE(lanes);
       gpu::detail::gemv_kq_lanes() = lanes;
       for (const int64_t n_in : {int64_t{256}, int64_t{768}, int64_t{2304}, int64_t{5120}}) {
@@ -404,74 +405,21 @@ TEST_CASE("gpu matmul_group: the same bits as one matmul per job, mixed types, b
   }
 }
 
-TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, same bits") {
-  REQUIRE_DEVICE();
-  // Q, K, V of one type (one launch), Q and K of one type with V of another (two), and a group
-  // with a float matrix; widths that end inside a block of rows.
-  const int64_t n_in = 2048;
-  const std::vector<std::vector<GgmlType>> groups = {
-      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K},
-      {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
-      {GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_0},
-      {GgmlType::Q6_K, GgmlType::Q4_K}};
-  const int64_t outs[] = {4096, 515, 33};
-  uint64_t seed = 7000;
-  const auto x = gaussian(static_cast<size_t>(n_in), 7001, 1.0f, 0.1f);
-  Dev dx(x.size() * 4);
-  dx.put(x);
-  for (const auto& types : groups) {
-    const int n = static_cast<int>(types.size());
-    std::vector<std::unique_ptr<Dev>> dws, one, grp;
-    std::vector<MatmulJob> jobs;
-    size_t wsb = 0;
-    for (int j = 0; j < n; ++j)
-      wsb = std::max(wsb,
-                     gpu::matmul_workspace_bytes(types[static_cast<size_t>(j)], n_in, outs[j], 1));
-    Dev ws(wsb);
-    for (int j = 0; j < n; ++j) {
-      const GgmlType t = types[static_cast<size_t>(j)];
-      CAPTURE(type_name(t));
-      const auto wq = make_weights(t, outs[j], n_in, seed += 31);
-      dws.push_back(std::make_unique<Dev>(wq.size()));
-      dws.back()->put(wq);
-      one.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
-      grp.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
-      one.back()->poison();
-      grp.back()->poison();
-      gpu::matmul(t, dws.back()->p, n_in, outs[j], dx.as<float>(), 1, one.back()->as<float>(), ws.p,
-                  wsb, nullptr);
-      jobs.push_back({t, dws.back()->p, outs[j], grp.back()->as<float>()});
-    }
-    gpu::matmul_group(jobs.data(), n, n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    for (int j = 0; j < n; ++j) {
-      CAPTURE(j);
-      const auto a = one[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
-      const auto b = grp[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
-      CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
-    }
-  }
-}
-
-TEST_CASE("gpu matmul_group, one token, five jobs: launches by type, float rows of 128 lanes") {
-  REQUIRE_DEVICE();
-  // A Qwen3.5-27B GDN layer's group (attn_qkv Q5_K, attn_gate Q4_K, ssm_beta and ssm_alpha f32,
-  // rows of 128 lanes that share a launch) plus an f16 job: each job's bits as matmul alone.
-  const int64_t n_in = 5120;
-  const GgmlType types[] = {GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::F32, GgmlType::F32,
-                            GgmlType::F16};
-  const int64_t outs[] = {300, 129, 48, 48, 7};
-  const auto x = gaussian(static_cast<size_t>(n_in), 7301, 1.0f, 0.1f);
+// One token through matmul_group against one matmul per job: the same bits for every job.
+void check_group_one_token(int64_t n_in, const std::vector<GgmlType>& types,
+                           const std::vector<int64_t>& outs, uint64_t seed) {
+  const size_t n = types.size();
+  const auto x = gaussian(static_cast<size_t>(n_in), seed, 1.0f, 0.1f);
   Dev dx(x.size() * 4);
   dx.put(x);
   size_t wsb = 0;
-  for (int j = 0; j < 5; ++j)
+  for (size_t j = 0; j < n; ++j)
     wsb = std::max(wsb, gpu::matmul_workspace_bytes(types[j], n_in, outs[j], 1));
   Dev ws(wsb);
   std::vector<std::unique_ptr<Dev>> dws, one, grp;
   std::vector<MatmulJob> jobs;
-  for (int j = 0; j < 5; ++j) {
-    const auto wq = make_weights(types[j], outs[j], n_in, 7400 + static_cast<uint64_t>(j));
+  for (size_t j = 0; j < n; ++j) {
+    const auto wq = make_weights(types[j], outs[j], n_in, seed + 1 + j);
     dws.push_back(std::make_unique<Dev>(wq.size()));
     dws.back()->put(wq);
     one.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
@@ -482,14 +430,47 @@ TEST_CASE("gpu matmul_group, one token, five jobs: launches by type, float rows 
                 ws.p, wsb, nullptr);
     jobs.push_back({types[j], dws.back()->p, outs[j], grp.back()->as<float>()});
   }
-  gpu::matmul_group(jobs.data(), 5, n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
+  gpu::matmul_group(jobs.data(), static_cast<int>(n), n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
-  for (int j = 0; j < 5; ++j) {
+  for (size_t j = 0; j < n; ++j) {
     CAPTURE(j);
-    const auto a = one[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
-    const auto b = grp[static_cast<size_t>(j)]->get<float>(static_cast<size_t>(outs[j]));
+    const auto a = one[j]->get<float>(static_cast<size_t>(outs[j]));
+    const auto b = grp[j]->get<float>(static_cast<size_t>(outs[j]));
     CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
   }
+}
+
+TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, same bits") {
+  REQUIRE_DEVICE();
+  // Q, K, V of one type (one launch), Q and K of one type with V of another (two), and a group
+  // with a float matrix; widths that end inside a block of rows.
+  const std::vector<int64_t> outs = {4096, 515, 33};
+  uint64_t seed = 7000;
+  for (const auto& types :
+       std::vector<std::vector<GgmlType>>{{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K},
+                                          {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
+                                          {GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_0},
+                                          {GgmlType::Q6_K, GgmlType::Q4_K}}) {
+    CAPTURE(type_name(types[0]));
+    check_group_one_token(2048, types, outs, seed += 100);
+  }
+  // Qwen3.5-4B's attention Q (with its gate), K, V: rows of 40 units, where K and V alone fill
+  // few row blocks and get 32 lanes per row against Q's 8 (gemv_shape), so Q launches alone.
+  for (const auto& types :
+       std::vector<std::vector<GgmlType>>{{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q4_K},
+                                          {GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K}}) {
+    CAPTURE(type_name(types[2]));
+    check_group_one_token(2560, types, {8192, 1024, 1024}, seed += 100);
+  }
+}
+
+TEST_CASE("gpu matmul_group, one token, five jobs: launches by type, float rows of 128 lanes") {
+  REQUIRE_DEVICE();
+  // A Qwen3.5-27B GDN layer's group (attn_qkv Q5_K, attn_gate Q4_K, ssm_beta and ssm_alpha f32,
+  // rows of 128 lanes that share a launch) plus an f16 job: each job's bits as matmul alone.
+  check_group_one_token(
+      5120, {GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::F32, GgmlType::F32, GgmlType::F16},
+      {300, 129, 48, 48, 7}, 7300);
 }
 
 TEST_CASE("gpu swiglu_matmul: the bits of swiglu then matmul of one decode row") {

@@ -252,9 +252,11 @@ bool& gemv_kq();
 /// of 2-row sets on), 1 or 2 forces it (BERTH_GEMV_KQ_RPS sets it). A row's bits never depend on
 /// it (tested).
 int& gemv_kq_rps();
-/// Lanes per row of that kernel (from n_in alone): 0 (default) the group kernel's rule (up to 32,
-/// at most 1/8 of the lane steps idle); 1 32, or the unit count rounded up to a power of two when
-/// smaller; 2 at most 1/4 idle. BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
+/// Lanes per row of that kernel (from the matrix's shape, never the launch's): 0 (default) the
+/// group kernel's rule (up to 32, at most 1/8 of the lane steps idle), doubled for a matrix that is
+/// not routed while it fills fewer than 256 row blocks and the lanes stay below its 64-element unit
+/// count; 1 32, or the unit count rounded up to a power of two when smaller; 2 the group kernel's
+/// rule alone (from n_in). BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
 int& gemv_kq_lanes();
 }  // namespace detail
 
