@@ -10,8 +10,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstddef>
+#include <cstdlib>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -35,6 +38,39 @@ void drv(CUresult r, const char* what) {
   if (r != CUDA_SUCCESS)
     throw Error(ErrorCategory::internal,
                 fmt::format("CUDA: {}: driver error {}", what, static_cast<int>(r)));
+}
+
+// How long synchronize() polls a stream before it sleeps in cudaStreamSynchronize, in
+// microseconds: BERTH_SYNC_SPIN_US, default 20000 (0: sleep at once, as blocking sync does).
+int64_t sync_spin_us() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("BERTH_SYNC_SPIN_US");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{20000};
+  }();
+  return v;
+}
+
+// Waits for stream s (synchronize_polling). The device runs with cudaDeviceScheduleBlockingSync,
+// whose waiting thread sleeps until an interrupt wakes it; on the H200 machine that wake-up cost
+// about 0.16 ms per all-GPU decode step of Qwen3.5-0.8B (docs/performance.md). So this wait
+// first polls the stream, yielding the core between polls, for up to sync_spin_us(); only a
+// longer wait (a long prefill) sleeps.
+void wait_stream(cudaStream_t s) {
+  const int64_t spin_us = sync_spin_us();
+  if (spin_us > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (uint32_t n = 0;; ++n) {
+      const cudaError_t r = cudaStreamQuery(s);
+      if (r == cudaSuccess) return;
+      if (r != cudaErrorNotReady) fail(r, "cudaStreamQuery");
+      cudaGetLastError();  // not an error: clear it
+      if ((n & 63) == 63 &&
+          std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us))
+        break;
+      std::this_thread::yield();
+    }
+  }
+  check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
 }
 
 // Driver entry points through the runtime, so the binary does not link libcuda (it then loads
@@ -62,8 +98,9 @@ class CudaDevice final : public backend_detail::StreamDevice {
     if (index < 0 || index >= n)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("CUDA device {} does not exist ({} found)", index, n));
-    // The host thread sleeps in synchronize() instead of spinning on a core that a CPU worker
-    // needs (the hybrid step runs CPU experts on every core while it waits).
+    // A waiting host thread sleeps instead of spinning on a core that a CPU worker needs (the
+    // hybrid step runs CPU experts on every core); steps without CPU work poll first
+    // (synchronize_polling).
     cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
     cudaGetLastError();
     check(cudaSetDevice(index), "cudaSetDevice");
@@ -227,6 +264,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
     for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
   void synchronize(int s) override { check(cudaStreamSynchronize(st(s)), "cudaStreamSynchronize"); }
+  void synchronize_polling(int s) override { wait_stream(st(s)); }
 
   int capture(const std::function<void()>& enqueue_work) override {
     check(cudaStreamBeginCapture(streams_[kMain], cudaStreamCaptureModeThreadLocal),

@@ -636,8 +636,14 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
     enqueue_step(st);
   }
   // The step's streams only: copies into expert slots on kCopy may go on into the next step.
-  dev_->synchronize(kMain);
-  dev_->synchronize(kAux);
+  // A step without CPU segments polls (a sleeping thread's wake-up would add to the step).
+  if (st.s.segments.empty()) {
+    dev_->synchronize_polling(kMain);
+    dev_->synchronize_polling(kAux);
+  } else {
+    dev_->synchronize(kMain);
+    dev_->synchronize(kAux);
+  }
   for (const auto& [entry, ab] : marks_) {
     auto& t = gpu_prof_[entry];
     t.seconds += dev_->elapsed_ms(ab.first, ab.second) / 1e3;

@@ -123,6 +123,11 @@ class Device {
   /// for) is done; rethrows an error a queued operation raised. Other streams may go on (e.g.
   /// kCopy filling expert slots while a step ends).
   virtual void synchronize(int s) = 0;
+  /// synchronize(s) for a wait with no CPU work beside it (a step without CPU segments), where
+  /// the waiting thread's wake-up adds to the step: the CUDA device polls the stream, yielding
+  /// the core between polls, for up to BERTH_SYNC_SPIN_US microseconds (default 20000; 0: no
+  /// polling) before it sleeps. Same errors as synchronize(s); by default it is synchronize(s).
+  virtual void synchronize_polling(int s) { synchronize(s); }
 
   // --- Capture --------------------------------------------------------------------------------
   /// Runs `enqueue` while recording instead of running the work it enqueues on every stream
