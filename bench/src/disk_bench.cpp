@@ -164,6 +164,9 @@ DiskBenchRun reader_run(const DiskBenchOptions& o, const std::vector<uint64_t>& 
   ro.backend = backend;
   ro.queue_depth = depth;
   ro.pread_threads = depth;
+  // The reader's default largest read, whatever BERTH_DISK_MAX_READ says: the drive is measured
+  // at the stated block size.
+  ro.max_read_bytes = size_t{8} << 20;
   ro.fixed_buffers = {{arena.data(), arena.size()}};
   io::DiskReader reader(o.path, ro);
   if (settings != nullptr) *settings = reader.backend_reason();

@@ -885,9 +885,15 @@ std::string format_text(const ModelBenchResult& r) {
         d.calls > 0 ? 100.0 * static_cast<double>(d.hits) / static_cast<double>(d.calls) : 0.0,
         100 * d.ahead_hit_rate, d.reads_ahead, d.ahead_used, d.reads_demand,
         100 * d.prediction_precision, d.predictions_read, d.predictions, d.achieved_gbps,
-        d.drive_gbps > 0 ? fmt::format(" = {:.0f}% of the drive's O_DIRECT QD32 {:.2f} GB/s",
-                                       100 * d.fraction, d.drive_gbps)
-                         : std::string(),
+        d.drive_gbps > 0
+            ? fmt::format(" = {:.0f}% of the drive's O_DIRECT QD32 {:.2f} GB/s{}", 100 * d.fraction,
+                          d.drive_gbps,
+                          // O_DIRECT bypasses this machine's page cache, not one below it.
+                          d.fraction > 1.05 ? " (more than the drive: a cache below this "
+                                              "machine, e.g. a virtual disk's host page cache, "
+                                              "served the tier's repeated reads)"
+                                            : "")
+            : std::string(),
         1e3 * d.wait_s_per_token);
   }
   auto prof = [&](const char* what, const std::vector<OpShare>& p) {

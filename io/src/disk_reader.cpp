@@ -36,7 +36,6 @@ namespace berth::io {
 namespace {
 
 constexpr size_t kA = kDirectAlignment;
-constexpr size_t kMaxPiece = size_t{8} << 20;      // bytes per read; longer ranges are split
 constexpr size_t kMaxBounce = size_t{1} << 20;     // bytes per read through a bounce block
 constexpr size_t kMaxFixedPart = size_t{1} << 30;  // io_uring's limit per registered buffer
 constexpr uint64_t kWakeTag = ~uint64_t{0};        // user_data of the eventfd read
@@ -109,6 +108,7 @@ struct DiskReader::Impl {
   uint64_t size = 0;   // at open
   uint64_t fail_nth = 0;
   int fail_errno = EIO;
+  size_t max_piece = size_t{8} << 20;  // bytes per read; longer ranges are split
 
   // io_uring; the ring's submission and completion sides belong to the I/O thread.
   io_uring ring{};
@@ -130,6 +130,35 @@ struct DiskReader::Impl {
   bool stopping = false;
   std::atomic<uint64_t> issued{0};
   std::vector<std::thread> threads;
+
+  // Busy time: the seconds with at least one read in the kernel (busy_begin/busy_end around
+  // each read: io_uring from its preparation, submitted in the same round, to its reaping by
+  // the I/O thread; pread around the call), and the bytes the kernel returned.
+  std::mutex busy_mu;
+  unsigned busy_n = 0;
+  std::chrono::steady_clock::time_point busy_t0;
+  int64_t busy_ns = 0;
+  std::atomic<uint64_t> bytes{0};
+  void busy_begin() {
+    std::lock_guard lk(busy_mu);
+    if (busy_n++ == 0) busy_t0 = std::chrono::steady_clock::now();
+  }
+  void busy_end() {
+    std::lock_guard lk(busy_mu);
+    if (busy_n > 0 && --busy_n == 0)
+      busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - busy_t0)
+                     .count();
+  }
+  double busy_seconds() {
+    std::lock_guard lk(busy_mu);
+    int64_t ns = busy_ns;
+    if (busy_n > 0)
+      ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                                 busy_t0)
+                .count();
+    return static_cast<double>(ns) / 1e9;
+  }
 
   ~Impl() {
     {
@@ -235,11 +264,11 @@ struct DiskReader::Impl {
     const uint64_t off = r.offset, end = r.offset + r.length;
     // [a, b) read straight into the destination.
     auto straight = [&](uint64_t a, uint64_t b) {
-      for (uint64_t x = a; x < b; x += kMaxPiece) {
+      for (uint64_t x = a; x < b; x += max_piece) {
         Piece p;
         p.request = index;
         p.file_off = x;
-        p.len = p.need = std::min<uint64_t>(b - x, kMaxPiece);
+        p.len = p.need = std::min<uint64_t>(b - x, max_piece);
         p.dst = dst + (x - off);
         out.push_back(p);
       }
@@ -320,8 +349,11 @@ struct DiskReader::Impl {
       std::optional<Failure> f;
       if (p.seq == fail_nth) f = Failure{ErrorCategory::io, read_error(p, fail_errno)};
       while (!f && p.done < p.need) {
+        busy_begin();
         const ssize_t r =
             ::pread(fd, p.dst + p.done, p.len - p.done, static_cast<off_t>(p.file_off + p.done));
+        busy_end();
+        if (r > 0) bytes.fetch_add(static_cast<uint64_t>(r), std::memory_order_relaxed);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0)
           f = Failure{ErrorCategory::io, read_error(p, errno)};
@@ -364,6 +396,7 @@ struct DiskReader::Impl {
     const uint32_t s = free_slots.back();
     free_slots.pop_back();
     ++in_flight;
+    busy_begin();
     Piece& p = slots[s] = std::move(piece);
     if (p.seq == 0) p.seq = ++issued;
     if (p.bounced && p.dst == nullptr) {
@@ -394,6 +427,7 @@ struct DiskReader::Impl {
     Piece p = std::move(slots[s]);
     free_slots.push_back(s);
     --in_flight;
+    busy_end();
     if (!requeue) return finish(p, f);
     std::lock_guard lk(mu);
     pending.push_front(std::move(p));
@@ -408,6 +442,7 @@ struct DiskReader::Impl {
       return release(s, &f);
     }
     p.done += static_cast<size_t>(res);
+    bytes.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
     if (p.done >= p.need) {
       if (p.bounced) std::memcpy(p.copy_dst, p.dst + p.skip, p.copy_len);
       return release(s, nullptr);
@@ -497,6 +532,17 @@ DiskReader::DiskReader(const std::string& path, DiskReaderOptions options)
   if (m.opt.pread_threads > 1024)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("disk reader: {} pread threads is over 1024", m.opt.pread_threads));
+  const uint64_t max_read =
+      m.opt.max_read_bytes != 0 ? m.opt.max_read_bytes : env_u64("BERTH_DISK_MAX_READ");
+  if (max_read != 0) {
+    if (max_read % kA != 0 || max_read > (uint64_t{1} << 30))
+      throw Error(
+          ErrorCategory::invalid_argument,
+          fmt::format("disk reader: a largest read of {} bytes is not a multiple of {} "
+                      "up to 1 GiB{}",
+                      max_read, kA, m.opt.max_read_bytes != 0 ? "" : " (BERTH_DISK_MAX_READ)"));
+    m.max_piece = static_cast<size_t>(max_read);
+  }
   m.fail_nth = m.opt.faults.fail_read_nth != 0 ? m.opt.faults.fail_read_nth
                                                : env_u64("BERTH_DISK_READER_FAIL_NTH");
   m.fail_errno = m.opt.faults.read_errno;
@@ -648,6 +694,8 @@ const std::string& DiskReader::backend_reason() const { return impl_->reason; }
 const std::string& DiskReader::path() const { return impl_->path; }
 uint64_t DiskReader::file_size() const { return impl_->size; }
 unsigned DiskReader::queue_depth() const { return impl_->opt.queue_depth; }
+double DiskReader::busy_seconds() const { return impl_->busy_seconds(); }
+uint64_t DiskReader::bytes_read() const { return impl_->bytes.load(std::memory_order_relaxed); }
 bool DiskReader::registered_file() const { return impl_->file_registered; }
 size_t DiskReader::registered_buffers() const { return impl_->fixed.size(); }
 

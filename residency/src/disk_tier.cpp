@@ -137,10 +137,8 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
         try {
           tier_.reader_->wait(sl.ticket);
           sl.ticket = 0;
-          tier_.note_done();
         } catch (...) {
           sl.ticket = 0;
-          tier_.note_done();
           if (!err) err = std::current_exception();
           drop(sl);
           continue;
@@ -275,7 +273,6 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
         sl.error = std::current_exception();
       }
       sl.ticket = 0;
-      tier_.note_done();
     }
   }
 
@@ -292,7 +289,6 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
         sl.error = std::current_exception();
       }
       sl.ticket = 0;
-      tier_.note_done();
       if (sl.error) drop(sl);
       return static_cast<int32_t>(s);
     }
@@ -365,7 +361,6 @@ class DiskTier::Layer final : public CpuExecutor::ExpertSource {
       at += area_[t];
     }
     sl.ticket = tier_.reader_->submit(req);
-    tier_.note_submit();
     sl.expert = e;
     sl.ahead = ahead;
     sl.fresh = true;
@@ -472,21 +467,18 @@ void DiskTier::bind(CpuExecutor& cpu) {
     cpu.bind_expert_source(opt_.layers[i].weights[0], layers_[i].get());
 }
 
-void DiskTier::note_submit() {
-  if (outstanding_++ == 0) busy_start_ = now_s();
-}
-void DiskTier::note_done() {
-  if (outstanding_ > 0 && --outstanding_ == 0) stats_.busy_seconds += now_s() - busy_start_;
-}
-
 size_t DiskTier::arena_bytes() const { return arena_.size(); }
 int32_t DiskTier::n_layers() const { return static_cast<int32_t>(layers_.size()); }
 int32_t DiskTier::slots_per_layer() const { return opt_.slots_per_layer; }
 const io::DiskReader& DiskTier::reader() const { return *reader_; }
-DiskTier::Stats DiskTier::stats() const { return stats_; }
+DiskTier::Stats DiskTier::stats() const {
+  Stats s = stats_;
+  s.busy_seconds = reader_->busy_seconds() - busy_base_;
+  return s;
+}
 void DiskTier::reset_stats() {
   stats_ = {};
-  if (outstanding_ > 0) busy_start_ = now_s();
+  busy_base_ = reader_->busy_seconds();
 }
 
 std::string DiskTier::summary() const {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -248,6 +249,81 @@ TEST_CASE("disk reader: random ranges read the file's bytes through both backend
     o.queue_depth = 1;
     DiskReader r(f.file.string(), o);
     random_reads(r, f.bytes, 60, 3);
+  }
+}
+
+TEST_CASE("disk reader: busy time and bytes read, both backends") {
+  // 4 MiB from offset 0 into aligned memory: no partial blocks, so the kernel returns exactly
+  // the range's bytes. The busy time lies inside the wall time of submit..wait, and does not
+  // grow while nothing is in flight.
+  Fixture f;
+  EnvGuard env("BERTH_DISK_READER", nullptr);
+  auto check = [&](DiskReader& r) {
+    CHECK(r.busy_seconds() == 0.0);
+    CHECK(r.bytes_read() == 0);
+    const size_t n = size_t{4} << 20;
+    AlignedBuffer buf(n);
+    const auto t0 = std::chrono::steady_clock::now();
+    r.wait(r.submit(ReadRequest{0, n, buf.data(), "blk.0.ffn_up_exps.weight"}));
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(std::memcmp(buf.data(), f.bytes.data(), n) == 0);
+    CHECK(r.bytes_read() == n);
+    const double busy = r.busy_seconds();
+    CAPTURE(busy);
+    CAPTURE(wall);
+    CHECK(busy > 0.0);
+    CHECK(busy <= wall);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(r.busy_seconds() == busy);
+  };
+  SUBCASE("pread") {
+    DiskReaderOptions o;
+    o.backend = Backend::pread;
+    DiskReader r(f.file.string(), o);
+    check(r);
+  }
+  SUBCASE("io_uring") {
+    if (!uring_usable(f.file)) return;
+    DiskReaderOptions o;
+    o.backend = Backend::io_uring;
+    DiskReader r(f.file.string(), o);
+    check(r);
+  }
+}
+
+TEST_CASE("disk reader: ranges split into small reads (max_read_bytes, BERTH_DISK_MAX_READ)") {
+  Fixture f;
+  EnvGuard env("BERTH_DISK_READER", nullptr);
+  SUBCASE("pread, 8 KiB reads") {
+    DiskReaderOptions o;
+    o.backend = Backend::pread;
+    o.max_read_bytes = 8192;
+    DiskReader r(f.file.string(), o);
+    random_reads(r, f.bytes, 60, 11);
+  }
+  SUBCASE("io_uring, 12 KiB reads from the environment") {
+    if (!uring_usable(f.file)) return;
+    EnvGuard max_read("BERTH_DISK_MAX_READ", "12288");
+    DiskReaderOptions o;
+    o.backend = Backend::io_uring;
+    o.queue_depth = 8;
+    DiskReader r(f.file.string(), o);
+    random_reads(r, f.bytes, 60, 12);
+  }
+  SUBCASE("sizes that are not whole blocks are refused") {
+    DiskReaderOptions o;
+    o.max_read_bytes = 5000;
+    const Error a = expect_error([&] { DiskReader r(f.file.string(), o); });
+    CHECK(a.category() == ErrorCategory::invalid_argument);
+    CHECK(std::string(a.what()) ==
+          "disk reader: a largest read of 5000 bytes is not a multiple of 4096 up to 1 GiB");
+    EnvGuard max_read("BERTH_DISK_MAX_READ", "4095");
+    const Error b = expect_error([&] { DiskReader r(f.file.string(), DiskReaderOptions{}); });
+    CHECK(b.category() == ErrorCategory::invalid_argument);
+    CHECK(std::string(b.what()) ==
+          "disk reader: a largest read of 4095 bytes is not a multiple of 4096 up to 1 GiB "
+          "(BERTH_DISK_MAX_READ)");
   }
 }
 

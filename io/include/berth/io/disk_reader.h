@@ -106,8 +106,9 @@ struct DiskReaderFaults {
   int direct_open_errno = 0;
   /// The Nth read issued to the kernel (1-based, counted over the reader's life) fails with
   /// `read_errno`; 0: none. A request is one read, except that the io_uring backend reads the
-  /// partial blocks at an unaligned range's ends separately and splits ranges over 8 MiB (and
-  /// bounced ranges over 1 MiB), and the pread backend splits ranges over 8 MiB.
+  /// partial blocks at an unaligned range's ends separately and splits ranges over
+  /// max_read_bytes (and bounced ranges over 1 MiB), and the pread backend splits ranges over
+  /// max_read_bytes.
   /// Environment: BERTH_DISK_READER_FAIL_NTH=N.
   uint64_t fail_read_nth = 0;
   int read_errno = EIO;
@@ -128,6 +129,11 @@ struct DiskReaderOptions {
   unsigned queue_depth = 32;
   /// pread backend: threads (1..1024); 0: min(queue_depth, 8).
   unsigned pread_threads = 0;
+  /// Bytes per read issued to the kernel: longer ranges are split into reads of this size (a
+  /// multiple of kDirectAlignment up to 1 GiB). More, smaller reads keep more of a drive's
+  /// queue busy when few ranges are in flight. 0: the environment variable BERTH_DISK_MAX_READ,
+  /// else 8 MiB.
+  size_t max_read_bytes = 0;
   /// io_uring: memory registered with the ring as fixed buffers (pinned by the kernel while the
   /// reader lives; regions over 1 GiB are registered in 1 GiB parts); a read whose destination
   /// lies wholly inside one part is issued as READ_FIXED. Must outlive the reader. Registration
@@ -184,6 +190,16 @@ class DiskReader {
   unsigned queue_depth() const;
   bool registered_file() const;       ///< io_uring: the file is registered with the ring
   size_t registered_buffers() const;  ///< io_uring: fixed buffers (parts) registered
+  /// Seconds since open during which at least one of this reader's reads was in the kernel:
+  /// io_uring, from a read's submission to the reaping of its completion by the I/O thread,
+  /// which waits on the ring and so reaps as completions arrive; pread, while a thread was
+  /// inside pread(2). An interval still open when called is counted up to now. bytes_read()
+  /// over it is the rate the drive delivered while the reader kept it busy (the quantity a
+  /// queue-depth benchmark measures over its whole run).
+  double busy_seconds() const;
+  /// Bytes the kernel returned to this reader's reads since open (partial blocks of unaligned
+  /// ranges and re-read parts of short reads included).
+  uint64_t bytes_read() const;
 
   struct Impl;
 

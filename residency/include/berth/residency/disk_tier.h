@@ -95,9 +95,8 @@ class DiskTier {
                  : 0.0;
     }
     int64_t bytes_read = 0;  ///< bytes read from the file (the experts' slices, as stored)
-    /// Seconds during which at least one read was outstanding (from its submission until the
-    /// tier saw it complete: a read-ahead's completion is seen at the next layer's op, so this
-    /// may exceed the drive's time and the bandwidth below is a lower bound).
+    /// Seconds during which at least one of the tier's reads was in the kernel
+    /// (io::DiskReader::busy_seconds since the last reset_stats()).
     double busy_seconds = 0;
     double wait_seconds = 0;  ///< seconds ops waited for reads
     /// Reads issued before they were needed / all reads that were needed:
@@ -136,8 +135,6 @@ class DiskTier {
 
  private:
   friend class Layer;
-  void note_submit();
-  void note_done();
 
   const graph::WeightTable& weights_;
   DiskTierOptions opt_;
@@ -145,8 +142,7 @@ class DiskTier {
   std::unique_ptr<io::DiskReader> reader_;
   std::vector<std::unique_ptr<Layer>> layers_;
   Stats stats_;
-  int64_t outstanding_ = 0;
-  double busy_start_ = 0;
+  double busy_base_ = 0;  // reader_->busy_seconds() at the last reset_stats()
 };
 
 }  // namespace berth
