@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
@@ -40,13 +41,21 @@ void drv(CUresult r, const char* what) {
                 fmt::format("CUDA: {}: driver error {}", what, static_cast<int>(r)));
 }
 
-// How long synchronize() polls a stream before it sleeps in cudaStreamSynchronize, in
+// How long synchronize_polling() polls a stream before it sleeps in cudaStreamSynchronize, in
 // microseconds: BERTH_SYNC_SPIN_US, default 20000 (0: sleep at once, as blocking sync does).
+// Throws Error(invalid_argument) naming the variable for a value that is not an integer in
+// [0, 10^9].
 int64_t sync_spin_us() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("BERTH_SYNC_SPIN_US");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{20000};
-  }();
+  const char* e = std::getenv("BERTH_SYNC_SPIN_US");
+  if (e == nullptr || *e == '\0') return 20000;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(e, &end, 10);
+  if (errno != 0 || *end != '\0' || v < 0 || v > 1000000000)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("BERTH_SYNC_SPIN_US='{}': expected microseconds, an integer from 0 to "
+                            "1000000000",
+                            e));
   return v;
 }
 
@@ -55,8 +64,7 @@ int64_t sync_spin_us() {
 // about 0.16 ms per all-GPU decode step of Qwen3.5-0.8B (docs/performance.md). So this wait
 // first polls the stream, yielding the core between polls, for up to sync_spin_us(); only a
 // longer wait (a long prefill) sleeps.
-void wait_stream(cudaStream_t s) {
-  const int64_t spin_us = sync_spin_us();
+void wait_stream(cudaStream_t s, int64_t spin_us) {
   if (spin_us > 0) {
     const auto t0 = std::chrono::steady_clock::now();
     for (uint32_t n = 0;; ++n) {
@@ -101,6 +109,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
     // A waiting host thread sleeps instead of spinning on a core that a CPU worker needs (the
     // hybrid step runs CPU experts on every core); steps without CPU work poll first
     // (synchronize_polling).
+    spin_us_ = sync_spin_us();
     cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
     cudaGetLastError();
     check(cudaSetDevice(index), "cudaSetDevice");
@@ -264,7 +273,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
     for (auto& s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
   void synchronize(int s) override { check(cudaStreamSynchronize(st(s)), "cudaStreamSynchronize"); }
-  void synchronize_polling(int s) override { wait_stream(st(s)); }
+  void synchronize_polling(int s) override { wait_stream(st(s), spin_us_); }
 
   int capture(const std::function<void()>& enqueue_work) override {
     check(cudaStreamBeginCapture(streams_[kMain], cudaStreamCaptureModeThreadLocal),
@@ -361,6 +370,7 @@ class CudaDevice final : public backend_detail::StreamDevice {
   }
 
   int index_;
+  int64_t spin_us_ = 20000;  // sync_spin_us(), read once at construction
   std::string name_;
   std::vector<std::pair<const void*, void*>> registered_;  // register_host: key, page base
   bool register_ok_ = false;                               // can_register_host()

@@ -164,8 +164,8 @@ DiskBenchRun reader_run(const DiskBenchOptions& o, const std::vector<uint64_t>& 
   ro.backend = backend;
   ro.queue_depth = depth;
   ro.pread_threads = depth;
-  // The reader's default largest read, whatever BERTH_DISK_MAX_READ says: the drive is measured
-  // at the stated block size.
+  // The reader's default largest read, whatever BERTH_DISK_MAX_READ says: blocks up to 8 MiB are
+  // read whole, as before the variable existed.
   ro.max_read_bytes = size_t{8} << 20;
   ro.fixed_buffers = {{arena.data(), arena.size()}};
   io::DiskReader reader(o.path, ro);

@@ -295,10 +295,28 @@ TEST_CASE("disk reader: busy time and bytes read, both backends") {
 TEST_CASE("disk reader: ranges split into small reads (max_read_bytes, BERTH_DISK_MAX_READ)") {
   Fixture f;
   EnvGuard env("BERTH_DISK_READER", nullptr);
+  // One aligned 64 KiB range is `reads` reads: an injected failure of read number `reads`
+  // fails it, one of read `reads + 1` does not happen.
+  auto count_reads = [&](DiskReaderOptions o, uint64_t reads) {
+    AlignedBuffer buf(65536);
+    for (const uint64_t nth : {reads, reads + 1}) {
+      CAPTURE(nth);
+      o.faults.fail_read_nth = nth;
+      DiskReader r(f.file.string(), o);
+      const Ticket t = r.submit(ReadRequest{0, 65536, buf.data(), "blk.0.ffn_up_exps.weight"});
+      if (nth == reads) {
+        CHECK(expect_error([&] { r.wait(t); }).category() == ErrorCategory::io);
+      } else {
+        r.wait(t);
+        CHECK(std::memcmp(buf.data(), f.bytes.data(), 65536) == 0);
+      }
+    }
+  };
   SUBCASE("pread, 8 KiB reads") {
     DiskReaderOptions o;
     o.backend = Backend::pread;
     o.max_read_bytes = 8192;
+    count_reads(o, 8);
     DiskReader r(f.file.string(), o);
     random_reads(r, f.bytes, 60, 11);
   }
@@ -308,6 +326,7 @@ TEST_CASE("disk reader: ranges split into small reads (max_read_bytes, BERTH_DIS
     DiskReaderOptions o;
     o.backend = Backend::io_uring;
     o.queue_depth = 8;
+    count_reads(o, 6);  // 5 of 12 KiB and one of 4 KiB
     DiskReader r(f.file.string(), o);
     random_reads(r, f.bytes, 60, 12);
   }

@@ -254,9 +254,10 @@ bool& gemv_kq();
 int& gemv_kq_rps();
 /// Lanes per row of that kernel (from the matrix's shape, never the launch's): 0 (default) the
 /// group kernel's rule (up to 32, at most 1/8 of the lane steps idle), doubled for a matrix that is
-/// not routed while it fills fewer than 256 row blocks and the lanes stay below its 64-element unit
-/// count; 1 32, or the unit count rounded up to a power of two when smaller; 2 the group kernel's
-/// rule alone (from n_in). BERTH_GEMV_KQ_LANES sets it (benchmarks compare the rules).
+/// not routed while it fills fewer than 256 row blocks, up to its 64-element unit count rounded
+/// up to a power of two; 1 32, or the unit count rounded up to a power of two when smaller; 2 the
+/// group kernel's rule alone (from n_in). BERTH_GEMV_KQ_LANES sets it (benchmarks compare the
+/// rules).
 int& gemv_kq_lanes();
 }  // namespace detail
 

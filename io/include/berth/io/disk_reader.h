@@ -130,9 +130,10 @@ struct DiskReaderOptions {
   /// pread backend: threads (1..1024); 0: min(queue_depth, 8).
   unsigned pread_threads = 0;
   /// Bytes per read issued to the kernel: longer ranges are split into reads of this size (a
-  /// multiple of kDirectAlignment up to 1 GiB). More, smaller reads keep more of a drive's
-  /// queue busy when few ranges are in flight. 0: the environment variable BERTH_DISK_MAX_READ,
-  /// else 8 MiB.
+  /// multiple of kDirectAlignment up to 1 GiB; io_uring reads through bounce blocks, for a
+  /// destination not congruent to its offset, stay in pieces of at most 1 MiB whatever it is).
+  /// More, smaller reads keep more of a drive's queue busy when few ranges are in flight. 0: the
+  /// environment variable BERTH_DISK_MAX_READ, else 8 MiB.
   size_t max_read_bytes = 0;
   /// io_uring: memory registered with the ring as fixed buffers (pinned by the kernel while the
   /// reader lives; regions over 1 GiB are registered in 1 GiB parts); a read whose destination
@@ -158,8 +159,8 @@ class DiskReader {
  public:
   /// Opens `path` (a regular file) and sets up the backend (module comment). Throws Error(io)
   /// naming the path when it cannot be opened or is not a regular file, Error(invalid_argument)
-  /// for a bad option or a bad BERTH_DISK_READER value, Error(unsupported) when io_uring is
-  /// required and unavailable.
+  /// for a bad option or a bad BERTH_DISK_READER or BERTH_DISK_MAX_READ value, Error(unsupported)
+  /// when io_uring is required and unavailable.
   explicit DiskReader(const std::string& path, DiskReaderOptions options = {});
   /// Waits for the reads already in the kernel (their destinations are written until then);
   /// queued reads are dropped. Outstanding tickets must not be used afterwards.
@@ -198,7 +199,7 @@ class DiskReader {
   /// queue-depth benchmark measures over its whole run).
   double busy_seconds() const;
   /// Bytes the kernel returned to this reader's reads since open (partial blocks of unaligned
-  /// ranges and re-read parts of short reads included).
+  /// ranges included).
   uint64_t bytes_read() const;
 
   struct Impl;
