@@ -40,7 +40,6 @@
 #include <mma.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -48,6 +47,7 @@
 #include <vector>
 
 #include "act_quant.cuh"
+#include "berth/core/env.h"
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
@@ -74,18 +74,15 @@ bool& gemv_kq() {
   static bool v = !env_says_off("BERTH_GEMV_KQ");
   return v;
 }
+// BERTH_GEMV_KQ_LANES: 0 (default), 1 or 2 (kernels.h); another value throws
+// Error(invalid_argument).
 int& gemv_kq_lanes() {
-  static int v = [] {
-    const char* e = std::getenv("BERTH_GEMV_KQ_LANES");
-    return e ? std::atoi(e) : 0;
-  }();
+  static int v = static_cast<int>(env_uint("BERTH_GEMV_KQ_LANES", 2).value_or(0));
   return v;
 }
+// BERTH_GEMV_KQ_RPS: 0 (default: by the launch's size), 1 or 2; another value throws, as above.
 int& gemv_kq_rps() {
-  static int v = [] {
-    const char* e = std::getenv("BERTH_GEMV_KQ_RPS");
-    return e ? std::atoi(e) : 0;
-  }();
+  static int v = static_cast<int>(env_uint("BERTH_GEMV_KQ_RPS", 2).value_or(0));
   return v;
 }
 int& gemv_max_tok_float() {

@@ -29,6 +29,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "berth/core/env.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 
@@ -47,18 +48,6 @@ uint64_t align_up(uint64_t x) { return (x + kA - 1) / kA * kA; }
 std::string errno_text(int e) {
   const char* name = strerrorname_np(e);
   return name ? fmt::format("{} ({})", std::strerror(e), name) : std::string(std::strerror(e));
-}
-
-uint64_t env_u64(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (errno != 0 || *end != '\0' || *v == '-')
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("{}='{}': expected a non-negative integer", name, v));
-  return n;
 }
 
 // One read issued to the kernel: all or part of one request.
@@ -532,8 +521,8 @@ DiskReader::DiskReader(const std::string& path, DiskReaderOptions options)
   if (m.opt.pread_threads > 1024)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("disk reader: {} pread threads is over 1024", m.opt.pread_threads));
-  const uint64_t max_read =
-      m.opt.max_read_bytes != 0 ? m.opt.max_read_bytes : env_u64("BERTH_DISK_MAX_READ");
+  const uint64_t max_read = m.opt.max_read_bytes != 0 ? m.opt.max_read_bytes
+                                                      : env_uint("BERTH_DISK_MAX_READ").value_or(0);
   if (max_read != 0) {
     if (max_read % kA != 0 || max_read > (uint64_t{1} << 30))
       throw Error(
@@ -544,7 +533,7 @@ DiskReader::DiskReader(const std::string& path, DiskReaderOptions options)
     m.max_piece = static_cast<size_t>(max_read);
   }
   m.fail_nth = m.opt.faults.fail_read_nth != 0 ? m.opt.faults.fail_read_nth
-                                               : env_u64("BERTH_DISK_READER_FAIL_NTH");
+                                               : env_uint("BERTH_DISK_READER_FAIL_NTH").value_or(0);
   m.fail_errno = m.opt.faults.read_errno;
 
   B choice = m.opt.backend;
