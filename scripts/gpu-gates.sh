@@ -8,7 +8,8 @@
 #      streamed experts, graph replay == eager bit for bit; the batch cases (a sequence's bits
 #      alone and beside others) and the expert-slot cases (swaps forced every step).
 #   3. berth run on stories260K with -ngl 99 / -ngl 3: the golden 64 tokens (md5).
-#   4. compute-sanitizer memcheck on hybrid steps, racecheck on the kernels.
+#   4. compute-sanitizer memcheck on hybrid steps and on the attention decode kernels (their
+#      split over clusters and its workspace), racecheck on the kernels.
 # Each step is killed (timeout -k) past its limit, so a hang costs minutes, not the lease.
 set -uo pipefail
 out=${1:-.}
@@ -20,12 +21,13 @@ golden=0b999e769e18af0f01f0ff820e3b3698
 status=0
 step() { local name=$1; shift; echo "== $name: $*"; if stdbuf -oL -eL "$@" >"$out/$name.txt" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?)"; status=1; fi; tail -4 "$out/$name.txt" | sed 's/^/   /'; }
 nvidia-smi -L
-step test_gpu timeout -k 10 300 test_gpu
+step test_gpu timeout -k 10 480 test_gpu
 step hybrid_cuda env BERTH_TEST_DEVICE=cuda timeout -k 10 300 test_runtime -tc='hybrid*,batch:*,expert slots*'
 for ngl in 99 3 0; do
   got=$(timeout -k 5 60 berth run -m $stories -p "Once upon a time" -n 64 --temp 0 -ngl $ngl 2>"$out/run_ngl$ngl.err" | md5sum | cut -d' ' -f1)
   if [[ $got == "$golden" ]]; then echo "== berth run -ngl $ngl: golden md5 ok"; else echo "== berth run -ngl $ngl: md5 $got != $golden"; status=1; fi
 done
 step memcheck env BERTH_TEST_DEVICE=cuda timeout -k 10 240 compute-sanitizer --tool memcheck --error-exitcode 3 test_runtime -tc='hybrid: replaying*,hybrid: prefill streams*,batch: a sequence*,expert slots: swaps forced every step*'
-step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*'
+step memcheck_attn timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 3 test_gpu -tc='*attention decode*,*captured decode graph*,*8-bit blocks left by the attention*'
+step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*,*long caches*'
 exit $status

@@ -10,16 +10,15 @@
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "berth/backends/device.h"
+#include "berth/core/env.h"
 #include "berth/core/error.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "stream_device.h"
@@ -46,17 +45,7 @@ void drv(CUresult r, const char* what) {
 // Throws Error(invalid_argument) naming the variable for a value that is not an integer in
 // [0, 10^9].
 int64_t sync_spin_us() {
-  const char* e = std::getenv("BERTH_SYNC_SPIN_US");
-  if (e == nullptr || *e == '\0') return 20000;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(e, &end, 10);
-  if (errno != 0 || *end != '\0' || v < 0 || v > 1000000000)
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("BERTH_SYNC_SPIN_US='{}': expected microseconds, an integer from 0 to "
-                            "1000000000",
-                            e));
-  return v;
+  return static_cast<int64_t>(env_uint("BERTH_SYNC_SPIN_US", 1000000000).value_or(20000));
 }
 
 // Waits for stream s (synchronize_polling). The device runs with cudaDeviceScheduleBlockingSync,
@@ -414,8 +403,8 @@ size_t CudaDevice::op_workspace(const StepView& view, const Op& op, bool host_w)
                                          g.batch_invariant);
     }
     case OpKind::attention:
-      return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.head_dim,
-                                            g.decode_rows(rows));
+      return gpu::attention_workspace_bytes(rows, view.n_ctx, op.attn.n_head, op.attn.n_head_kv,
+                                            op.attn.head_dim, g.decode_rows(rows));
     case OpKind::gated_delta:
       return gpu::gated_delta_workspace_bytes(rows, op.ssm.n_k_head, op.ssm.n_v_head, op.ssm.d_k);
     case OpKind::moe_experts: {

@@ -31,10 +31,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "act_quant.cuh"
+#include "berth/core/env.h"
 #include "berth/gpu_kernels/kernels.h"
 #include "check.cuh"
 #include "launch.cuh"
@@ -55,6 +60,19 @@ constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / 32;  // head-dim pairs a lane
 constexpr int kMaxSplits = 64;
 
 void bad_arg(const std::string& what) { throw Error(ErrorCategory::invalid_argument, what); }
+
+// The environment variable `name` (unset or empty: 0), one of `ok`; any other value is
+// Error(invalid_argument) naming the variable.
+int env_choice(const char* name, std::initializer_list<int> ok) {
+  const auto v = static_cast<int>(env_uint(name, 1024).value_or(0));
+  std::string list;
+  for (const int o : ok) {
+    if (o == v) return v;
+    list += (list.empty() ? "" : ", ") + std::to_string(o);
+  }
+  bad_arg(std::string(name) + "='" + std::to_string(v) + "': expected one of " + list);
+  return 0;
+}
 
 // Shared memory of the attention kernel for a head dim, in 32-bit words: Q [kQB][hd] f32,
 // P [kQB][kT] f32, K [kT][hd/2 + 1] half2 (one pad word: lanes reading different rows at the
@@ -695,28 +713,49 @@ PrefillKernel prefill_kernel_for(int32_t head_dim, bool wg = false) {
 
 // ---- decode (one query token), thread block clusters (compute capability >= 9.0) ----------
 //
-// One cluster of kDecCluster blocks per (KV head, subgroup of at most kDecGM of its query
-// heads): the cache rows [0, position + 1) are cut into slabs of kDecSlab rows, dealt
-// round-robin to the cluster's warps. A warp keeps q of its heads and their accumulators in
+// Clusters of kDecCluster blocks per (KV head, subgroup of at most GM of its query heads): the
+// cache rows [0, position + 1) are cut into slabs of 32 / GM rows, dealt round-robin to the warps
+// of the active clusters (below). A warp keeps q of its heads and their accumulators in
 // registers (lane owns head-dim pairs lane + 32 i, i < PL); per slab it loads all K and V words
-// first (one memory latency per slab), then sums the kDecSlab x kDecGM = 32 partial scores over
-// the warp in one transposing butterfly (31 shuffles; lane L ends with the score of row L / 4,
-// head L % 4), so each lane takes one exp2 and the running max and sum of one head. The warps'
-// partials merge in shared memory, then the blocks' partials across the cluster through
+// first (one memory latency per slab), then sums the slab's 32 partial scores (rows x heads)
+// over the warp in one transposing butterfly (31 shuffles; lane L ends with the score of row
+// L / GM, head L % GM), so each lane takes one exp2 and the running max and sum of one head. The
+// warps' partials merge in shared memory, then the blocks' partials across the cluster through
 // distributed shared memory, in a fixed order (the same bits on every replay). The new token's
 // own row is read from k/v (rounded to f16 exactly as the cache stores it) and written to the
-// cache by the warp that reads it, so the decode step needs neither kv_write_kernel, nor a
-// workspace, nor attn_combine_kernel.
-constexpr int kDecCluster = 8;  // portable cluster size
-constexpr int kDecGM = 4;       // query heads per block
-constexpr int kDecSlab = 8;     // cache rows per warp step
-static_assert(kDecSlab * kDecGM == 32, "a slab's scores are one per lane");
+// cache by the warp that reads it, so the decode step needs neither kv_write_kernel nor the
+// general kernel's split combine.
+//
+// Split over the KV range: each (token, KV head, subgroup) has n_clust clusters of cb blocks
+// (decode_plan: a function of n_ctx, the head shape, the switches and the device), of which the
+// first `active` take part at this position (dec_active: one per 2 slabs per warp of a cluster,
+// so a short context keeps one cluster). With one active cluster, that cluster writes the output
+// (and its 8-bit blocks); with more, each writes its merged (m, l, unnormalised acc) to the
+// workspace and attn_dec_combine_kernel merges them in cluster order. A row's bits depend on its
+// position, n_ctx and the head shape, never on the other tokens of the step.
+constexpr int kDecCluster = 8;       // blocks per cluster of an unsplit KV range (portable size)
+constexpr int kDecSplitCluster = 2;  // blocks per cluster when the KV range is split
+constexpr int kDecMinSlabs = 2;      // slabs per warp before another cluster becomes active
+constexpr int kDecMaxClusters = 64;
 
-// Dynamic shared memory of the decode kernel with W warps, in floats: per warp kDecGM x (m, l)
-// and kDecGM x hd accumulators, then the block's merged ones.
-constexpr size_t dec_smem_floats(int w, int hd) {
-  return static_cast<size_t>(w + 1) * kDecGM * (hd + 2);
+// Dynamic shared memory of the decode kernel with W warps and GM heads per block, in floats:
+// per warp GM x (m, l) and GM x hd accumulators, then the block's merged ones.
+constexpr size_t dec_smem_floats(int w, int gm, int hd) {
+  return static_cast<size_t>(w + 1) * gm * (hd + 2);
 }
+
+// Clusters that take part for a token whose cache holds n_kv rows, of n_clust, when one pass of
+// a cluster covers `pass_rows` rows (kDecCluster * W warps of one slab each).
+__host__ __device__ __forceinline__ int64_t dec_active(int64_t n_kv, int64_t n_clust,
+                                                       int64_t pass_rows) {
+  const int64_t per = pass_rows * kDecMinSlabs;
+  const int64_t a = (n_kv + per - 1) / per;
+  return a < 1 ? 1 : (a > n_clust ? n_clust : a);
+}
+
+// Floats of one (token, KV head, subgroup, cluster) partial in the workspace: GM x (m, l), then
+// GM x hd accumulators.
+constexpr int64_t dec_partial_floats(int gm, int hd) { return static_cast<int64_t>(gm) * (hd + 2); }
 
 // One butterfly step of the transposing warp sum: 2N values per lane -> N; lanes with bit N
 // set keep the upper half. After the steps for N = 16, 8, 4, 2, 1, v[0] of lane L is the sum
@@ -732,17 +771,24 @@ __device__ __forceinline__ void transpose_sum_step(float* v, int lane) {
   }
 }
 
-template <int PL, int W>
+// Grid: (cb, n_head_kv, tokens * subgroups * n_clust) in clusters of cb blocks along x, blockIdx.z
+// = (token * subgroups + subgroup) * n_clust + cluster. ws: the partials of the launch's tokens
+// (n_clust > 1), at
+// ((token * n_head_kv + KV head) * subgroups + subgroup) * n_clust + cluster, each
+// dec_partial_floats(GM, hd).
+template <int PL, int W, int GM>
 __global__ void __launch_bounds__(W * 32, 1)
     attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k_new,
                             const float* __restrict__ v_new, const int32_t* __restrict__ positions,
                             const int32_t* __restrict__ seqs, uint32_t* __restrict__ k_cache,
                             uint32_t* __restrict__ v_cache, int64_t n_ctx, int32_t n_head,
                             int32_t n_head_kv, int32_t hd, float q_scale, float* __restrict__ out,
-                            int8_t* __restrict__ q8, float4* __restrict__ q8m) {
+                            int8_t* __restrict__ q8, float4* __restrict__ q8m, int32_t n_clust,
+                            float* __restrict__ ws) {
   pdl_enter();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int GM = kDecGM;
+  constexpr int kSlab = 32 / GM;  // cache rows per warp step
+  static_assert(kSlab * GM == 32, "a slab's scores are one per lane");
   constexpr int kThr = W * 32;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -756,11 +802,12 @@ __global__ void __launch_bounds__(W * 32, 1)
   const int rank = static_cast<int>(cluster.block_rank());
   const int32_t group = n_head / n_head_kv;
   const int32_t kvh = static_cast<int32_t>(blockIdx.y);
-  // blockIdx.z = token * subgroups + subgroup: each decode token (of its own sequence) is
-  // computed exactly as a one-token call computes it.
+  // Each decode token (of its own sequence) is computed exactly as a one-token call computes it.
   const int32_t n_sub = (group + GM - 1) / GM;
-  const int64_t tok = blockIdx.z / n_sub;
-  const int32_t sub = static_cast<int32_t>(blockIdx.z % n_sub);
+  const int64_t cz = blockIdx.z / n_clust;  // token * subgroups + subgroup
+  const int64_t tok = cz / n_sub;
+  const int32_t sub = static_cast<int32_t>(cz % n_sub);
+  const int64_t clu = blockIdx.z % n_clust;
   const int32_t g0 = sub * GM;
   const int ng = group - g0 < GM ? group - g0 : GM;
   const int hd2 = hd / 2;
@@ -768,6 +815,9 @@ __global__ void __launch_bounds__(W * 32, 1)
   const int64_t p = positions[tok];
   int64_t n_kv = p + 1;
   if (n_kv > n_ctx) n_kv = n_ctx;
+  const int cb = static_cast<int>(gridDim.x);  // blocks per cluster
+  const int64_t active = dec_active(n_kv, n_clust, static_cast<int64_t>(cb) * W * kSlab);
+  if (clu >= active) return;  // the whole cluster: no cluster.sync waits for it
   {
     const int64_t sq = seqs ? seqs[tok] : 0;
     const int64_t base = (sq < 0 ? 0 : sq) * n_ctx * kv_stride2;  // the sequence's first row
@@ -797,7 +847,7 @@ __global__ void __launch_bounds__(W * 32, 1)
         qv[g][i] = make_float2(x.x * q_scale, x.y * q_scale);
       }
     }
-  float m_run = -CUDART_INF_F, l_run = 0.0f;  // of head my_g (the same in its 8 lanes)
+  float m_run = -CUDART_INF_F, l_run = 0.0f;  // of head my_g (the same in its kSlab lanes)
   float2 acc[GM][PL];
 #pragma unroll
   for (int g = 0; g < GM; ++g)
@@ -806,12 +856,13 @@ __global__ void __launch_bounds__(W * 32, 1)
 
   const uint32_t* kc = k_cache + static_cast<int64_t>(kvh) * hd2;
   const uint32_t* vc = v_cache + static_cast<int64_t>(kvh) * hd2;
-  const int64_t n_slabs = (n_kv + kDecSlab - 1) / kDecSlab;
-  for (int64_t sl = rank * W + warp; sl < n_slabs; sl += kDecCluster * W) {
-    const int64_t j0 = sl * kDecSlab;
-    uint32_t kw[kDecSlab][PL], vw[kDecSlab][PL];
+  const int64_t n_slabs = (n_kv + kSlab - 1) / kSlab;
+  const int64_t stride = active * cb * W;
+  for (int64_t sl = (clu * cb + rank) * W + warp; sl < n_slabs; sl += stride) {
+    const int64_t j0 = sl * kSlab;
+    uint32_t kw[kSlab][PL], vw[kSlab][PL];
 #pragma unroll
-    for (int r = 0; r < kDecSlab; ++r)
+    for (int r = 0; r < kSlab; ++r)
 #pragma unroll
       for (int i = 0; i < PL; ++i) {
         const int c = lane + 32 * i;
@@ -822,10 +873,10 @@ __global__ void __launch_bounds__(W * 32, 1)
           vw[r][i] = vc[j * kv_stride2 + c];
         }
       }
-    if (p >= j0 && p < j0 + kDecSlab && p < n_kv) {
+    if (p >= j0 && p < j0 + kSlab && p < n_kv) {
       // This token's row: from k/v, rounded as the cache stores it; subgroup 0 writes it.
 #pragma unroll
-      for (int r = 0; r < kDecSlab; ++r) {
+      for (int r = 0; r < kSlab; ++r) {
         if (j0 + r != p) continue;
 #pragma unroll
         for (int i = 0; i < PL; ++i) {
@@ -847,7 +898,7 @@ __global__ void __launch_bounds__(W * 32, 1)
     // Partial scores (row r, head g) -> value r * GM + g; the warp sum leaves value L in lane L.
     float v[32];
 #pragma unroll
-    for (int r = 0; r < kDecSlab; ++r)
+    for (int r = 0; r < kSlab; ++r)
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         float x = 0.0f;
@@ -863,7 +914,7 @@ __global__ void __launch_bounds__(W * 32, 1)
     transpose_sum_step<4>(v, lane);
     transpose_sum_step<2>(v, lane);
     transpose_sum_step<1>(v, lane);
-    // Online softmax of head my_g over the slab's rows (lanes my_g, my_g + 4, ...).
+    // Online softmax of head my_g over the slab's rows (lanes my_g, my_g + GM, ...).
     const bool valid = j0 + my_r < n_kv && my_g < ng;
     const float s = valid ? v[0] : -CUDART_INF_F;
     float smax = s;
@@ -887,7 +938,7 @@ __global__ void __launch_bounds__(W * 32, 1)
       for (int i = 0; i < PL; ++i) acc[g][i] = make_float2(acc[g][i].x * a, acc[g][i].y * a);
     }
 #pragma unroll
-    for (int r = 0; r < kDecSlab; ++r)
+    for (int r = 0; r < kSlab; ++r)
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         const float prg = __shfl_sync(0xffffffffu, pr, r * GM + g);
@@ -936,19 +987,31 @@ __global__ void __launch_bounds__(W * 32, 1)
     }
   }
   cluster.sync();  // every block's merge is complete and visible to the cluster
-  // The blocks' partials (in rank order) -> out; each block writes a share of the outputs.
-  for (int o = rank * kThr + tid; o < ng * hd; o += kDecCluster * kThr) {
+  // The blocks' partials (in rank order) -> out, or -> this cluster's partial in the workspace
+  // (more than one active cluster); each block writes a share.
+  float* part = active > 1 ? ws + (((tok * n_head_kv + kvh) * n_sub + sub) * n_clust + clu) *
+                                      dec_partial_floats(GM, hd)
+                           : nullptr;
+  for (int o = rank * kThr + tid; o < ng * hd; o += cb * kThr) {
     const int g = o / hd, d = o % hd;
     float M = -CUDART_INF_F;
-    for (int b = 0; b < kDecCluster; ++b) M = fmaxf(M, cluster.map_shared_rank(b_ml, b)[g * 2]);
+    for (int b = 0; b < cb; ++b) M = fmaxf(M, cluster.map_shared_rank(b_ml, b)[g * 2]);
     float L = 0.0f, a = 0.0f;
-    for (int b = 0; b < kDecCluster; ++b) {
+    for (int b = 0; b < cb; ++b) {
       const float* ml = cluster.map_shared_rank(b_ml, b);
       const float mb = ml[g * 2];
       if (mb == -CUDART_INF_F) continue;
       const float e = exp2f(mb - M);
       L += ml[g * 2 + 1] * e;
       a += cluster.map_shared_rank(b_acc, b)[g * hd + d] * e;
+    }
+    if (part) {
+      part[GM * 2 + g * hd + d] = a;
+      if (d == 0) {
+        part[g * 2] = M;
+        part[g * 2 + 1] = L;
+      }
+      continue;
     }
     const int64_t idx = static_cast<int64_t>(kvh * group + g0 + g) * hd + d;
     const float y = a / L;
@@ -960,19 +1023,77 @@ __global__ void __launch_bounds__(W * 32, 1)
 #endif
 }
 
-// The decode kernel instance for a head dim <= 256 (attention() checks it): pairs per lane and
-// warps per block, 16 warps where the registers allow (<= 128 per thread), 8 for head_dim 256.
+// Merges the active clusters' partials of each decode output row (token, query head), in cluster
+// order, when more than one took part (otherwise the decode kernel wrote the row). Grid: one
+// block per (token, head), blockIdx.x = token * n_head + head; blockDim.x = hd rounded up to 32.
+// ws and the arguments as the decode launch's (tokens from its first, in blockIdx.z order).
+template <int GM>
+__global__ void attn_dec_combine_kernel(const float* __restrict__ ws,
+                                        const int32_t* __restrict__ positions, int64_t n_ctx,
+                                        int32_t n_head, int32_t n_head_kv, int32_t hd,
+                                        int32_t n_clust, int64_t pass_rows, float* __restrict__ out,
+                                        int8_t* __restrict__ q8, float4* __restrict__ q8m) {
+  pdl_enter();
+  const int64_t tok = blockIdx.x / n_head;
+  const int32_t h = static_cast<int32_t>(blockIdx.x % n_head);
+  int64_t n_kv = positions[tok] + 1;
+  if (n_kv > n_ctx) n_kv = n_ctx;
+  const int64_t active = dec_active(n_kv, n_clust, pass_rows);
+  if (active <= 1) return;
+  const int32_t group = n_head / n_head_kv;
+  const int32_t n_sub = (group + GM - 1) / GM;
+  const int32_t kvh = h / group, sub = (h % group) / GM, g = (h % group) % GM;
+  const int64_t z0 = ((tok * n_head_kv + kvh) * n_sub + sub) * n_clust;  // first cluster's part
+  const int64_t pf = dec_partial_floats(GM, hd);
+  const int d = static_cast<int>(threadIdx.x);
+  float M = -CUDART_INF_F;
+  for (int64_t c = 0; c < active; ++c) M = fmaxf(M, ws[(z0 + c) * pf + g * 2]);
+  float L = 0.0f, a = 0.0f;
+  for (int64_t c = 0; c < active; ++c) {
+    const float* part = ws + (z0 + c) * pf;
+    const float mc = part[g * 2];
+    if (mc == -CUDART_INF_F) continue;
+    const float e = exp2f(mc - M);
+    L += part[g * 2 + 1] * e;
+    if (d < hd) a += part[GM * 2 + g * hd + d] * e;
+  }
+  if (d >= hd) return;
+  const int64_t idx = (tok * n_head + h) * hd + d;
+  const float y = a / L;
+  out[idx] = y;
+  if (q8) quantize_group(y, d % 32, q8 + (idx - d % 32), q8m + idx / 32);
+}
+
+// The decode kernel instance for a head dim <= 256 (attention() checks it), GM query heads per
+// block and W warps: pairs per lane from the head dim; 16 warps by default (<= 128 registers per
+// thread), 8 for head_dim 256 (PL 4, only with GM 4).
 using DecodeKernel = void (*)(const float*, const float*, const float*, const int32_t*,
                               const int32_t*, uint32_t*, uint32_t*, int64_t, int32_t, int32_t,
-                              int32_t, float, float*, int8_t*, float4*);
+                              int32_t, float, float*, int8_t*, float4*, int32_t, float*);
+using DecCombineKernel = void (*)(const float*, const int32_t*, int64_t, int32_t, int32_t, int32_t,
+                                  int32_t, int64_t, float*, int8_t*, float4*);
 struct DecodeChoice {
   DecodeKernel kernel;
+  DecCombineKernel combine;
   int warps;
+  int gm;
 };
-DecodeChoice decode_kernel_for(int32_t head_dim) {
-  if (head_dim <= 64) return {attention_decode_kernel<1, 16>, 16};
-  if (head_dim <= 128) return {attention_decode_kernel<2, 16>, 16};
-  return {attention_decode_kernel<4, 8>, 8};
+template <int GM>
+DecodeChoice decode_instance(int pl, int warps) {
+  constexpr DecCombineKernel c = attn_dec_combine_kernel<GM>;
+  if (warps == 8) {
+    if (pl == 1) return {attention_decode_kernel<1, 8, GM>, c, 8, GM};
+    return {attention_decode_kernel<2, 8, GM>, c, 8, GM};
+  }
+  if (pl == 1) return {attention_decode_kernel<1, 16, GM>, c, 16, GM};
+  return {attention_decode_kernel<2, 16, GM>, c, 16, GM};
+}
+// gm 4 or 8 (8 only for head_dim <= 128), warps 0 (16; 8 for head_dim 256), 8 or 16.
+DecodeChoice decode_kernel_for(int32_t head_dim, int gm, int warps) {
+  if (head_dim > 128) return {attention_decode_kernel<4, 8, 4>, attn_dec_combine_kernel<4>, 8, 4};
+  const int pl = head_dim <= 64 ? 1 : 2;
+  if (warps == 0) warps = 16;
+  return gm == 8 ? decode_instance<8>(pl, warps) : decode_instance<4>(pl, warps);
 }
 
 }  // namespace
@@ -980,6 +1101,22 @@ DecodeChoice decode_kernel_for(int32_t head_dim) {
 namespace detail {
 bool& attention_cluster_decode() {
   static bool v = !env_says_off("BERTH_ATTN_CLUSTER");
+  return v;
+}
+int& attention_decode_heads() {
+  static int v = env_choice("BERTH_ATTN_DEC_HEADS", {0, 4, 8});
+  return v;
+}
+int& attention_decode_warps() {
+  static int v = env_choice("BERTH_ATTN_DEC_WARPS", {0, 8, 16});
+  return v;
+}
+int& attention_decode_cluster_blocks() {
+  static int v = env_choice("BERTH_ATTN_DEC_CB", {0, 1, 2, 4, 8});
+  return v;
+}
+int& attention_decode_clusters() {
+  static int v = static_cast<int>(env_uint("BERTH_ATTN_DEC_CLUSTERS", kDecMaxClusters).value_or(0));
   return v;
 }
 bool& attention_prefill_mma() {
@@ -1008,14 +1145,116 @@ int64_t decode_rows(int64_t n_tok, int64_t n_decode) {
 // KV splits of a decode row (the split kernel, without clusters): those of a one-token call,
 // a function of n_ctx and n_head only.
 int64_t decode_splits(int64_t n_ctx, int32_t n_head) { return attention_splits(1, n_ctx, n_head); }
+
+// The cluster decode kernel's launch for a head shape and n_ctx (dec_clusters: a function of
+// these, the knobs and the device, never of the step).
+struct DecPlan {
+  DecodeChoice dc;
+  int cb;             // blocks per cluster
+  int64_t n_sub;      // query-head subgroups per KV head
+  int64_t n_clust;    // clusters per (token, KV head, subgroup)
+  int64_t pass_rows;  // cache rows one pass of a cluster's warps covers
+  size_t smem;        // dynamic shared memory bytes per block
+};
+
+// Clusters of `kernel` (blocks of `threads` threads with `smem` bytes, cb per cluster) that the
+// current device runs at once; read once per (kernel, device, smem, cb).
+int64_t dec_device_clusters(DecodeKernel kernel, int threads, size_t smem, int cb) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int64_t> known;
+  int dev = 0;
+  BERTH_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, smem, cb);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(cb), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cb);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  BERTH_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  known[key] = n;
+  return n;
+}
+
+// The plan for query heads per block `gm` and blocks per cluster `cb`, n_clust unset.
+DecPlan dec_shape(int32_t group, int32_t head_dim, int gm, int cb) {
+  if (head_dim > 128) gm = 4;  // no 8-head instance: its registers would spill
+  DecPlan p{};
+  p.dc = decode_kernel_for(head_dim, gm, detail::attention_decode_warps());
+  p.cb = cb;
+  p.n_sub = (group + gm - 1) / gm;
+  p.pass_rows = static_cast<int64_t>(cb) * p.dc.warps * (32 / gm);
+  p.smem = dec_smem_floats(p.dc.warps, gm, head_dim) * sizeof(float);
+  allow_dynamic_smem(p.dc.kernel, p.smem);
+  return p;
+}
+
+// A cache that one cluster of 8 blocks covers with 2 slabs per warp keeps that one cluster (4
+// query heads per block unless forced). A longer one splits its KV range over clusters of
+// kDecSplitCluster blocks (8 query heads per block where a KV head has 8 or more and head_dim
+// <= 128): as many as the device runs at once for one token, never more than become active
+// within n_ctx. Clusters of 2 blocks and 8 heads per block were the fastest split on the H200
+// (docs/performance.md).
+DecPlan decode_plan(int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t head_dim) {
+  const int32_t group = n_head / n_head_kv;
+  const int heads = detail::attention_decode_heads();
+  const int forced = detail::attention_decode_clusters();
+  DecPlan one = dec_shape(group, head_dim, heads != 0 ? heads : 4, kDecCluster);
+  one.n_clust = 1;
+  if (forced == 1 || (forced == 0 && n_ctx <= one.pass_rows * kDecMinSlabs)) return one;
+  const int cbk = detail::attention_decode_cluster_blocks();
+  DecPlan p = dec_shape(group, head_dim, heads != 0 ? heads : (group >= 8 ? 8 : 4),
+                        cbk != 0 ? cbk : kDecSplitCluster);
+  if (forced > 0) {
+    p.n_clust = forced;
+  } else {
+    const int64_t per = p.pass_rows * kDecMinSlabs;
+    const int64_t by_ctx = (n_ctx + per - 1) / per;
+    const int64_t by_dev =
+        dec_device_clusters(p.dc.kernel, p.dc.warps * 32, p.smem, p.cb) / (n_head_kv * p.n_sub);
+    p.n_clust = std::max<int64_t>(1, std::min<int64_t>({by_ctx, by_dev, kDecMaxClusters}));
+  }
+  return p;
+}
+
+// Where the cluster decode kernel's partials start in the workspace: past the 8-bit output
+// blocks (q8_ws may be the workspace itself: CudaDevice passes its matmul workspace for both).
+size_t dec_partials_offset(int64_t n_tok, int64_t q_stride) {
+  const auto n = static_cast<size_t>(n_tok * q_stride);
+  return detail::align_up(detail::align_up(n) + n / 32 * sizeof(float4));
+}
+
+bool cluster_decode_runs() {
+  return detail::attention_cluster_decode() && cluster_kernels_available();
+}
 }  // namespace
 
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim,
-                                 int64_t n_decode) {
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv,
+                                 int32_t head_dim, int64_t n_decode) {
   const int64_t n_dec = decode_rows(n_tok, n_decode);
+  if (n_dec == 0) return 0;
+  size_t need = 0;
   const int64_t s = decode_splits(n_ctx, n_head);
-  if (s <= 1 || n_dec == 0) return 0;
-  return static_cast<size_t>(s * n_dec * n_head * (head_dim + 2)) * sizeof(float);
+  if (s > 1) need = static_cast<size_t>(s * n_dec * n_head * (head_dim + 2)) * sizeof(float);
+  if (cluster_decode_runs() && n_head_kv > 0 && n_head % n_head_kv == 0 && head_dim >= 2 &&
+      head_dim <= kMaxHeadDim && n_ctx > 0) {
+    const DecPlan p = decode_plan(n_ctx, n_head, n_head_kv, head_dim);
+    if (p.n_clust > 1)
+      need = std::max(need, dec_partials_offset(n_tok, static_cast<int64_t>(n_head) * head_dim) +
+                                static_cast<size_t>(n_dec * n_head_kv * p.n_sub * p.n_clust *
+                                                    dec_partial_floats(p.dc.gm, head_dim)) *
+                                    sizeof(float));
+  }
+  return need;
 }
 
 bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
@@ -1033,7 +1272,7 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
   if (n_tok <= 0) return false;
   const int64_t n_dec = decode_rows(n_tok, n_decode);
   const int64_t n_pre = n_tok - n_dec;
-  const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, head_dim, n_dec);
+  const size_t need = attention_workspace_bytes(n_tok, n_ctx, n_head, n_head_kv, head_dim, n_dec);
   if (workspace_bytes < need)
     bad_arg("gpu::attention: workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
             std::to_string(need));
@@ -1042,8 +1281,7 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
   if (q_blocks > 65535) bad_arg("gpu::attention: too many query rows for one call");
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
   const int64_t kv_dim = static_cast<int64_t>(n_head_kv) * head_dim;
-  const bool cluster =
-      n_dec > 0 && detail::attention_cluster_decode() && cluster_kernels_available();
+  const bool cluster = n_dec > 0 && cluster_decode_runs();
 
   // K/V of the step into the cache (the cluster decode kernel writes its tokens' rows itself).
   const int64_t n_write = cluster ? n_pre : n_tok;
@@ -1109,23 +1347,33 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
     split_kernel(n_pre, n_dec, decode_splits(n_ctx, n_head));
     return false;
   }
-  const DecodeChoice dc = decode_kernel_for(head_dim);
+  const DecPlan dp = decode_plan(n_ctx, n_head, n_head_kv, head_dim);
   detail::QAct qa{nullptr, nullptr};
   if (q8_ws && head_dim % 32 == 0 && n_tok == 1) qa = detail::qact_at(q8_ws, 1, q_stride);
-  const size_t smem = dec_smem_floats(dc.warps, head_dim) * sizeof(float);
-  const int64_t n_sub = (group + kDecGM - 1) / kDecGM;
-  const int64_t per_launch = 65535 / n_sub;  // grid.z = tokens * subgroups
+  const int64_t pf = dec_partial_floats(dp.dc.gm, head_dim);
+  float* parts = nullptr;
+  if (dp.n_clust > 1)
+    parts = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) +
+                                     dec_partials_offset(n_tok, q_stride));
+  const int64_t per_launch = 65535 / (dp.n_sub * dp.n_clust);  // grid.z
+  if (per_launch < 1) bad_arg("gpu::attention: too many decode clusters per token");
   for (int64_t t0 = n_pre; t0 < n_tok; t0 += per_launch) {
     const int64_t nt = std::min(per_launch, n_tok - t0);
-    const dim3 grid(kDecCluster, static_cast<unsigned>(n_head_kv),
-                    static_cast<unsigned>(nt * n_sub));
-    launch_in_clusters("attention_decode_kernel", dc.kernel, grid, dc.warps * 32, smem, stream,
-                       kDecCluster, q + t0 * q_stride, k + t0 * kv_dim, v + t0 * kv_dim,
-                       positions + t0, seqs ? seqs + t0 : nullptr,
-                       reinterpret_cast<uint32_t*>(k_cache), reinterpret_cast<uint32_t*>(v_cache),
-                       n_ctx, n_head, n_head_kv, head_dim, q_scale, out + t0 * q_stride, qa.q,
-                       qa.meta);
+    const dim3 grid(static_cast<unsigned>(dp.cb), static_cast<unsigned>(n_head_kv),
+                    static_cast<unsigned>(nt * dp.n_sub * dp.n_clust));
+    launch_in_clusters(
+        "attention_decode_kernel", dp.dc.kernel, grid, dp.dc.warps * 32, dp.smem, stream,
+        static_cast<unsigned>(dp.cb), q + t0 * q_stride, k + t0 * kv_dim, v + t0 * kv_dim,
+        positions + t0, seqs ? seqs + t0 : nullptr, reinterpret_cast<uint32_t*>(k_cache),
+        reinterpret_cast<uint32_t*>(v_cache), n_ctx, n_head, n_head_kv, head_dim, q_scale,
+        out + t0 * q_stride, qa.q, qa.meta, static_cast<int32_t>(dp.n_clust),
+        parts ? parts + (t0 - n_pre) * n_head_kv * dp.n_sub * dp.n_clust * pf : nullptr);
   }
+  if (dp.n_clust > 1)
+    launch("attn_dec_combine_kernel", dp.dc.combine, static_cast<unsigned>(n_dec * n_head),
+           static_cast<unsigned>((head_dim + 31) / 32 * 32), 0, stream, parts, positions + n_pre,
+           n_ctx, n_head, n_head_kv, head_dim, static_cast<int32_t>(dp.n_clust), dp.pass_rows,
+           out + n_pre * q_stride, qa.q, qa.meta);
   return qa.q != nullptr;
 }
 

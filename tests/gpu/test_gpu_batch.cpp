@@ -107,8 +107,8 @@ Run run_steps(const Pool& pool, const std::vector<Step>& steps) {
   for (const Step& st : steps) {
     Dev<float> dq(st.q), dk(st.k), dv(st.v), dout(static_cast<size_t>(st.n() * qd));
     Dev<int32_t> dpos(st.pos), dseq(st.seq);
-    const size_t ws_bytes =
-        gpu::attention_workspace_bytes(st.n(), pool.n_ctx, s.n_head, s.head_dim, st.n_decode);
+    const size_t ws_bytes = gpu::attention_workspace_bytes(st.n(), pool.n_ctx, s.n_head,
+                                                           s.n_head_kv, s.head_dim, st.n_decode);
     Dev<uint8_t> ws(ws_bytes);
     dout.poison();
     gpu::attention(dq.p, dk.p, dv.p, st.n(), dpos.p, dkc.p, dvc.p, pool.n_ctx, s.n_head,
@@ -175,20 +175,33 @@ const Shape kShapes[] = {{8, 2, 8}, {8, 8, 64}, {16, 2, 128}, {4, 1, 256}, {4, 2
 
 TEST_CASE("gpu attention: several sequences in one step, each reading its own rows") {
   REQUIRE_DEVICE();
-  const int64_t n_ctx = 1100;  // decode splits > 1 past 64 positions
+  // Decode splits > 1 past 64 positions (general kernel). With 3 clusters forced, longer
+  // caches and later decode positions, where 2 or 3 clusters of the cluster kernel take part
+  // (a cluster per up to 2048 rows).
   const bool saved_wg = gpu::detail::attention_prefill_wgmma();
-  // (cluster decode, Q K^T of prompt rows on wgmma): the decode kernels, then the prompt rows'
-  // wgmma variant (where it runs; else mma.sync again).
-  for (const auto& [cluster, wg] : {std::pair{true, false}, {false, false}, {true, true}}) {
-    gpu::detail::attention_cluster_decode() = cluster;
-    gpu::detail::attention_prefill_wgmma() = wg;
+  const int saved_clusters = gpu::detail::attention_decode_clusters();
+  // (cluster decode, Q K^T of prompt rows on wgmma, decode clusters): the decode kernels, the
+  // prompt rows' wgmma variant (where it runs; else mma.sync again), 3 clusters forced.
+  struct Variant {
+    bool cluster, wg;
+    int clusters;
+  };
+  for (const Variant& va : {Variant{true, false, 0}, Variant{false, false, 0},
+                            Variant{true, true, 0}, Variant{true, false, 3}}) {
+    gpu::detail::attention_cluster_decode() = va.cluster;
+    gpu::detail::attention_prefill_wgmma() = va.wg;
+    gpu::detail::attention_decode_clusters() = va.clusters;
+    const bool longer = va.clusters > 0;
+    const int64_t n_ctx = longer ? 4500 : 1100;
+    const int32_t dec_pos[2] = {longer ? 2700 : 700, longer ? 4200 : 1000};
     for (const Shape& s : kShapes) {
-      CAPTURE(cluster);
-      CAPTURE(wg);
+      CAPTURE(va.cluster);
+      CAPTURE(va.wg);
+      CAPTURE(va.clusters);
       CAPTURE(s.n_head);
       CAPTURE(s.n_head_kv);
       CAPTURE(s.head_dim);
-      const Pool pool(s, n_ctx, {40, 700, 0, 1000, 5}, 11 + s.head_dim);
+      const Pool pool(s, n_ctx, {40, dec_pos[0], 0, dec_pos[1], 5}, 11 + s.head_dim);
       const int64_t qd = static_cast<int64_t>(s.n_head) * s.head_dim, kd = pool.kv_dim();
       // As StepPacker packs: prompt chunks (sequence 2 from 0, 9 tokens; sequence 0 continuing
       // with 3; sequence 4 with a 1-token prompt row), then decode tokens of sequences 1 and 3.
@@ -200,8 +213,8 @@ TEST_CASE("gpu attention: several sequences in one step, each reading its own ro
       for (int32_t p = 0; p < 9; ++p) add(2, p);
       for (int32_t p = 40; p < 43; ++p) add(0, p);
       add(4, 5);
-      add(1, 700);
-      add(3, 1000);
+      add(1, dec_pos[0]);
+      add(3, dec_pos[1]);
       st.n_decode = 2;
       st.q = gaussian(static_cast<size_t>(st.n() * qd), 21, 1.5f);
       st.k = gaussian(static_cast<size_t>(st.n() * kd), 22, 1.5f);
@@ -243,7 +256,9 @@ TEST_CASE("gpu attention: several sequences in one step, each reading its own ro
       const Run s4 = run_steps(pool, {slice(st, s, 12, 13, false)});
       CHECK(same_rows(mixed.out[0], 12, s4.out[0], 0, 1, qd));
       // Eight decode tokens of distinct sequences of one pool at once, against each alone.
-      const Pool pool8(s, 300, {0, 1, 63, 64, 65, 200, 299, 128}, 5 + s.head_dim);
+      const Pool pool8 = longer
+                             ? Pool(s, 3000, {0, 1, 63, 64, 65, 2100, 2999, 1028}, 5 + s.head_dim)
+                             : Pool(s, 300, {0, 1, 63, 64, 65, 200, 299, 128}, 5 + s.head_dim);
       Step d;
       for (int32_t q = 0; q < 8; ++q) {
         d.seq.push_back(q);
@@ -264,12 +279,13 @@ TEST_CASE("gpu attention: several sequences in one step, each reading its own ro
   }
   gpu::detail::attention_cluster_decode() = true;
   gpu::detail::attention_prefill_wgmma() = saved_wg;
+  gpu::detail::attention_decode_clusters() = saved_clusters;
 }
 
 TEST_CASE("gpu attention: n_decode outside [-1, n_tok] is refused") {
   REQUIRE_DEVICE();
-  CHECK_THROWS_AS(gpu::attention_workspace_bytes(4, 64, 2, 8, 5), Error);
-  CHECK_THROWS_AS(gpu::attention_workspace_bytes(4, 64, 2, 8, -2), Error);
+  CHECK_THROWS_AS(gpu::attention_workspace_bytes(4, 64, 2, 2, 8, 5), Error);
+  CHECK_THROWS_AS(gpu::attention_workspace_bytes(4, 64, 2, 2, 8, -2), Error);
 }
 
 TEST_CASE("gpu matmul: a row's bits depend on its kind, never on the other rows") {

@@ -24,6 +24,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "berth/core/error.h"
@@ -547,9 +548,11 @@ void check_x_q8(const char* what, int64_t n_in, Dev& x, Dev& ws, size_t wsb, uin
 
 TEST_CASE("gpu: the 8-bit blocks left by the attention decode kernel feed matmul_group x_q8") {
   REQUIRE_DEVICE();
-  // Attention of one token (32 query / 4 KV heads of 128, position 300 of 1024).
+  // Attention of one token (32 query / 4 KV heads of 128, n_ctx 4096): written by the decode
+  // kernel itself (one active cluster at position 100), or by the merge of 2 or 3 clusters'
+  // partials (positions 300 and 3000 with 3 clusters of 2 blocks, one per 256 rows).
   const int32_t n_head = 32, n_head_kv = 4, hd = 128;
-  const int64_t n_ctx = 1024, q_dim = n_head * hd, kv_dim = n_head_kv * hd;
+  const int64_t n_ctx = 4096, q_dim = n_head * hd, kv_dim = n_head_kv * hd;
   std::vector<uint16_t> kc(static_cast<size_t>(n_ctx * kv_dim));
   const auto cache = gaussian(kc.size(), 6, 1.0f);
   for (size_t i = 0; i < kc.size(); ++i) kc[i] = f32_to_fp16(cache[i]);
@@ -560,21 +563,30 @@ TEST_CASE("gpu: the 8-bit blocks left by the attention decode kernel feed matmul
   dv.put(gaussian(static_cast<size_t>(kv_dim), 9, 1.0f));
   kcache.put(kc);
   vcache.put(kc);
-  dpos.put(std::vector<int32_t>{300});
-  const size_t wsb = std::max(gpu::matmul_workspace_bytes(GgmlType::Q4_K, q_dim, 515, 1),
-                              gpu::attention_workspace_bytes(1, n_ctx, n_head, hd));
-  Dev ws(wsb);
   const bool saved = gpu::detail::attention_cluster_decode();
+  const int saved_clusters = gpu::detail::attention_decode_clusters();
   gpu::detail::attention_cluster_decode() = true;  // whatever BERTH_ATTN_CLUSTER says
-  const bool wrote =
-      gpu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), 1, dpos.as<int32_t>(),
-                     kcache.as<uint16_t>(), vcache.as<uint16_t>(), n_ctx, n_head, n_head_kv, hd,
-                     0.088f, out.as<float>(), ws.p, wsb, nullptr, ws.p);
   int major = 0;
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  size_t wsb = 0;
+  for (const auto& [clusters, pos] : {std::pair{0, 100}, std::pair{3, 300}, std::pair{3, 3000}}) {
+    CAPTURE(clusters);
+    CAPTURE(pos);
+    gpu::detail::attention_decode_clusters() = clusters;
+    dpos.put(std::vector<int32_t>{pos});
+    wsb = std::max(gpu::matmul_workspace_bytes(GgmlType::Q4_K, q_dim, 515, 1),
+                   gpu::attention_workspace_bytes(1, n_ctx, n_head, n_head_kv, hd));
+    Dev ws(wsb);
+    const bool wrote =
+        gpu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), 1, dpos.as<int32_t>(),
+                       kcache.as<uint16_t>(), vcache.as<uint16_t>(), n_ctx, n_head, n_head_kv, hd,
+                       0.088f, out.as<float>(), ws.p, wsb, nullptr, ws.p);
+    CHECK(wrote == (major >= 9));  // the cluster decode kernel (or its merge) writes them
+    if (wrote) check_x_q8("attention", q_dim, out, ws, wsb, static_cast<uint64_t>(pos));
+  }
   gpu::detail::attention_cluster_decode() = saved;
-  CHECK(wrote == (major >= 9));  // the cluster decode kernel writes them
-  if (wrote) check_x_q8("attention", q_dim, out, ws, wsb, 300);
+  gpu::detail::attention_decode_clusters() = saved_clusters;
+  Dev ws(wsb);
   // x_q8 serves one token only.
   const MatmulJob job{GgmlType::Q4_K, ws.p, 1, out.as<float>()};
   CHECK_THROWS_AS(gpu::matmul_group(&job, 1, 256, out.as<float>(), 2, ws.p, wsb, nullptr, true),

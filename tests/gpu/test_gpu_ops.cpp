@@ -18,10 +18,12 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "berth/core/fp16.h"
@@ -491,7 +493,7 @@ double attention_case(const AttnShape& s, int64_t n_ctx, int64_t n_past, int64_t
   Dev<uint16_t> dkc(kc), dvc(vc);
   Dev<int32_t> dpos(pos);
   const size_t ws_bytes =
-      gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim, n_decode);
+      gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.n_head_kv, s.head_dim, n_decode);
   Dev<uint8_t> ws(ws_bytes);
   dout.poison();
   gpu::attention(dq.p, dk.p, dv.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
@@ -585,6 +587,55 @@ TEST_CASE("gpu: attention decode at several cache lengths") {
   gpu::detail::attention_cluster_decode() = true;
 }
 
+TEST_CASE("gpu: attention decode split over clusters of the KV range (long caches)") {
+  REQUIRE_DEVICE();
+  // The cluster decode kernel with 4 and 8 query heads per block, 1 (auto at short positions),
+  // 2, 3 or 5 clusters per KV head of 1, 2, 4 or 8 blocks: positions where one, several or all
+  // clusters take part (several decode tokens of one call: test_gpu_batch.cpp).
+  const int64_t n_ctx = 16384;
+  const AttnShape shapes[] = {
+      {32, 4, 128},  // qwen3-30b-a3b: 8 heads per block, one subgroup
+      {16, 2, 256},  // head_dim 256: always 4 per block
+      {24, 4, 256},  // group 6 (Qwen3.5-27B-like): a partial subgroup
+      {12, 1, 128},  // group 12 with 8 per block: a partial second subgroup
+      {8, 2, 64},    // group 4
+      {4, 2, 6},     // head_dim % 4 != 0
+  };
+  const int saved_heads = gpu::detail::attention_decode_heads();
+  const int saved_clusters = gpu::detail::attention_decode_clusters();
+  gpu::detail::attention_cluster_decode() = true;
+  double worst = 0;
+  struct Variant {
+    int heads, clusters, cb;
+  };
+  const Variant variants[] = {{0, 0, 0}, {4, 0, 0}, {8, 0, 0}, {4, 5, 1},
+                              {8, 5, 2}, {0, 2, 4}, {0, 0, 1}, {8, 3, 8}};
+  const int saved_cb = gpu::detail::attention_decode_cluster_blocks();
+  for (const auto& [heads, clusters, cb] : variants) {
+    gpu::detail::attention_decode_heads() = heads;
+    gpu::detail::attention_decode_clusters() = clusters;
+    gpu::detail::attention_decode_cluster_blocks() = cb;
+    for (const AttnShape& s : shapes) {
+      for (const int64_t pos : {int64_t{0}, int64_t{1023}, int64_t{4000}, int64_t{16383}}) {
+        CAPTURE(heads);
+        CAPTURE(clusters);
+        CAPTURE(cb);
+        CAPTURE(s.n_head);
+        CAPTURE(s.n_head_kv);
+        CAPTURE(s.head_dim);
+        CAPTURE(pos);
+        const double e = attention_case(s, n_ctx, pos, 1, 3000 + pos + s.head_dim);
+        worst = std::max(worst, e);
+        CHECK(e <= kTolAttention);
+      }
+    }
+  }
+  gpu::detail::attention_decode_heads() = saved_heads;
+  gpu::detail::attention_decode_clusters() = saved_clusters;
+  gpu::detail::attention_decode_cluster_blocks() = saved_cb;
+  MESSAGE("attention decode split over clusters: worst NMSE " << worst);
+}
+
 TEST_CASE("gpu: attention prefill after a non-zero n_past") {
   REQUIRE_DEVICE();
   // Both prompt kernels: tensor cores (head_dim 64, 128, 256) and f32 (every head dim).
@@ -655,7 +706,10 @@ TEST_CASE("gpu: attention prompt rows on tensor cores at 1, 127, 4096 and 32768 
 TEST_CASE("gpu: a captured decode graph replays at later positions like eager launches") {
   REQUIRE_DEVICE();
   const AttnShape s{8, 2, 128};
-  const int64_t n_ctx = 4096, p = 1000;
+  // Positions where 1, 2 and 3 clusters of the decode kernel take part (with 3 forced; a
+  // cluster of 2 blocks per 512 rows at this shape).
+  const int64_t n_ctx = 8192, p = 300;
+  const int64_t step_pos[3] = {p, 700, 5000};
   const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;
   const int64_t q_dim = static_cast<int64_t>(s.n_head) * s.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
@@ -670,19 +724,25 @@ TEST_CASE("gpu: a captured decode graph replays at later positions like eager la
   Dev<uint16_t> dkc(kc), dvc(vc);
   Dev<int32_t> dpos(std::vector<int32_t>{static_cast<int32_t>(p)});
   Dev<float> dout(static_cast<size_t>(q_dim));
-  const size_t ws_bytes = gpu::attention_workspace_bytes(1, n_ctx, s.n_head, s.head_dim);
-  REQUIRE(ws_bytes > 0);  // this shape splits the KV range
-  Dev<uint8_t> ws(ws_bytes);
 
   cudaStream_t stream;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  size_t ws_bytes = 0;
+  std::unique_ptr<Dev<uint8_t>> ws;
   auto launch = [&] {
     gpu::attention(dq.p, dk.p, dv.p, 1, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,
-                   s.head_dim, scale, dout.p, ws.p, ws_bytes, stream);
+                   s.head_dim, scale, dout.p, ws->p, ws_bytes, stream);
   };
-  for (const bool cluster : {true, false}) {
+  const int saved_clusters = gpu::detail::attention_decode_clusters();
+  for (const auto& [cluster, clusters] :
+       {std::pair{true, 0}, std::pair{true, 3}, std::pair{false, 0}}) {
     CAPTURE(cluster);
+    CAPTURE(clusters);
     gpu::detail::attention_cluster_decode() = cluster;
+    gpu::detail::attention_decode_clusters() = clusters;
+    ws_bytes = gpu::attention_workspace_bytes(1, n_ctx, s.n_head, s.n_head_kv, s.head_dim);
+    REQUIRE(ws_bytes > 0);  // this shape splits the KV range (both kernels)
+    ws = std::make_unique<Dev<uint8_t>>(ws_bytes);
     dkc.up(kc);
     dvc.up(vc);
     cudaGraph_t graph;
@@ -695,7 +755,7 @@ TEST_CASE("gpu: a captured decode graph replays at later positions like eager la
     std::vector<float> prev;
     for (int64_t step = 0; step < 3; ++step) {
       CAPTURE(step);
-      dpos.up({static_cast<int32_t>(p + step)});
+      dpos.up({static_cast<int32_t>(step_pos[step])});
       dout.poison();
       ck(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
       ck(cudaStreamSynchronize(stream), "replay");
@@ -713,6 +773,7 @@ TEST_CASE("gpu: a captured decode graph replays at later positions like eager la
     cudaGraphDestroy(graph);
   }
   gpu::detail::attention_cluster_decode() = true;
+  gpu::detail::attention_decode_clusters() = saved_clusters;
   cudaStreamDestroy(stream);
 }
 
@@ -906,7 +967,8 @@ TEST_CASE("gpu: attention timing (printed only)") {
     std::vector<int32_t> pos(static_cast<size_t>(n_tok));
     std::iota(pos.begin(), pos.end(), pos0);
     Dev<int32_t> dpos(pos);
-    const size_t ws_bytes = gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.head_dim);
+    const size_t ws_bytes =
+        gpu::attention_workspace_bytes(n_tok, n_ctx, s.n_head, s.n_head_kv, s.head_dim);
     Dev<uint8_t> ws(ws_bytes);
     auto run = [&] {
       gpu::attention(dq.p, dk.p, dk.p, n_tok, dpos.p, dkc.p, dvc.p, n_ctx, s.n_head, s.n_head_kv,

@@ -153,9 +153,11 @@ void wait_copy_in(const uint32_t* flag, uint32_t value, const HostCopy* copies, 
                   cudaStream_t stream);
 
 /// Workspace bytes of attention for n_tok query rows, the last n_decode of them decode rows (-1:
-/// as attention resolves it), over sequences of n_ctx positions.
-size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t head_dim,
-                                 int64_t n_decode = -1);
+/// as attention resolves it), over sequences of n_ctx positions, for the decode path the current
+/// device and detail:: switches select now. Errors: Error(invalid_argument) for n_decode outside
+/// [-1, n_tok]; Error(internal) when the device cannot be queried.
+size_t attention_workspace_bytes(int64_t n_tok, int64_t n_ctx, int32_t n_head, int32_t n_head_kv,
+                                 int32_t head_dim, int64_t n_decode = -1);
 
 /// Causal grouped-query attention with an f16 KV cache of several sequences, flash-style (online
 /// softmax; the score matrix is never materialised). q [n_tok, n_head*head_dim], k/v [n_tok,
@@ -195,6 +197,30 @@ namespace detail {
 /// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and
 /// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_cluster_decode();
+/// The cluster decode kernel's split of a long KV range (the switches below; 0 is the default
+/// each time; another value of the environment variable is Error(invalid_argument) on first
+/// use; tests and benchmarks set them to compare, not thread safe: set before launching):
+/// - A cache that one cluster of 8 blocks covers with 2 slabs (4 or 8 rows) per warp keeps one
+///   cluster per (decode token, KV head, head subgroup), 4 query heads per block.
+/// - A longer one is split over clusters of 2 blocks, 8 query heads per block where a KV head
+///   has at least 8 and head_dim is at most 128 (else 4): as many clusters as the device runs
+///   at once for one token, no more than become active within n_ctx. At a position only the
+///   clusters with work take part (one per 2 slabs per warp of the token's rows); with more
+///   than one, a second launch merges their partials in order.
+/// A decode row's bits depend on its position, n_ctx, the head shape, these switches and the
+/// device's cluster count, never on the other rows of the step.
+/// attention_decode_heads: query heads per block, 4 or 8 (BERTH_ATTN_DEC_HEADS; head_dim above
+/// 128 always takes 4).
+int& attention_decode_heads();
+/// attention_decode_clusters: clusters per (token, KV head, subgroup), 1 (one cluster of 8
+/// blocks) to 64 (BERTH_ATTN_DEC_CLUSTERS).
+int& attention_decode_clusters();
+/// attention_decode_cluster_blocks: blocks per cluster of a split range, 1, 2, 4 or 8
+/// (BERTH_ATTN_DEC_CB).
+int& attention_decode_cluster_blocks();
+/// attention_decode_warps: warps per block for head_dim <= 128, 8 or 16 (default 16;
+/// BERTH_ATTN_DEC_WARPS; head_dim 256 always runs 8).
+int& attention_decode_warps();
 /// Whether attention runs prompt rows of head_dim 64, 128 or 256 on its tensor-core kernel
 /// (compute capability >= 8.0; Q and P rounded to f16, f32 accumulation) instead of the f32
 /// kernel (true by default). BERTH_ATTN_MMA=0 (or false, off, no) sets it false. Tests and
