@@ -637,12 +637,11 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   }
   // The step's streams only: copies into expert slots on kCopy may go on into the next step.
   // A step without CPU segments polls (a sleeping thread's wake-up would add to the step).
-  if (st.s.segments.empty()) {
-    dev_->synchronize_polling(kMain);
-    dev_->synchronize_polling(kAux);
-  } else {
-    dev_->synchronize(kMain);
-    dev_->synchronize(kAux);
+  for (const int stream : {kMain, kAux}) {
+    if (st.s.segments.empty())
+      dev_->synchronize_polling(stream);
+    else
+      dev_->synchronize(stream);
   }
   for (const auto& [entry, ab] : marks_) {
     auto& t = gpu_prof_[entry];
