@@ -108,7 +108,6 @@ struct DiskReader::Impl {
   uint64_t wake_buf = 0;
   std::vector<Piece> slots;  // pieces in the kernel, indexed by user_data
   std::vector<uint32_t> free_slots;
-  unsigned in_flight = 0;
 
   // Shared by every thread, under mu.
   std::mutex mu;
@@ -122,7 +121,9 @@ struct DiskReader::Impl {
 
   // Busy time: the seconds with at least one read in the kernel (busy_begin/busy_end around
   // each read: io_uring from its preparation, submitted in the same round, to its reaping by
-  // the I/O thread; pread around the call), and the bytes the kernel returned.
+  // the I/O thread; pread around the call), and the bytes the kernel returned. busy_n is the
+  // one count of reads in the kernel: the io_uring backend's queue-depth limit reads it too
+  // (in_kernel()).
   std::mutex busy_mu;
   unsigned busy_n = 0;
   std::chrono::steady_clock::time_point busy_t0;
@@ -138,6 +139,10 @@ struct DiskReader::Impl {
       busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                      std::chrono::steady_clock::now() - busy_t0)
                      .count();
+  }
+  unsigned in_kernel() {
+    std::lock_guard lk(busy_mu);
+    return busy_n;
   }
   double busy_seconds() {
     std::lock_guard lk(busy_mu);
@@ -384,7 +389,6 @@ struct DiskReader::Impl {
   void issue(Piece&& piece) {
     const uint32_t s = free_slots.back();
     free_slots.pop_back();
-    ++in_flight;
     busy_begin();
     Piece& p = slots[s] = std::move(piece);
     if (p.seq == 0) p.seq = ++issued;
@@ -415,7 +419,6 @@ struct DiskReader::Impl {
   void release(uint32_t s, const Failure* f, bool requeue = false) {
     Piece p = std::move(slots[s]);
     free_slots.push_back(s);
-    --in_flight;
     busy_end();
     if (!requeue) return finish(p, f);
     std::lock_guard lk(mu);
@@ -448,6 +451,8 @@ struct DiskReader::Impl {
     std::vector<Piece> take;
     bool warned = false;
     for (;;) {
+      // Reads in the kernel: only this thread issues (busy_begin) and reaps (busy_end) them.
+      const unsigned in_flight = in_kernel();
       {
         std::lock_guard lk(mu);
         if (stopping && in_flight == 0) return;  // queued pieces are dropped (~Impl frees them)

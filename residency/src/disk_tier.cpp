@@ -474,11 +474,13 @@ const io::DiskReader& DiskTier::reader() const { return *reader_; }
 DiskTier::Stats DiskTier::stats() const {
   Stats s = stats_;
   s.busy_seconds = reader_->busy_seconds() - busy_base_;
+  s.reader_bytes = reader_->bytes_read() - bytes_base_;
   return s;
 }
 void DiskTier::reset_stats() {
   stats_ = {};
   busy_base_ = reader_->busy_seconds();
+  bytes_base_ = reader_->bytes_read();
 }
 
 std::string DiskTier::summary() const {

@@ -94,7 +94,15 @@ class DiskTier {
                  ? static_cast<double>(predicted_used) / static_cast<double>(predicted_missing)
                  : 0.0;
     }
-    int64_t bytes_read = 0;  ///< bytes read from the file (the experts' slices, as stored)
+    /// Bytes of the experts' slices the tier asked for (as stored), counted when their reads
+    /// are submitted: the bytes the experts need, whatever the reads cost.
+    int64_t bytes_read = 0;
+    /// Bytes the kernel returned to the tier's reads since the last reset_stats()
+    /// (io::DiskReader::bytes_read, less its value at the reset): the slices plus the rest of the
+    /// 4 KiB blocks at their unaligned ends, which the io_uring backend reads whole (O_DIRECT);
+    /// counted as reads complete, so a read in flight at a reset counts in the window where it
+    /// ends. The bytes of bandwidth(), from the reader as busy_seconds is.
+    uint64_t reader_bytes = 0;
     /// Seconds during which at least one of the tier's reads was in the kernel
     /// (io::DiskReader::busy_seconds since the last reset_stats()).
     double busy_seconds = 0;
@@ -105,8 +113,11 @@ class DiskTier {
       const int64_t n = ahead_used + reads_demand;
       return n > 0 ? static_cast<double>(ahead_used) / static_cast<double>(n) : 0.0;
     }
-    /// bytes_read / busy_seconds, bytes per second (0 without reads).
-    double bandwidth() const { return busy_seconds > 0 ? bytes_read / busy_seconds : 0.0; }
+    /// The rate the reader achieved: reader_bytes / busy_seconds, bytes per second (0 without
+    /// reads). Both from io::DiskReader over the same window.
+    double bandwidth() const {
+      return busy_seconds > 0 ? static_cast<double>(reader_bytes) / busy_seconds : 0.0;
+    }
   };
 
   /// Opens the file with an io::DiskReader (the arena registered as its fixed buffer),
@@ -142,7 +153,8 @@ class DiskTier {
   std::unique_ptr<io::DiskReader> reader_;
   std::vector<std::unique_ptr<Layer>> layers_;
   Stats stats_;
-  double busy_base_ = 0;  // reader_->busy_seconds() at the last reset_stats()
+  double busy_base_ = 0;     // reader_->busy_seconds() at the last reset_stats()
+  uint64_t bytes_base_ = 0;  // reader_->bytes_read() at the last reset_stats()
 };
 
 }  // namespace berth
