@@ -23,7 +23,8 @@
 // K/V of this ubatch are first written (rounded to f16) into the cache rows seqs[t] * n_ctx +
 // positions[t] by kv_write_kernel, launched before the attention kernel in the same stream. Decode
 // rows on compute capability >= 9.0 take attention_decode_kernel instead (below), one launch for
-// all of them (a cluster per token, KV head and head subgroup) that also writes their K/V rows.
+// all of them (clusters per token, KV head and head subgroup) that also writes their K/V rows,
+// followed by attn_dec_combine_kernel where a long KV range is split over several clusters.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1199,7 +1200,8 @@ DecPlan dec_shape(int32_t group, int32_t head_dim, int gm, int cb) {
 }
 
 // A cache that one cluster of 8 blocks covers with 2 slabs per warp keeps that one cluster (4
-// query heads per block unless forced). A longer one splits its KV range over clusters of
+// query heads per block unless forced), and so does a split that would give a KV head fewer
+// than 8 blocks in all. A longer one splits its KV range over clusters of
 // kDecSplitCluster blocks (8 query heads per block where a KV head has 8 or more and head_dim
 // <= 128): as many as the device runs at once for one token, never more than become active
 // within n_ctx. Clusters of 2 blocks and 8 heads per block were the fastest split on the H200
@@ -1222,6 +1224,8 @@ DecPlan decode_plan(int64_t n_ctx, int32_t n_head, int32_t n_head_kv, int32_t he
     const int64_t by_dev =
         dec_device_clusters(p.dc.kernel, p.dc.warps * 32, p.smem, p.cb) / (n_head_kv * p.n_sub);
     p.n_clust = std::max<int64_t>(1, std::min<int64_t>({by_ctx, by_dev, kDecMaxClusters}));
+    // Fewer blocks than the one cluster of 8 (many KV heads already fill the card): keep it.
+    if (p.n_clust * p.cb < kDecCluster) return one;
   }
   return p;
 }

@@ -176,8 +176,9 @@ const Shape kShapes[] = {{8, 2, 8}, {8, 8, 64}, {16, 2, 128}, {4, 1, 256}, {4, 2
 TEST_CASE("gpu attention: several sequences in one step, each reading its own rows") {
   REQUIRE_DEVICE();
   // Decode splits > 1 past 64 positions (general kernel). With 3 clusters forced, longer
-  // caches and later decode positions, where 2 or 3 clusters of the cluster kernel take part
-  // (a cluster per up to 2048 rows).
+  // caches and later decode positions, where up to 3 clusters of the cluster kernel take part
+  // (a cluster of 2 blocks per 256 or 512 rows: 3 at both decode tokens, 1 to 3 among the
+  // eight).
   const bool saved_wg = gpu::detail::attention_prefill_wgmma();
   const int saved_clusters = gpu::detail::attention_decode_clusters();
   // (cluster decode, Q K^T of prompt rows on wgmma, decode clusters): the decode kernels, the

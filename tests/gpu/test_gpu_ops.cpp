@@ -706,8 +706,8 @@ TEST_CASE("gpu: attention prompt rows on tensor cores at 1, 127, 4096 and 32768 
 TEST_CASE("gpu: a captured decode graph replays at later positions like eager launches") {
   REQUIRE_DEVICE();
   const AttnShape s{8, 2, 128};
-  // Positions where 1, 2 and 3 clusters of the decode kernel take part (with 3 forced; a
-  // cluster of 2 blocks per 512 rows at this shape).
+  // Positions where 1, 2 and 3 clusters of the decode kernel take part with 3 forced (a
+  // cluster of 2 blocks per 512 rows at this shape); 1, 2 and 10 with the automatic count.
   const int64_t n_ctx = 8192, p = 300;
   const int64_t step_pos[3] = {p, 700, 5000};
   const int64_t kv_dim = static_cast<int64_t>(s.n_head_kv) * s.head_dim;

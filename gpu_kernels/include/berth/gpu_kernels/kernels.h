@@ -193,7 +193,8 @@ bool attention(const float* q, const float* k, const float* v, int64_t n_tok,
 namespace detail {
 /// Whether attention serves one-token calls (decode) with its thread-block-cluster kernel on
 /// devices of compute capability >= 9.0 (true by default): one launch that also writes the
-/// token's K/V row and merges the KV splits, instead of kv_write + attention + split combine.
+/// token's K/V row and merges its blocks' partials (plus a merge launch where a long KV range is
+/// split over several clusters, below), instead of kv_write + attention + split combine.
 /// The environment variable BERTH_ATTN_CLUSTER=0 (or false, off, no) sets it false. Tests and
 /// benchmarks turn it off to compare both paths (not thread safe: set before launching).
 bool& attention_cluster_decode();
@@ -201,7 +202,8 @@ bool& attention_cluster_decode();
 /// each time; another value of the environment variable is Error(invalid_argument) on first
 /// use; tests and benchmarks set them to compare, not thread safe: set before launching):
 /// - A cache that one cluster of 8 blocks covers with 2 slabs (4 or 8 rows) per warp keeps one
-///   cluster per (decode token, KV head, head subgroup), 4 query heads per block.
+///   cluster per (decode token, KV head, head subgroup), 4 query heads per block; so does a
+///   split that would give each KV head fewer than 8 blocks (heads that fill the card).
 /// - A longer one is split over clusters of 2 blocks, 8 query heads per block where a KV head
 ///   has at least 8 and head_dim is at most 128 (else 4): as many clusters as the device runs
 ///   at once for one token, no more than become active within n_ctx. At a position only the
@@ -209,8 +211,8 @@ bool& attention_cluster_decode();
 ///   than one, a second launch merges their partials in order.
 /// A decode row's bits depend on its position, n_ctx, the head shape, these switches and the
 /// device's cluster count, never on the other rows of the step.
-/// attention_decode_heads: query heads per block, 4 or 8 (BERTH_ATTN_DEC_HEADS; head_dim above
-/// 128 always takes 4).
+/// attention_decode_heads: query heads per block, 4 or 8, for the one cluster and the split
+/// alike (BERTH_ATTN_DEC_HEADS; head_dim above 128 always takes 4).
 int& attention_decode_heads();
 /// attention_decode_clusters: clusters per (token, KV head, subgroup), 1 (one cluster of 8
 /// blocks) to 64 (BERTH_ATTN_DEC_CLUSTERS).
