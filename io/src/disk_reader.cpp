@@ -526,8 +526,9 @@ DiskReader::DiskReader(const std::string& path, DiskReaderOptions options)
   if (m.opt.pread_threads > 1024)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("disk reader: {} pread threads is over 1024", m.opt.pread_threads));
-  const uint64_t max_read = m.opt.max_read_bytes != 0 ? m.opt.max_read_bytes
-                                                      : env_uint("BERTH_DISK_MAX_READ").value_or(0);
+  const uint64_t max_read = m.opt.max_read_bytes != 0
+                                ? m.opt.max_read_bytes
+                                : env_uint("BERTH_DISK_MAX_READ", uint64_t{1} << 30).value_or(0);
   if (max_read != 0) {
     if (max_read % kA != 0 || max_read > (uint64_t{1} << 30))
       throw Error(

@@ -487,8 +487,8 @@ std::string DiskTier::summary() const {
   const Stats& s = stats_;
   return fmt::format(
       "disk tier: {} MoE layers x {} RAM expert slots ({:.1f} MiB), {} reader: {} experts read "
-      "({:.1f} MiB), {:.1f}% read ahead, {} RAM hits; next-layer predictions {:.0f}% precise, {} "
-      "of {} read ahead",
+      "({:.1f} MiB), {:.1f}% of needed reads issued ahead, {} RAM hits; next-layer predictions "
+      "{:.0f}% precise, {} of {} read",
       layers_.size(), opt_.slots_per_layer, static_cast<double>(arena_.size()) / (1 << 20),
       io::backend_name(reader_->backend()), s.reads_demand + s.reads_ahead,
       static_cast<double>(s.bytes_read) / (1 << 20), 100.0 * s.ahead_hit_rate(), s.hits,

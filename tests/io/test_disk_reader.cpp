@@ -344,6 +344,16 @@ TEST_CASE("disk reader: ranges split into small reads (max_read_bytes, BERTH_DIS
           "disk reader: a largest read of 4095 bytes is not a multiple of 4096 up to 1 GiB "
           "(BERTH_DISK_MAX_READ)");
   }
+  SUBCASE("a value that is not an integer up to 1 GiB names the variable and the range") {
+    for (const char* bad : {"abc", "-1", "1073741825", "99999999999999999999"}) {
+      CAPTURE(bad);
+      EnvGuard max_read("BERTH_DISK_MAX_READ", bad);
+      const Error e = expect_error([&] { DiskReader r(f.file.string(), DiskReaderOptions{}); });
+      CHECK(e.category() == ErrorCategory::invalid_argument);
+      CHECK(std::string(e.what()) == std::string("BERTH_DISK_MAX_READ='") + bad +
+                                         "': expected an integer from 0 to 1073741824");
+    }
+  }
 }
 
 TEST_CASE("disk reader: io_uring reads into registered fixed buffers") {

@@ -187,10 +187,11 @@ struct ModelBenchResult {
     double join_us = 0, wait_us = 0, tail_us = 0;
   } tg_moe;
   /// The disk tier (residency/disk_tier.h) over the first tg test's timed runs; used false: no
-  /// tier. bytes_per_token: bytes read from the file per decode token; ahead_hit_rate: reads
-  /// issued before they were needed / all needed reads (DiskTier::Stats::ahead_hit_rate);
-  /// achieved_gbps: bytes read / seconds with a read in the kernel (1e9 B/s;
-  /// io::DiskReader::busy_seconds, timed where the reader reaps completions);
+  /// tier. bytes_per_token: the expert slices' bytes asked of the file per decode token
+  /// (DiskTier::Stats::bytes_read); ahead_hit_rate: reads issued before they were needed / all
+  /// needed reads (DiskTier::Stats::ahead_hit_rate); achieved_gbps: the reader's bytes over its
+  /// seconds with a read in the kernel (1e9 B/s; DiskTier::bandwidth: io::DiskReader::bytes_read
+  /// and busy_seconds, both counted where the reader reaps completions);
   /// drive_gbps: the drive's O_DIRECT QD32 random-read rate for expert-slice reads measured in
   /// the same run (--disk-bench; 0: not measured); fraction = achieved / drive.
   struct DiskTierResult {
