@@ -2,7 +2,9 @@
 // (bench/include/berth/bench/kernel_bench.h says what is measured and how).
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -56,9 +58,13 @@ class JsonOut {
     if (path_.empty() || path_ == "-") return;
     std::error_code ec;
     existed_ = std::filesystem::exists(path_, ec);
+    errno = 0;
     std::ofstream probe(path_, std::ios::binary | std::ios::app);
-    if (!probe)
-      throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}'", path_));
+    if (!probe) {
+      const int err = errno;
+      throw Error(ErrorCategory::io, fmt::format("cannot write the JSON file '{}': {}", path_,
+                                                 err != 0 ? std::strerror(err) : "not writable"));
+    }
     armed_ = true;
   }
   ~JsonOut() {

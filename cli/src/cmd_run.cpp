@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -266,7 +267,8 @@ Runner add_run(CLI::App& app) {
   p->excludes(f);
   sub->add_option("-n,--n-predict", o->n_predict,
                   "tokens to generate (-1: until EOS or the context is full)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(range(int32_t{-1}, INT32_MAX));
   sub->add_option("-t,--threads", o->session.n_threads, "CPU threads (0: all physical cores)")
       ->capture_default_str()
       ->check(range(0, 4096));

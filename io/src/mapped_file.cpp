@@ -16,7 +16,9 @@ namespace berth::io {
 namespace {
 
 [[noreturn]] void fail(const std::string& path, std::string_view what, int err) {
-  throw Error(ErrorCategory::io, fmt::format("{}: cannot {}: {}", path, what, std::strerror(err)));
+  throw Error(ErrorCategory::io,
+              fmt::format("{}: cannot {}: {}", path.empty() ? std::string("(an empty path)") : path,
+                          what, std::strerror(err)));
 }
 
 // Closes a file descriptor on every exit path.

@@ -95,6 +95,25 @@ TEST_CASE("bad flags are usage errors with exit code 2") {
   r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi --n-cpu-moe -1");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--n-cpu-moe: -1 is outside 0..") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi -n abc");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--n-predict: 'abc' is not a whole number in -1..2147483647") !=
+        std::string::npos);
+  r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi -n -2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--n-predict: -2 is outside -1..2147483647") != std::string::npos);
+}
+
+TEST_CASE("an empty model path and an unwritable JSON path are named") {
+  CommandResult r = run_command(berth::test::berth_bin() + " run -m '' -p hi -n 1");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err == "berth: error: (an empty path): cannot open: No such file or directory\n");
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  r = run_command(berth::test::berth_bin() + " bench model -m " + model +
+                  " -p 16 -n 0 -r 1 --json /nonexistent-berth-dir/x.json");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("cannot write the JSON file '/nonexistent-berth-dir/x.json': No such file or "
+                   "directory") != std::string::npos);
 }
 
 TEST_CASE("bad values fail with one clear line") {
