@@ -263,6 +263,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   sp.n_ubatch = max_step_tokens(planned);
   sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;  // before place(): they need room
   sp.hybrid.host_expert_share = o.host_expert_share;
+  sp.hybrid.stream_rates = parse_stream_split(o.stream_split, sp.hybrid.stream_split);
   sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
   if (!o.residency_policy.empty())
     sp.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
@@ -420,6 +421,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
     ModelBenchResult::ResidencyWindow slots_before;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
       if (rep == 1 && (is_pp || is_tg)) session.executor().reset_profile(), reset_gpu();
+      if (rep == 1 && is_pp && session.device()) session.scheduler().reset_stream_split_stats();
       if (rep == 1 && is_tg && session.disk_tier()) session.disk_tier()->reset_stats();
       if (rep == 1 && is_tg) slots_before = slot_counts();
       double cpu_s = 0;
@@ -441,6 +443,21 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
       r.pp_cpu_busy = tr.cpu_busy;
       r.pp_profile = shares(session.executor().profile(), o.repetitions);
       r.pp_gpu_profile = gpu_shares();
+      if (session.device()) {
+        const Scheduler& sch = session.scheduler();
+        const Scheduler::StreamSplitStats& ss = sch.stream_split_stats();
+        r.pp_split = {.layer_steps = ss.layer_steps,
+                      .experts_cpu = ss.experts_cpu,
+                      .experts_streamed = ss.experts_streamed,
+                      .cpu_calls = ss.cpu_calls,
+                      .calls = ss.calls,
+                      .bytes_streamed = ss.bytes_streamed,
+                      .bytes_whole = ss.bytes_whole,
+                      .pcie_gbps = sch.stream_rates().pcie_gbps,
+                      .dram_gbps = sch.stream_rates().dram_gbps,
+                      .cpu_gflops = sch.stream_rates().cpu_gflops,
+                      .cpu_scale = sch.stream_cpu_scale()};
+      }
     }
     if (is_tg) {
       r.tg_tok_s = rate_of(secs, t.n_gen);
@@ -742,6 +759,20 @@ nlohmann::json to_json(const ModelBenchResult& r) {
       {"warm_workers_us", r.warm_workers_us},
       {"handoff", r.handoff},
       {"stream_min_tokens_in_effect", r.stream_experts_min_tokens},
+      {"stream_split", r.options.stream_split},
+      {"pp_stream_split", r.pp_split.layer_steps > 0
+                              ? json{{"layer_steps", r.pp_split.layer_steps},
+                                     {"experts_cpu", r.pp_split.experts_cpu},
+                                     {"experts_streamed", r.pp_split.experts_streamed},
+                                     {"cpu_calls", r.pp_split.cpu_calls},
+                                     {"calls", r.pp_split.calls},
+                                     {"bytes_streamed", r.pp_split.bytes_streamed},
+                                     {"bytes_whole", r.pp_split.bytes_whole},
+                                     {"pcie_gbps", r.pp_split.pcie_gbps},
+                                     {"dram_gbps", r.pp_split.dram_gbps},
+                                     {"cpu_gflops", r.pp_split.cpu_gflops},
+                                     {"cpu_scale", r.pp_split.cpu_scale}}
+                              : json(nullptr)},
       {"host_experts_pinning", r.host_experts_pinning},
       {"decode_slot_bytes", r.decode_slot_bytes},
       {"decode_swap_bytes", r.decode_swap_bytes},
@@ -838,6 +869,24 @@ std::string format_text(const ModelBenchResult& r) {
           r.tg_device_busy > 1
               ? "; over 100%: the re-timed steps ran slower than the real ones (noise: more -r)"
               : "");
+  }
+  if (const auto& ps = r.pp_split; ps.layer_steps > 0) {
+    const double n = static_cast<double>(ps.layer_steps);
+    s += fmt::format(
+        "prefill split (timed pp runs): per streamed layer and ubatch {:.1f} experts copied, "
+        "{:.1f} "
+        "left to the CPU ({:.1f}% of the routed calls); {:.1f}% of the expert bytes copied "
+        "({:.1f} of {:.1f} MB per layer and ubatch); rates pcie {:.1f} GB/s, dram {:.1f} GB/s, "
+        "cpu {:.0f} GFLOP/s x {:.2f}\n",
+        static_cast<double>(ps.experts_streamed) / n, static_cast<double>(ps.experts_cpu) / n,
+        ps.calls > 0 ? 100.0 * static_cast<double>(ps.cpu_calls) / static_cast<double>(ps.calls)
+                     : 0.0,
+        ps.bytes_whole > 0
+            ? 100.0 * static_cast<double>(ps.bytes_streamed) / static_cast<double>(ps.bytes_whole)
+            : 0.0,
+        static_cast<double>(ps.bytes_streamed) / 1e6 / n,
+        static_cast<double>(ps.bytes_whole) / 1e6 / n, ps.pcie_gbps, ps.dram_gbps, ps.cpu_gflops,
+        ps.cpu_scale);
   }
   if (r.tg_test >= 0)
     s += fmt::format("decode reaches {:.0f}% of the {}bound\n", 100 * r.fraction_of_bound,

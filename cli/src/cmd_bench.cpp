@@ -318,6 +318,7 @@ Runner add_bench(CLI::App& app) {
   add_handoff(*m, o->m.handoff);
   add_placement_flags(*m, o->m.placement);
   add_stream_experts(*m, o->m.stream_min_tokens);
+  add_stream_split(*m, o->m.stream_split);
   m->add_option("--json", o->json_path,
                 "also write every number as JSON to this file (-: to standard output, the table to "
                 "standard error)");

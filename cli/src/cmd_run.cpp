@@ -57,6 +57,7 @@ struct RunOptions {
   SessionParams session;
   placement::Flags placement;
   int32_t stream_min = kStreamExpertsAuto;
+  std::string stream_split = "auto";
   double host_expert_share = 0;
   int64_t warm_workers_us = kAutoWarmWorkersUs;  ///< --warm-workers (not given: the default)
   SamplerParams sampling;
@@ -203,6 +204,7 @@ int run(const RunOptions& o) {
   if (!o.residency_policy.empty())
     params.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
   params.hybrid.stream_experts_min_tokens = o.stream_min;  // before place(): they need room
+  params.hybrid.stream_rates = parse_stream_split(o.stream_split, params.hybrid.stream_split);
   params.hybrid.host_expert_share = o.host_expert_share;
   const PlacementSetup placed = place(*model, o.placement, params, true);
   use_disk_tier(file, *model, placed.plan, params);
@@ -282,6 +284,7 @@ Runner add_run(CLI::App& app) {
       ->check(range(1, 1 << 16));
   add_placement_flags(*sub, o->placement);
   add_stream_experts(*sub, o->stream_min);
+  add_stream_split(*sub, o->stream_split);
   add_host_expert_share(*sub, o->host_expert_share);
   add_warm_workers(*sub, o->warm_workers_us);
   add_residency_swaps(*sub, o->session.hybrid.expert_slots.max_swaps_per_step);

@@ -40,6 +40,7 @@ struct ServeOptions {
   SessionParams session;
   placement::Flags placement;
   int32_t stream_min = kStreamExpertsAuto;
+  std::string stream_split = "auto";
   double host_expert_share = 0;
   int64_t warm_workers_us = kAutoWarmWorkersUs;
   double shutdown_grace_s = 30;
@@ -113,6 +114,7 @@ class RunningServer {
     std::unique_ptr<Device> device = placement_device(o.placement);
     SessionParams params = o.session;
     params.hybrid.stream_experts_min_tokens = o.stream_min;
+    params.hybrid.stream_rates = parse_stream_split(o.stream_split, params.hybrid.stream_split);
     params.hybrid.host_expert_share = o.host_expert_share;
     int64_t n_ctx = o.n_ctx;
     if (n_ctx <= 0) {
@@ -256,6 +258,7 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
       ->check(range(0.0, 3600.0));
   add_placement_flags(*sub, o.placement);
   add_stream_experts(*sub, o.stream_min);
+  add_stream_split(*sub, o.stream_split);
   add_host_expert_share(*sub, o.host_expert_share);
   add_warm_workers(*sub, o.warm_workers_us);
   add_residency_swaps(*sub, o.session.hybrid.expert_slots.max_swaps_per_step);

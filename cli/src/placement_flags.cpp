@@ -7,6 +7,7 @@
 
 #include "berth/core/error.h"
 #include "berth/runtime/placed.h"
+#include "berth/scheduler/stream_split.h"
 #include "validators.h"
 
 namespace berth::cli {
@@ -166,6 +167,30 @@ void add_stream_experts(CLI::App& cmd, int32_t& min_tokens) {
             return {};
           },
           "auto|N"));
+}
+
+void add_stream_split(CLI::App& cmd, std::string& spec) {
+  cmd.add_option("--stream-split", spec,
+                 "prefill steps that stream CPU-held experts: split each layer between the copy "
+                 "to the GPU (the experts the ubatch is expected to use most) and the CPU workers "
+                 "(the others, at the same time), by a cost model of measured rates: auto (the "
+                 "default), off (copy whole layers), or fixed rates pcie=GBPS,dram=GBPS,cpu=GFLOPS "
+                 "(any of them; the rest measured)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            try {
+              bool on = false;
+              (void)parse_stream_split(in, on);
+            } catch (const Error& e) {
+              std::string m = e.what();  // CLI11 names the option itself
+              constexpr std::string_view kOpt = "--stream-split ";
+              if (m.rfind(kOpt, 0) == 0) m.erase(0, kOpt.size());
+              return m;
+            }
+            return {};
+          },
+          "auto|off|RATES"));
 }
 
 void add_handoff(CLI::App& cmd, std::string& handoff) {

@@ -49,6 +49,8 @@ void add_residency_policy(CLI::App& cmd, std::string& policy);
 /// kStreamExpertsAuto, the default): from kStreamExpertsAutoTokens when host memory has room
 /// to lock them (runtime/placed.h). Anything else is a usage error naming the value.
 void add_stream_experts(CLI::App& cmd, int32_t& min_tokens);
+/// --stream-split SPEC (parse_stream_split's forms; checked when parsed).
+void add_stream_split(CLI::App& cmd, std::string& spec);
 
 /// Registers `--handoff auto|flags|callback` (bench model and plan): how CPU segments hand over
 /// with the device (HybridOptions::handoff).

@@ -296,6 +296,33 @@ void Residency::stream_in(int s, graph::WeightId gate, graph::WeightId up, graph
   }
 }
 
+size_t Residency::stream_in_experts(int s, graph::WeightId gate, graph::WeightId up,
+                                    graph::WeightId down, int buf, std::span<const int32_t> table) {
+  const auto n = static_cast<int64_t>(table.size());
+  uint8_t* dst = static_cast<uint8_t*>(stage_[buf]);
+  size_t copied = 0;
+  for (graph::WeightId id : {gate, up, down}) {
+    const size_t total = weights_[id].n_bytes;
+    const size_t per = n > 0 ? total / static_cast<size_t>(n) : 0;
+    const auto* src = static_cast<const uint8_t*>(pinned_.at(static_cast<size_t>(id)));
+    for (int64_t e = 0; e < n;) {
+      const int32_t slot = table[static_cast<size_t>(e)];
+      if (slot < 0) {
+        ++e;
+        continue;
+      }
+      int64_t run = 1;
+      while (e + run < n && table[static_cast<size_t>(e + run)] == slot + run) ++run;
+      dev_.copy(s, dst + static_cast<size_t>(slot) * per, src + static_cast<size_t>(e) * per,
+                static_cast<size_t>(run) * per);
+      copied += static_cast<size_t>(run) * per;
+      e += run;
+    }
+    dst += total;
+  }
+  return copied;
+}
+
 void Residency::release() {
   slots_.reset();
   try {

@@ -713,7 +713,8 @@ std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
   }
   const ScheduleOptions opt{.handoff = h.handoff,
                             .stream_experts_min_tokens = h.stream_experts_min_tokens,
-                            .host_expert_share = h.host_expert_share};
+                            .host_expert_share = h.host_expert_share,
+                            .stream_split = h.stream_split};
   const int32_t n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
   std::vector<std::pair<std::string, Schedule>> out;
   for (const auto& [n_tokens, title] :

@@ -34,6 +34,8 @@ std::string_view cause_name(Cause c) {
       return "expert slots";
     case Cause::not_resident:
       return "not in slots";
+    case Cause::stream_cpu:
+      return "left to the CPU by the split";
     case Cause::device_input:
       return "input on the GPU";
     case Cause::host_inputs:
@@ -82,9 +84,10 @@ size_t Schedule::bytes_to_device() const {
 }
 
 std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
-                                             const std::vector<Home>& weight_home, double f) {
+                                             const std::vector<Home>& weight_home, double f,
+                                             bool any_tokens) {
   std::vector<int32_t> slots(g.ops.size(), 0);
-  if (f <= 0 || g.n_tokens != 1) return slots;  // decode only
+  if (f <= 0 || (g.n_tokens != 1 && !any_tokens)) return slots;  // decode only
   std::vector<int32_t> producer(g.values.size(), -1);
   const auto home = [&](graph::WeightId id) {
     return id >= 0 && static_cast<size_t>(id) < weight_home.size()
@@ -136,15 +139,51 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       share_home[static_cast<size_t>(op.moe.gate)] = Home::gpu;
   const std::vector<int32_t> dev_slots =
       host_share_device_slots(g, share_home, opt.host_expert_share);
+  // The split of streamed layers: the layers the decode share could take (CPU-held, pinned, the
+  // norm before them on the device) take it, in a step that streams and whose rows must not
+  // depend on their neighbours (which experts the CPU computes depends on the whole ubatch).
+  const std::vector<int32_t> split_cand =
+      streams && opt.stream_split && !g.batch_invariant
+          ? host_share_device_slots(g, share_home, 1.0, /*any_tokens=*/true)
+          : std::vector<int32_t>{};
   std::vector<Op> ops;
   s.orig_index.clear();
   s.host_w.clear();
   s.slotted.clear();
+  s.stream_split.clear();
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
     const bool expert_op = op.kind == OpKind::moe_experts && pinned(op.moe.gate) &&
                            pinned(op.moe.up) && pinned(op.moe.down);
     const int32_t c = expert_op ? n_slots(op.moe.gate) : 0;
+    if (expert_op && c == 0 && !split_cand.empty() && split_cand[i] > 0 &&
+        op.moe.static_experts() && op.moe.experts.empty() && op.moe.slot_begin == 0 &&
+        op.moe.slot_end < 0) {
+      Op cpu_op = op, dev_op = op;
+      cpu_op.moe.set = graph::ExpertSet::not_resident;
+      dev_op.moe.set = graph::ExpertSet::resident;
+      dev_op.moe.n_slots = op.moe.n_expert;
+      s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
+      const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
+      cpu_op.output = static_cast<ValueId>(g.values.size());
+      g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
+      dev_op.output = static_cast<ValueId>(g.values.size());
+      g.values.push_back({vi.rows, vi.cols, vi.name + ".stream"});
+      cpu_op.name += ".cpu";
+      dev_op.name += ".stream";
+      Op sum;
+      sum.kind = OpKind::add;
+      sum.inputs = {dev_op.output, cpu_op.output};
+      sum.output = op.output;
+      sum.name = op.name + ".sum";
+      ops.push_back(cpu_op);
+      ops.push_back(dev_op);
+      ops.push_back(sum);
+      s.host_w.insert(s.host_w.end(), {false, false, false});
+      s.slotted.insert(s.slotted.end(), {0, 0, 0});
+      s.stream_split.insert(s.stream_split.end(), {1, 1, 0});
+      continue;
+    }
     if (c > 0 && !streams && op.moe.static_experts() && op.moe.experts.empty()) {
       Op cpu_op = op, dev_op = op;
       cpu_op.moe.set = graph::ExpertSet::not_resident;
@@ -168,6 +207,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       ops.push_back(sum);
       s.host_w.insert(s.host_w.end(), {false, false, false});
       s.slotted.insert(s.slotted.end(), {1, 1, 0});
+      s.stream_split.insert(s.stream_split.end(), {0, 0, 0});
       continue;
     }
     const bool split = expert_op && c == 0;
@@ -190,6 +230,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       ops.push_back(op);
       s.host_w.push_back(split && n_dev > 0);
       s.slotted.push_back(0);
+      s.stream_split.push_back(0);
       continue;
     }
     s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
@@ -210,6 +251,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
     ops.push_back(sum);
     s.host_w.insert(s.host_w.end(), {false, true, false});
     s.slotted.insert(s.slotted.end(), {0, 0, 0});
+    s.stream_split.insert(s.stream_split.end(), {0, 0, 0});
   }
   g.ops = std::move(ops);
 }
@@ -250,6 +292,7 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
     s.streamed.assign(n, 0);
     s.host_w.assign(n, 0);
     s.slotted.assign(n, 0);
+    s.stream_split.assign(n, 0);
     CpuSegment all;
     for (size_t i = 0; i < n; ++i) {
       s.orig_index[i] = static_cast<int32_t>(i);
@@ -299,12 +342,16 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
                                   weights[op.moe.down].name));
         side = side_of(h);
         cause = Cause::expert_weights;
-        if (op.moe.set == graph::ExpertSet::resident) {
+        if (op.moe.set == graph::ExpertSet::resident && s.stream_split[i]) {
+          side = Side::device;
+          cause = Cause::streamed;
+          s.streamed[i] = 1;
+        } else if (op.moe.set == graph::ExpertSet::resident) {
           side = Side::device;
           cause = Cause::expert_slots;
         } else if (op.moe.set == graph::ExpertSet::not_resident) {
           side = Side::cpu;
-          cause = Cause::not_resident;
+          cause = s.stream_split[i] ? Cause::stream_cpu : Cause::not_resident;
         } else if (s.host_w[i]) {
           side = Side::device;
           cause = Cause::host_share;

@@ -39,8 +39,14 @@ std::string why(const Schedule& s, const graph::WeightTable& w, size_t i) {
         return fmt::format("recurrent state of layer {} on the {}", op.ssm.layer, side);
       return fmt::format("KV cache of layer {} on the {}", op.attn.layer, side);
     case Cause::streamed:
+      if (op.moe.set == graph::ExpertSet::resident)
+        return fmt::format("streamed: the experts of {} (on the CPU) the split copies, {} tokens",
+                           printable(w[op.moe.gate].name), s.g.n_tokens);
       return fmt::format("streamed: {} on the CPU, {} tokens", printable(w[op.moe.gate].name),
                          s.g.n_tokens);
+    case Cause::stream_cpu:
+      return fmt::format("split: the experts of {} the step leaves to the CPU",
+                         printable(w[op.moe.gate].name));
     case Cause::host_share: {
       const int32_t se = op.moe.slot_end < 0 ? op.moe.n_expert_used : op.moe.slot_end;
       return fmt::format("decode share: route slots {}-{} of {} read from host memory",

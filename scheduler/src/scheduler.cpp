@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -53,6 +54,11 @@ struct Scheduler::Step {
   std::exception_ptr error;
   // Streamed layers with expert slots: (slot layer, its route value), read after the step.
   std::vector<std::pair<int32_t, graph::ValueId>> seat;
+  // The split of streamed layers: per op, its layer in Scheduler::split_ (-1: none), and the
+  // layers this step splits, in op order.
+  std::vector<int32_t> split_of;
+  std::vector<int32_t> split_layers;
+  std::vector<double> seg_seconds;  // per CPU segment, this step's time
 };
 
 Capabilities capabilities(Device* dev, const Residency* res, size_t n_weights) {
@@ -154,6 +160,10 @@ void Scheduler::release() {
   if (seqs_dev_) dev_->dealloc(seqs_dev_), seqs_dev_ = nullptr;
   if (forced_host_) dev_->dealloc_host(forced_host_), forced_host_ = nullptr;
   if (forced_dev_) dev_->dealloc(forced_dev_), forced_dev_ = nullptr;
+  for (SplitLayer& L : split_) {
+    if (L.host_table) dev_->dealloc_host(L.host_table), L.host_table = nullptr;
+    if (L.dev_table) dev_->dealloc(L.dev_table), L.dev_table = nullptr;
+  }
 }
 
 void Scheduler::set_routing(int32_t n_route, int32_t k, RoutingHooks hooks) {
@@ -279,6 +289,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const ScheduleOptions so{.handoff = handoff_,
                            .stream_experts_min_tokens = opt_.stream_experts_min_tokens,
                            .host_expert_share = opt_.host_expert_share,
+                           .stream_split = opt_.stream_split,
                            .select = select,
                            .profile = profiling_};
   st.s = make_schedule(g, weights_, res_ ? res_->weight_home() : std::vector<Home>{}, kv_home_,
@@ -390,9 +401,60 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
         w = {res_->pinned(p.gate), res_->pinned(p.up), res_->pinned(p.down)};
       }
     }
+    // Split streamed layers: the CPU part reads the step table's host side, the device part
+    // its device copy (both written before each step: split_before).
+    st.split_of.assign(n_ops, -1);
+    st.seg_seconds.assign(s.segments.size(), 0.0);
+    for (size_t i = 0; i < n_ops; ++i) {
+      if (!s.stream_split[i]) continue;
+      const Op& op = sg.ops[i];
+      int32_t li = -1;
+      for (size_t l = 0; l < split_.size(); ++l)
+        if (split_[l].gate == op.moe.gate) li = static_cast<int32_t>(l);
+      if (li < 0) {
+        SplitLayer L;
+        L.gate = op.moe.gate;
+        L.up = op.moe.up;
+        L.down = op.moe.down;
+        L.n_expert = op.moe.n_expert;
+        L.k = op.moe.n_expert_used;
+        const size_t tb = static_cast<size_t>(L.n_expert) * 4;
+        L.host_table = static_cast<int32_t*>(dev_->alloc_host(tb, "stream split table"));
+        try {
+          L.dev_table = static_cast<int32_t*>(dev_->alloc(tb, "stream split table"));
+        } catch (...) {
+          dev_->dealloc_host(L.host_table);
+          throw;
+        }
+        for (int32_t e = 0; e < L.n_expert; ++e) L.host_table[e] = e;
+        L.counts.assign(static_cast<size_t>(L.n_expert), 0.0);
+        const auto n_e = static_cast<double>(L.n_expert);
+        double bytes = 0, elems = 0;
+        for (graph::WeightId w : {L.gate, L.up, L.down}) {
+          bytes += static_cast<double>(weights_[w].n_bytes);
+          elems += static_cast<double>(weights_[w].n_elements());
+        }
+        L.cost = ExpertCost{.bytes = bytes / n_e, .flops_per_token = 2.0 * elems / n_e};
+        split_.push_back(std::move(L));
+        li = static_cast<int32_t>(split_.size() - 1);
+      }
+      st.split_of[i] = li;
+      if (std::find(st.split_layers.begin(), st.split_layers.end(), li) == st.split_layers.end())
+        st.split_layers.push_back(li);
+      SplitLayer& L = split_[static_cast<size_t>(li)];
+      if (s.op_side[i] == Side::device)
+        b.slot_table[i] = L.dev_table;
+      else
+        cpu_.bind_expert_table(op.moe.gate, CpuExecutor::ExpertTable{.table = L.host_table,
+                                                                     .n_expert = L.n_expert,
+                                                                     .route_log = &L.log,
+                                                                     .calls = nullptr,
+                                                                     .device_calls = nullptr});
+    }
     for (size_t i = 0; i < n_ops; ++i) {
       const Op& op = sg.ops[i];
-      if (op.kind != OpKind::moe_experts || s.op_side[i] != Side::device) continue;
+      if (op.kind != OpKind::moe_experts || s.op_side[i] != Side::device || st.split_of[i] >= 0)
+        continue;
       if (op.moe.set == graph::ExpertSet::resident) {
         // The layer's slots and its table (read by the kernels when they run).
         const ExpertSlots* xs = res_->expert_slots();
@@ -448,7 +510,9 @@ void Scheduler::run_segment(void* arg) {
   } catch (...) {
     st.error = std::current_exception();
   }
-  st.cpu_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.cpu_seconds += secs;
+  if (r->index < st.seg_seconds.size()) st.seg_seconds[r->index] = secs;
 }
 
 void Scheduler::enqueue_step(Step& st) {
@@ -467,10 +531,24 @@ void Scheduler::enqueue_step(Step& st) {
   for (size_t k = 0; k < s.calls.size(); ++k)
     if (s.calls[k].streamed) streamed.push_back(k);
   std::vector<int> copied(streamed.size(), -1);
+  // The split layers' tables, before any of the step's kernels reads them.
+  for (int32_t li : st.split_layers) {
+    const SplitLayer& L = split_[static_cast<size_t>(li)];
+    dev_->copy(kMain, L.dev_table, L.host_table, static_cast<size_t>(L.n_expert) * 4);
+  }
   const auto start_copy = [&](size_t j, int after_main) {
     if (after_main >= 0) dev_->wait_event(kCopy, after_main);
-    const graph::MoeParams& p = s.g.ops[static_cast<size_t>(s.calls[streamed[j]].ops[0])].moe;
-    res_->stream_in(kCopy, p.gate, p.up, p.down, static_cast<int>(j % 2));
+    const auto op = static_cast<size_t>(s.calls[streamed[j]].ops[0]);
+    const graph::MoeParams& p = s.g.ops[op].moe;
+    const int32_t li = op < st.split_of.size() ? st.split_of[op] : -1;
+    if (li >= 0) {
+      const SplitLayer& L = split_[static_cast<size_t>(li)];
+      split_stats_.bytes_streamed += static_cast<int64_t>(res_->stream_in_experts(
+          kCopy, p.gate, p.up, p.down, static_cast<int>(j % 2),
+          std::span<const int32_t>(L.host_table, static_cast<size_t>(L.n_expert))));
+    } else {
+      res_->stream_in(kCopy, p.gate, p.up, p.down, static_cast<int>(j % 2));
+    }
     copied[j] = dev_->record(kCopy);
   };
   n_streamed_ += static_cast<int64_t>(streamed.size());
@@ -581,6 +659,8 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   }
   st.error = nullptr;
   st.cpu_seconds = 0;
+  std::fill(st.seg_seconds.begin(), st.seg_seconds.end(), 0.0);
+  if (!st.split_layers.empty()) split_before(st);
   route_before(st.s.g);
   cpu_.begin_external(st.s.g, st.host_val);  // every segment of this step works on these buffers
   for (SegmentRun& r : st.seg_runs)
@@ -651,6 +731,7 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = st.cpu_seconds;
   if (st.error) std::rethrow_exception(st.error);
+  if (!st.split_layers.empty()) split_after(st);
   if (!st.seat.empty() && !skip_cpu_) {
     // The streamed layers' routes, for their expert slots' next boundary.
     ExpertSlots* xs = res_->expert_slots();
@@ -660,6 +741,115 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   }
   route_after(st.s.g, &st);
   return st;
+}
+
+void Scheduler::measure_stream_rates(const Step& st) {
+  rates_measured_ = true;
+  rates_ = opt_.stream_rates;
+  if (rates_.cpu_gflops <= 0) rates_.cpu_gflops = 25.0 * static_cast<double>(pool_.n_threads());
+  const SplitLayer& first = split_[static_cast<size_t>(st.split_layers.front())];
+  if (rates_.pcie_gbps <= 0) {
+    // A copy of the first split layer's gate tensor into stage buffer 0, timed twice; the second
+    // counts (the first pays first-touch costs).
+    const void* src = res_->pinned(first.gate);
+    void* dst = res_->stage(0);
+    const size_t n = weights_[first.gate].n_bytes;
+    double ms = 0;
+    if (src && dst && n > 0)
+      for (int rep = 0; rep < 2; ++rep) {
+        const int a = dev_->record(kCopy);
+        dev_->copy(kCopy, dst, src, n);
+        const int b = dev_->record(kCopy);
+        dev_->synchronize(kCopy);
+        ms = dev_->elapsed_ms(a, b);
+      }
+    rates_.pcie_gbps = ms > 0 ? static_cast<double>(n) / (ms * 1e6) : 0.0;
+  }
+  if (rates_.dram_gbps <= 0) {
+    // The workers read the split layers' pinned experts (up to 1 GiB), 64 KiB at a time.
+    std::vector<std::pair<const uint64_t*, size_t>> runs;  // (words, count)
+    size_t total = 0;
+    constexpr size_t kMax = size_t{1} << 30, kChunk = size_t{64} << 10;
+    for (const SplitLayer& L : split_)
+      for (graph::WeightId w : {L.gate, L.up, L.down}) {
+        const auto* p = static_cast<const uint64_t*>(res_->pinned(w));
+        const size_t n = std::min(weights_[w].n_bytes, kMax - total) / kChunk * kChunk;
+        if (p && n > 0) runs.emplace_back(p, n / 8), total += n;
+      }
+    std::vector<std::pair<const uint64_t*, size_t>> chunks;
+    for (const auto& [p, words] : runs)
+      for (size_t o = 0; o < words; o += kChunk / 8) chunks.emplace_back(p + o, kChunk / 8);
+    if (!chunks.empty()) {
+      std::atomic<uint64_t> sink{0};
+      const auto t0 = std::chrono::steady_clock::now();
+      pool_.parallel_for(static_cast<int64_t>(chunks.size()), 1, [&](int64_t a, int64_t b) {
+        uint64_t x = 0;
+        for (int64_t c = a; c < b; ++c) {
+          const auto& [p, words] = chunks[static_cast<size_t>(c)];
+          for (size_t i = 0; i < words; ++i) x ^= p[i];
+        }
+        sink.fetch_xor(x, std::memory_order_relaxed);
+      });
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      rates_.dram_gbps = secs > 0 ? static_cast<double>(total) / secs / 1e9 : 0.0;
+    }
+  }
+}
+
+void Scheduler::split_before(Step& st) {
+  if (!rates_measured_) measure_stream_rates(st);
+  for (int32_t li : st.split_layers) {
+    SplitLayer& L = split_[static_cast<size_t>(li)];
+    L.log.clear();
+    const std::vector<double> t = expected_tokens(L.counts, st.n_tokens, L.k);
+    const std::vector<uint8_t> on_cpu = choose_cpu_experts(t, L.cost, rates_, cpu_scale_);
+    int32_t slot = 0;
+    for (int32_t e = 0; e < L.n_expert; ++e)
+      L.host_table[e] = on_cpu[static_cast<size_t>(e)] ? -1 : slot++;
+    ++split_stats_.layer_steps;
+    split_stats_.experts_streamed += slot;
+    split_stats_.experts_cpu += L.n_expert - slot;
+    split_stats_.bytes_whole += static_cast<int64_t>(L.cost.bytes * L.n_expert);
+  }
+}
+
+void Scheduler::split_after(Step& st) {
+  if (skip_cpu_) return;
+  // Counts decay with a half-life of 4096 routed tokens.
+  const double decay = std::exp2(-static_cast<double>(st.n_tokens) / 4096.0);
+  double predicted = 0;  // the CPU parts' model at scale 1, with this step's routing
+  std::vector<double> actual;
+  for (int32_t li : st.split_layers) {
+    SplitLayer& L = split_[static_cast<size_t>(li)];
+    actual.assign(static_cast<size_t>(L.n_expert), 0.0);
+    for (uint16_t e : L.log)
+      if (e < L.n_expert) actual[e] += 1.0;
+    split_stats_.calls += static_cast<int64_t>(L.log.size());
+    for (int32_t e = 0; e < L.n_expert; ++e) {
+      const double t = actual[static_cast<size_t>(e)];
+      if (L.host_table[e] < 0 && t > 0) {
+        split_stats_.cpu_calls += static_cast<int64_t>(t);
+        predicted += L.cost.bytes / (rates_.dram_gbps * 1e9) +
+                     t * L.cost.flops_per_token / (rates_.cpu_gflops * 1e9);
+      }
+      double& c = L.counts[static_cast<size_t>(e)];
+      c = c * decay + t;
+    }
+    L.log.clear();
+  }
+  // Unless the CPU's rate was given: scale the CPU side's model by what its parts took.
+  if (opt_.stream_rates.cpu_gflops > 0 || !(predicted > 1e-4) || !std::isfinite(predicted)) return;
+  double secs = 0;
+  for (size_t k = 0; k < st.s.segments.size(); ++k) {
+    bool split_only = true;
+    for (int32_t i : st.s.segments[k].ops)
+      split_only = split_only && st.split_of[static_cast<size_t>(i)] >= 0;
+    if (split_only) secs += st.seg_seconds[k];
+  }
+  if (!(secs > 0)) return;
+  const double ratio = std::clamp(secs / predicted, 1.0 / 64, 64.0);
+  cpu_scale_ = std::clamp(std::sqrt(cpu_scale_ * ratio), 1.0 / 64, 64.0);
 }
 
 void Scheduler::serve_segments(Step& st, int64_t warm_us) {

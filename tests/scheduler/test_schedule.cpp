@@ -79,7 +79,8 @@ std::vector<Case> cases() {
 
 // The schedule `berth run` would follow for `c` on a GPU with 4 GiB free, hand-off by flags,
 // streaming at its default (from 64 tokens), at ubatch n_tokens; no fusions (no device).
-Schedule schedule_for(const Model& m, const Case& c, int32_t n_tokens) {
+Schedule schedule_for(const Model& m, const Case& c, int32_t n_tokens, bool stream_split = false,
+                      bool batch_invariant = false) {
   const int32_t stream = 64;  // --stream-experts auto on a host with memory to spare
   placement::Request req =
       plan_request(m, 1024, 512, c.f, "GPU", size_t{4} << 30, true, stream, c.share);
@@ -95,8 +96,12 @@ Schedule schedule_for(const Model& m, const Case& c, int32_t n_tokens) {
       if (caps.pinned[i] && w.layers[i] >= 0)
         caps.slotted[i] = plan.layer_slots.at(static_cast<size_t>(w.layers[i]));
   }
-  const ScheduleOptions opt{.stream_experts_min_tokens = stream, .host_expert_share = c.share};
-  return partition(m.build_step(n_tokens, 1), w, plan.home, plan.kv_home, caps, opt);
+  const ScheduleOptions opt{.stream_experts_min_tokens = stream,
+                            .host_expert_share = c.share,
+                            .stream_split = stream_split};
+  graph::Graph g = m.build_step(n_tokens, 1);
+  g.batch_invariant = batch_invariant;
+  return partition(g, w, plan.home, plan.kv_home, caps, opt);
 }
 
 void check_golden(const std::string& stem, const std::string& text) {
@@ -256,6 +261,57 @@ TEST_CASE("schedule rules: --cpu-moe forks each layer's experts and joins them i
     }
   CHECK(n_streamed == m->hparams().n_layer);
   CHECK(p.segments.size() == 1);
+}
+
+TEST_CASE(
+    "schedule rules: --stream-split splits each streamed layer; never below the threshold "
+    "or in batch-invariant steps") {
+  gguf::File file = gguf::File::open(tiny_moe_path());
+  std::unique_ptr<Model> m = load_model(file);
+  const Case c = cases()[3];
+  REQUIRE(c.name == "cpu-moe");
+  const int32_t n_expert = static_cast<int32_t>(m->hparams().n_expert);
+  const Schedule p = schedule_for(*m, c, 512, true);
+  placement::Request req = plan_request(*m, 1024, 512, c.f, "GPU", size_t{4} << 30, true, 64, 0);
+  check_invariants(p, m->weights(), placement::make_plan(req).home);
+  int n_dev = 0, n_cpu = 0;
+  for (size_t i = 0; i < p.g.ops.size(); ++i) {
+    const auto& op = p.g.ops[i];
+    if (op.kind != OpKind::moe_experts) continue;
+    CHECK(p.stream_split[i] == 1);
+    if (op.moe.set == graph::ExpertSet::not_resident) {
+      ++n_cpu;
+      CHECK(p.op_side[i] == Side::cpu);
+      CHECK(p.op_cause[i] == Cause::stream_cpu);
+      REQUIRE(p.g.ops[i + 1].moe.set == graph::ExpertSet::resident);  // the CPU's part first
+      continue;
+    }
+    ++n_dev;
+    CHECK(op.moe.set == graph::ExpertSet::resident);
+    CHECK(op.moe.n_slots == n_expert);  // the stage buffer holds the whole layer
+    CHECK(p.op_side[i] == Side::device);
+    CHECK(p.op_cause[i] == Cause::streamed);
+    CHECK(p.streamed[i] == 1);
+    REQUIRE(p.g.ops[i + 1].kind == OpKind::add);
+    CHECK(p.g.ops[i + 1].inputs[0] == op.output);  // device part + CPU part, in that order
+    CHECK(p.stream_split[i + 1] == 0);
+  }
+  CHECK(n_dev == m->hparams().n_layer);
+  CHECK(n_cpu == m->hparams().n_layer);
+  // token_embd's segment, then one per layer (the CPU's part, forked after the route).
+  CHECK(p.segments.size() == static_cast<size_t>(1 + m->hparams().n_layer));
+  CHECK(p.model_op_side(static_cast<size_t>(p.n_model_ops - 1)) == Side::device);
+  // Below the streaming threshold, in decode and in batch-invariant steps: no split.
+  for (const Schedule& s : {schedule_for(*m, c, 32, true), schedule_for(*m, c, 1, true),
+                            schedule_for(*m, c, 512, true, true)})
+    for (size_t i = 0; i < s.g.ops.size(); ++i) {
+      CHECK(s.stream_split[i] == 0);
+      if (s.g.ops[i].kind == OpKind::moe_experts)
+        CHECK(s.g.ops[i].moe.set == graph::ExpertSet::all);
+    }
+  // Layers with expert slots stream whole, as without the split.
+  const Schedule a = schedule_for(*m, cases()[6], 512, true);
+  for (size_t i = 0; i < a.g.ops.size(); ++i) CHECK(a.stream_split[i] == 0);
 }
 
 TEST_CASE("schedule rules: the decode share splits each CPU-held layer by route slot") {

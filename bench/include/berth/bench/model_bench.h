@@ -61,6 +61,8 @@ struct ModelBenchOptions {
   int32_t stream_min_tokens = -1;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
+  /// --stream-split: "auto", "off" or fixed rates (parse_stream_split, scheduler/stream_split.h).
+  std::string stream_split = "auto";
   /// --residency-swaps: ExpertSlotsOptions::max_swaps_per_step (expert slots come from the plan).
   int32_t residency_swaps = 4;
   /// --residency-policy: make_slot_policy's name (empty: the default policy).
@@ -140,6 +142,14 @@ struct ModelBenchResult {
   std::string handoff;          ///< "flags" or "callback"
   int64_t warm_workers_us = 0;  ///< in effect in decode steps (flag hand-off only; 0: off)
   int32_t stream_experts_min_tokens = 0;  ///< in effect (--stream-experts resolved; 0: off)
+  /// The split of streamed layers over the first pp test's timed runs (HybridOptions::
+  /// stream_split; Scheduler::StreamSplitStats, summed over the runs), the rates in use after
+  /// them and the CPU side's learned scale. layer_steps 0: no split ran.
+  struct StreamSplit {
+    int64_t layer_steps = 0, experts_cpu = 0, experts_streamed = 0, cpu_calls = 0, calls = 0;
+    int64_t bytes_streamed = 0, bytes_whole = 0;
+    double pcie_gbps = 0, dram_gbps = 0, cpu_gflops = 0, cpu_scale = 1;
+  } pp_split;
   /// Residency::host_experts_pinning(): "registered", "copied" or "" (none pinned).
   std::string host_experts_pinning;
   // With a device (hybrid runs):

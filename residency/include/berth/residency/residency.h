@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -132,6 +133,13 @@ class Residency {
   /// Enqueues on stream `s` the copies of expert tensors gate, up and down (CPU-held, pinned)
   /// into stage buffer `buf`, one after the other.
   void stream_in(int s, graph::WeightId gate, graph::WeightId up, graph::WeightId down, int buf);
+  /// Enqueues on stream `s` the copies of the experts `table` gives a slot (int32 [n_expert]:
+  /// the slot, or -1 for none; slots below n_expert) into stage buffer `buf`, laid out as
+  /// stream_in lays out the whole tensors (gate, up, down; slot j of each at j times its bytes per
+  /// expert), so slot e = e for every e copies what stream_in copies. Consecutive experts in
+  /// consecutive slots go in one copy per tensor. Returns the bytes copied.
+  size_t stream_in_experts(int s, graph::WeightId gate, graph::WeightId up, graph::WeightId down,
+                           int buf, std::span<const int32_t> table);
 
  private:
   void pin_host_experts();

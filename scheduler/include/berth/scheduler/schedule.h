@@ -19,7 +19,11 @@
 //    1) f k) - round(c f k) slots (the c-th such layer, k its slots: f k = 1.5 alternates 2 and 1),
 //    reading the experts from page-locked host memory, and an add. Ops over disjoint slot ranges
 //    (or expert sets) add up to the layer (the graph's contract). Layers with expert slots take no
-//    share.
+//    share. With options.stream_split, in a step that streams and is not batch-invariant, the
+//    moe_experts op of a CPU-held, pinned layer without slots whose norm is on the device
+//    becomes, the same way, the device's op over the experts its step table gives a slot of the
+//    stage buffer (ExpertSet::resident, streamed in step 2) and the CPU's over the others
+//    (ExpertSet::not_resident): which experts each takes is chosen per step (stream_split.h).
 // 2. Sides: an op with a weight runs where the weight lives (moe_experts: where its expert
 //    tensors live; they must live together), attention where its layer's KV cache lives; with
 //    streaming (options.stream_experts_min_tokens N > 0), a moe_experts op of CPU-held, pinned
@@ -68,6 +72,7 @@ enum class Cause : uint8_t {
   host_share,    ///< device: its slots of CPU-held experts, read from page-locked host memory
   expert_slots,  ///< device: the layer's slot-resident experts, read from the expert slots
   not_resident,  ///< CPU: the layer's experts not in its expert slots
+  stream_cpu,    ///< CPU: a streamed layer's experts the split leaves to the CPU this step
   device_input,  ///< weightless: an input was produced on the device
   host_inputs,   ///< weightless: every input (if any) was produced on the CPU
   unsupported,   ///< CPU: the device cannot run this op
@@ -104,6 +109,8 @@ struct ScheduleOptions {
   Handoff handoff = Handoff::automatic;
   int32_t stream_experts_min_tokens = 0;  ///< 0: never stream CPU-held experts
   double host_expert_share = 0;           ///< the decode share, 0..1 (0: off)
+  /// Streamed layers split between the stage buffer and the CPU (stream_split.h, step 1).
+  bool stream_split = false;
   bool select = false;   ///< end with greedy selection on the device (when it makes the logits)
   bool profile = false;  ///< ops timed one by one: no in-place joins (and no fusion)
 };
@@ -131,6 +138,8 @@ struct Schedule {
   std::vector<uint8_t> streamed;  ///< per op: CPU-held experts streamed to the device
   std::vector<uint8_t> host_w;    ///< per op: device op reading experts from host memory
   std::vector<uint8_t> slotted;   ///< per op: the device or CPU part of a layer with slots
+  /// per op: the device or CPU part of a streamed layer split by the table of its step
+  std::vector<uint8_t> stream_split;
   std::vector<CpuSegment> segments;
   /// The device's calls in enqueue order (empty without a device). Fused by the device where
   /// it can when made by make_schedule with a device.
@@ -151,10 +160,11 @@ struct Schedule {
 /// single-token step. Candidates are moe_experts ops whose gate, up and down tensors are stacked
 /// (n_expert > 1) and CPU-held (`weight_home`, per WeightId) and whose input comes from an op
 /// with a device-held weight; the c-th candidate takes round((c + 1) f k) - round(c f k) of its
-/// k slots. All zeros for f <= 0 or a multi-token graph. (partition also needs them pinned.)
+/// k slots. All zeros for f <= 0 or, unless `any_tokens`, a multi-token graph. (partition also
+/// needs them pinned; it finds the streamed layers to split as the candidates at f = 1.)
 std::vector<int32_t> host_share_device_slots(const graph::Graph& g,
                                              const std::vector<placement::Home>& weight_home,
-                                             double f);
+                                             double f, bool any_tokens = false);
 
 /// The schedule of `g` (see the file comment). `weight_home`: one per WeightTable entry;
 /// `kv_home`: one per layer of the KV cache. Throws Error(invalid_argument) when the homes do

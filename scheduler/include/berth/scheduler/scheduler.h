@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -38,6 +39,7 @@
 #include "berth/residency/residency.h"
 #include "berth/scheduler/memory.h"
 #include "berth/scheduler/schedule.h"
+#include "berth/scheduler/stream_split.h"
 
 namespace berth {
 
@@ -59,6 +61,18 @@ struct HybridOptions {
   /// reads instead of the file's pages: Residency::cpu_weights) and two layers' expert tensors
   /// on the device. 0: never (the CPU computes them at every batch size).
   int32_t stream_experts_min_tokens = 0;
+  /// Prefill steps that stream: split each streamed layer between the stage buffer (the device
+  /// computes the experts the ubatch is expected to use most) and the CPU workers (the others,
+  /// at the same time; an expert no token routes to costs nothing there), by the cost model of
+  /// stream_split.h. Which experts go where is chosen per step from the layer's routed calls in
+  /// earlier steps, so a prompt row's last bits may depend on the ubatch; batch-invariant steps
+  /// never split. Off: every streamed layer is copied whole.
+  bool stream_split = true;
+  /// The cost model's rates; each 0 is measured: PCIe by a timed copy of a streamed tensor,
+  /// DRAM by the workers reading the pinned experts, both when the first split step runs; the
+  /// CPU's GEMM rate starts at 25 GFLOP/s per worker and, unless given, every split step scales
+  /// the CPU side's model by the time its CPU parts took against the model's prediction.
+  StreamRates stream_rates;
   /// Decode steps: the device computes this fraction (0..1) of each token's routed experts in
   /// every CPU-held layer, at the same time as the CPU computes the others (schedule.h, step 1);
   /// their matrices are staged from the pinned host copy into the workspace. 0: off. Only
@@ -159,6 +173,24 @@ class Scheduler {
   int64_t streamed_ops() const { return n_streamed_; }
   /// Device ops enqueued that read expert weights from page-locked host memory (the share).
   int64_t host_expert_ops() const { return n_host_w_; }
+  /// The split of streamed layers (HybridOptions::stream_split) since construction or the last
+  /// reset: per streamed layer and step, the experts each side took and the bytes copied,
+  /// against the bytes a whole copy would have moved.
+  struct StreamSplitStats {
+    int64_t layer_steps = 0;       ///< streamed layers split, summed over the steps
+    int64_t experts_cpu = 0;       ///< experts left to the CPU, summed likewise
+    int64_t experts_streamed = 0;  ///< experts copied to the stage buffer, summed likewise
+    int64_t cpu_calls = 0;         ///< routed (token, expert) calls the CPU computed
+    int64_t calls = 0;             ///< routed calls of the split layers
+    int64_t bytes_streamed = 0;    ///< expert bytes copied
+    int64_t bytes_whole = 0;       ///< expert bytes whole copies would have copied
+  };
+  const StreamSplitStats& stream_split_stats() const { return split_stats_; }
+  void reset_stream_split_stats() { split_stats_ = {}; }
+  /// The cost model's rates in use (the measured ones once the first split step ran) and the
+  /// CPU side's learned scale (1: the model as given).
+  const StreamRates& stream_rates() const { return rates_; }
+  double stream_cpu_scale() const { return cpu_scale_; }
   /// Routing traces (residency/routing_trace.h): hooks around every step's moe_route ops. Route
   /// r is the graph's r-th moe_route op in op order (one per MoE layer, in layer order).
   struct RoutingHooks {
@@ -199,6 +231,10 @@ class Scheduler {
   void route_after(const graph::Graph& g, const Step* st);
   // Copies device value v of step `st` into `out` (after the step) and returns out.data().
   const float* value_to_host(const Step& st, graph::ValueId v, std::vector<float>& out);
+  // The split of streamed layers: before a step, each split layer's table; after it, the counts.
+  void split_before(Step& st);
+  void split_after(Step& st);
+  void measure_stream_rates(const Step& st);
 
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
@@ -235,6 +271,22 @@ class Scheduler {
   std::vector<std::pair<std::string, std::pair<int, int>>> marks_;  // this step's timed ops
   std::map<std::string, CpuExecutor::OpTime> gpu_prof_;             // by entry (gpu_profile)
   int64_t n_streamed_ = 0, n_host_w_ = 0;
+  // A streamed layer split by the cost model: its step table (page-locked, and on the device),
+  // its decayed routed calls per expert and the routing its CPU op logged this step.
+  struct SplitLayer {
+    graph::WeightId gate = graph::kNoWeight, up = graph::kNoWeight, down = graph::kNoWeight;
+    int32_t n_expert = 0, k = 0;
+    int32_t* host_table = nullptr;
+    int32_t* dev_table = nullptr;
+    std::vector<double> counts;
+    std::vector<uint16_t> log;
+    ExpertCost cost;
+  };
+  std::deque<SplitLayer> split_;  // stable: the CPU executor holds pointers to their logs
+  StreamRates rates_;
+  bool rates_measured_ = false;
+  double cpu_scale_ = 1.0;
+  StreamSplitStats split_stats_;
   int64_t n_warm_spins_ = 0;  // written by serve_segments (a step's server thread), read after
 };
 
