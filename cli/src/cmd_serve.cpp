@@ -40,7 +40,7 @@ struct ServeOptions {
   SessionParams session;
   placement::Flags placement;
   int32_t stream_min = kStreamExpertsAuto;
-  std::string stream_split = "auto";
+  std::string stream_split = "off";
   double host_expert_share = 0;
   int64_t warm_workers_us = kAutoWarmWorkersUs;
   double shutdown_grace_s = 30;

@@ -173,9 +173,9 @@ void add_stream_split(CLI::App& cmd, std::string& spec) {
   cmd.add_option("--stream-split", spec,
                  "prefill steps that stream CPU-held experts: split each layer between the copy "
                  "to the GPU (the experts the ubatch is expected to use most) and the CPU workers "
-                 "(the others, at the same time), by a cost model of measured rates: auto (the "
-                 "default), off (copy whole layers), or fixed rates pcie=GBPS,dram=GBPS,cpu=GFLOPS "
-                 "(any of them; the rest measured)")
+                 "(the others, at the same time), by a cost model of measured rates: off (the "
+                 "default: copy whole layers), on, or on with fixed rates "
+                 "pcie=GBPS,dram=GBPS,cpu=GFLOPS (any of them; the rest measured)")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& in) -> std::string {
@@ -190,7 +190,7 @@ void add_stream_split(CLI::App& cmd, std::string& spec) {
             }
             return {};
           },
-          "auto|off|RATES"));
+          "off|on|RATES"));
 }
 
 void add_handoff(CLI::App& cmd, std::string& handoff) {

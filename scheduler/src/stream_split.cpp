@@ -14,14 +14,14 @@ namespace berth {
 StreamRates parse_stream_split(std::string_view spec, bool& on) {
   StreamRates r;
   on = true;
-  if (spec == "auto") return r;
+  if (spec == "on") return r;
   if (spec == "off") {
     on = false;
     return r;
   }
   const auto bad = [&](std::string_view item, std::string_view why) {
     return Error(ErrorCategory::invalid_argument,
-                 fmt::format("--stream-split '{}': '{}' {} (expected auto, off, or comma-separated "
+                 fmt::format("--stream-split '{}': '{}' {} (expected on, off, or comma-separated "
                              "pcie=GBPS, dram=GBPS, cpu=GFLOPS)",
                              spec, item, why));
   };

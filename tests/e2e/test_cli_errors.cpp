@@ -92,6 +92,11 @@ TEST_CASE("bad flags are usage errors with exit code 2") {
   r = run_command(berth::test::berth_bin() + " serve -m " + model + " --port 70000");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--port: 70000 is outside 0..65535") != std::string::npos);
+  r = run_command(berth::test::berth_bin() + " bench model -m " + model +
+                  " --stream-split pcie=0,cpu=9");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--stream-split: 'pcie=0,cpu=9': 'pcie=0' is not a positive number") !=
+        std::string::npos);
   r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi --n-cpu-moe -1");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--n-cpu-moe: -1 is outside 0..") != std::string::npos);

@@ -6,7 +6,8 @@
 // nothing is bit for bit the whole copy; the bytes copied are exactly the streamed experts'; on
 // concentrated routing the experts no token uses stop being copied after the first ubatch. The
 // rates are given (`--stream-split pcie=..,dram=..,cpu=..`) so each split is the same on every
-// run. The device is the simulated one unless BERTH_TEST_DEVICE=cuda.
+// run. (The split is off by default; these runs turn it on.) The device is the simulated one unless
+// BERTH_TEST_DEVICE=cuda.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -51,10 +52,14 @@ std::string moe_file(const std::string& type, double skew) {
   return path.string();
 }
 
-// The bounds of test_hybrid.cpp: the device's f16 KV cache, and on the simulated device 8-bit
-// activation steps; on CUDA the oracle band.
+// The bounds of test_hybrid.cpp (the device's f16 KV cache; on the simulated device 8-bit
+// activation steps; on CUDA the oracle band), but f32 on CUDA: there this file's whole copy (no
+// split, the streaming path as it was before the split) measured 2.04e-6 against the CPU-only run
+// on the H200 (2026-12-04; the three split runs the same), above test_hybrid's 1e-6 for its f32
+// files, which it prefills without streaming (the device's prompt kernels round to f16 tiles):
+// 1e-5.
 double placement_nmse(const std::string& type) {
-  if (type == "f32") return 1e-6;
+  if (type == "f32") return use_cuda() ? 1e-5 : 1e-6;
   return use_cuda() ? 5e-3 : 1e-4;
 }
 constexpr double kTieBand = 1e-2;
@@ -218,6 +223,7 @@ TEST_CASE(
                                  : Home::gpu);
   sp.kv_home.assign(static_cast<size_t>(model->hparams().n_layer), Home::cpu);
   sp.hybrid.stream_experts_min_tokens = 8;
+  sp.hybrid.stream_split = true;
   sp.hybrid.stream_rates = StreamRates{.pcie_gbps = 10, .dram_gbps = 10, .cpu_gflops = 2};
   Session s(*model, sp);
   (void)greedy(s, prompt_of(32), 2);

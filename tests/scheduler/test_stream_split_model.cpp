@@ -56,9 +56,9 @@ TEST_CASE("choose_cpu_experts: the CPU takes its cheapest experts while that sho
   CHECK(choose_cpu_experts(std::vector<double>{}, cost, r).empty());
 }
 
-TEST_CASE("parse_stream_split: auto, off, rates; bad items named") {
+TEST_CASE("parse_stream_split: on, off, rates; bad items named") {
   bool on = false;
-  StreamRates r = parse_stream_split("auto", on);
+  StreamRates r = parse_stream_split("on", on);
   CHECK(on);
   CHECK(r.pcie_gbps == 0);
   r = parse_stream_split("off", on);
@@ -69,7 +69,7 @@ TEST_CASE("parse_stream_split: auto, off, rates; bad items named") {
   CHECK(r.dram_gbps == 0);
   CHECK(r.cpu_gflops == 900);
   CHECK(format_stream_rates(StreamRates{52.5, 80, 900}) == "pcie=52.5,dram=80.0,cpu=900");
-  for (const char* bad : {"", "on", "pcie", "pcie=", "pcie=0", "pcie=-1", "pcie=1x", "dram=inf",
+  for (const char* bad : {"", "auto", "pcie", "pcie=", "pcie=0", "pcie=-1", "pcie=1x", "dram=inf",
                           "gpu=3", "pcie=1,pcie=2", "pcie=1,", "pcie=nan"}) {
     CAPTURE(bad);
     try {

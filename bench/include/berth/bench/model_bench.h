@@ -61,8 +61,9 @@ struct ModelBenchOptions {
   int32_t stream_min_tokens = -1;
   /// HybridOptions::host_expert_share (0: off).
   double host_expert_share = 0;
-  /// --stream-split: "auto", "off" or fixed rates (parse_stream_split, scheduler/stream_split.h).
-  std::string stream_split = "auto";
+  /// --stream-split: "off" (the default), "on" or fixed rates (parse_stream_split,
+  /// scheduler/stream_split.h).
+  std::string stream_split = "off";
   /// --residency-swaps: ExpertSlotsOptions::max_swaps_per_step (expert slots come from the plan).
   int32_t residency_swaps = 4;
   /// --residency-policy: make_slot_policy's name (empty: the default policy).

@@ -66,8 +66,9 @@ struct HybridOptions {
   /// at the same time; an expert no token routes to costs nothing there), by the cost model of
   /// stream_split.h. Which experts go where is chosen per step from the layer's routed calls in
   /// earlier steps, so a prompt row's last bits may depend on the ubatch; batch-invariant steps
-  /// never split. Off: every streamed layer is copied whole.
-  bool stream_split = true;
+  /// never split. Off (the default: it measured slower than the whole copy on the H200 at
+  /// ubatch 512 and 4096, docs/performance.md): every streamed layer is copied whole.
+  bool stream_split = false;
   /// The cost model's rates; each 0 is measured: PCIe by a timed copy of a streamed tensor,
   /// DRAM by the workers reading the pinned experts, both when the first split step runs; the
   /// CPU's GEMM rate starts at 25 GFLOP/s per worker and, unless given, every split step scales

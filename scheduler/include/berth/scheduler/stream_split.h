@@ -27,7 +27,7 @@ struct StreamRates {
   double cpu_gflops = 0;  ///< the CPU workers' expert GEMM throughput, 1e9 multiply-adds x 2 / s
 };
 
-/// Parses `--stream-split`: "auto" (on, every rate measured), "off", or comma-separated
+/// Parses `--stream-split`: "on" (every rate measured), "off", or comma-separated
 /// `pcie=G`, `dram=G`, `cpu=G` (on, those rates fixed: positive finite numbers; the others
 /// measured). Sets `on`. Throws Error(invalid_argument) naming the bad item.
 StreamRates parse_stream_split(std::string_view spec, bool& on);
