@@ -197,6 +197,12 @@ int run(const RunOptions& o) {
     sp.seed = static_cast<uint64_t>(o.seed);
   const int64_t n_ctx = o.session.n_ctx > 0 ? o.session.n_ctx : default_n_ctx(model->hparams());
   if (sp.repeat_last_n == -1) sp.repeat_last_n = static_cast<int32_t>(n_ctx);  // as llama.cpp
+  if (static_cast<int64_t>(ids.size()) > n_ctx)
+    throw Error(
+        ErrorCategory::invalid_argument,
+        fmt::format("the prompt{} is {} tokens, more than the context size of {} (raise -c)",
+                    o.prompt_file.empty() ? "" : fmt::format(" in {}", o.prompt_file), ids.size(),
+                    n_ctx));
   Sampler sampler(sp, static_cast<int32_t>(model->hparams().n_vocab));
   if (std::string c = context_note(n_ctx, model->hparams()); !c.empty()) log::warn("{}", c);
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "berth/core/error.h"
+#include "berth/core/log.h"
 
 namespace berth {
 
@@ -766,35 +767,45 @@ void Scheduler::measure_stream_rates(const Step& st) {
     rates_.pcie_gbps = ms > 0 ? static_cast<double>(n) / (ms * 1e6) : 0.0;
   }
   if (rates_.dram_gbps <= 0) {
-    // The workers read the split layers' pinned experts (up to 1 GiB), 64 KiB at a time.
-    std::vector<std::pair<const uint64_t*, size_t>> runs;  // (words, count)
-    size_t total = 0;
-    constexpr size_t kMax = size_t{1} << 30, kChunk = size_t{64} << 10;
+    // The workers read the split layers' pinned experts (up to 1 GiB) in pieces of up to 64 KiB;
+    // a smaller model's are read again until 64 MiB have been read (so the time is not only the
+    // parallel region's start; such a model's experts then come from the caches, as they do in
+    // its steps).
+    std::vector<std::pair<const uint64_t*, size_t>> chunks;  // (words, count)
+    size_t once = 0;
+    constexpr size_t kMax = size_t{1} << 30, kMin = size_t{64} << 20, kChunk = size_t{64} << 10;
     for (const SplitLayer& L : split_)
       for (graph::WeightId w : {L.gate, L.up, L.down}) {
         const auto* p = static_cast<const uint64_t*>(res_->pinned(w));
-        const size_t n = std::min(weights_[w].n_bytes, kMax - total) / kChunk * kChunk;
-        if (p && n > 0) runs.emplace_back(p, n / 8), total += n;
+        const size_t words = std::min(weights_[w].n_bytes, kMax - once) / 8;
+        if (!p) continue;
+        for (size_t o = 0; o < words; o += kChunk / 8)
+          chunks.emplace_back(p + o, std::min(kChunk / 8, words - o));
+        once += words * 8;
       }
-    std::vector<std::pair<const uint64_t*, size_t>> chunks;
-    for (const auto& [p, words] : runs)
-      for (size_t o = 0; o < words; o += kChunk / 8) chunks.emplace_back(p + o, kChunk / 8);
-    if (!chunks.empty()) {
+    const size_t passes = once == 0 ? 0 : std::max<size_t>(1, (kMin + once - 1) / once);
+    if (passes > 0) {
       std::atomic<uint64_t> sink{0};
+      const auto n = static_cast<int64_t>(chunks.size());
       const auto t0 = std::chrono::steady_clock::now();
-      pool_.parallel_for(static_cast<int64_t>(chunks.size()), 1, [&](int64_t a, int64_t b) {
+      pool_.parallel_for(n * static_cast<int64_t>(passes), 1, [&](int64_t a, int64_t b) {
         uint64_t x = 0;
         for (int64_t c = a; c < b; ++c) {
-          const auto& [p, words] = chunks[static_cast<size_t>(c)];
+          const auto& [p, words] = chunks[static_cast<size_t>(c % n)];
           for (size_t i = 0; i < words; ++i) x ^= p[i];
         }
         sink.fetch_xor(x, std::memory_order_relaxed);
       });
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      rates_.dram_gbps = secs > 0 ? static_cast<double>(total) / secs / 1e9 : 0.0;
+      rates_.dram_gbps = secs > 0 ? static_cast<double>(once * passes) / secs / 1e9 : 0.0;
     }
   }
+  if (!(rates_.pcie_gbps > 0) || !(rates_.dram_gbps > 0))
+    log::warn(
+        "--stream-split: the {} rate could not be measured; every expert streams (give it: "
+        "--stream-split pcie=GBPS,dram=GBPS)",
+        !(rates_.pcie_gbps > 0) ? "PCIe" : "DRAM");
 }
 
 void Scheduler::split_before(Step& st) {

@@ -43,7 +43,7 @@ StreamRates parse_stream_split(std::string_view spec, bool& on) {
     const double v = value.empty() ? 0.0 : std::strtod(value.c_str(), &end);
     if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v) || v <= 0 ||
         v > 1e9)
-      throw bad(item, "is not a positive number");
+      throw bad(item, "is not a positive number up to 1e9");
     (which == 0 ? r.pcie_gbps : which == 1 ? r.dram_gbps : r.cpu_gflops) = v;
   }
   return r;

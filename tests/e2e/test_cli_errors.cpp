@@ -73,6 +73,22 @@ TEST_CASE("a truncated download of the real model fails cleanly at every cut") {
   }
 }
 
+TEST_CASE("a prompt file longer than the context names the file and the sizes") {
+  const std::string model = shell_quote(berth::test::stories260k().string());
+  const auto dir = berth::test::temp_dir("cli-long-prompt");
+  const auto path = dir / "long prompt.txt";
+  {
+    std::ofstream f(path);
+    for (int i = 0; i < 100; ++i) f << "once upon a time ";
+  }
+  const CommandResult r = run_command(berth::test::berth_bin() + " run -m " + model + " -f " +
+                                      shell_quote(path.string()) + " -c 64 -n 4");
+  CHECK_FALSE(r.signaled);
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("the prompt in " + path.string() + " is ") != std::string::npos);
+  CHECK(r.err.find(" tokens, more than the context size of 64 (raise -c)") != std::string::npos);
+}
+
 TEST_CASE("bad flags are usage errors with exit code 2") {
   const std::string model = shell_quote(berth::test::stories260k().string());
   CommandResult r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi -t -3");

@@ -83,6 +83,8 @@ std::vector<int32_t> prompt_of(int n) {
 struct Result {
   Run run;
   Scheduler::StreamSplitStats stats;
+  StreamRates rates;
+  double cpu_scale = 0;
   int64_t streamed_ops = 0;
 };
 
@@ -111,6 +113,8 @@ Result run(const Model& m, Device* dev, const std::string& rates, int n = 8) {
   r.run = greedy(s, prompt_of(48), n);
   if (dev) {
     r.stats = s.scheduler().stream_split_stats();
+    r.rates = s.scheduler().stream_rates();
+    r.cpu_scale = s.scheduler().stream_cpu_scale();
     r.streamed_ops = s.scheduler().streamed_ops();
   }
   return r;
@@ -175,6 +179,31 @@ TEST_CASE(
       CHECK(e < placement_nmse(type));
       CHECK(hard_mismatches(r->run, ref.run, kTieBand) == 0);
     }
+  }
+}
+
+TEST_CASE("stream split: rates not given are measured; the run keeps the CPU-only tokens") {
+  gguf::File file = gguf::File::open(moe_file("q8_0", 1.0));
+  auto model = load_model(file);
+  const int32_t n_layer = static_cast<int32_t>(model->hparams().n_layer);
+  auto dev = test::test_device();
+  const Result ref = run(*model, nullptr, "");
+  for (const std::string spec : {"on", "cpu=2"}) {
+    CAPTURE(spec);
+    const Result r = run(*model, dev.get(), spec);
+    MESSAGE(spec, ": measured pcie ", r.rates.pcie_gbps, " GB/s, dram ", r.rates.dram_gbps,
+            " GB/s, cpu ", r.rates.cpu_gflops, " GFLOP/s x ", r.cpu_scale,
+            "; experts CPU/streamed ", r.stats.experts_cpu, "/", r.stats.experts_streamed);
+    CHECK(r.rates.pcie_gbps > 0);
+    CHECK(r.rates.dram_gbps > 0);
+    // Not given: 25 GFLOP/s per worker (2 here), then scaled by what the CPU parts took.
+    CHECK(r.rates.cpu_gflops == (spec == "on" ? 50.0 : 2.0));
+    if (spec != "on") CHECK(r.cpu_scale == 1.0);  // a given CPU rate is not corrected
+    CHECK(r.cpu_scale > 0);
+    CHECK(r.stats.layer_steps == 3 * n_layer);
+    CHECK(r.stats.experts_cpu + r.stats.experts_streamed == 3 * n_layer * kExperts);
+    CHECK(nmse(r.run, ref.run) < placement_nmse("q8_0"));
+    CHECK(hard_mismatches(r.run, ref.run, kTieBand) == 0);
   }
 }
 
