@@ -763,6 +763,15 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
                           "n_expert_used {} x {} CPU-held MoE layers rounds to 0)",
                           f, k, n_cand));
       }
+      if (params.hybrid.stream_split && params.hybrid.stream_experts_min_tokens <= 0)
+        out.push_back(
+            "--stream-split has no effect: no prefill step streams CPU-held experts "
+            "(--stream-experts is off)");
+      else if (params.hybrid.stream_split && params.n_seq > 1)
+        out.push_back(fmt::format(
+            "--stream-split has no effect: steps of several sequences ({}) never split, so that "
+            "a row's results do not depend on the other rows",
+            params.n_seq));
       return out;
     }
     const char* none = any_experts ? "has no effect: no expert tensor stays on the CPU (--cpu-moe "
@@ -774,6 +783,7 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
     if (params.hybrid.host_expert_share > 0)
       out.push_back(
           fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, none));
+    if (params.hybrid.stream_split) out.push_back(fmt::format("--stream-split {}", none));
     return out;
   }
   const char* why = "has no effect: no GPU holds any weight or KV cache";
@@ -782,6 +792,7 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
         fmt::format("--stream-experts {} {}", params.hybrid.stream_experts_min_tokens, why));
   if (params.hybrid.host_expert_share > 0)
     out.push_back(fmt::format("--host-expert-share {} {}", params.hybrid.host_expert_share, why));
+  if (params.hybrid.stream_split) out.push_back(fmt::format("--stream-split {}", why));
   if (handoff_set) out.push_back(fmt::format("--handoff {}", why));
   if (warm_set)
     out.push_back(fmt::format("--warm-workers {} {}", params.hybrid.warm_workers_us, why));

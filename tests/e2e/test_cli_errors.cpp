@@ -285,6 +285,16 @@ TEST_CASE("trial findings: bench kernels past the core count, NaN shares, device
               "--stream-experts 64 has no effect: no expert tensor stays on the CPU"});
   r = expect_run(moe_run + "--cpu-moe --host-expert-share 0.5", 0, {});
   CHECK(r.err.find("has no effect") == std::string::npos);
+  // --stream-split where it cannot act: no streaming, no expert on the CPU, no device.
+  expect_run(moe_run + "--cpu-moe --stream-experts 0 --stream-split on", 0,
+             {"--stream-split has no effect: no prefill step streams CPU-held experts"});
+  expect_run(moe_run + "--stream-split on", 0,
+             {"--stream-split has no effect: no expert tensor stays on the CPU"});
+  r = expect_run(moe_run + "--cpu-moe --stream-experts 8 --stream-split on", 0, {});
+  CHECK(r.err.find("has no effect") == std::string::npos);
+  r = run_command(bin + " run -m " + moe_model + " -p hi -n 1 --temp 0 --stream-split on");
+  CHECK(r.exit_code == 0);
+  CHECK(r.err.find("--stream-split has no effect: no GPU holds any weight") != std::string::npos);
   // A share too small to give the device one slot of the 2 x 2 (layers x n_expert_used).
   expect_run(moe_run + "--cpu-moe --host-expert-share 1e-300", 0, {"gives the device no slot"});
   // A dense model: the expert options name the reason.
