@@ -11,11 +11,13 @@
 // of a row finish with a butterfly reduction. Q4_K, Q5_K and Q6_K take their own kernel
 // (gemv_kq_block, gemv_kq() on by default): 64-element units per lane whose loaded bytes are all
 // used by that lane (16-byte loads of the superblock header and quants), two rows per lane set
-// sharing the activations' loads in large launches. Float weights: the same layout as the group
-// kernel with 8 elements (one 16-byte load of f16/bf16, two of f32) per lane step and f32
-// activations; launches of few long rows (Qwen3.5's ssm_alpha / ssm_beta) spread a row over 128
-// lanes (4 warps, summed through shared memory). Lanes per row follow n_in (and, for float
-// weights, the matrix's row count), never the token count, so a row's bits never depend on it.
+// in large launches, each step's loads of all its rows issued before any is decoded; one-token
+// launches compiled for 7 blocks per SM (gemv_kq_minb(): at most 72 registers). Float weights: the
+// same layout as the group kernel with 8 elements (one 16-byte load of f16/bf16, two of f32) per
+// lane step and f32 activations; launches of few long rows (Qwen3.5's ssm_alpha / ssm_beta) spread
+// a row over 128 lanes (4 warps, summed through shared memory). Lanes per row follow n_in (and, for
+// float weights, the matrix's row count), never the token count, so a row's bits never depend on
+// it.
 //
 // Rows by kind (issue 19: a row's bits never depend on the step's size or its other rows): the
 // last n_decode rows (decode tokens) take the GEMV above in launches of up to kGemvTok rows, whose
@@ -83,6 +85,18 @@ int& gemv_kq_lanes() {
 // BERTH_GEMV_KQ_RPS: 0 (default: by the launch's size), 1 or 2; another value throws, as above.
 int& gemv_kq_rps() {
   static int v = static_cast<int>(env_uint("BERTH_GEMV_KQ_RPS", 2).value_or(0));
+  return v;
+}
+// BERTH_GEMV_KQ_MINB: 7 (default), 0 or 8 (kernels.h); another value throws
+// Error(invalid_argument).
+int& gemv_kq_minb() {
+  static int v = [] {
+    const int m = static_cast<int>(env_uint("BERTH_GEMV_KQ_MINB", 8).value_or(7));
+    if (m != 0 && m != 7 && m != 8)
+      throw Error(ErrorCategory::invalid_argument,
+                  "BERTH_GEMV_KQ_MINB=" + std::to_string(m) + ": expected 0, 7 or 8");
+    return m;
+  }();
   return v;
 }
 int& gemv_max_tok_float() {
@@ -283,9 +297,10 @@ __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], 
 //  Q6_K: unit u = (half h, 16-element column range hf) of superblock u >> 2: 16 elements of
 //    each of the half's four 32-element groups (ql, qh bytes 2-byte aligned: 4-byte loads and
 //    funnel shifts), q - 32 as a signed byte, so a piece contributes x.d * (d*s8 * dot).
-// Each lane set (lpr lanes) computes rps rows at once, loading each unit's activations once for
-// all of them. A row's arithmetic depends on lpr (from n_in) only, never on rps or the number of
-// tokens: the sum of its units in lane-strided order, then the butterfly.
+// Each lane set (lpr lanes) computes rps rows at once: per step, the loads of every row's unit
+// first (load_kq_raw), then each unit decoded and multiplied in turn. A row's arithmetic depends on
+// lpr (from n_in) only, never on rps or the number of tokens: the sum of its units in lane-strided
+// order, then the butterfly.
 constexpr bool is_kq(GgmlType t) {
   return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K;
 }
@@ -298,45 +313,78 @@ struct KqUnit {
   float mn[2];
 };
 
-// 16 bytes at a 2-byte aligned address, as 4 words (aligned 4-byte loads and funnel shifts; the
-// fifth word only when the address is not 4-byte aligned, so nothing past the 16 bytes' word is
-// read).
-__device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&out)[4]) {
-  const uintptr_t ad = reinterpret_cast<uintptr_t>(p);
-  const uint32_t* q = reinterpret_cast<const uint32_t*>(ad & ~uintptr_t{3});
-  const unsigned sh = static_cast<unsigned>(ad & 2) * 8;
-  uint32_t w[5];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = __ldg(q + i);
-  w[4] = sh ? __ldg(q + 4) : 0u;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = __funnelshift_r(w[i], w[i + 1], sh);
-}
+// A unit's bytes as loaded, before decoding: a lane set issues the loads of all its rows' units
+// (load_kq_raw) before it decodes any (decode_kq_raw), so only one decoded unit is live at a time.
+// Q4_K / Q5_K: the superblock header, the unit's 32 quant bytes (and Q5_K's 32 high-bit bytes);
+// Q6_K: the five aligned words under each of the three 16-byte pieces (four aligned words and the
+// next one when the piece is not 4-byte aligned, shifted by sh), the four 16-bit halves of the two
+// scale words and d's bits.
+template <GgmlType T>
+struct KqRaw {
+  uint4 hd, v0, v1, h0, h1;  // h0, h1: Q5_K only
+};
+template <>
+struct KqRaw<GgmlType::Q6_K> {
+  uint32_t w[3][5];
+  unsigned sh;
+  uint16_t s[4], d;
+};
 
 template <GgmlType T>
-__device__ __forceinline__ void load_kq_unit(const uint8_t* row, int u, KqUnit& k) {
+__device__ __forceinline__ void load_kq_raw(const uint8_t* row, int u, KqRaw<T>& r) {
   if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
     constexpr int kBytes = T == GgmlType::Q4_K ? 144 : 176;
     constexpr int kQs = T == GgmlType::Q4_K ? 16 : 48;
     const uint8_t* b = row + static_cast<size_t>(u >> 2) * kBytes;
     const int c = u & 3;
-    const uint4 hd = __ldg(reinterpret_cast<const uint4*>(b));
-    const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c));
-    const uint4 v1 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c) + 1);
-    const uint32_t v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-    uint32_t hb[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    r.hd = __ldg(reinterpret_cast<const uint4*>(b));
+    r.v0 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c));
+    r.v1 = __ldg(reinterpret_cast<const uint4*>(b + kQs + 32 * c) + 1);
     if constexpr (T == GgmlType::Q5_K) {
-      const uint4 h0 = __ldg(reinterpret_cast<const uint4*>(b + 16));
-      const uint4 h1 = __ldg(reinterpret_cast<const uint4*>(b + 16) + 1);
-      const uint32_t h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-      for (int w = 0; w < 8; ++w) hb[w] = h[w];
+      r.h0 = __ldg(reinterpret_cast<const uint4*>(b + 16));
+      r.h1 = __ldg(reinterpret_cast<const uint4*>(b + 16) + 1);
     }
+  } else {
+    static_assert(T == GgmlType::Q6_K, "load_kq_raw: Q4_K, Q5_K or Q6_K");
+    const uint8_t* b = row + static_cast<size_t>(u >> 2) * 210;
+    const int h = (u >> 1) & 1, hf = u & 1;
+    // The three pieces (ql low, ql high, qh) share their offset's alignment (they differ by
+    // multiples of 4 bytes), so one shift serves all; the fifth word is read only
+    // when the piece is not 4-byte aligned (nothing past the piece's last word).
+    const uint8_t* p[3] = {b + 64 * h + 16 * hf, b + 64 * h + 32 + 16 * hf,
+                           b + 128 + 32 * h + 16 * hf};
+    r.sh = static_cast<unsigned>(reinterpret_cast<uintptr_t>(p[0]) & 2) * 8;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const uint32_t* q =
+          reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p[k]) & ~uintptr_t{3});
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.w[k][i] = __ldg(q + i);
+      r.w[k][4] = r.sh ? __ldg(q + 4) : 0u;
+    }
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(b + 192 + 8 * h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.s[i] = sp[i];
+    r.d = *reinterpret_cast<const uint16_t*>(b + 208);
+  }
+}
+
+// The unit u decoded from its loaded bytes (the layout in KqUnit).
+template <GgmlType T>
+__device__ __forceinline__ void decode_kq_raw(const KqRaw<T>& r, int u, KqUnit& k) {
+  if constexpr (T == GgmlType::Q4_K || T == GgmlType::Q5_K) {
+    const int c = u & 3;
+    const uint4 hd = r.hd;
+    const uint32_t v[8] = {r.v0.x, r.v0.y, r.v0.z, r.v0.w, r.v1.x, r.v1.y, r.v1.z, r.v1.w};
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
       k.q[w] = v[w] & 0x0F0F0F0Fu;
       k.q[8 + w] = (v[w] >> 4) & 0x0F0F0F0Fu;
-      if constexpr (T == GgmlType::Q5_K) {
+    }
+    if constexpr (T == GgmlType::Q5_K) {
+      const uint32_t hb[8] = {r.h0.x, r.h0.y, r.h0.z, r.h0.w, r.h1.x, r.h1.y, r.h1.z, r.h1.w};
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
         k.q[w] |= ((hb[w] >> (2 * c)) & 0x01010101u) << 4;
         k.q[8 + w] |= ((hb[w] >> (2 * c + 1)) & 0x01010101u) << 4;
       }
@@ -356,13 +404,13 @@ __device__ __forceinline__ void load_kq_unit(const uint8_t* row, int u, KqUnit& 
     }
     k.sc[2] = k.sc[3] = 0.0f;
   } else {
-    static_assert(T == GgmlType::Q6_K, "load_kq_unit: Q4_K, Q5_K or Q6_K");
-    const uint8_t* b = row + static_cast<size_t>(u >> 2) * 210;
-    const int h = (u >> 1) & 1, hf = u & 1;
     uint32_t qa[4], qb[4], qh[4];
-    ld16_a2(b + 64 * h + 16 * hf, qa);
-    ld16_a2(b + 64 * h + 32 + 16 * hf, qb);
-    ld16_a2(b + 128 + 32 * h + 16 * hf, qh);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      qa[i] = __funnelshift_r(r.w[0][i], r.w[0][i + 1], r.sh);
+      qb[i] = __funnelshift_r(r.w[1][i], r.w[1][i + 1], r.sh);
+      qh[i] = __funnelshift_r(r.w[2][i], r.w[2][i + 1], r.sh);
+    }
 #pragma unroll
     for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -371,10 +419,11 @@ __device__ __forceinline__ void load_kq_unit(const uint8_t* row, int u, KqUnit& 
         const uint32_t hi = (qh[w] >> (2 * p)) & 0x03030303u;
         k.q[4 * p + w] = __vsub4(lo | (hi << 4), 0x20202020u);  // q - 32, in [-32, 31]
       }
-    // The pieces' scales: int8 at 192 + 8h + 2p + hf.
-    const uint8_t* sp = b + 192 + 8 * h;
-    const uint32_t s01 = ld32_a2(sp), s23 = ld32_a2(sp + 4);
-    const float d = f16_at(b + 208);
+    // The pieces' scales: int8 at 192 + 8h + 2p + hf (h, hf from u).
+    const int hf = u & 1;
+    const uint32_t s01 = static_cast<uint32_t>(r.s[0]) | (static_cast<uint32_t>(r.s[1]) << 16);
+    const uint32_t s23 = static_cast<uint32_t>(r.s[2]) | (static_cast<uint32_t>(r.s[3]) << 16);
+    const float d = __half2float(__ushort_as_half(r.d));
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const uint32_t word = p < 2 ? s01 : s23;
@@ -460,26 +509,19 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
   const int U = static_cast<int>(a.n_in / 64);
 #pragma unroll(R == 1 ? 2 : 1)
   for (int u = sl; u < U; u += a.lpr) {
-    KqUnit k[R];
+    // Every row's loads first (a row past the matrix reads row 0 of it; its sums are never
+    // stored), then one decoded unit at a time.
+    KqRaw<T> raw[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) load_kq_raw<T>(row[i], u, raw[i]);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      if (on[i]) {
-        load_kq_unit<T>(row[i], u, k[i]);
-      } else {
+      KqUnit k;
+      decode_kq_raw<T>(raw[i], u, k);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) k[i].q[e] = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) k[i].sc[e] = 0.0f;
-        k[i].mn[0] = k[i].mn[1] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if (NT == 1 || t < a.n_tok) {
-#pragma unroll
-        for (int i = 0; i < R; ++i)
-          acc[i][t] = __fadd_rn(acc[i][t], kq_dot<T>(k[i], a.xq, a.xm, act0 + t, a.n_in, u));
-      }
+      for (int t = 0; t < NT; ++t)
+        if (NT == 1 || t < a.n_tok)
+          acc[i][t] = __fadd_rn(acc[i][t], kq_dot<T>(k, a.xq, a.xm, act0 + t, a.n_in, u));
     }
   }
 #pragma unroll
@@ -553,6 +595,20 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
   int64_t act0, out0;
   if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
   gemv_q_block<T, NT>(a, w, act0, out0, a.out);
+}
+
+// gemv_q_kernel's K-quant path alone, compiled for at least MINB resident blocks per SM
+// (gemv_kq_minb(): single-token launches; the same instructions in another register allocation).
+template <GgmlType T, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) gemv_kq_kernel(GemvArgs a) {
+  pdl_enter();
+  const uint8_t* w;
+  int64_t act0, out0;
+  if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
+  if (a.rps == 2)
+    gemv_kq_block<T, 1, 2>(a, w, act0, out0, a.out);
+  else
+    gemv_kq_block<T, 1, 1>(a, w, act0, out0, a.out);
 }
 
 // Whether this block is the last of `total` blocks to count at *count (the count's atomic add
@@ -950,6 +1006,13 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
     launch("gemv_f_kernel", a.n_tok == 1 ? gemv_f_kernel<T, 1> : gemv_f_kernel<T, kGemvTok>, grid,
            kThreads, 0, s, a);
   } else {
+    if constexpr (is_kq(T)) {
+      if (a.kq && a.n_tok == 1 && gemv_kq_minb() != 0) {
+        launch("gemv_kq_kernel", gemv_kq_minb() == 7 ? gemv_kq_kernel<T, 7> : gemv_kq_kernel<T, 8>,
+               grid, kThreads, 0, s, a);
+        return;
+      }
+    }
     launch("gemv_q_kernel", a.n_tok == 1 ? gemv_q_kernel<T, 1> : gemv_q_kernel<T, kGemvTok>, grid,
            kThreads, 0, s, a);
   }

@@ -248,7 +248,9 @@ TEST_CASE("gpu matmul: every type and shape against the double-precision referen
   }
 }
 
-TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or rows per lane set") {
+TEST_CASE(
+    "gpu decode GEMV, K-quants: a row's bits do not depend on tokens, rows per lane set or launch "
+    "bounds") {
   REQUIRE_DEVICE();
   // The 64-element-unit kernel (gemv_kq on): lengths of 1, 3, 9 and 20 superblocks (4, 12, 36
   // and 80 units), an odd row count (the last lane set of 2 rows half outside), 1 and 8 tokens, 1
@@ -256,9 +258,11 @@ TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or ro
   // within the reference's bound.
   // The three lane rules (gemv_kq_lanes 0: at most 1/8 of the lane steps idle, then wider for
   // these 1031 rows, lanes 4, 16, 32, 32; 1: powers of two up to 32, lanes 4, 16, 32, 32; 2: the
-  // first step of rule 0 alone, lanes 4, 4, 8, 16).
+  // first step of rule 0 alone, lanes 4, 4, 8, 16). One-token launches also through the kernel
+  // compiled for 7 and 8 blocks per SM (gemv_kq_minb: other register allocations, spills at 8).
   const bool saved_kq = gpu::detail::gemv_kq();
   const int saved_rps = gpu::detail::gemv_kq_rps();
+  const int saved_minb = gpu::detail::gemv_kq_minb();
   const int saved_lanes = gpu::detail::gemv_kq_lanes();
   uint64_t seed = 4400;
   for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
@@ -278,15 +282,17 @@ TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or ro
         dx.put(x);
         const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
         Dev ws(wsb);
-        auto run = [&](bool kq, int rps, int64_t nt) {
+        auto run = [&](bool kq, int rps, int64_t nt, int minb = 0) {
           gpu::detail::gemv_kq() = kq;
           gpu::detail::gemv_kq_rps() = rps;
+          gpu::detail::gemv_kq_minb() = minb;
           dout.poison();
           gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>(), nt, dout.as<float>(), ws.p, wsb,
                       nullptr);
           CUDA_OK(cudaDeviceSynchronize());
           gpu::detail::gemv_kq() = saved_kq;
           gpu::detail::gemv_kq_rps() = saved_rps;
+          gpu::detail::gemv_kq_minb() = saved_minb;
           return dout.get<float>(static_cast<size_t>(nt * n_out));
         };
         const auto base = run(true, 1, n_tok);
@@ -296,11 +302,13 @@ TEST_CASE("gpu decode GEMV, K-quants: a row's bits do not depend on tokens or ro
         CHECK(e <= kTolGemvQShape);
         const auto two = run(true, 2, n_tok);
         CHECK(std::memcmp(base.data(), two.data(), base.size() * 4) == 0);
-        for (const int rps : {1, 2}) {
-          CAPTURE(rps);
-          const auto one = run(true, rps, 1);
-          CHECK(std::memcmp(base.data(), one.data(), one.size() * 4) == 0);
-        }
+        for (const int rps : {1, 2})
+          for (const int minb : {0, 7, 8}) {
+            CAPTURE(rps);
+            CAPTURE(minb);
+            const auto one = run(true, rps, 1, minb);
+            CHECK(std::memcmp(base.data(), one.data(), one.size() * 4) == 0);
+          }
         const auto old = run(false, 0, n_tok);
         const double e_old = nmse_d(ref8, old);
         CAPTURE(e_old);
@@ -1072,12 +1080,13 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
       GgmlType t;
       int64_t n_in, n_out;
     };
-    for (const Shape& sh : {Shape{GgmlType::Q4_K, 5120, 17408}, Shape{GgmlType::Q4_K, 17408, 5120},
-                            Shape{GgmlType::Q6_K, 17408, 5120}, Shape{GgmlType::Q5_K, 5120, 10240},
-                            Shape{GgmlType::Q4_K, 5120, 5120}, Shape{GgmlType::Q4_K, 2560, 9728},
-                            Shape{GgmlType::Q4_K, 1024, 3584}, Shape{GgmlType::Q6_K, 1024, 151936},
-                            Shape{GgmlType::Q6_K, 5120, 151936}, Shape{GgmlType::F32, 5120, 48},
-                            Shape{GgmlType::F32, 1024, 16}}) {
+    for (const Shape& sh :
+         {Shape{GgmlType::Q4_K, 5120, 17408}, Shape{GgmlType::Q4_K, 5120, 34816},
+          Shape{GgmlType::Q4_K, 17408, 5120}, Shape{GgmlType::Q6_K, 17408, 5120},
+          Shape{GgmlType::Q5_K, 5120, 10240}, Shape{GgmlType::Q4_K, 5120, 5120},
+          Shape{GgmlType::Q4_K, 2560, 9728}, Shape{GgmlType::Q4_K, 1024, 3584},
+          Shape{GgmlType::Q6_K, 1024, 151936}, Shape{GgmlType::Q6_K, 5120, 151936},
+          Shape{GgmlType::F32, 5120, 48}, Shape{GgmlType::F32, 1024, 16}}) {
       // Copies of the matrix, at least 512 MB in all, taken in turn: reads come from HBM, not
       // from the 50 MB L2.
       gpu::detail::gemv_max_tok() = 1 << 30;
@@ -1092,12 +1101,16 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
       x.put(gaussian(static_cast<size_t>(sh.n_in), 5));
       const size_t wsb = gpu::matmul_workspace_bytes(sh.t, sh.n_in, sh.n_out, 1);
       Dev scratch(wsb);
-      for (const int variant : {0, 1, 2}) {
+      // 0 the group kernel, 1 the K-quant kernel, 2 its lanes rule 1, 3 and 4 its launch bounds
+      // of 7 and 8 blocks per SM (gemv_kq_minb).
+      for (const int variant : {0, 1, 2, 3, 4}) {
         const bool kq = variant > 0;
-        if (variant == 2 && !is_kq_type(sh.t)) continue;
+        if (variant >= 2 && !is_kq_type(sh.t)) continue;
         gpu::detail::gemv_kq() = kq;
         const int saved_lanes = gpu::detail::gemv_kq_lanes();
+        const int saved_minb = gpu::detail::gemv_kq_minb();
         gpu::detail::gemv_kq_lanes() = variant == 2 ? 1 : 0;
+        gpu::detail::gemv_kq_minb() = variant == 3 ? 7 : variant == 4 ? 8 : 0;
         int c = 0;
         const double ms = time_ms(
             [&] {
@@ -1108,13 +1121,11 @@ TEST_CASE("gpu matmul timing" * doctest::skip()) {
             200);
         CUDA_OK(cudaDeviceSynchronize());
         gpu::detail::gemv_kq_lanes() = saved_lanes;
+        gpu::detail::gemv_kq_minb() = saved_minb;
+        static const char* const kName[] = {"group", "kq   ", "kq-p2", "kq-b7", "kq-b8"};
         std::printf("gemv %-5s %ldx%ld n_tok 1 %s: %.4f ms, %.0f GB/s\n",
                     std::string(type_name(sh.t)).c_str(), static_cast<long>(sh.n_in),
-                    static_cast<long>(sh.n_out),
-                    variant == 2 ? "kq-p2"
-                    : kq         ? "kq   "
-                                 : "group",
-                    ms, wb / ms / 1e6);
+                    static_cast<long>(sh.n_out), kName[variant], ms, wb / ms / 1e6);
       }
       gpu::detail::gemv_max_tok() = saved;
     }

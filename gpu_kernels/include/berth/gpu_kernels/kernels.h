@@ -287,6 +287,14 @@ int& gemv_kq_rps();
 /// group kernel's rule alone (from n_in). BERTH_GEMV_KQ_LANES sets it (benchmarks compare the
 /// rules).
 int& gemv_kq_lanes();
+/// Minimum resident blocks per SM that single-token launches of that kernel are compiled for
+/// (its __launch_bounds__, which caps the registers per thread at 65536 / (128 x it)): 7 (default:
+/// at most 72 registers), 0 (no minimum: 70-82 registers by type, 6-7 blocks per SM) or 8 (at
+/// most 64, with spills for Q5_K and Q6_K). The arithmetic is the same instructions in any
+/// allocation, so a row's bits never depend on it (tested); only the speed does (Qwen3.5-27B
+/// decode on an H200: 7 113.9 tok/s, 0 106.1-107.4, docs/performance.md). BERTH_GEMV_KQ_MINB sets
+/// it; another value throws Error(invalid_argument).
+int& gemv_kq_minb();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
