@@ -3,7 +3,8 @@
 # DRAM bytes and achieved bandwidth, against the measured step (graph replay) and the HBM bound.
 #   bash scripts/diag/decode-step-table.sh [FILE] [OUT_DIR] [N_LAYER]
 # FILE defaults to a synthetic qwen3-30b-a3b Q4_K_M in /dev/shm (made when missing), N_LAYER
-# to its 48. Depth 0 only: ncu would profile every kernel of a depth fill too.
+# to its 48 (a dense file, e.g. Qwen3.5-27B with N_LAYER 64, is cut at its whole-row norms). Depth
+# 0 only: ncu would profile every kernel of a depth fill too.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 f=${1:-/dev/shm/q4km.gguf}

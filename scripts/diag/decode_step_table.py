@@ -6,8 +6,10 @@ dram__bytes_read.sum and dram__bytes_write.sum (bytes) over several decode steps
 measured time in microseconds (from `bench model`'s tg tok/s: 1e6 / tok/s, graph replay) and
 the layer count. A step is cut at the router kernel of layer 0: from one occurrence of the
 router kernel whose index is a multiple of n_layer to the next (the same kernels as the step
-from its embedding on, rotated; the router is router_route_kernel, else moe_route_kernel). The second-to-last complete window is reported (the last may
-be cut by the end of the run).
+from its embedding on, rotated; the router is router_route_kernel, else moe_route_kernel). A
+model without routers (dense) is cut at its whole-row norms instead, 2 n_layer + 1 per step
+(each layer's two, then the output norm). The second-to-last complete window is reported (the
+last may be cut by the end of the run).
 
 Output (markdown): per kernel name, in order of total time: launches, time (us), share, DRAM
 bytes read + written (MB), achieved GB/s; then the sums, the measured step, and the gap between
@@ -56,10 +58,14 @@ def main():
     routers = [i for i, k in enumerate(seq) if short(k[0]) == "router_route_kernel"]
     if len(routers) < 3 * n_layer:
         routers = [i for i, k in enumerate(seq) if short(k[0]) == "moe_route_kernel"]
-    starts = routers[::n_layer]
+    per_step = n_layer
+    if not routers:  # dense: two whole-row norms per layer and the output norm
+        routers = [i for i, k in enumerate(seq) if short(k[0]) == "rms_norm_kernel"]
+        per_step = 2 * n_layer + 1
+    starts = routers[::per_step]
     if len(starts) < 3:
-        sys.exit(f"decode_step_table: {len(routers)} router kernels, fewer than 3 steps of "
-                 f"{n_layer} layers")
+        sys.exit(f"decode_step_table: {len(routers)} router (or norm) kernels, fewer than 3 "
+                 f"steps of {n_layer} layers")
     step = seq[starts[-3]:starts[-2]]
     agg = collections.OrderedDict()
     for name, ns, rd, wr in step:
