@@ -20,12 +20,18 @@ spdlog::logger& logger() {
 
 spdlog::level::level_enum to_spd(Level l) {
   switch (l) {
-    case Level::trace: return spdlog::level::trace;
-    case Level::debug: return spdlog::level::debug;
-    case Level::info: return spdlog::level::info;
-    case Level::warn: return spdlog::level::warn;
-    case Level::error: return spdlog::level::err;
-    case Level::off: return spdlog::level::off;
+    case Level::trace:
+      return spdlog::level::trace;
+    case Level::debug:
+      return spdlog::level::debug;
+    case Level::info:
+      return spdlog::level::info;
+    case Level::warn:
+      return spdlog::level::warn;
+    case Level::error:
+      return spdlog::level::err;
+    case Level::off:
+      return spdlog::level::off;
   }
   return spdlog::level::info;
 }
@@ -41,9 +47,9 @@ Level parse_level(std::string_view name) {
   if (name == "warn") return Level::warn;
   if (name == "error") return Level::error;
   if (name == "off") return Level::off;
-  throw Error(ErrorCategory::invalid_argument,
-              fmt::format("unknown log level '{}' (expected trace, debug, info, warn, error, off)",
-                          name));
+  throw Error(
+      ErrorCategory::invalid_argument,
+      fmt::format("unknown log level '{}' (expected trace, debug, info, warn, error, off)", name));
 }
 
 bool enabled(Level level) { return logger().should_log(to_spd(level)); }

@@ -151,6 +151,31 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
   s.host_w.clear();
   s.slotted.clear();
   s.stream_split.clear();
+  // Emits op's split: its CPU part, its device part (output and name suffixed `dev_suffix`) and
+  // their sum (device part first) into op's output; the flags of the three ops. op's readers
+  // find its result at the sum.
+  const auto emit_split = [&](const Op& op, Op cpu_op, Op dev_op, const char* dev_suffix,
+                              uint8_t dev_host_w, uint8_t slotted, uint8_t stream) {
+    s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
+    const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
+    cpu_op.output = static_cast<ValueId>(g.values.size());
+    g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
+    dev_op.output = static_cast<ValueId>(g.values.size());
+    g.values.push_back({vi.rows, vi.cols, vi.name + dev_suffix});
+    cpu_op.name += ".cpu";
+    dev_op.name += dev_suffix;
+    Op sum;
+    sum.kind = OpKind::add;
+    sum.inputs = {dev_op.output, cpu_op.output};
+    sum.output = op.output;
+    sum.name = op.name + ".sum";
+    ops.push_back(std::move(cpu_op));
+    ops.push_back(std::move(dev_op));
+    ops.push_back(std::move(sum));
+    s.host_w.insert(s.host_w.end(), {0, dev_host_w, 0});
+    s.slotted.insert(s.slotted.end(), {slotted, slotted, 0});
+    s.stream_split.insert(s.stream_split.end(), {stream, stream, 0});
+  };
   for (size_t i = 0; i < g.ops.size(); ++i) {
     const Op& op = g.ops[i];
     const bool expert_op = op.kind == OpKind::moe_experts && pinned(op.moe.gate) &&
@@ -163,25 +188,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       cpu_op.moe.set = graph::ExpertSet::not_resident;
       dev_op.moe.set = graph::ExpertSet::resident;
       dev_op.moe.n_slots = op.moe.n_expert;
-      s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
-      const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
-      cpu_op.output = static_cast<ValueId>(g.values.size());
-      g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
-      dev_op.output = static_cast<ValueId>(g.values.size());
-      g.values.push_back({vi.rows, vi.cols, vi.name + ".stream"});
-      cpu_op.name += ".cpu";
-      dev_op.name += ".stream";
-      Op sum;
-      sum.kind = OpKind::add;
-      sum.inputs = {dev_op.output, cpu_op.output};
-      sum.output = op.output;
-      sum.name = op.name + ".sum";
-      ops.push_back(cpu_op);
-      ops.push_back(dev_op);
-      ops.push_back(sum);
-      s.host_w.insert(s.host_w.end(), {false, false, false});
-      s.slotted.insert(s.slotted.end(), {0, 0, 0});
-      s.stream_split.insert(s.stream_split.end(), {1, 1, 0});
+      emit_split(op, std::move(cpu_op), std::move(dev_op), ".stream", 0, 0, 1);
       continue;
     }
     if (c > 0 && !streams && op.moe.static_experts() && op.moe.experts.empty()) {
@@ -189,25 +196,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       cpu_op.moe.set = graph::ExpertSet::not_resident;
       dev_op.moe.set = graph::ExpertSet::resident;
       dev_op.moe.n_slots = c;
-      s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
-      const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
-      cpu_op.output = static_cast<ValueId>(g.values.size());
-      g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
-      dev_op.output = static_cast<ValueId>(g.values.size());
-      g.values.push_back({vi.rows, vi.cols, vi.name + ".slots"});
-      cpu_op.name += ".cpu";
-      dev_op.name += ".slots";
-      Op sum;
-      sum.kind = OpKind::add;
-      sum.inputs = {dev_op.output, cpu_op.output};
-      sum.output = op.output;
-      sum.name = op.name + ".sum";
-      ops.push_back(cpu_op);
-      ops.push_back(dev_op);
-      ops.push_back(sum);
-      s.host_w.insert(s.host_w.end(), {false, false, false});
-      s.slotted.insert(s.slotted.end(), {1, 1, 0});
-      s.stream_split.insert(s.stream_split.end(), {0, 0, 0});
+      emit_split(op, std::move(cpu_op), std::move(dev_op), ".slots", 0, 1, 0);
       continue;
     }
     const bool split = expert_op && c == 0;
@@ -233,25 +222,7 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
       s.stream_split.push_back(0);
       continue;
     }
-    s.orig_index.push_back(static_cast<int32_t>(ops.size() + 2));
-    const graph::ValueInfo vi = g.values[static_cast<size_t>(op.output)];
-    cpu_op.output = static_cast<ValueId>(g.values.size());
-    g.values.push_back({vi.rows, vi.cols, vi.name + ".cpu"});
-    dev_op.output = static_cast<ValueId>(g.values.size());
-    g.values.push_back({vi.rows, vi.cols, vi.name + ".gpu"});
-    cpu_op.name += ".cpu";
-    dev_op.name += ".gpu";
-    Op sum;
-    sum.kind = OpKind::add;
-    sum.inputs = {dev_op.output, cpu_op.output};
-    sum.output = op.output;
-    sum.name = op.name + ".sum";
-    ops.push_back(cpu_op);
-    ops.push_back(dev_op);
-    ops.push_back(sum);
-    s.host_w.insert(s.host_w.end(), {false, true, false});
-    s.slotted.insert(s.slotted.end(), {0, 0, 0});
-    s.stream_split.insert(s.stream_split.end(), {0, 0, 0});
+    emit_split(op, std::move(cpu_op), std::move(dev_op), ".gpu", 1, 0, 0);
   }
   g.ops = std::move(ops);
 }

@@ -14,8 +14,8 @@
 #include "berth/cpu_kernels/quants_ref.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
-#include "berth/tools/quantize.h"
 #include "berth/runtime/session.h"
+#include "berth/tools/quantize.h"
 #include "test_util.h"
 
 using namespace berth;

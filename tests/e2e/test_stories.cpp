@@ -49,9 +49,9 @@ TEST_CASE("berth run prints the golden stories260K continuation with -t 1 and -t
 }
 
 TEST_CASE("berth tokenize prints the ids of the golden prompt") {
-  test::CommandResult r = test::run_command(
-      test::berth_bin() + " tokenize -m " + test::shell_quote(test::stories260k().string()) +
-      " -p 'Once upon a time'");
+  test::CommandResult r =
+      test::run_command(test::berth_bin() + " tokenize -m " +
+                        test::shell_quote(test::stories260k().string()) + " -p 'Once upon a time'");
   CHECK(r.exit_code == 0);
   CHECK(r.out == "[1, 403, 407, 261, 378]\n");
 }

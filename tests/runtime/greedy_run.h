@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -55,6 +56,23 @@ inline Run greedy(Session& s, const std::vector<int32_t>& prompt, int n, bool fe
     if (feed_last || i + 1 < n) l = s.eval(std::span<const int32_t>(&t, 1));
   }
   return r;
+}
+
+/// Top-2 logit gap under which an f16 KV cache may flip a greedy choice (a placement that keeps
+/// K and V in f16 against the CPU-only run's f32).
+inline constexpr double kTieBand = 1e-2;
+
+/// 1 when the first step whose tokens differ has a reference top-2 logit gap wider than `band`
+/// (a difference inside the band is a tie the KV cache's f16 rounding may flip; after the first
+/// differing step the sequences may diverge and are not compared further), else 0.
+inline int hard_mismatches(const Run& got, const Run& ref, double band) {
+  for (size_t s = 0; s < ref.tokens.size(); ++s) {
+    if (got.tokens[s] == ref.tokens[s]) continue;
+    std::vector<float> l = ref.logits[s];
+    std::partial_sort(l.begin(), l.begin() + 2, l.end(), std::greater<float>());
+    return l[0] - l[1] > band ? 1 : 0;
+  }
+  return 0;
 }
 
 /// The same tokens and the same logits, bit for bit, at every step (any type with `tokens` and

@@ -39,6 +39,8 @@ namespace {
 
 using test::argmax;
 using test::greedy;
+using test::hard_mismatches;
+using test::kTieBand;
 using test::nmse;
 using test::Run;
 using test::use_cuda;
@@ -59,24 +61,12 @@ std::string moe_file(const std::string& preset, const std::string& type) {
   return path.string();
 }
 
-// As test_hybrid.cpp: a differing token whose reference top-2 gap exceeds the band.
-int hard_mismatches(const Run& got, const Run& ref, double band) {
-  for (size_t s = 0; s < ref.tokens.size(); ++s) {
-    if (got.tokens[s] == ref.tokens[s]) continue;
-    std::vector<float> l = ref.logits[s];
-    std::partial_sort(l.begin(), l.begin() + 2, l.end(), std::greater<float>());
-    return l[0] - l[1] > band ? 1 : 0;
-  }
-  return 0;
-}
-
-// The bounds of test_hybrid.cpp (placement_nmse, kTieBand): the device's f16 KV cache, and on
-// the simulated device 8-bit activation steps; on CUDA the oracle band.
+// The bounds of test_hybrid.cpp (placement_nmse; kTieBand in greedy_run.h): the device's f16 KV
+// cache, and on the simulated device 8-bit activation steps; on CUDA the oracle band.
 double placement_nmse(const std::string& type) {
   if (type == "f32") return 1e-6;
   return use_cuda() ? 5e-3 : 1e-4;
 }
-constexpr double kTieBand = 1e-2;
 
 // --cpu-moe: every routed expert tensor on the CPU, the rest (and the KV cache) on the device.
 SessionParams cpu_moe(const Model& m, Device* dev, int32_t n_ubatch) {

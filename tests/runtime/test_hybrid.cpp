@@ -38,6 +38,8 @@ namespace {
 
 using test::argmax;
 using test::greedy;
+using test::hard_mismatches;
+using test::kTieBand;
 using test::nmse;
 using test::Run;
 using test::same_bits;
@@ -103,21 +105,6 @@ Run greedy(const Model& m, const std::vector<int32_t>& prompt, int n, Device* de
   return r;
 }
 
-/// Steps where the tokens differ although the reference's top two logits are further apart
-/// than `band` (a difference inside the band is a tie the KV cache's f16 rounding may flip;
-/// after the first such step the sequences may diverge and are not compared further).
-int hard_mismatches(const Run& got, const Run& ref, double band) {
-  int bad = 0;
-  for (size_t s = 0; s < ref.tokens.size(); ++s) {
-    if (got.tokens[s] == ref.tokens[s]) continue;
-    std::vector<float> l = ref.logits[s];
-    std::partial_sort(l.begin(), l.begin() + 2, l.end(), std::greater<float>());
-    if (l[0] - l[1] > band) ++bad;
-    break;
-  }
-  return bad;
-}
-
 // NMSE between a placement's logits and the CPU-only run's. f32: the device keeps K and V in f16
 // (relative rounding 2^-11), which moves f32 logits by about that much relative (measured:
 // <= 7e-8 on the simulated device, <= 5.6e-7 on the H200). Quantized weights: on the simulated
@@ -133,8 +120,6 @@ double placement_nmse(const std::string& type) {
   if (type == "f32") return 1e-6;
   return use_cuda() ? kQuantOracleBand : 1e-4;
 }
-// Top-2 logit gap under which an f16 KV cache may flip a greedy choice.
-constexpr double kTieBand = 1e-2;
 
 }  // namespace
 

@@ -32,6 +32,8 @@ using placement::Home;
 namespace {
 
 using test::greedy;
+using test::hard_mismatches;
+using test::kTieBand;
 using test::nmse;
 using test::Run;
 using test::same_bits;
@@ -61,17 +63,6 @@ std::string moe_file(const std::string& type, double skew) {
 double placement_nmse(const std::string& type) {
   if (type == "f32") return use_cuda() ? 1e-5 : 1e-6;
   return use_cuda() ? 5e-3 : 1e-4;
-}
-constexpr double kTieBand = 1e-2;
-
-int hard_mismatches(const Run& got, const Run& ref, double band) {
-  for (size_t s = 0; s < ref.tokens.size(); ++s) {
-    if (got.tokens[s] == ref.tokens[s]) continue;
-    std::vector<float> l = ref.logits[s];
-    std::partial_sort(l.begin(), l.begin() + 2, l.end(), std::greater<float>());
-    return l[0] - l[1] > band ? 1 : 0;
-  }
-  return 0;
 }
 
 std::vector<int32_t> prompt_of(int n) {

@@ -58,7 +58,9 @@ inline uint16_t f32_to_fp16(float f) {
   return static_cast<uint16_t>(sign | r);
 }
 
-inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_f32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);

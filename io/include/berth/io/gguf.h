@@ -43,35 +43,35 @@ std::string_view value_type_name(ValueType t);
 
 /// Exactly what is wrong with a file. Tests assert these; the message says it in words.
 enum class Errc {
-  open_failed,            ///< the file cannot be opened, stat'ed or mapped (category io)
-  empty_file,             ///< zero bytes
-  bad_magic,              ///< the first four bytes are not "GGUF"
-  big_endian,             ///< version field byte-swapped: a big-endian GGUF file
-  bad_version,            ///< version 0, 1 or above 3
-  truncated,              ///< a field or string runs past the end of the file
-  too_many_tensors,       ///< tensor_count larger than the file could hold
-  too_many_kvs,           ///< metadata_kv_count larger than the file could hold
-  string_too_long,        ///< a string length runs past the end of the file
-  array_too_long,         ///< an array length runs past the end of the file
-  empty_key,              ///< a metadata key of length 0
-  duplicate_key,          ///< the same metadata key twice
-  unknown_value_type,     ///< a metadata value type id outside 0..12
-  nested_array,           ///< an array of arrays
-  bad_alignment,          ///< general.alignment zero, not a power of two, or not uint32
-  tensor_name_too_long,   ///< a tensor name of 64 bytes or more
-  empty_tensor_name,      ///< a tensor name of length 0
-  duplicate_tensor,       ///< the same tensor name twice
-  too_many_dims,          ///< n_dims > 4
-  bad_dims,               ///< a negative dimension (as int64) or an overflowing element count
-  unknown_tensor_type,    ///< a type id ggml does not define
-  bad_row_length,         ///< ne[0] not a multiple of the type's block size
-  misaligned_tensor,      ///< offset not a multiple of general.alignment
-  overlapping_tensors,    ///< two tensors' byte ranges overlap
-  tensor_out_of_bounds,   ///< a tensor's bytes run past the end of the file (truncated download)
-                          ///< or its byte count overflows uint64
-  missing_key,            ///< a required key is absent (category missing)
-  wrong_type,             ///< a key has another type than the caller needs
-  missing_tensor,         ///< a required tensor is absent (category missing)
+  open_failed,           ///< the file cannot be opened, stat'ed or mapped (category io)
+  empty_file,            ///< zero bytes
+  bad_magic,             ///< the first four bytes are not "GGUF"
+  big_endian,            ///< version field byte-swapped: a big-endian GGUF file
+  bad_version,           ///< version 0, 1 or above 3
+  truncated,             ///< a field or string runs past the end of the file
+  too_many_tensors,      ///< tensor_count larger than the file could hold
+  too_many_kvs,          ///< metadata_kv_count larger than the file could hold
+  string_too_long,       ///< a string length runs past the end of the file
+  array_too_long,        ///< an array length runs past the end of the file
+  empty_key,             ///< a metadata key of length 0
+  duplicate_key,         ///< the same metadata key twice
+  unknown_value_type,    ///< a metadata value type id outside 0..12
+  nested_array,          ///< an array of arrays
+  bad_alignment,         ///< general.alignment zero, not a power of two, or not uint32
+  tensor_name_too_long,  ///< a tensor name of 64 bytes or more
+  empty_tensor_name,     ///< a tensor name of length 0
+  duplicate_tensor,      ///< the same tensor name twice
+  too_many_dims,         ///< n_dims > 4
+  bad_dims,              ///< a negative dimension (as int64) or an overflowing element count
+  unknown_tensor_type,   ///< a type id ggml does not define
+  bad_row_length,        ///< ne[0] not a multiple of the type's block size
+  misaligned_tensor,     ///< offset not a multiple of general.alignment
+  overlapping_tensors,   ///< two tensors' byte ranges overlap
+  tensor_out_of_bounds,  ///< a tensor's bytes run past the end of the file (truncated download)
+                         ///< or its byte count overflows uint64
+  missing_key,           ///< a required key is absent (category missing)
+  wrong_type,            ///< a key has another type than the caller needs
+  missing_tensor,        ///< a required tensor is absent (category missing)
 };
 
 std::string_view errc_name(Errc e);
@@ -119,11 +119,11 @@ struct KeyValue {
 struct TensorInfo {
   std::string name;
   GgmlType type = GgmlType::F32;
-  uint32_t n_dims = 0;  ///< 0..4 as stored; 0 is a scalar (one element)
+  uint32_t n_dims = 0;                    ///< 0..4 as stored; 0 is a scalar (one element)
   std::array<int64_t, 4> ne{1, 1, 1, 1};  ///< ne[0] contiguous; unused axes are 1
-  uint64_t offset = 0;   ///< relative to the data section, as stored
-  uint64_t n_bytes = 0;  ///< bytes its type and shape need
-  const uint8_t* data = nullptr;  ///< points into the file's bytes
+  uint64_t offset = 0;                    ///< relative to the data section, as stored
+  uint64_t n_bytes = 0;                   ///< bytes its type and shape need
+  const uint8_t* data = nullptr;          ///< points into the file's bytes
 
   int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
   TensorView view() const;
@@ -156,7 +156,7 @@ class File {
 
   const std::string& path() const;
   uint32_t version() const;
-  uint64_t alignment() const;    ///< general.alignment or 32
+  uint64_t alignment() const;  ///< general.alignment or 32
   /// Absolute offset of the data section (end of the tensor infos rounded up to alignment()).
   /// May exceed file_size() only in a file without tensors.
   uint64_t data_offset() const;

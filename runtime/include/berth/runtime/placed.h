@@ -125,8 +125,8 @@ std::string auto_stream_off(const Model& model, const placement::Plan& plan, siz
 /// when params.device is null, e.g. "--host-expert-share 0.25 has no effect: no GPU holds any
 /// weight or KV cache", and the expert options (--stream-experts, --host-expert-share,
 /// --stream-split) when no stacked expert tensor of `model` has its home on the CPU;
-/// --stream-split also when nothing streams or the session has several sequences. `handoff_set`, `warm_set`: the
-/// hand-off or --warm-workers was given by the user.
+/// --stream-split also when nothing streams or the session has several sequences. `handoff_set`,
+/// `warm_set`: the hand-off or --warm-workers was given by the user.
 std::vector<std::string> device_option_notes(const Model& model, const SessionParams& params,
                                              bool handoff_set, bool warm_set = false);
 

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "berth/core/types.h"
 #include "berth/backends/thread_pool.h"
+#include "berth/core/types.h"
 
 namespace berth {
 
