@@ -544,7 +544,7 @@ void Scheduler::enqueue_step(Step& st) {
     const int32_t li = op < st.split_of.size() ? st.split_of[op] : -1;
     if (li >= 0) {
       const SplitLayer& L = split_[static_cast<size_t>(li)];
-      split_stats_.bytes_streamed += static_cast<int64_t>(res_->stream_in_experts(
+      split_pending_.bytes_streamed += static_cast<int64_t>(res_->stream_in_experts(
           kCopy, p.gate, p.up, p.down, static_cast<int>(j % 2),
           std::span<const int32_t>(L.host_table, static_cast<size_t>(L.n_expert))));
     } else {
@@ -732,7 +732,16 @@ Scheduler::Step& Scheduler::step(const graph::Graph& g, std::span<const int32_t>
   last_step_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   last_cpu_s_ = st.cpu_seconds;
   if (st.error) std::rethrow_exception(st.error);
-  if (!st.split_layers.empty()) split_after(st);
+  if (!st.split_layers.empty()) {
+    // The step succeeded: its split counts join the totals.
+    split_stats_.layer_steps += split_pending_.layer_steps;
+    split_stats_.experts_streamed += split_pending_.experts_streamed;
+    split_stats_.experts_cpu += split_pending_.experts_cpu;
+    split_stats_.bytes_whole += split_pending_.bytes_whole;
+    split_stats_.bytes_streamed += split_pending_.bytes_streamed;
+    split_pending_ = {};
+    split_after(st);
+  }
   if (!st.seat.empty() && !skip_cpu_) {
     // The streamed layers' routes, for their expert slots' next boundary.
     ExpertSlots* xs = res_->expert_slots();
@@ -810,6 +819,7 @@ void Scheduler::measure_stream_rates(const Step& st) {
 
 void Scheduler::split_before(Step& st) {
   if (!rates_measured_) measure_stream_rates(st);
+  split_pending_ = {};  // a step that threw left its counts here; they are dropped
   for (int32_t li : st.split_layers) {
     SplitLayer& L = split_[static_cast<size_t>(li)];
     L.log.clear();
@@ -818,10 +828,10 @@ void Scheduler::split_before(Step& st) {
     int32_t slot = 0;
     for (int32_t e = 0; e < L.n_expert; ++e)
       L.host_table[e] = on_cpu[static_cast<size_t>(e)] ? -1 : slot++;
-    ++split_stats_.layer_steps;
-    split_stats_.experts_streamed += slot;
-    split_stats_.experts_cpu += L.n_expert - slot;
-    split_stats_.bytes_whole += static_cast<int64_t>(L.cost.bytes * L.n_expert);
+    ++split_pending_.layer_steps;
+    split_pending_.experts_streamed += slot;
+    split_pending_.experts_cpu += L.n_expert - slot;
+    split_pending_.bytes_whole += static_cast<int64_t>(L.cost.bytes * L.n_expert);
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -249,4 +250,49 @@ TEST_CASE(
   (void)greedy(s, prompt_of(32), 2);
   CHECK(s.scheduler().streamed_ops() > 0);
   CHECK(s.scheduler().stream_split_stats().layer_steps == 0);
+}
+
+TEST_CASE("stream split: a step that throws adds nothing to the split's counts") {
+  // The routing hook throws on the second prefill step, after that step chose its split (the
+  // tables and counts of a split are made before the step's routes are forced): the counts must
+  // hold the first step's layers only.
+  gguf::File file = gguf::File::open(moe_file("q8_0", 1.0));
+  auto model = load_model(file);
+  const int32_t n_layer = static_cast<int32_t>(model->hparams().n_layer);
+  auto dev = test::test_device();
+  SessionParams sp;
+  sp.n_threads = 2;
+  sp.n_ctx = 256;
+  sp.n_ubatch = 16;
+  sp.device = dev.get();
+  for (size_t i = 0; i < model->weights().size(); ++i)
+    sp.weight_home.push_back(model->weights().role(static_cast<graph::WeightId>(i)) ==
+                                     graph::WeightRole::routed_expert
+                                 ? Home::cpu
+                                 : Home::gpu);
+  sp.kv_home.assign(static_cast<size_t>(n_layer), Home::gpu);
+  sp.hybrid.stream_experts_min_tokens = 8;
+  bool on = false;
+  sp.hybrid.stream_rates = parse_stream_split("pcie=10,dram=10,cpu=2", on);
+  sp.hybrid.stream_split = on;
+  Session s(*model, sp);
+  int calls = 0;
+  Scheduler::RoutingHooks hooks;
+  hooks.force = [&](const graph::Graph& g, int32_t* ids) {
+    if (++calls == 2) throw std::runtime_error("routing hook: the second step fails");
+    for (int32_t r = 0; r < n_layer; ++r)
+      for (int32_t t = 0; t < g.n_tokens; ++t)
+        for (int32_t j = 0; j < kUsed; ++j)
+          ids[(static_cast<int64_t>(r) * g.n_tokens + t) * kUsed + j] = (t + 5 * j) % kExperts;
+  };
+  s.scheduler().set_routing(n_layer, kUsed, std::move(hooks));
+  const std::vector<int32_t> prompt = prompt_of(48);  // three ubatches of 16
+  CHECK_THROWS(s.eval(prompt));
+  CHECK(calls == 2);
+  const Scheduler::StreamSplitStats& st = s.scheduler().stream_split_stats();
+  CHECK(st.layer_steps == n_layer);
+  CHECK(st.experts_cpu + st.experts_streamed == n_layer * kExperts);
+  CHECK(st.bytes_whole ==
+        static_cast<int64_t>(static_cast<double>(n_layer * kExperts) * expert_bytes(*model)));
+  CHECK(st.calls == n_layer * 16 * kUsed);
 }

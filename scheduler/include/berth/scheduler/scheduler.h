@@ -288,6 +288,7 @@ class Scheduler {
   bool rates_measured_ = false;
   double cpu_scale_ = 1.0;
   StreamSplitStats split_stats_;
+  StreamSplitStats split_pending_;  // the running step's, added to split_stats_ once it succeeds
   int64_t n_warm_spins_ = 0;  // written by serve_segments (a step's server thread), read after
 };
 
