@@ -27,6 +27,31 @@
     }                                                \
   } while (0)
 
+// Median over 5 rounds of the time per call of launch(i) (200 calls a round, after 20 warm-up
+// calls), in ms.
+template <typename F>
+float median_ms(F launch) {
+  for (int i = 0; i < 20; ++i) launch(i);
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> all;
+  for (int rep = 0; rep < 5; ++rep) {
+    cudaEventRecord(e0);
+    for (int i = 0; i < 200; ++i) launch(i);
+    cudaEventRecord(e1);
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    all.push_back(ms / 200);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(all.begin(), all.end());
+  return all[2];
+}
+
 struct Raw {
   uint4 hd, v0, v1;
 };
@@ -254,28 +279,10 @@ void run_async(const char* name, std::vector<uint8_t*>& ws, size_t row_bytes, in
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kq_gemv_async<R, S>, 128, smem));
   cudaFuncAttributes fa;
   CK(cudaFuncGetAttributes(&fa, kq_gemv_async<R, S>));
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  for (int i = 0; i < 20; ++i)
+  const float med = median_ms([&](int i) {
     kq_gemv_async<R, S>
         <<<blocks, 128, smem>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm, out, lpr, sets);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> all;
-  for (int rep = 0; rep < 5; ++rep) {
-    const int nn = 200;
-    cudaEventRecord(e0);
-    for (int i = 0; i < nn; ++i)
-      kq_gemv_async<R, S><<<blocks, 128, smem>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm,
-                                                 out, lpr, sets);
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    all.push_back(ms / nn);
-  }
-  std::sort(all.begin(), all.end());
-  const float med = all[2];
+  });
   printf(
       "%-8s %5dx%-6d lpr %2d R %d S %d async   regs %3d occ %2d blocks %6ld: %7.2f us %6.0f GB/s\n",
       name, n_in, n_out, lpr, R, S, fa.numRegs, occ, (long)blocks, med * 1e3,
@@ -394,28 +401,10 @@ void run_stage(const char* name, std::vector<uint8_t*>& ws, size_t row_bytes, in
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kq_stage<R, ASYNC>, 128, smem));
   cudaFuncAttributes fa;
   CK(cudaFuncGetAttributes(&fa, kq_stage<R, ASYNC>));
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  for (int i = 0; i < 20; ++i)
+  const float med = median_ms([&](int i) {
     kq_stage<R, ASYNC>
         <<<blocks, 128, smem>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm, out, lpr);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> all;
-  for (int rep = 0; rep < 5; ++rep) {
-    const int nn = 200;
-    cudaEventRecord(e0);
-    for (int i = 0; i < nn; ++i)
-      kq_stage<R, ASYNC>
-          <<<blocks, 128, smem>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm, out, lpr);
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    all.push_back(ms / nn);
-  }
-  std::sort(all.begin(), all.end());
-  const float med = all[2];
+  });
   printf(
       "%-8s %5dx%-6d lpr %2d R %d stage %s regs %3d occ %2d blocks %6ld smem %6d: %7.2f us %6.0f "
       "GB/s\n",
@@ -483,29 +472,10 @@ void run(const char* name, std::vector<uint8_t*>& ws, size_t row_bytes, int n_in
     printf("ncu %s R %d P %d PF %d lpr %d %s\n", name, R, P, PF, lpr, persist ? "persist" : "grid");
     return;
   }
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  for (int i = 0; i < 20; ++i)
+  const float med = median_ms([&](int i) {
     kq_gemv<R, P, PF, MINB>
         <<<blocks, 128>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm, out, lpr, sets);
-  CK(cudaDeviceSynchronize());
-  float best = 1e9;
-  std::vector<float> all;
-  for (int rep = 0; rep < 5; ++rep) {
-    const int n = 200;
-    cudaEventRecord(e0);
-    for (int i = 0; i < n; ++i)
-      kq_gemv<R, P, PF, MINB>
-          <<<blocks, 128>>>(ws[i % ws.size()], row_bytes, n_in, n_out, xq, xm, out, lpr, sets);
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    all.push_back(ms / n);
-  }
-  std::sort(all.begin(), all.end());
-  const float med = all[2];
+  });
   printf(
       "%-8s %5dx%-6d lpr %2d R %d P %d PF %d MINB %2d %s regs %3d occ %2d blocks %6ld: %7.2f us "
       "%6.0f "
@@ -577,23 +547,11 @@ int main(int argc, char** argv) {
       int sms = 0;
       CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
       for (int bpsm : {16}) {
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        std::vector<float> all;
-        for (int rep = 0; rep < 5; ++rep) {
-          cudaEventRecord(e0);
-          for (int i = 0; i < 200; ++i)
-            read_ref<<<sms * bpsm, 256>>>((const uint4*)ws[i % ws.size()], wb / 16, out);
-          cudaEventRecord(e1);
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          cudaEventElapsedTime(&ms, e0, e1);
-          all.push_back(ms / 200);
-        }
-        std::sort(all.begin(), all.end());
-        printf("%-8s read_ref %d blocks/SM x 256: %7.2f us %6.0f GB/s\n", s.name, bpsm,
-               all[2] * 1e3, wb / (all[2] * 1e-3) / 1e9);
+        const float med = median_ms([&](int i) {
+          read_ref<<<sms * bpsm, 256>>>((const uint4*)ws[i % ws.size()], wb / 16, out);
+        });
+        printf("%-8s read_ref %d blocks/SM x 256: %7.2f us %6.0f GB/s\n", s.name, bpsm, med * 1e3,
+               wb / (med * 1e-3) / 1e9);
       }
     }
     // berth today: R 2 if >= 512 blocks of 2-row sets, P 0, grid.

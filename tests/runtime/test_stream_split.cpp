@@ -80,26 +80,36 @@ struct Result {
   int64_t streamed_ops = 0;
 };
 
-// --cpu-moe with prefill ubatches of 16 streaming (48 prompt tokens: 3 ubatches), then `n` decode
-// steps. `rates` empty: no split.
-Result run(const Model& m, Device* dev, const std::string& rates, int n = 8) {
+// A session's parameters for the split: routed experts on the CPU (pinned, streamed from 8
+// tokens), everything else on `dev`, the KV cache at kv; ubatches of 16, 2 threads.
+SessionParams split_params(const Model& m, Device* dev, Home kv) {
   SessionParams sp;
   sp.n_threads = 2;
-  sp.n_ctx = 256;
   sp.n_ubatch = 16;
+  sp.device = dev;
+  for (size_t i = 0; i < m.weights().size(); ++i)
+    sp.weight_home.push_back(m.weights().role(static_cast<graph::WeightId>(i)) ==
+                                     graph::WeightRole::routed_expert
+                                 ? Home::cpu
+                                 : Home::gpu);
+  sp.kv_home.assign(static_cast<size_t>(m.hparams().n_layer), kv);
+  sp.hybrid.stream_experts_min_tokens = 8;
+  return sp;
+}
+
+// --cpu-moe with prefill ubatches of 16 streaming (48 prompt tokens: 3 ubatches), then `n` decode
+// steps. `rates` empty: no split. No device: the CPU-only reference.
+Result run(const Model& m, Device* dev, const std::string& rates, int n = 8) {
+  SessionParams sp;
   if (dev) {
-    sp.device = dev;
-    for (size_t i = 0; i < m.weights().size(); ++i)
-      sp.weight_home.push_back(m.weights().role(static_cast<graph::WeightId>(i)) ==
-                                       graph::WeightRole::routed_expert
-                                   ? Home::cpu
-                                   : Home::gpu);
-    sp.kv_home.assign(static_cast<size_t>(m.hparams().n_layer), Home::gpu);
-    sp.hybrid.stream_experts_min_tokens = 8;
+    sp = split_params(m, dev, Home::gpu);
     bool on = false;
     sp.hybrid.stream_rates = parse_stream_split(rates.empty() ? "off" : rates, on);
     sp.hybrid.stream_split = on;
   }
+  sp.n_threads = 2;
+  sp.n_ubatch = 16;
+  sp.n_ctx = 256;
   Session s(m, sp);
   Result r;
   r.run = greedy(s, prompt_of(48), n);
@@ -231,19 +241,9 @@ TEST_CASE(
   gguf::File file = gguf::File::open(moe_file("q8_0", 1.0));
   auto model = load_model(file);
   auto dev = test::test_device();
-  SessionParams sp;
-  sp.n_threads = 2;
+  SessionParams sp = split_params(*model, dev.get(), Home::cpu);
   sp.n_ctx = 128;
   sp.n_seq = 2;
-  sp.n_ubatch = 16;
-  sp.device = dev.get();
-  for (size_t i = 0; i < model->weights().size(); ++i)
-    sp.weight_home.push_back(model->weights().role(static_cast<graph::WeightId>(i)) ==
-                                     graph::WeightRole::routed_expert
-                                 ? Home::cpu
-                                 : Home::gpu);
-  sp.kv_home.assign(static_cast<size_t>(model->hparams().n_layer), Home::cpu);
-  sp.hybrid.stream_experts_min_tokens = 8;
   sp.hybrid.stream_split = true;
   sp.hybrid.stream_rates = StreamRates{.pcie_gbps = 10, .dram_gbps = 10, .cpu_gflops = 2};
   Session s(*model, sp);
@@ -260,18 +260,8 @@ TEST_CASE("stream split: a step that throws adds nothing to the split's counts")
   auto model = load_model(file);
   const int32_t n_layer = static_cast<int32_t>(model->hparams().n_layer);
   auto dev = test::test_device();
-  SessionParams sp;
-  sp.n_threads = 2;
+  SessionParams sp = split_params(*model, dev.get(), Home::gpu);
   sp.n_ctx = 256;
-  sp.n_ubatch = 16;
-  sp.device = dev.get();
-  for (size_t i = 0; i < model->weights().size(); ++i)
-    sp.weight_home.push_back(model->weights().role(static_cast<graph::WeightId>(i)) ==
-                                     graph::WeightRole::routed_expert
-                                 ? Home::cpu
-                                 : Home::gpu);
-  sp.kv_home.assign(static_cast<size_t>(n_layer), Home::gpu);
-  sp.hybrid.stream_experts_min_tokens = 8;
   bool on = false;
   sp.hybrid.stream_rates = parse_stream_split("pcie=10,dram=10,cpu=2", on);
   sp.hybrid.stream_split = on;
