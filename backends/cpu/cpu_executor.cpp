@@ -13,6 +13,7 @@
 #include "berth/cpu_kernels/gdn.h"
 #include "berth/cpu_kernels/ops.h"
 #include "berth/cpu_kernels/quant_dot.h"
+#include "berth/graph/arena.h"
 
 namespace berth {
 
@@ -66,13 +67,16 @@ std::span<const float> CpuExecutor::run(const graph::Graph& g, std::span<const i
                                         std::span<const int32_t> seqs) {
   check_ubatch(g, tokens, positions, seqs);
   ++run_count_;
-  if (owned_.size() < g.values.size()) owned_.resize(g.values.size());
+  // One arena: a value's bytes are reused once its last reader has run (graph::step_arena).
+  const std::vector<graph::ValueId> keep = graph::kept_after_step(g);
+  const size_t bytes = graph::step_arena(g, keep, offsets_);
+  if (arena_.size() * sizeof(float) < bytes) arena_.resize(bytes / sizeof(float));
   ptrs_.resize(g.values.size());
-  for (size_t i = 0; i < g.values.size(); ++i) {
-    const size_t n = static_cast<size_t>(g.values[i].rows * g.values[i].cols);
-    if (owned_[i].size() < n) owned_[i].resize(n);
-    ptrs_[i] = owned_[i].data();
-  }
+  readable_.assign(g.values.size(), 0);
+  for (size_t i = 0; i < g.values.size(); ++i)
+    ptrs_[i] = arena_.data() + offsets_[i] / sizeof(float);
+  if (g.output >= 0) readable_[static_cast<size_t>(g.output)] = 1;
+  for (graph::ValueId v : keep) readable_[static_cast<size_t>(v)] = 1;
   pool_.execute([&] { run_ops(g, {}, tokens, positions, seqs); });
   const graph::ValueInfo& out = g.values[static_cast<size_t>(g.output)];
   return {buf(g.output), static_cast<size_t>(out.rows * out.cols)};
@@ -100,6 +104,7 @@ void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> 
     throw Error(ErrorCategory::internal, "begin_external: one pointer per value expected");
   ++run_count_;
   ptrs_.assign(value_ptrs.begin(), value_ptrs.end());
+  readable_.assign(g.values.size(), 1);
 }
 
 void CpuExecutor::run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,
@@ -145,6 +150,11 @@ std::span<const float> CpuExecutor::value(const graph::Graph& g, graph::ValueId 
   if (v < 0 || static_cast<size_t>(v) >= g.values.size() ||
       static_cast<size_t>(v) >= ptrs_.size() || ptrs_[static_cast<size_t>(v)] == nullptr)
     throw Error(ErrorCategory::invalid_argument, fmt::format("no value {} in the last run", v));
+  if (static_cast<size_t>(v) >= readable_.size() || !readable_[static_cast<size_t>(v)])
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("value {} ({}) of the last run was not kept: run() keeps the output "
+                            "and each moe_route output; the bytes of other values are reused",
+                            v, g.values[static_cast<size_t>(v)].name));
   const graph::ValueInfo& vi = g.values[static_cast<size_t>(v)];
   return {ptrs_[static_cast<size_t>(v)], static_cast<size_t>(vi.rows * vi.cols)};
 }

@@ -21,6 +21,7 @@ struct PlanOptions {
   std::string model;
   int64_t n_ctx = 0;
   int32_t n_ubatch = kRunUbatch;  // as run
+  bool n_ubatch_auto = true;      // -ub not given (as run: place() may lower it)
   placement::Flags flags;
   int32_t stream_min = kStreamExpertsAuto;
   double host_expert_share = 0;
@@ -38,6 +39,7 @@ int plan(const PlanOptions& o) {
   SessionParams sp;
   sp.n_ctx = o.n_ctx;
   sp.n_ubatch = o.n_ubatch;
+  sp.n_ubatch_auto = o.n_ubatch_auto;
   sp.hybrid.stream_experts_min_tokens = o.stream_min;
   sp.hybrid.host_expert_share = o.host_expert_share;
   sp.hybrid.warm_workers_us = o.warm_workers_us;
@@ -54,7 +56,7 @@ int plan(const PlanOptions& o) {
         "the CPU's KV cache ({:.1f} MiB) is more than this machine's {:.1f} MiB of memory: run "
         "refuses it (lower -c)",
         static_cast<double>(p.cpu_kv_bytes) / (1 << 20), static_cast<double>(phys) / (1 << 20)));
-  p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, o.n_ubatch);
+  p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, sp.n_ubatch);
   if (!o.ops)
     return write_stdout(o.json ? placement::plan_json(setup.request, p)
                                : placement::plan_table(setup.request, p, o.tensors)),
@@ -95,7 +97,8 @@ Runner add_plan(CLI::App& app) {
       ->check(range(int64_t{0}, int64_t{1} << 24));
   sub->add_option("--ubatch-size", o->n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
-      ->check(range(1, 1 << 16));
+      ->check(range(1, 1 << 16))
+      ->each([o](const std::string&) { o->n_ubatch_auto = false; });
   add_placement_flags(*sub, o->flags);
   add_stream_experts(*sub, o->stream_min);
   add_host_expert_share(*sub, o->host_expert_share);

@@ -285,9 +285,11 @@ Runner add_run(CLI::App& app) {
       ->capture_default_str()
       ->check(range(int64_t{0}, int64_t{1} << 24));
   o->session.n_ubatch = kRunUbatch;
+  o->session.n_ubatch_auto = true;
   sub->add_option("--ubatch-size", o->session.n_ubatch, "tokens per prefill step (-ub)")
       ->capture_default_str()
-      ->check(range(1, 1 << 16));
+      ->check(range(1, 1 << 16))
+      ->each([o](const std::string&) { o->session.n_ubatch_auto = false; });
   add_placement_flags(*sub, o->placement);
   add_stream_experts(*sub, o->stream_min);
   add_stream_split(*sub, o->stream_split);

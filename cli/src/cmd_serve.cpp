@@ -233,10 +233,12 @@ void add_serve_flags(CLI::App* sub, ServeOptions& o) {
          "uses)")
       ->capture_default_str()
       ->check(range(int64_t{0}, int64_t{1} << 24));
+  o.session.n_ubatch_auto = true;
   sub->add_option("--ubatch-size", o.session.n_ubatch,
                   "-ub: tokens per step (decode tokens of the busy slots plus prompt chunks)")
       ->capture_default_str()
-      ->check(range(1, 1 << 16));
+      ->check(range(1, 1 << 16))
+      ->each([&o](const std::string&) { o.session.n_ubatch_auto = false; });
   sub->add_option("-t,--threads", o.session.n_threads, "CPU threads (0: all physical cores)")
       ->capture_default_str()
       ->check(range(0, 4096));

@@ -12,9 +12,6 @@
 
 namespace berth::placement {
 
-/// MiB with one decimal; below 1 MiB in KiB or bytes, so a small budget never reads "0.0 MiB".
-std::string mib(size_t bytes);
-
 /// Bytes of layer l's recurrent state (Request::state_bytes; 0 without one).
 inline size_t layer_state(const Request& req, size_t l) {
   return l < req.state_bytes.size() ? req.state_bytes[l] : 0;

@@ -15,6 +15,7 @@
 #include "berth/backends/thread_pool.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
+#include "berth/graph/arena.h"
 #include "berth/residency/residency.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/scheduler/scheduler.h"
@@ -64,12 +65,38 @@ bool unified_spec(std::string_view spec) {
   return true;
 }
 
+// The memory of the simulated discrete device BERTH_SIM_DEVICE=SIZE names; Error(usage) when
+// malformed or 0 (KEY=VALUE settings belong to a unified board: "unified:SIZE,KEY=VALUE").
+size_t sim_device_size(const std::string& spec) {
+  return sim_usage([&] {
+    if (spec.find_first_of(",=") != std::string::npos)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("BERTH_SIM_DEVICE={}: KEY=VALUE settings are for a simulated "
+                              "unified board (unified:SIZE[,KEY=VALUE...]); a discrete device "
+                              "takes a size alone",
+                              spec));
+    const size_t size = placement::parse_size(spec, "BERTH_SIM_DEVICE");
+    // As unified:0: a device of no memory is a mistake, not a way to say "none".
+    if (size == 0)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("BERTH_SIM_DEVICE={}: a simulated device's memory must be more "
+                              "than 0 (unset BERTH_SIM_DEVICE for no device)",
+                              spec));
+    return size;
+  });
+}
+
 // The simulated unified board BERTH_SIM_DEVICE=unified:... names, if any; Error(usage) when
-// malformed.
+// BERTH_SIM_DEVICE is malformed (a discrete device's size too: run and serve with -ngl 0 open no
+// device, and a bad value is still an error there).
 std::optional<SimDeviceOptions> sim_board() {
   const char* sim = std::getenv("BERTH_SIM_DEVICE");
-  if (!sim || !unified_spec(sim)) return std::nullopt;
+  if (!sim || !*sim) return std::nullopt;
   const std::string spec(sim);
+  if (!unified_spec(spec)) {
+    sim_device_size(spec);
+    return std::nullopt;
+  }
   return sim_usage([&] { return parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec); });
 }
 
@@ -215,17 +242,9 @@ std::unique_ptr<Device> default_device() {
   // suites run the same on a GPU machine).
   if (const char* sim = std::getenv("BERTH_SIM_DEVICE"); sim && *sim) {
     const std::string spec(sim);
-    return sim_usage([&]() -> std::unique_ptr<Device> {
-      if (unified_spec(spec))
-        return make_sim_device(parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec));
-      const size_t size = placement::parse_size(spec, "BERTH_SIM_DEVICE");
-      // As unified:0: a device of no memory is a mistake, not a way to say "none".
-      if (size == 0)
-        throw Error(ErrorCategory::invalid_argument,
-                    fmt::format("BERTH_SIM_DEVICE={}: a simulated device's memory must be more "
-                                "than 0 (unset BERTH_SIM_DEVICE for no device)",
-                                spec));
-      return make_sim_device(size);
+    if (!unified_spec(spec)) return make_sim_device(sim_device_size(spec));
+    return sim_usage([&] {
+      return make_sim_device(parse_unified_sim(spec.substr(8), "BERTH_SIM_DEVICE=" + spec));
     });
   }
   if (cuda_available()) return make_cuda_device(0);
@@ -457,6 +476,27 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 
 namespace {
 
+// Host bytes of the f32 activations CpuExecutor allocates when `s.plan` puts nothing on the GPU:
+// its arena (graph::step_arena), as large as the larger step's: a ubatch of min(-ub, context)
+// tokens, or one token. 0 with anything on the GPU: the Scheduler's host and page-locked
+// buffers (one per value that the CPU touches, per step shape) are not counted yet.
+size_t cpu_activation_bytes(const Model& model, const PlacementSetup& s,
+                            const SessionParams& params) {
+  bool any_gpu = false;
+  for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
+  for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  if (any_gpu && s.device) return 0;
+  const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
+  const auto n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
+  size_t total = 0;
+  std::vector<size_t> offsets;
+  for (const int32_t n : {n_ub, int32_t{1}}) {
+    const graph::Graph g = model.build_step(n, 1);
+    total = std::max(total, graph::step_arena(g, graph::kept_after_step(g), offsets));
+  }
+  return total;
+}
+
 void place_into(PlacementSetup& s, const Model& model, const placement::Flags& flags,
                 SessionParams& params, bool progress_to_stderr, bool plan_only) {
   const bool wants_gpu = flags_want_gpu(flags);
@@ -482,7 +522,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
   const DeviceInfo dinfo = s.device ? s.device->info() : DeviceInfo{};
   const UnifiedPool up = unified_pool(s.device.get(), flags, has_device);
   const bool unified = up.unified;
-  const size_t os_available = up.os_available, pool = up.pool;
+  const size_t os_available = up.os_available;
+  size_t pool = up.pool;  // less the CPU's activations when they do not fit beside the plan
   if (unified) {
     unified_msgs.emplace_back(
         false,
@@ -502,9 +543,11 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
   }
   // --ram-budget: given (kNoRamBudget: none) or MemAvailable minus the margin (unified: the
   // pool, of which make_plan gives the CPU what the device's side leaves).
-  const size_t ram_budget = flags.ram_budget       ? *flags.ram_budget
-                            : unified || up.shared ? pool
-                                                   : default_ram_budget();
+  // Read when planning: the pool may be lowered below for the CPU's activations.
+  const size_t host_ram_budget = flags.ram_budget ? *flags.ram_budget : default_ram_budget();
+  const auto ram_budget = [&] {
+    return !flags.ram_budget && (unified || up.shared) ? pool : host_ram_budget;
+  };
   // --stream-experts auto plans with the streaming buffers' room, then keeps streaming only
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
   // the room otherwise).
@@ -532,7 +575,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         plan_request(model, rows, static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, rows)),
                      flags, device_name, unified ? pool : free_bytes, has_device, stream,
                      params.hybrid.host_expert_share, std::max(params.n_seq, 1));
-    s.request.ram_budget_bytes = ram_budget;
+    s.request.ram_budget_bytes = ram_budget();
     if (unified) {
       s.request.unified = true;
       s.request.pool_bytes = pool;
@@ -624,6 +667,113 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       info("--host-expert-share: off: the routed experts are on the disk tier");
     params.hybrid.host_expert_share = 0;
     make();
+  }
+  // One pool (unified memory, or a board's memory planned with copies) also holds the CPU's
+  // activations, which grow with -ub: when they do not fit beside the plan, plan again for the
+  // pool less them (the disk tier takes more experts), and refuse when that does not fit either.
+  if (unified || up.shared) {
+    const auto pool_use = [&] {
+      const placement::Plan& p = s.plan;
+      if (unified) return p.pool_total();
+      bool gpu = false;
+      for (placement::Home h : p.home) gpu = gpu || h == placement::Home::gpu;
+      for (placement::Home h : p.kv_home) gpu = gpu || h == placement::Home::gpu;
+      return (gpu ? p.gpu_total() : 0) + p.ram_total();
+    };
+    // What the plan holds, term by term (for a refusal).
+    const auto plan_terms = [&] {
+      const placement::Plan& p = s.plan;
+      std::string t = fmt::format("weights {} + KV cache {}",
+                                  placement::mib(p.gpu_weight_bytes + p.cpu_weight_bytes),
+                                  placement::mib(p.gpu_kv_bytes + p.cpu_kv_bytes));
+      if (p.ram_slot_bytes > 0)
+        t += fmt::format(" + RAM expert slots {}", placement::mib(p.ram_slot_bytes));
+      if (pool_use() > p.ram_total() + p.gpu_weight_bytes + p.gpu_kv_bytes)
+        t += fmt::format(
+            " + the GPU's scratch, margin and slots {}",
+            placement::mib(pool_use() - p.ram_total() - p.gpu_weight_bytes - p.gpu_kv_bytes));
+      return t;
+    };
+    // -ngl 0 opens no device: the board is BERTH_SIM_DEVICE's, or the real one asked once.
+    const std::string pool_name =
+        s.device ? fmt::format("{}'s pool", device_name) : std::string("the board's pool");
+    size_t act = cpu_activation_bytes(model, s, params);
+    int64_t n_ub = std::min<int64_t>(params.n_ubatch, n_ctx);
+    const auto act_text = [&] {
+      return fmt::format("the CPU's activations for a ubatch of {} token{} (-ub), {}", n_ub,
+                         n_ub == 1 ? "" : "s", placement::mib(act));
+    };
+    if (act > 0 && pool_use() + act > up.pool) {
+      // A remedy that works: the largest halved -ub whose activations fit beside this plan
+      // (a smaller -ub also shrinks the plan's own scratch).
+      const size_t base = pool_use();
+      const std::string base_terms = plan_terms();
+      int64_t fits_ub = 0;
+      for (int64_t u = n_ub / 2; u >= 1 && fits_ub == 0; u /= 2) {
+        SessionParams q = params;
+        q.n_ubatch = static_cast<int32_t>(u);
+        if (base + cpu_activation_bytes(model, s, q) <= up.pool) fits_ub = u;
+      }
+      const std::string remedy = fits_ub > 0
+                                     ? fmt::format("lower -ub: -ub {} fits", fits_ub)
+                                     : "lower -c, use a smaller quantization or a larger board";
+      if (params.n_ubatch_auto && fits_ub > 0) {
+        // -ub not given: lower it (halving) until the plan made for it and its activations fit
+        // the whole pool; the experts stay where the whole pool puts them.
+        const int64_t was = n_ub;
+        const size_t was_act = act;
+        for (int64_t u = n_ub / 2; u >= 1; u /= 2) {
+          params.n_ubatch = static_cast<int32_t>(u);
+          n_ub = u;
+          make();
+          find_gpu();
+          act = cpu_activation_bytes(model, s, params);
+          if (pool_use() + act <= up.pool) break;
+        }
+        if (pool_use() + act > up.pool)  // the plan for fits_ub fitted: not reached
+          throw Error(ErrorCategory::internal,
+                      "placement: no -ub fits the pool although one was found to");
+        const std::string lowered = fmt::format(
+            "-ub lowered from {} to {}: the CPU's activations for a ubatch of {} tokens, {}, do "
+            "not fit beside the plan in {} of {} (set -ub to choose; a larger one is "
+            "refused unless the disk tier can take more routed experts)",
+            was, n_ub, was, placement::mib(was_act), pool_name, placement::mib(up.pool));
+        if (plan_only)
+          s.plan.notes.push_back(lowered);
+        else
+          log::warn("{}", lowered);
+      } else {
+        if (act >= up.pool)
+          throw Error(ErrorCategory::out_of_memory,
+                      fmt::format("plan does not fit {} of {}: {} alone exceed it ({})", pool_name,
+                                  placement::mib(up.pool), act_text(), remedy));
+        pool = up.pool - act;
+        const auto refuse = [&] {
+          return Error(ErrorCategory::out_of_memory,
+                       fmt::format("plan does not fit {} of {}: the plan holds {} ({}), and {} "
+                                   "more; planning for the {} they leave does not fit either ({})",
+                                   pool_name, placement::mib(up.pool), placement::mib(base),
+                                   base_terms, act_text(), placement::mib(pool), remedy));
+        };
+        try {
+          make();
+        } catch (const Error& e) {
+          if (e.category() != ErrorCategory::out_of_memory) throw;
+          throw refuse();
+        }
+        find_gpu();
+        act = cpu_activation_bytes(model, s, params);
+        if (pool_use() + act > up.pool) throw refuse();
+        info(
+            fmt::format("{} do not fit beside the plan in the pool of {}: planned for the {} "
+                        "they leave",
+                        act_text(), placement::mib(up.pool), placement::mib(pool)));
+      }
+    }
+    if (act > 0)
+      s.plan.notes.push_back(fmt::format("{}, counted in the pool: {} of {}", act_text(),
+                                         placement::mib(pool_use() + act),
+                                         placement::mib(up.pool)));
   }
   // Expert slots (--residency adaptive): the plan's count, on its layers.
   ExpertSlotsOptions& xs = params.hybrid.expert_slots;

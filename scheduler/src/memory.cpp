@@ -10,43 +10,10 @@ using graph::ValueId;
 
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 size_t value_bytes(const graph::ValueInfo& v) { return static_cast<size_t>(v.rows * v.cols) * 4; }
 size_t round_up_mib(size_t bytes) { return (bytes + (size_t{1} << 20) - 1) >> 20 << 20; }
 
 }  // namespace
-
-size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_t>& birth,
-                      const std::vector<int64_t>& death, std::vector<size_t>& offsets) {
-  const size_t n = sizes.size();
-  std::vector<size_t> order;
-  for (size_t i = 0; i < n; ++i)
-    if (sizes[i] > 0) order.push_back(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return birth[a] < birth[b]; });
-  offsets.assign(n, 0);
-  struct Live {
-    size_t off, size;
-    int64_t death;
-  };
-  std::vector<Live> live;
-  size_t total = 0;
-  for (size_t i : order) {
-    std::erase_if(live, [&](const Live& l) { return l.death < birth[i]; });
-    std::sort(live.begin(), live.end(), [](const Live& a, const Live& b) { return a.off < b.off; });
-    const size_t need = align_up(sizes[i]);
-    size_t at = 0;
-    for (const Live& l : live) {
-      if (l.off >= at + need) break;
-      at = std::max(at, l.off + l.size);
-    }
-    offsets[i] = at;
-    live.push_back({at, need, death[i]});
-    total = std::max(total, at + need);
-  }
-  return total;
-}
 
 MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w,
                        std::span<const graph::ValueId> keep) {

@@ -263,9 +263,12 @@ TEST_CASE("unified: the simulated board's spec") {
 TEST_CASE("unified: a malformed BERTH_SIM_DEVICE is a usage error (exit 2) naming the value") {
   const std::string model = test::shell_quote(moe_file());
   // "0" as "unified:0": a device of no memory is a mistake (it planned for a GPU of 0 bytes).
-  for (const char* sim :
-       {"unified:8G,fast=1", "unified:lots", "unified:8G,available=9G", "lots", "0", "unified:0"})
-    for (const char* cmd : {" plan -m ", " run -p hi -n 1 -m "}) {
+  // -ngl 0 opens no device, but a malformed value is still an error there (it was ignored by
+  // run, serve and bench); KEY=VALUE settings without unified: are a mistake too.
+  for (const char* sim : {"unified:8G,fast=1", "unified:lots", "unified:8G,available=9G", "lots",
+                          "0", "unified:0", "8G,pageable=0"})
+    for (const char* cmd : {" plan -m ", " run -p hi -n 1 -m ", " run -ngl 0 -p hi -n 1 -m ",
+                            " bench model -ngl 0 -p 0 -n 1 -r 1 -m "}) {
       CAPTURE(sim);
       CAPTURE(cmd);
       const test::CommandResult r = test::run_command("BERTH_SIM_DEVICE=" + test::shell_quote(sim) +
@@ -852,6 +855,54 @@ TEST_CASE("unified: -ngl 0 on a unified board is bounded by the pool, in plan an
   CHECK(r.exit_code == 1);
   CHECK(has(r.err, "what must stay in RAM does not fit"));
   CHECK(has(r.err, "a pool of 1024.0 MiB"));
+}
+
+TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers them") {
+  // One wide llama layer with a 32000-token head, q4_0, 8192 tokens of context: at -ub 8192 the
+  // CPU's activations were 2.08 GB of RSS on a board whose plan said 234 MiB of a 276 MiB pool.
+  SynthSpec spec;
+  spec.arch = "llama";
+  spec.type = "q4_0";
+  spec.n_layer = 1;
+  spec.n_embd = 2048;
+  spec.n_head = 16;
+  spec.n_ff = 8192;
+  spec.n_vocab = 32000;
+  spec.n_ctx_train = 8192;
+  const std::string wide = sparse_file(spec, "wide-llama-q4_0.gguf");
+  check_plans(wide,
+              {{"unified:1300M",
+                " -ngl 0 -c 8192 -ub 8192",
+                1,
+                {"pool of 276.0 MiB", "the CPU's activations for a ubatch of 8192 tokens (-ub)",
+                 "alone exceed it", "-ub 256 fits"},
+                {}},
+               {"unified:1300M",
+                " -ngl 0 -c 8192 -ub 512",
+                1,
+                {"the plan holds 234.3 MiB (weights 106.3 MiB + KV cache 128.0 MiB)",
+                 "a ubatch of 512 tokens (-ub), 60.0 MiB more", "-ub 256 fits"},
+                {}},
+               // The remedy works.
+               {"unified:1300M",
+                " -ngl 0 -c 8192 -ub 256",
+                0,
+                {"a ubatch of 256 tokens (-ub), 30.0 MiB, counted in the pool: 264.3 MiB "
+                 "of 276.0 MiB"},
+                {"lowered"}},
+               // -ub not given: lowered to what fits, with a note.
+               {"unified:1300M",
+                " -ngl 0 -c 8192",
+                0,
+                {"-ub lowered from 2048 to 256", "ubatch 256"},
+                {}}});
+  // run refuses before loading, as plan does.
+  const test::CommandResult r = berth_with(
+      "unified:1300M", "run -ngl 0 -c 8192 -ub 8192 -p hi -n 1 -m " + test::shell_quote(wide));
+  CHECK(r.exit_code == 1);
+  CHECK(has(r.err, "alone exceed it"));
+  // A larger board holds them.
+  check_plans(wide, {{"unified:4G", " -ngl 0 -c 8192 -ub 8192", 0, {"counted in the pool"}, {}}});
 }
 
 TEST_CASE("unified: refusal hints name only remedies that work") {

@@ -131,8 +131,10 @@ class CpuExecutor {
     forced_tokens_ = n_tokens;
   }
 
-  /// Value `v` of the last run() of graph `g` ([rows, cols] row-major), e.g. a layer's routing
-  /// for tests. Throws Error(invalid_argument) for an id that graph does not have.
+  /// Value `v` of the last run() of graph `g` ([rows, cols] row-major): the output or a
+  /// layer's routing (a moe_route output; graph::kept_after_step); after begin_external, any
+  /// value. Throws Error(invalid_argument) for an id that graph does not have, or a value run()
+  /// did not keep (its bytes were reused by later ops: graph::step_arena).
   std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
 
   /// Op timing: when on, run() adds each op's wall time to its kind's total.
@@ -206,7 +208,9 @@ class CpuExecutor {
   ThreadPool& pool_;
   const graph::WeightTable& weights_;
   const KvView& kv_;
-  std::vector<std::vector<float>> owned_;    // value buffers of run(), kept between runs
+  std::vector<float> arena_;                 // run()'s values, by graph::step_arena; grows only
+  std::vector<size_t> offsets_;              // run()'s value offsets into arena_, bytes
+  std::vector<uint8_t> readable_;            // per value: value() may read it after the step
   std::vector<float*> ptrs_;                 // where each value of the current step lives
   std::vector<std::vector<float>> scratch_;  // one per worker
   std::vector<float> small_weight_;          // decoded norm weights

@@ -238,6 +238,10 @@ struct Plan {
   }
 };
 
+/// Bytes for messages: MiB with one decimal; below 1 MiB in KiB or bytes, so a small budget never
+/// reads "0.0 MiB".
+std::string mib(size_t bytes);
+
 /// Sizes such as 24G (core/strings.h).
 using berth::parse_size;
 
@@ -306,7 +310,8 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// computes, held once in host memory; else 0), "ram_bytes", "disk_bytes", "ram_budget_bytes"
 /// (null: none), "ram_slots"}, "unified": null or {"pool_bytes", "os_available_bytes",
 /// "pool_margin_bytes", "device_reported_free_bytes", "total_bytes" (Plan::pool_total),
-/// "weights_bytes" (held once), "gpu_computes_bytes", "cpu_computes_bytes"}}; "GPU" (with
+/// "weights_bytes" (held once: in the pool, or on the disk tier), "gpu_computes_bytes",
+/// "cpu_computes_bytes" (the disk tier's experts included)}}; "GPU" (with
 /// "slot_bytes") is absent when the request has no device. On unified memory "vram_bytes" is 0 (no
 /// weight is copied).
 std::string plan_json(const Request& req, const Plan& plan);

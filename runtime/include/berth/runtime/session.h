@@ -26,6 +26,9 @@ struct SessionParams {
   int32_t n_threads = 0;  ///< -t: workers; 0 = all physical cores
   int64_t n_ctx = 0;      ///< -c: context size in tokens; 0 = min(4096, the model's context_length)
   int32_t n_ubatch = 512;  ///< -ub: tokens per prefill step
+  /// -ub was not given (the CLI's default): place() may lower n_ubatch, with a note, where the
+  /// CPU's activations for it do not fit one pool (unified memory, --unified off) beside the plan.
+  bool n_ubatch_auto = false;
   /// Sequences the KV cache holds (-np), each of n_ctx positions. eval() and eval_argmax() use
   /// sequence 0; eval_step() any (the batching loop, runtime/batch.h).
   int32_t n_seq = 1;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "berth/backends/device.h"
+#include "berth/graph/arena.h"
 #include "berth/graph/graph.h"
 #include "berth/scheduler/schedule.h"
 
@@ -25,11 +26,8 @@ struct MemoryPlan {
   size_t stage_bytes = 0;  ///< the largest streamed layer's gate + up + down bytes
 };
 
-/// Offsets for buffers of `sizes` bytes with lifetimes [birth, death] (inclusive) in one arena:
-/// buffers whose lifetimes overlap get disjoint ranges (each rounded up to 256 bytes); first fit
-/// in birth order. Returns the arena size; offsets[i] for sizes[i] > 0.
-size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_t>& birth,
-                      const std::vector<int64_t>& death, std::vector<size_t>& offsets);
+/// Offsets in one arena for buffers of known lifetimes (graph/arena.h).
+using graph::assign_offsets;
 
 /// The memory plan of schedule `s` (with a device; its calls' ws_bytes already set). A value
 /// lives on the device from the call that writes it (its producing call, or the fork or upload
