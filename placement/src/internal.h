@@ -85,7 +85,10 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
 
 /// make_plan without its refusal's wrapping (plan.cpp); `probing`: a try made while writing a
 /// refusal's hint (remedies), which computes no hints of its own.
-Plan make_plan_once(const Request& req, bool probing);
+/// `fallback`, when given, says what a unified automatic plan did where no split fitted (also
+/// when it then throws): 1, put everything on the CPU; 2, kept the split, as everything on the
+/// CPU missed the CPU's limit by more; left as it was where no split missed.
+Plan make_plan_once(const Request& req, bool probing, int* fallback = nullptr);
 
 /// True when `req` plans without an error (make_plan_once, probing).
 bool plan_fits(const Request& req);

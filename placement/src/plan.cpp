@@ -237,7 +237,7 @@ double unit_seconds(double bytes, double weights, double gbps, double tflops) {
 
 }  // namespace
 
-Plan make_plan_once(const Request& req, bool probing) {
+Plan make_plan_once(const Request& req, bool probing, int* fallback) {
   const Flags& f = req.flags;
   const int32_t n_layer = req.n_layer;
   if (n_layer < 0) bad(fmt::format("placement request: n_layer {} is negative", n_layer));
@@ -469,6 +469,7 @@ Plan make_plan_once(const Request& req, bool probing) {
               mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget),
               unified ? kUnifiedAllCpu : ""));
         plan.how += " (the budget holds nothing: all on the CPU)";
+        if (fallback && unified) *fallback = 1;
       } else if (unified && budget >= overhead + pinned_gpu) {
         // Who computes each unit: the processor with the lower modelled time per token on the
         // shared memory; by time saved per byte while the device's side fits the budget.
@@ -527,17 +528,30 @@ Plan make_plan_once(const Request& req, bool probing) {
         }
         if (missed > 0 && pinned_gpu == 0 && on_gpu > 0) {
           // No split fits beside the GPU's scratch and margin: everything on the CPU (they
-          // then cost nothing), which the checks below accept or refuse.
+          // then cost nothing), which the checks below accept or refuse. Unless the CPU's least
+          // alone misses the CPU's limit (--ram-budget, or the pool) by more than the split
+          // does: then the split stays, and its refusal names what is too small.
+          std::vector<const Unit*> split;
           for (const Cand& c : cand)
             if (!c.u->tensors.empty() ? plan.home[c.u->tensors.front()] == Home::gpu
                                       : plan.kv_home[static_cast<size_t>(c.u->layer)] == Home::gpu)
-              unplace(*c.u);
-          on_gpu = 0;
-          unified_all_cpu = true;
-          note(fmt::format(
-              "automatic plan: nothing fits beside the GPU's scratch and margin in the unified "
-              "pool, so everything runs on the CPU (as --vram-budget 0){}",
-              kUnifiedAllCpu));
+              split.push_back(c.u);
+          for (const Unit* u : split) unplace(*u);
+          const size_t all_cpu_least = cpu_side(req, plan.home, plan.kv_home).least;
+          const size_t cpu_limit = std::min(req.ram_budget_bytes, pool);
+          const size_t all_cpu_miss = all_cpu_least > cpu_limit ? all_cpu_least - cpu_limit : 0;
+          if (all_cpu_miss > missed) {
+            for (const Unit* u : split) place(*u);
+            if (fallback) *fallback = 2;
+          } else {
+            on_gpu = 0;
+            unified_all_cpu = true;
+            if (fallback) *fallback = 1;
+            note(fmt::format(
+                "automatic plan: nothing fits beside the GPU's scratch and margin in the unified "
+                "pool, so everything runs on the CPU (as --vram-budget 0){}",
+                kUnifiedAllCpu));
+          }
         }
         // Layers whose routed experts the CPU computes: those the flags pin there, and those the
         // pool left it (the first N when they are the leading ones: as --n-cpu-moe N).
@@ -712,8 +726,9 @@ Plan make_plan_once(const Request& req, bool probing) {
 }
 
 Plan make_plan(const Request& req) {
+  int fallback = 0;
   try {
-    return make_plan_once(req, /*probing=*/false);
+    return make_plan_once(req, /*probing=*/false, &fallback);
   } catch (const Error& e) {
     // Unified memory, automatic plan: it gave the GPU only what the pool holds beside the CPU's
     // least, and everything to the CPU where no split fits; say so with the refusal.
@@ -724,8 +739,11 @@ Plan make_plan(const Request& req) {
     throw Error(ErrorCategory::out_of_memory,
                 fmt::format("{}; the automatic plan gives the GPU only what the pool holds beside "
                             "the CPU's least (what must stay in RAM and one RAM slot per MoE "
-                            "layer it computes), and tried everything on the CPU",
-                            e.what()));
+                            "layer it computes){}",
+                            e.what(),
+                            fallback == 1   ? ", and tried everything on the CPU"
+                            : fallback == 2 ? "; everything on the CPU would miss by more"
+                                            : ""));
   }
 }
 

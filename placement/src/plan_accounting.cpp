@@ -271,10 +271,11 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
                     mib(plan.margin_bytes), describe_flags(f), fix));
   }
   if (plan.pool_total() > req.pool_bytes)
-    throw Error(ErrorCategory::out_of_memory,
-                fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({})",
-                            mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
-                            unified_terms(req, plan), describe_flags(f)));
+    throw Error(
+        ErrorCategory::out_of_memory,
+        fmt::format("plan needs {} of {}'s unified memory but the pool is {}: {} ({}); {}",
+                    mib(plan.pool_total()), req.device_name, mib(req.pool_bytes),
+                    unified_terms(req, plan), describe_flags(f), remedies(req, has_exps, probing)));
 }
 
 }  // namespace berth::placement

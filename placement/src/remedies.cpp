@@ -57,6 +57,20 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
     parts.push_back("add --n-cpu-moe N or --cpu-moe");
   if (f.n_gpu_layers >= 0 && with([](Flags& g) { g.n_gpu_layers = -1; }))
     parts.push_back("leave out -ngl for the automatic plan");
+  // On a board's one pool, budgets given below it: the flags, not the board, may be too small.
+  if (board) {
+    const auto without = [&](bool ram, bool vram) {
+      Request r = req;
+      if (ram) {
+        r.flags.ram_budget.reset();
+        r.ram_budget_bytes = req.unified ? req.pool_bytes : req.shared_pool_bytes;
+      }
+      if (vram) r.flags.vram_budget.reset();
+      return plan_fits(r);
+    };
+    if (f.ram_budget && without(true, false)) parts.push_back("raise --ram-budget");
+    if (f.vram_budget && without(false, true)) parts.push_back("raise --vram-budget");
+  }
   if (!parts.empty()) return or_list(parts);
   // Nothing the placement flags can do: a smaller context (when the plan fits without a KV
   // cache at all), a smaller file, more memory.

@@ -771,9 +771,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       }
     }
     if (act > 0)
-      s.plan.notes.push_back(fmt::format("{}, counted in the pool: {} of {}", act_text(),
-                                         placement::mib(pool_use() + act),
-                                         placement::mib(up.pool)));
+      info(fmt::format("{}, counted in the pool: {} of {}", act_text(),
+                       placement::mib(pool_use() + act), placement::mib(up.pool)));
   }
   // Expert slots (--residency adaptive): the plan's count, on its layers.
   ExpertSlotsOptions& xs = params.hybrid.expert_slots;

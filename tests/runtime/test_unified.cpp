@@ -421,8 +421,23 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
   CHECK(err.find("10240.0 MiB by --ram-budget") != std::string::npos);
   CHECK(err.find("raise --ram-budget") != std::string::npos);
   CHECK(err.find("cannot raise") == std::string::npos);
+  // It described the all-CPU fallback (0 B computed by the GPU) and suggested a larger board,
+  // which the 52 GiB model does not need: the refusal is the split's, and names the budgets.
+  CHECK(has(err, "18301.8 MiB computed by the GPU"));
+  CHECK(has(err, "raise --ram-budget, or raise --vram-budget"));
+  CHECK(has(err, "everything on the CPU would miss by more"));
+  CHECK_FALSE(has(err, "larger board"));
+  CHECK_FALSE(has(err, "tried everything on the CPU"));
+  // Both remedies work.
   j = plan_json("unified:128G", model, " --vram-budget 20G --ram-budget 40G", &rc, &err);
   CHECK(rc == 0);
+  j = plan_json("unified:128G", model, " --vram-budget 60G --ram-budget 10G", &rc, &err);
+  CHECK(rc == 0);
+  // No split of the 52 GiB model fits a 24 GB board: the refusal said so with no remedy.
+  j = plan_json("unified:24G", model, " -ngl 10", &rc, &err);
+  CHECK(rc == 1);
+  CHECK(has(err, "unified memory but the pool is 23552.0 MiB"));
+  CHECK(has(err, "(-ngl 10); use a smaller quantization or a larger board"));
 
   // Orin 8 GB: refused before loading, naming every term.
   test::CommandResult r = test::run_command("BERTH_SIM_DEVICE=unified:8G " + test::berth_bin() +
