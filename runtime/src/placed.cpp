@@ -717,9 +717,35 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       const std::string remedy = fits_ub > 0
                                      ? fmt::format("lower -ub: -ub {} fits", fits_ub)
                                      : "lower -c, use a smaller quantization or a larger board";
-      if (params.n_ubatch_auto && fits_ub > 0) {
+      // First the -ub asked for (or the default) with the pool less its activations (the disk
+      // tier takes more routed experts); then, -ub not given, a halved -ub with the whole pool.
+      bool done = false;
+      if (act < up.pool) {
+        pool = up.pool - act;
+        bool planned = true;
+        try {
+          make();
+        } catch (const Error& e) {
+          if (e.category() != ErrorCategory::out_of_memory) throw;
+          planned = false;
+        }
+        if (planned) {
+          find_gpu();
+          const size_t now = cpu_activation_bytes(model, s, params);
+          if (pool_use() + now <= up.pool) {
+            info(
+                fmt::format("{} do not fit beside the plan in the pool of {}: planned for the {} "
+                            "they leave",
+                            act_text(), placement::mib(up.pool), placement::mib(pool)));
+            act = now;
+            done = true;
+          }
+        }
+        if (!done) pool = up.pool;
+      }
+      if (!done && params.n_ubatch_auto && fits_ub > 0) {
         // -ub not given: lower it (halving) until the plan made for it and its activations fit
-        // the whole pool; the experts stay where the whole pool puts them.
+        // the whole pool.
         const int64_t was = n_ub;
         const size_t was_act = act;
         for (int64_t u = n_ub / 2; u >= 1; u /= 2) {
@@ -735,39 +761,25 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                       "placement: no -ub fits the pool although one was found to");
         const std::string lowered = fmt::format(
             "-ub lowered from {} to {}: the CPU's activations for a ubatch of {} tokens, {}, do "
-            "not fit beside the plan in {} of {} (set -ub to choose; a larger one is "
-            "refused unless the disk tier can take more routed experts)",
+            "not fit beside the plan in {} of {}, nor beside a plan for the pool less them (set "
+            "-ub to choose)",
             was, n_ub, was, placement::mib(was_act), pool_name, placement::mib(up.pool));
         if (plan_only)
           s.plan.notes.push_back(lowered);
         else
           log::warn("{}", lowered);
-      } else {
+        done = true;
+      }
+      if (!done) {
         if (act >= up.pool)
           throw Error(ErrorCategory::out_of_memory,
                       fmt::format("plan does not fit {} of {}: {} alone exceed it ({})", pool_name,
                                   placement::mib(up.pool), act_text(), remedy));
-        pool = up.pool - act;
-        const auto refuse = [&] {
-          return Error(ErrorCategory::out_of_memory,
-                       fmt::format("plan does not fit {} of {}: the plan holds {} ({}), and {} "
-                                   "more; planning for the {} they leave does not fit either ({})",
-                                   pool_name, placement::mib(up.pool), placement::mib(base),
-                                   base_terms, act_text(), placement::mib(pool), remedy));
-        };
-        try {
-          make();
-        } catch (const Error& e) {
-          if (e.category() != ErrorCategory::out_of_memory) throw;
-          throw refuse();
-        }
-        find_gpu();
-        act = cpu_activation_bytes(model, s, params);
-        if (pool_use() + act > up.pool) throw refuse();
-        info(
-            fmt::format("{} do not fit beside the plan in the pool of {}: planned for the {} "
-                        "they leave",
-                        act_text(), placement::mib(up.pool), placement::mib(pool)));
+        throw Error(ErrorCategory::out_of_memory,
+                    fmt::format("plan does not fit {} of {}: the plan holds {} ({}), and {} more; "
+                                "planning for the {} they leave does not fit either ({})",
+                                pool_name, placement::mib(up.pool), placement::mib(base),
+                                base_terms, act_text(), placement::mib(up.pool - act), remedy));
       }
     }
     if (act > 0)

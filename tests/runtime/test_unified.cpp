@@ -584,7 +584,11 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
                   {}},
                  {"2G", " --unified on -ngl 99 --cpu-moe -c 4096", 0, {}, {}},
              });
-  CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() == size_t{5} << 30);
+  // The board's 5 GiB pool (not this host's memory), less the CPU's activations at the default
+  // -ub 2048 (kept: the disk tier takes more routed experts instead).
+  CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() <= size_t{5} << 30);
+  CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() > (size_t{5} << 30) - (size_t{256} << 20));
+  CHECK(any_note(j[3], "a ubatch of 2048 tokens (-ub)"));
   CHECK(j[3]["tiers"]["disk_bytes"].get<size_t>() > 0);
   CHECK(j[4]["tiers"]["ram_bytes"] == j[3]["tiers"]["ram_bytes"]);
   CHECK(j[4]["tiers"]["disk_bytes"] == j[3]["tiers"]["disk_bytes"]);
@@ -918,6 +922,12 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
   CHECK(has(r.err, "alone exceed it"));
   // A larger board holds them.
   check_plans(wide, {{"unified:4G", " -ngl 0 -c 8192 -ub 8192", 0, {"counted in the pool"}, {}}});
+  // Where the disk tier can take more routed experts, the default -ub stays: it was halved to 512
+  // on an 8 GB board (to 1024 on 4 and 12 GB boards) while -ub 2048 given was accepted.
+  const std::string q30 = sparse_30b();
+  for (const char* board : {"unified:4G", "unified:8G", "unified:12G"})
+    check_plans(q30, {{board, " -ngl 0", 0, {"ubatch 2048", "counted in the pool"}, {"lowered"}},
+                      {board, " -ngl 0 -ub 2048", 0, {"ubatch 2048"}, {}}});
 }
 
 TEST_CASE("unified: refusal hints name only remedies that work") {
