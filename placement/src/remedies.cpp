@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 
 #include "berth/core/error.h"
 #include "internal.h"
@@ -68,8 +69,13 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
       if (vram) r.flags.vram_budget.reset();
       return plan_fits(r);
     };
-    if (f.ram_budget && without(true, false)) parts.push_back("raise --ram-budget");
-    if (f.vram_budget && without(false, true)) parts.push_back("raise --vram-budget");
+    const bool ram = f.ram_budget && without(true, false);
+    const bool vram = f.vram_budget && without(false, true);
+    if (ram) parts.push_back("raise --ram-budget");
+    if (vram) parts.push_back("raise --vram-budget");
+    // Each budget alone too small for the other's side: only raising both helps.
+    if (f.ram_budget && f.vram_budget && !ram && !vram && without(true, true))
+      parts.push_back("raise both --ram-budget and --vram-budget");
   }
   if (!parts.empty()) return or_list(parts);
   // Nothing the placement flags can do: a smaller context (when the plan fits without a KV
@@ -86,12 +92,40 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
 std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bool probing) {
   const Flags& f = req.flags;
   if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes) {
-    // A budget the device caps cannot be raised by --vram-budget.
+    const bool board = (req.unified && req.discrete_free_bytes == 0) || req.shared_pool;
+    // -ot rules that name the GPU win over -ngl: running on the CPU means leaving them out.
+    bool gpu_rules = false;
+    for (const auto& [regex, device] : f.overrides) {
+      std::string d = device;
+      for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      gpu_rules = gpu_rules || d != "CPU";
+    }
+    Request cpu = req;
+    cpu.flags.n_gpu_layers = 0;
+    cpu.flags.overrides.clear();
+    for (const auto& rule : f.overrides) {
+      std::string d = rule.second;
+      for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      if (d == "CPU") cpu.flags.overrides.push_back(rule);
+    }
+    std::string on_cpu;
+    if (probing || plan_fits(cpu))
+      on_cpu = !gpu_rules            ? "run on the CPU with -ngl 0"
+               : f.n_gpu_layers == 0 ? "leave out the -ot rules that send tensors to the GPU"
+                                     : "run on the CPU with -ngl 0 and without the -ot rules "
+                                       "that send tensors to the GPU";
+    const std::string more = fmt::format("use a smaller quantization or {}",
+                                         board ? "a larger board" : "a GPU with more memory");
+    // A budget the device (or the board's pool) caps cannot be raised by --vram-budget.
+    if (board)
+      return fmt::format("the pool does not even hold the GPU's scratch and margin: {}",
+                         on_cpu.empty() ? more : on_cpu);
     if (req.has_device && plan.budget_bytes >= req.device_free_bytes)
-      return "the device's free memory does not even hold the scratch and margin: run on the "
-             "CPU with -ngl 0";
-    return "the budget does not even hold the scratch and margin: give a larger --vram-budget "
-           "or run on the CPU with -ngl 0";
+      return fmt::format("the device's free memory does not even hold the scratch and margin: {}",
+                         on_cpu.empty() ? more : on_cpu);
+    return fmt::format(
+        "the budget does not even hold the scratch and margin: give a larger --vram-budget{}",
+        on_cpu.empty() ? "" : " or " + on_cpu);
   }
   if (f.n_gpu_layers < 0) return "the -ot rules send more to the GPU than the budget holds";
   return remedies(req, has_exps, probing);

@@ -428,6 +428,11 @@ TEST_CASE("unified: a 27B-class f16 plan fits a 128 GB board once, and an 8 GB o
   CHECK(has(err, "everything on the CPU would miss by more"));
   CHECK_FALSE(has(err, "larger board"));
   CHECK_FALSE(has(err, "tried everything on the CPU"));
+  // Each budget alone too small for its side: only raising both fits (it said "a larger board").
+  j = plan_json("unified:128G", model, " -ngl 30 --vram-budget 20G --ram-budget 10G", &rc, &err);
+  CHECK(rc == 1);
+  CHECK_MESSAGE(has(err, "raise both --ram-budget and --vram-budget"), err);
+  CHECK_FALSE(has(err, "larger board"));
   // Both remedies work.
   j = plan_json("unified:128G", model, " --vram-budget 20G --ram-budget 40G", &rc, &err);
   CHECK(rc == 0);
@@ -956,6 +961,24 @@ TEST_CASE("unified: refusal hints name only remedies that work") {
                      1,
                      {"its margin and KV cache alone fill it", "lower -ngl"},
                      {"lower -c", "lower -ub"}}});
+  // A pool below the GPU's scratch and margin: the fix named is one that runs (with -ngl 0
+  // given, only leaving out the -ot rules that name the GPU), and the pool, not "the device's
+  // free memory", is the limit (it said "run on the CPU with -ngl 0" to -ngl 0 -ot .=GPU).
+  const std::string stories = test::stories260k().string();
+  check_plans(stories,
+              {{"unified:1300M",
+                " -ngl 0 -ot .=GPU",
+                1,
+                {"the pool does not even hold the GPU's scratch and margin: leave out the "
+                 "-ot rules that send tensors to the GPU"},
+                {"device's free memory", "with -ngl 0"}},
+               {"unified:1300M",
+                " -ngl 99",
+                1,
+                {"the pool does not even hold the GPU's scratch and margin: run on the CPU "
+                 "with -ngl 0"},
+                {}},
+               {"unified:1300M", " -ngl 0 -ot .=GPU,blk.0=CPU", 1, {"leave out"}, {}}});
 }
 
 TEST_CASE("unified: serve's default context does not shrink on a larger board") {
