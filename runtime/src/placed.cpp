@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -697,68 +698,73 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     // -ngl 0 opens no device: the board is BERTH_SIM_DEVICE's, or the real one asked once.
     const std::string pool_name =
         s.device ? fmt::format("{}'s pool", device_name) : std::string("the board's pool");
-    size_t act = cpu_activation_bytes(model, s, params);
+    // The CPU's activations of a plan for -ub u (0 where the GPU computes anything); the step
+    // graphs' arena sizes are kept per -ub (building them is the cost).
+    std::map<int64_t, size_t> arena_of_ub;
+    const auto act_for = [&](int64_t u) -> size_t {
+      SessionParams q = params;
+      q.n_ubatch = static_cast<int32_t>(u);
+      const placement::Plan& p = s.plan;
+      bool gpu = false;
+      for (placement::Home h : p.home) gpu = gpu || h == placement::Home::gpu;
+      for (placement::Home h : p.kv_home) gpu = gpu || h == placement::Home::gpu;
+      if (gpu && s.device) return 0;
+      auto it = arena_of_ub.find(u);
+      if (it == arena_of_ub.end())
+        it = arena_of_ub.emplace(u, cpu_activation_bytes(model, s, q)).first;
+      return it->second;
+    };
     int64_t n_ub = std::min<int64_t>(params.n_ubatch, n_ctx);
+    size_t act = act_for(params.n_ubatch);
     const auto act_text = [&] {
       return fmt::format("the CPU's activations for a ubatch of {} token{} (-ub), {}", n_ub,
                          n_ub == 1 ? "" : "s", placement::mib(act));
     };
-    if (act > 0 && pool_use() + act > up.pool) {
-      // A remedy that works: the largest halved -ub whose activations fit beside this plan
-      // (a smaller -ub also shrinks the plan's own scratch).
-      const size_t base = pool_use();
-      const std::string base_terms = plan_terms();
-      int64_t fits_ub = 0;
-      for (int64_t u = n_ub / 2; u >= 1 && fits_ub == 0; u /= 2) {
-        SessionParams q = params;
-        q.n_ubatch = static_cast<int32_t>(u);
-        if (base + cpu_activation_bytes(model, s, q) <= up.pool) fits_ub = u;
-      }
-      const std::string remedy = fits_ub > 0
-                                     ? fmt::format("lower -ub: -ub {} fits", fits_ub)
-                                     : "lower -c, use a smaller quantization or a larger board";
-      // First the -ub asked for (or the default) with the pool less its activations (the disk
-      // tier takes more routed experts); then, -ub not given, a halved -ub with the whole pool.
-      bool done = false;
-      if (act < up.pool) {
-        pool = up.pool - act;
-        bool planned = true;
+    // Makes the plan for -ub u that fits the pool with its activations: first for the whole pool,
+    // then for the pool less the activations (the disk tier takes more routed experts). False,
+    // with the pool restored, when neither fits; s.plan is then whatever was made last.
+    const auto fits_with_ub = [&](int64_t u, bool whole_pool_first) {
+      params.n_ubatch = static_cast<int32_t>(u);
+      const auto attempt = [&](size_t for_pool) {
+        pool = for_pool;
         try {
           make();
         } catch (const Error& e) {
           if (e.category() != ErrorCategory::out_of_memory) throw;
-          planned = false;
+          return false;
         }
-        if (planned) {
-          find_gpu();
-          const size_t now = cpu_activation_bytes(model, s, params);
-          if (pool_use() + now <= up.pool) {
-            info(
-                fmt::format("{} do not fit beside the plan in the pool of {}: planned for the {} "
-                            "they leave",
-                            act_text(), placement::mib(up.pool), placement::mib(pool)));
-            act = now;
-            done = true;
-          }
-        }
-        if (!done) pool = up.pool;
+        find_gpu();
+        return pool_use() + act_for(u) <= up.pool;
+      };
+      if (whole_pool_first && attempt(up.pool)) return true;
+      const size_t a = act_for(u);
+      if (a < up.pool && attempt(up.pool - a)) return true;
+      pool = up.pool;
+      return false;
+    };
+    if (act > 0 && pool_use() + act > up.pool) {
+      const size_t base = pool_use();
+      const std::string base_terms = plan_terms();
+      const std::string asked_text = act_text();
+      const int64_t asked_ub = params.n_ubatch, was = n_ub;
+      const size_t was_act = act;
+      // First the -ub asked for (or the default) with the pool less its activations; then, -ub
+      // not given, the largest halved -ub whose plan (either way) fits.
+      bool done = fits_with_ub(asked_ub, /*whole_pool_first=*/false);
+      if (done) {
+        info(
+            fmt::format("{}, do not fit beside the plan in the pool of {}: planned for the {} "
+                        "they leave",
+                        asked_text, placement::mib(up.pool), placement::mib(pool)));
+        act = act_for(asked_ub);
       }
+      // The largest halved -ub that fits: the remedy named, or (-ub not given) the one taken.
+      int64_t fits_ub = 0;
+      for (int64_t u = was / 2; !done && u >= 1 && fits_ub == 0; u /= 2)
+        if (fits_with_ub(u, /*whole_pool_first=*/true)) fits_ub = u;
       if (!done && params.n_ubatch_auto && fits_ub > 0) {
-        // -ub not given: lower it (halving) until the plan made for it and its activations fit
-        // the whole pool.
-        const int64_t was = n_ub;
-        const size_t was_act = act;
-        for (int64_t u = n_ub / 2; u >= 1; u /= 2) {
-          params.n_ubatch = static_cast<int32_t>(u);
-          n_ub = u;
-          make();
-          find_gpu();
-          act = cpu_activation_bytes(model, s, params);
-          if (pool_use() + act <= up.pool) break;
-        }
-        if (pool_use() + act > up.pool)  // the plan for fits_ub fitted: not reached
-          throw Error(ErrorCategory::internal,
-                      "placement: no -ub fits the pool although one was found to");
+        n_ub = fits_ub;
+        act = act_for(fits_ub);
         const std::string lowered = fmt::format(
             "-ub lowered from {} to {}: the CPU's activations for a ubatch of {} tokens, {}, do "
             "not fit beside the plan in {} of {}, nor beside a plan for the pool less them (set "
@@ -766,20 +772,25 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
             was, n_ub, was, placement::mib(was_act), pool_name, placement::mib(up.pool));
         if (plan_only)
           s.plan.notes.push_back(lowered);
+        else if (progress_to_stderr)  // run, serve: where the other plan notes go
+          std::fprintf(stderr, "note: %s\n", lowered.c_str());
         else
           log::warn("{}", lowered);
         done = true;
       }
       if (!done) {
-        if (act >= up.pool)
+        const std::string remedy = fits_ub > 0
+                                       ? fmt::format("lower -ub: -ub {} fits", fits_ub)
+                                       : "lower -c, use a smaller quantization or a larger board";
+        if (was_act >= up.pool)
           throw Error(ErrorCategory::out_of_memory,
                       fmt::format("plan does not fit {} of {}: {} alone exceed it ({})", pool_name,
-                                  placement::mib(up.pool), act_text(), remedy));
+                                  placement::mib(up.pool), asked_text, remedy));
         throw Error(ErrorCategory::out_of_memory,
                     fmt::format("plan does not fit {} of {}: the plan holds {} ({}), and {} more; "
                                 "planning for the {} they leave does not fit either ({})",
                                 pool_name, placement::mib(up.pool), placement::mib(base),
-                                base_terms, act_text(), placement::mib(up.pool - act), remedy));
+                                base_terms, asked_text, placement::mib(up.pool - was_act), remedy));
       }
     }
     if (act > 0)

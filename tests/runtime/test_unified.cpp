@@ -9,6 +9,7 @@
 // capacity, not bytes).
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -927,12 +928,29 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
   CHECK(has(r.err, "alone exceed it"));
   // A larger board holds them.
   check_plans(wide, {{"unified:4G", " -ngl 0 -c 8192 -ub 8192", 0, {"counted in the pool"}, {}}});
+  // serve (-ub 512 by default) lowers -ub with the same note on stderr (it said nothing); the
+  // server is stopped once it listens (or after 60 s).
+  const std::string log = test::shell_quote(
+      (std::filesystem::temp_directory_path() / ("berth-serve-ub-" + std::to_string(::getpid())))
+          .string());
+  const test::CommandResult sv = berth_with(
+      "unified:1300M", "serve --port 0 -ngl 0 -c 8192 -m " + test::shell_quote(wide) + " 2>" + log +
+                           " & p=$!; for i in $(seq 120); do grep -q listening " + log +
+                           " && break; sleep 0.5; done; kill $p; wait $p; cat " + log +
+                           " >&2; rm -f " + log);
+  CHECK_MESSAGE(has(sv.err, "note: -ub lowered from 512 to 256"), sv.err);
+  CHECK_MESSAGE(has(sv.err, "listening"), sv.err);
   // Where the disk tier can take more routed experts, the default -ub stays: it was halved to 512
   // on an 8 GB board (to 1024 on 4 and 12 GB boards) while -ub 2048 given was accepted.
   const std::string q30 = sparse_30b();
   for (const char* board : {"unified:4G", "unified:8G", "unified:12G"})
     check_plans(q30, {{board, " -ngl 0", 0, {"ubatch 2048", "counted in the pool"}, {"lowered"}},
                       {board, " -ngl 0 -ub 2048", 0, {"ubatch 2048"}, {}}});
+  // The -ub named as the remedy is the largest halved one that fits once a plan for the pool less
+  // its activations is allowed (it said -ub 256 here; 2048 fits), and it does fit.
+  check_plans(q30,
+              {{"unified:3700M", " -ngl 0 -c 8192 -ub 4096", 1, {"lower -ub: -ub 2048 fits"}, {}},
+               {"unified:3700M", " -ngl 0 -c 8192 -ub 2048", 0, {"ubatch 2048"}, {}}});
 }
 
 TEST_CASE("unified: refusal hints name only remedies that work") {
