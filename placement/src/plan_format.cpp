@@ -180,7 +180,7 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   if (plan.unified)
     out += fmt::format(
         "unified memory: weights held once, {:.3f} MiB (the GPU computes {:.3f} MiB of them from "
-        "host memory, the CPU {:.3f} MiB{}; no device copies); the plan holds {:.3f} MiB of a "
+        "host memory, the CPU {:.3f} MiB{}; no device copies); the plan holds {:.3f} MiB{} of a "
         "{:.3f} MiB pool "
         "(the OS reports {:.3f} MiB available, minus a margin of {:.3f} MiB; the device reports "
         "{:.3f} MiB free, not used)\n",
@@ -190,8 +190,13 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
             ? fmt::format(", {:.3f} MiB of which stay on disk and are read into its RAM slots",
                           to_mib(plan.disk_weight_bytes))
             : std::string(),
-        to_mib(plan.pool_total()), to_mib(plan.pool_bytes), to_mib(req.os_available_bytes),
-        to_mib(req.pool_margin_bytes), to_mib(req.device_reported_free_bytes));
+        to_mib(plan.pool_total()),
+        plan.activation_bytes > 0
+            ? fmt::format(" and the CPU's activations {:.3f} MiB", to_mib(plan.activation_bytes))
+            : std::string(),
+        to_mib(plan.whole_pool_bytes > 0 ? plan.whole_pool_bytes : plan.pool_bytes),
+        to_mib(req.os_available_bytes), to_mib(req.pool_margin_bytes),
+        to_mib(req.device_reported_free_bytes));
   return out;
 }
 
@@ -256,11 +261,13 @@ std::string plan_json(const Request& req, const Plan& plan) {
       {"ram_slot_bytes", plan.ram_slot_bytes}};
   if (plan.unified)
     j["unified"] = {
-        {"pool_bytes", plan.pool_bytes},
+        {"pool_bytes", plan.whole_pool_bytes > 0 ? plan.whole_pool_bytes : plan.pool_bytes},
+        {"planned_pool_bytes", plan.pool_bytes},
+        {"activation_bytes", plan.activation_bytes},
         {"os_available_bytes", req.os_available_bytes},
         {"pool_margin_bytes", req.pool_margin_bytes},
         {"device_reported_free_bytes", req.device_reported_free_bytes},
-        {"total_bytes", plan.pool_total()},
+        {"total_bytes", plan.pool_total() + plan.activation_bytes},
         {"weights_bytes", plan.gpu_weight_bytes + plan.cpu_weight_bytes + plan.disk_weight_bytes},
         {"gpu_computes_bytes", plan.gpu_weight_bytes},
         {"cpu_computes_bytes", plan.cpu_weight_bytes + plan.disk_weight_bytes}};

@@ -793,6 +793,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                                 base_terms, asked_text, placement::mib(up.pool - was_act), remedy));
       }
     }
+    s.plan.activation_bytes = act;
+    s.plan.whole_pool_bytes = act > 0 ? up.pool : 0;
     if (act > 0)
       info(fmt::format("{}, counted in the pool: {} of {}", act_text(),
                        placement::mib(pool_use() + act), placement::mib(up.pool)));

@@ -946,6 +946,21 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
   for (const char* board : {"unified:4G", "unified:8G", "unified:12G"})
     check_plans(q30, {{board, " -ngl 0", 0, {"ubatch 2048", "counted in the pool"}, {"lowered"}},
                       {board, " -ngl 0 -ub 2048", 0, {"ubatch 2048"}, {}}});
+  // The JSON names the whole pool, the pool the plan was made for and the activations (its
+  // pool_bytes was the pool less the activations, with no field for them).
+  {
+    int rc = 0;
+    std::string err;
+    const nlohmann::json j = plan_json("unified:3G", q30, "", &rc, &err);
+    REQUIRE_MESSAGE(rc == 0, err);
+    const nlohmann::json& u = j["unified"];
+    CHECK(u["pool_bytes"].get<size_t>() == size_t{2} << 30);
+    CHECK(u["activation_bytes"].get<size_t>() > 0);
+    CHECK(u["planned_pool_bytes"].get<size_t>() + u["activation_bytes"].get<size_t>() == size_t{2}
+                                                                                             << 30);
+    CHECK(u["total_bytes"].get<size_t>() <= size_t{2} << 30);
+    CHECK(u["total_bytes"].get<size_t>() > u["activation_bytes"].get<size_t>());
+  }
   // The -ub named as the remedy is the largest halved one that fits once a plan for the pool less
   // its activations is allowed (it said -ub 256 here; 2048 fits), and it does fit.
   check_plans(q30,

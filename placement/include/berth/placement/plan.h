@@ -224,6 +224,12 @@ struct Plan {
   /// who computes a tensor, not where its bytes live.
   bool unified = false;
   size_t pool_bytes = 0;
+  /// A board's one pool also holds the CPU's activations (the runtime's step arena at -ub, set by
+  /// runtime's place(); 0: not counted). whole_pool_bytes is the pool they share with the plan;
+  /// pool_bytes is what the plan was made for: the pool less them where they did not fit beside a
+  /// plan for the whole pool (the disk tier then takes more routed experts).
+  size_t activation_bytes = 0;
+  size_t whole_pool_bytes = 0;
   /// Unified memory: everything the plan holds in the pool, each weight once.
   size_t pool_total() const {
     return gpu_weight_bytes + cpu_weight_bytes + gpu_kv_bytes + cpu_kv_bytes + scratch_bytes +
@@ -308,8 +314,10 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// else its slots; experts_on_disk = n_expert - ram_slots for a tiered layer, else 0),
 /// "tiers": {"vram_bytes", "gpu_computed_host_bytes" (unified memory: the weights the GPU
 /// computes, held once in host memory; else 0), "ram_bytes", "disk_bytes", "ram_budget_bytes"
-/// (null: none), "ram_slots"}, "unified": null or {"pool_bytes", "os_available_bytes",
-/// "pool_margin_bytes", "device_reported_free_bytes", "total_bytes" (Plan::pool_total),
+/// (null: none), "ram_slots"}, "unified": null or {"pool_bytes" (the whole pool),
+/// "planned_pool_bytes" (Plan::pool_bytes), "activation_bytes" (Plan::activation_bytes),
+/// "os_available_bytes", "pool_margin_bytes", "device_reported_free_bytes", "total_bytes"
+/// (Plan::pool_total plus the activations),
 /// "weights_bytes" (held once: in the pool, or on the disk tier), "gpu_computes_bytes",
 /// "cpu_computes_bytes" (the disk tier's experts included)}}; "GPU" (with
 /// "slot_bytes") is absent when the request has no device. On unified memory "vram_bytes" is 0 (no
