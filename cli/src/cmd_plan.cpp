@@ -2,6 +2,7 @@
 // with --ops, also the schedule of a decode step and of a prefill ubatch.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -56,7 +57,10 @@ int plan(const PlanOptions& o) {
         "the CPU's KV cache ({:.1f} MiB) is more than this machine's {:.1f} MiB of memory: run "
         "refuses it (lower -c)",
         static_cast<double>(p.cpu_kv_bytes) / (1 << 20), static_cast<double>(phys) / (1 << 20)));
-  p.how += fmt::format(", context {} tokens, ubatch {}", n_ctx, sp.n_ubatch);
+  // A step holds at most the context's tokens: -ub beyond -c is capped (as run's steps are).
+  p.how += fmt::format(
+      ", context {} tokens, ubatch {}{}", n_ctx, std::min<int64_t>(sp.n_ubatch, n_ctx),
+      sp.n_ubatch > n_ctx ? fmt::format(" (-ub {} capped by -c)", sp.n_ubatch) : std::string());
   if (!o.ops)
     return write_stdout(o.json ? placement::plan_json(setup.request, p)
                                : placement::plan_table(setup.request, p, o.tensors)),

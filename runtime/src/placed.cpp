@@ -717,8 +717,9 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     int64_t n_ub = std::min<int64_t>(params.n_ubatch, n_ctx);
     size_t act = act_for(params.n_ubatch);
     const auto act_text = [&] {
-      return fmt::format("the CPU's activations for a ubatch of {} token{} (-ub), {}", n_ub,
-                         n_ub == 1 ? "" : "s", placement::mib(act));
+      return fmt::format("the CPU's activations for a ubatch of {} token{} ({}), {}", n_ub,
+                         n_ub == 1 ? "" : "s", n_ub < params.n_ubatch ? "-ub, capped by -c" : "-ub",
+                         placement::mib(act));
     };
     // Makes the plan for -ub u that fits the pool with its activations: first for the whole pool,
     // then for the pool less the activations (the disk tier takes more routed experts). False,
