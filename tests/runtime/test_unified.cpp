@@ -963,9 +963,16 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
   }
   // The -ub named as the remedy is the largest halved one that fits once a plan for the pool less
   // its activations is allowed (it said -ub 256 here; 2048 fits), and it does fit.
-  check_plans(q30,
-              {{"unified:3700M", " -ngl 0 -c 8192 -ub 4096", 1, {"lower -ub: -ub 2048 fits"}, {}},
-               {"unified:3700M", " -ngl 0 -c 8192 -ub 2048", 0, {"ubatch 2048"}, {}}});
+  check_plans(
+      q30,
+      {{"unified:3700M", " -ngl 0 -c 8192 -ub 4096", 1, {"lower -ub: -ub 2048 fits"}, {}},
+       {"unified:3700M", " -ngl 0 -c 8192 -ub 2048", 0, {"ubatch 2048"}, {}},
+       // -ub beyond -c: the plan line and the note say the ubatch the steps use.
+       {"unified:3G",
+        " -ngl 0 -ub 65536 -c 4096",
+        0,
+        {"ubatch 4096 (-ub 65536 capped by -c)", "a ubatch of 4096 tokens (-ub, capped by -c)"},
+        {"ubatch 65536,"}}});
 }
 
 TEST_CASE("unified: refusal hints name only remedies that work") {
