@@ -794,6 +794,18 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                                 base_terms, asked_text, placement::mib(up.pool - was_act), remedy));
       }
     }
+    // -ngl 0 (or nothing on the GPU) on a board: a --ram-budget above the pool is capped by it,
+    // and said so, as the unified plan says it for the CPU's side.
+    bool said = false;  // the unified plan's own note on it
+    for (const std::string& n : s.plan.notes) said = said || n.rfind("--ram-budget", 0) == 0;
+    if (!said && !any_gpu && flags.ram_budget &&
+        (*flags.ram_budget == placement::kNoRamBudget || *flags.ram_budget > up.pool))
+      info(*flags.ram_budget == placement::kNoRamBudget
+               ? fmt::format("--ram-budget none: the plan is still capped at {} of {}", pool_name,
+                             placement::mib(up.pool))
+               : fmt::format("--ram-budget {} is more than {} of {}: the plan is capped at it",
+                             placement::mib(*flags.ram_budget), pool_name,
+                             placement::mib(up.pool)));
     s.plan.activation_bytes = act;
     s.plan.whole_pool_bytes = act > 0 ? up.pool : 0;
     if (act > 0)
