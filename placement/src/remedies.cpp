@@ -84,6 +84,23 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
   if (f.n_gpu_layers > 0) r.flags.n_gpu_layers = -1;
   std::fill(r.kv_bytes.begin(), r.kv_bytes.end(), size_t{0});
   const bool ctx = plan_fits(r);
+  // A board whose OS reports much less available than the device's memory: freeing memory
+  // (other processes, the page cache they pin) may be enough, where the whole board would do.
+  const size_t board_bytes = req.unified ? req.device_reported_free_bytes : req.device_free_bytes;
+  if (board && req.os_available_bytes > 0 && board_bytes > req.os_available_bytes) {
+    Request w = req;
+    const size_t whole =
+        board_bytes > req.pool_margin_bytes ? board_bytes - req.pool_margin_bytes : 0;
+    w.os_available_bytes = board_bytes;
+    if (req.unified) w.pool_bytes = w.device_free_bytes = whole;
+    if (req.shared_pool) w.shared_pool_bytes = whole;
+    if (!f.ram_budget) w.ram_budget_bytes = whole;
+    if (plan_fits(w))
+      return fmt::format(
+          "{}use a smaller quantization, or free memory on the board (the OS reports {} "
+          "available of the {} the device reports; the plan fits the whole board)",
+          ctx ? "lower -c, " : "", mib(req.os_available_bytes), mib(board_bytes));
+  }
   return fmt::format("{}use a smaller quantization or {}", ctx ? "lower -c, " : "", more);
 }
 

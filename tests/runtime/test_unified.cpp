@@ -1011,6 +1011,17 @@ TEST_CASE("unified: refusal hints name only remedies that work") {
                      1,
                      {"its margin and KV cache alone fill it", "lower -ngl"},
                      {"lower -c", "lower -ub"}}});
+  // The OS reports much less available than the board: freeing memory is named where the whole
+  // board would hold the plan (it said "a larger board" on a 128 GB board), not where it would not.
+  const std::string q27 = sparse_27b();
+  check_plans(q27, {{"unified:128G,available=40G",
+                     "",
+                     1,
+                     {"free memory on the board (the OS reports 40960.0 MiB available of the "
+                      "131072.0 MiB the device reports"},
+                     {"larger board"}},
+                    {"unified:128G,available=40G", " -ngl 0", 1, {"free memory on the board"}, {}},
+                    {"unified:32G,available=20G", "", 1, {"a larger board"}, {"free memory"}}});
   // A pool below the GPU's scratch and margin: the fix named is one that runs (with -ngl 0
   // given, only leaving out the -ot rules that name the GPU), and the pool, not "the device's
   // free memory", is the limit (it said "run on the CPU with -ngl 0" to -ngl 0 -ot .=GPU).
