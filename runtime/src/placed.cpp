@@ -718,7 +718,10 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     size_t act = act_for(params.n_ubatch);
     const auto act_text = [&] {
       return fmt::format("the CPU's activations for a ubatch of {} token{} ({}), {}", n_ub,
-                         n_ub == 1 ? "" : "s", n_ub < params.n_ubatch ? "-ub, capped by -c" : "-ub",
+                         n_ub == 1 ? "" : "s",
+                         n_ub < params.n_ubatch ? "-ub, capped by -c"
+                         : params.n_ubatch_auto ? "the default -ub"
+                                                : "-ub",
                          placement::mib(act));
     };
     // Makes the plan for -ub u that fits the pool with its activations: first for the whole pool,

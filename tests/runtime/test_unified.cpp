@@ -594,7 +594,7 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
   // -ub 2048 (kept: the disk tier takes more routed experts instead).
   CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() <= size_t{5} << 30);
   CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() > (size_t{5} << 30) - (size_t{256} << 20));
-  CHECK(any_note(j[3], "a ubatch of 2048 tokens (-ub)"));
+  CHECK(any_note(j[3], "a ubatch of 2048 tokens (the default -ub)"));
   CHECK(j[3]["tiers"]["disk_bytes"].get<size_t>() > 0);
   CHECK(j[4]["tiers"]["ram_bytes"] == j[3]["tiers"]["ram_bytes"]);
   CHECK(j[4]["tiers"]["disk_bytes"] == j[3]["tiers"]["disk_bytes"]);
