@@ -366,9 +366,7 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
     z.context = c;
     for (placement::Home h : p.kv_home) (h == placement::Home::gpu ? z.gpu_layers : z.cpu_layers)++;
     z.kv = p.gpu_kv_bytes + p.cpu_kv_bytes - p.state_bytes;  // both sides hold state
-    bool any_gpu = false;
-    for (placement::Home h : p.home) any_gpu = any_gpu || h == placement::Home::gpu;
-    any_gpu = any_gpu || z.gpu_layers > 0;
+    const bool any_gpu = p.any_on_gpu();
     if (p.unified) {
       z.memory = p.pool_bytes;
       z.where = "the unified pool";
@@ -483,10 +481,7 @@ namespace {
 // buffers (one per value that the CPU touches, per step shape) are not counted yet.
 size_t cpu_activation_bytes(const Model& model, const PlacementSetup& s,
                             const SessionParams& params) {
-  bool any_gpu = false;
-  for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
-  for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
-  if (any_gpu && s.device) return 0;
+  if (s.plan.any_on_gpu() && s.device) return 0;
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
   const auto n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
   size_t total = 0;
@@ -629,11 +624,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         "buffers (--stream-experts N forces them)");
   }
   bool any_gpu = false;
-  const auto find_gpu = [&] {
-    any_gpu = false;
-    for (placement::Home h : s.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
-    for (placement::Home h : s.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
-  };
+  const auto find_gpu = [&] { any_gpu = s.plan.any_on_gpu(); };
   find_gpu();
   // On a board's one pool (--unified off) the automatic plan puts everything on the CPU where no
   // split fits beside the GPU's scratch: with the streaming buffers in it, one that fits without
@@ -676,10 +667,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     const auto pool_use = [&] {
       const placement::Plan& p = s.plan;
       if (unified) return p.pool_total();
-      bool gpu = false;
-      for (placement::Home h : p.home) gpu = gpu || h == placement::Home::gpu;
-      for (placement::Home h : p.kv_home) gpu = gpu || h == placement::Home::gpu;
-      return (gpu ? p.gpu_total() : 0) + p.ram_total();
+      return (p.any_on_gpu() ? p.gpu_total() : 0) + p.ram_total();
     };
     // What the plan holds, term by term (for a refusal).
     const auto plan_terms = [&] {
@@ -704,11 +692,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     const auto act_for = [&](int64_t u) -> size_t {
       SessionParams q = params;
       q.n_ubatch = static_cast<int32_t>(u);
-      const placement::Plan& p = s.plan;
-      bool gpu = false;
-      for (placement::Home h : p.home) gpu = gpu || h == placement::Home::gpu;
-      for (placement::Home h : p.kv_home) gpu = gpu || h == placement::Home::gpu;
-      if (gpu && s.device) return 0;
+      if (s.plan.any_on_gpu() && s.device) return 0;
       auto it = arena_of_ub.find(u);
       if (it == arena_of_ub.end())
         it = arena_of_ub.emplace(u, cpu_activation_bytes(model, s, q)).first;
@@ -878,9 +862,7 @@ std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
                                                              const SessionParams& params) {
   const graph::WeightTable& w = model.weights();
   const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  bool any_gpu = false;
-  for (placement::Home h : setup.plan.home) any_gpu = any_gpu || h == placement::Home::gpu;
-  for (placement::Home h : setup.plan.kv_home) any_gpu = any_gpu || h == placement::Home::gpu;
+  const bool any_gpu = setup.plan.any_on_gpu();
   Device* dev = any_gpu ? setup.device.get() : nullptr;
   Capabilities caps = capabilities(dev, nullptr, w.size());
   const HybridOptions& h = params.hybrid;

@@ -238,6 +238,14 @@ struct Plan {
   /// Remarks shown with the plan (flags ignored for lack of a GPU, an automatic plan that fell
   /// back to the CPU); make_plan also logs them as warnings. Callers may append their own.
   std::vector<std::string> notes;
+  /// True when a tensor or a layer's KV cache lives on (is computed by) the GPU.
+  bool any_on_gpu() const {
+    for (Home h : home)
+      if (h == Home::gpu) return true;
+    for (Home h : kv_home)
+      if (h == Home::gpu) return true;
+    return false;
+  }
   /// Total device bytes the plan needs.
   size_t gpu_total() const {
     return gpu_weight_bytes + slot_bytes + gpu_kv_bytes + scratch_bytes + margin_bytes;
