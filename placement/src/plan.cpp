@@ -468,7 +468,9 @@ Plan make_plan_once(const Request& req, bool probing, int* fallback) {
               "runs on the CPU{}",
               mib(req.scratch_bytes), mib(req.margin_bytes), mib(budget),
               unified ? kUnifiedAllCpu : ""));
-        plan.how += " (the budget holds nothing: all on the CPU)";
+        plan.how += unified ? " (the pool holds nothing beside the GPU's scratch and margin: all "
+                              "on the CPU)"
+                            : " (the budget holds nothing: all on the CPU)";
         if (fallback && unified) *fallback = 1;
       } else if (unified && budget >= overhead + pinned_gpu) {
         // Who computes each unit: the processor with the lower modelled time per token on the
