@@ -46,17 +46,17 @@ mmap="bench model -m $F -p 0 -n 8 -r 2 -t 16 -ngl 0 --ram-budget none --dram-mib
 left() { (( $(date +%s) - t0 < $1 )); }
 run tier-skew-1 80 X=1 $B $tier --json $OUT/tier-skew-1.json
 run mmap-skew-1 90 X=1 $B $mmap --json $OUT/mmap-skew-1.json
-left 330 && run tier-trace-1 80 X=1 $B $tier --routing-trace $T --json $OUT/tier-trace-1.json
-left 330 && run mmap-trace-1 90 X=1 $B $mmap --routing-trace $T --json $OUT/mmap-trace-1.json
+left 250 && run tier-trace-1 80 X=1 $B $tier --routing-trace $T --json $OUT/tier-trace-1.json
+left 280 && run mmap-trace-1 90 X=1 $B $mmap --routing-trace $T --json $OUT/mmap-trace-1.json
 TV=; [ -x /usr/bin/time ] && TV="/usr/bin/time -v"
 P="the quick brown fox jumps over the lazy dog and then"
 for m in tier mmap pread; do
-  left 420 || break
+  left 330 || break
   case $m in tier) e=X=1; rb="${BUD}M";; mmap) e=X=1; rb=none;; pread) e=BERTH_DISK_READER=pread; rb="${BUD}M";; esac
   drop; ( enter; exec timeout 50 env $e $TV $B run -m $F -p "$P" -n 24 --temp 0 -t 16 -ngl 0 --ram-budget $rb ) > $OUT/tokens-$m.txt 2> $OUT/tokens-$m.err
   echo "tokens $m rc=$? md5 $(md5sum < $OUT/tokens-$m.txt | cut -c1-12) maxrss $(grep 'Maximum resident' $OUT/tokens-$m.err | awk '{print $NF}') KiB"
 done
-left 450 && run tier-skew-pread 60 BERTH_DISK_READER=pread $B $tier --json $OUT/tier-skew-pread.json
-left 470 && run tier-skew-2 60 X=1 $B $tier --json $OUT/tier-skew-2.json
+left 360 && run tier-skew-pread 55 BERTH_DISK_READER=pread $B $tier --json $OUT/tier-skew-pread.json
+left 370 && run tier-skew-2 50 X=1 $B $tier --json $OUT/tier-skew-2.json
 [[ -n $BPID ]] && kill $BPID
 echo "done at $(( $(date +%s) - t0 )) s"
