@@ -19,6 +19,7 @@
 #include "berth/graph/arena.h"
 #include "berth/residency/residency.h"
 #include "berth/runtime/plan_request.h"
+#include "berth/scheduler/memory.h"
 #include "berth/scheduler/scheduler.h"
 
 namespace berth {
@@ -798,6 +799,24 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     if (act > 0)
       info(fmt::format("{}, counted in the pool: {} of {}", act_text(),
                        placement::mib(pool_use() + act), placement::mib(up.pool)));
+    // A split plan: the scheduler's host buffers (the values that cross between the CPU and the
+    // GPU, and the CPU ops' own) are not in the count yet; say how large they are.
+    if (any_gpu && s.device) {
+      size_t host = 0;
+      for (const auto& [title, sched] : step_schedules(model, s, params)) {
+        const MemoryPlan m = plan_memory(sched, model.weights());
+        for (size_t v = 0; v < m.host.size(); ++v)
+          if (m.host[v] || m.pinned[v])
+            host += static_cast<size_t>(sched.g.values[v].rows * sched.g.values[v].cols) * 4;
+      }
+      // Below 64 MiB the pool's 1 GiB margin holds them (the output's logits, token ids).
+      if (host >= (size_t{64} << 20))
+        info(fmt::format(
+            "not counted in the pool: the scheduler's host buffers for the values a split step "
+            "passes between the CPU and the GPU, {} for a decode step and a ubatch of {} tokens "
+            "(one set per step shape, up to 8 shapes kept)",
+            placement::mib(host), n_ub));
+    }
   }
   // Expert slots (--residency adaptive): the plan's count, on its layers.
   ExpertSlotsOptions& xs = params.hybrid.expert_slots;

@@ -971,6 +971,17 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
     CHECK(u["total_bytes"].get<size_t>() <= size_t{2} << 30);
     CHECK(u["total_bytes"].get<size_t>() > u["activation_bytes"].get<size_t>());
   }
+  // A split plan says how large the scheduler's host buffers are, which the pool does not count
+  // yet (it said nothing of them: 1061.8 MiB here); an all-GPU plan has none worth a note.
+  check_plans(q30, {{"unified:8G",
+                     "",
+                     0,
+                     {"not counted in the pool: the scheduler's host buffers",
+                      "MiB for a decode "
+                      "step and a ubatch "
+                      "of 2048 tokens"},
+                     {}},
+                    {"unified:128G", "", 0, {}, {"not counted in the pool"}}});
   // The -ub named as the remedy is the largest halved one that fits once a plan for the pool less
   // its activations is allowed (it said -ub 256 here; 2048 fits), and it does fit.
   check_plans(
