@@ -84,8 +84,8 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
   if (f.n_gpu_layers > 0) r.flags.n_gpu_layers = -1;
   std::fill(r.kv_bytes.begin(), r.kv_bytes.end(), size_t{0});
   const bool ctx = plan_fits(r);
-  // A board whose OS reports much less available than the device's memory: freeing memory
-  // (other processes, the page cache they pin) may be enough, where the whole board would do.
+  // A board whose OS reports less available than the device's memory: freeing memory (other
+  // processes, the page cache they pin) is enough where the whole board would hold the plan.
   const size_t board_bytes = req.unified ? req.device_reported_free_bytes : req.device_free_bytes;
   if (board && req.os_available_bytes > 0 && board_bytes > req.os_available_bytes) {
     Request w = req;
@@ -111,12 +111,6 @@ std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bo
   if (plan.scratch_bytes + plan.margin_bytes >= plan.budget_bytes) {
     const bool board = (req.unified && req.discrete_free_bytes == 0) || req.shared_pool;
     // -ot rules that name the GPU win over -ngl: running on the CPU means leaving them out.
-    bool gpu_rules = false;
-    for (const auto& [regex, device] : f.overrides) {
-      std::string d = device;
-      for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-      gpu_rules = gpu_rules || d != "CPU";
-    }
     Request cpu = req;
     cpu.flags.n_gpu_layers = 0;
     cpu.flags.overrides.clear();
@@ -125,6 +119,7 @@ std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bo
       for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
       if (d == "CPU") cpu.flags.overrides.push_back(rule);
     }
+    const bool gpu_rules = cpu.flags.overrides.size() < f.overrides.size();
     std::string on_cpu;
     if (probing || plan_fits(cpu))
       on_cpu = !gpu_rules            ? "run on the CPU with -ngl 0"

@@ -476,15 +476,10 @@ PlacementSetup place(const Model& model, const placement::Flags& flags, SessionP
 
 namespace {
 
-// Host bytes of the f32 activations CpuExecutor allocates when `s.plan` puts nothing on the GPU:
-// its arena (graph::step_arena), as large as the larger step's: a ubatch of min(-ub, context)
-// tokens, or one token. 0 with anything on the GPU: the Scheduler's host and page-locked
-// buffers (one per value that the CPU touches, per step shape) are not counted yet.
-size_t cpu_activation_bytes(const Model& model, const PlacementSetup& s,
-                            const SessionParams& params) {
-  if (s.plan.any_on_gpu() && s.device) return 0;
-  const int64_t n_ctx = params.n_ctx > 0 ? params.n_ctx : default_n_ctx(model.hparams());
-  const auto n_ub = static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, n_ctx));
+// Host bytes of the f32 activations CpuExecutor allocates for a plan that puts nothing on the
+// GPU: its arena (graph::step_arena), as large as the larger step's: a ubatch of `n_ub` tokens
+// (at most the context), or one token.
+size_t cpu_step_arena_bytes(const Model& model, int32_t n_ub) {
   size_t total = 0;
   std::vector<size_t> offsets;
   for (const int32_t n : {n_ub, int32_t{1}}) {
@@ -691,12 +686,11 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     // graphs' arena sizes are kept per -ub (building them is the cost).
     std::map<int64_t, size_t> arena_of_ub;
     const auto act_for = [&](int64_t u) -> size_t {
-      SessionParams q = params;
-      q.n_ubatch = static_cast<int32_t>(u);
       if (s.plan.any_on_gpu() && s.device) return 0;
-      auto it = arena_of_ub.find(u);
+      const int64_t key = std::min(u, n_ctx);
+      auto it = arena_of_ub.find(key);
       if (it == arena_of_ub.end())
-        it = arena_of_ub.emplace(u, cpu_activation_bytes(model, s, q)).first;
+        it = arena_of_ub.emplace(key, cpu_step_arena_bytes(model, static_cast<int32_t>(key))).first;
       return it->second;
     };
     int64_t n_ub = std::min<int64_t>(params.n_ubatch, n_ctx);
@@ -784,9 +778,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     }
     // -ngl 0 (or nothing on the GPU) on a board: a --ram-budget above the pool is capped by it,
     // and said so, as the unified plan says it for the CPU's side.
-    bool said = false;  // the unified plan's own note on it
-    for (const std::string& n : s.plan.notes) said = said || n.rfind("--ram-budget", 0) == 0;
-    if (!said && !any_gpu && flags.ram_budget &&
+    if (!unified && !any_gpu && flags.ram_budget &&
         (*flags.ram_budget == placement::kNoRamBudget || *flags.ram_budget > up.pool))
       info(*flags.ram_budget == placement::kNoRamBudget
                ? fmt::format("--ram-budget none: the plan is still capped at {} of {}", pool_name,
@@ -803,12 +795,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     // GPU, and the CPU ops' own) are not in the count yet; say how large they are.
     if (any_gpu && s.device) {
       size_t host = 0;
-      for (const auto& [title, sched] : step_schedules(model, s, params)) {
-        const MemoryPlan m = plan_memory(sched, model.weights());
-        for (size_t v = 0; v < m.host.size(); ++v)
-          if (m.host[v] || m.pinned[v])
-            host += static_cast<size_t>(sched.g.values[v].rows * sched.g.values[v].cols) * 4;
-      }
+      for (const auto& [title, sched] : step_schedules(model, s, params))
+        host += plan_memory(sched, model.weights()).host_bytes;
       // Below 64 MiB the pool's 1 GiB margin holds them (the output's logits, token ids).
       if (host >= (size_t{64} << 20))
         info(fmt::format(

@@ -73,6 +73,7 @@ MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w,
     if (m.on_device[v]) sizes[v] = value_bytes(g.values[v]);
     m.pinned[v] = need_host[v] && (m.on_device[v] || in_place[v]);
     m.host[v] = need_host[v] && !m.pinned[v];
+    if (need_host[v]) m.host_bytes += value_bytes(g.values[v]);
   }
   m.arena_bytes = assign_offsets(sizes, birth, death, m.offset);
   return m;

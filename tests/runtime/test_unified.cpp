@@ -657,15 +657,18 @@ TEST_CASE("unified: budgets above the pool are capped with a note naming the val
   REQUIRE(rc == 0);
   CHECK(any_note(j, "--ram-budget none: on unified memory the CPU's side is still capped"));
   // -ngl 0 on the board: the same pool caps it, and a note says so (it said nothing).
-  j = plan_json("unified:8G", model, " -ngl 0 --ram-budget 20G", &rc, &err);
-  REQUIRE(rc == 0);
-  CHECK(any_note(j, "--ram-budget 20480.0 MiB is more than SIM0 (unified)'s pool of 7168.0 MiB"));
-  j = plan_json("unified:8G", model, " -ngl 0 --ram-budget none", &rc, &err);
-  REQUIRE(rc == 0);
-  CHECK(any_note(j, "--ram-budget none: the plan is still capped at SIM0 (unified)'s pool"));
-  j = plan_json("unified:8G", model, " -ngl 0 --ram-budget 4G", &rc, &err);
-  REQUIRE(rc == 0);
-  CHECK_FALSE(any_note(j, "--ram-budget"));
+  check_plans(model,
+              {{"unified:8G",
+                " -ngl 0 --ram-budget 20G",
+                0,
+                {"--ram-budget 20480.0 MiB is more than SIM0 (unified)'s pool of 7168.0 MiB"},
+                {}},
+               {"unified:8G",
+                " -ngl 0 --ram-budget none",
+                0,
+                {"--ram-budget none: the plan is still capped at SIM0 (unified)'s pool"},
+                {}},
+               {"unified:8G", " -ngl 0 --ram-budget 4G", 0, {}, {"--ram-budget"}}});
   // Budgets within the pool: no note.
   j = plan_json("unified:16G", model, " --vram-budget 8G --ram-budget 4G", &rc, &err);
   REQUIRE(rc == 0);

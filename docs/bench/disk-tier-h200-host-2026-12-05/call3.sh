@@ -1,5 +1,6 @@
 #!/bin/bash
-# Call 3 (a fresh machine: call 2 found none) on the H200 lease: issue 24's measurement on the device host. The 17.2 GB file, the
+# Call 3 on the H200 lease (a fresh machine: the first call's was gone): issue 24's measurement
+# on the device host. The 17.2 GB file made again, the
 # tier (io_uring, O_DIRECT) with --ram-budget a third of it against the mmap path under the same
 # memory limit (a memory cgroup of the budget + 256 MiB, or, where no cgroup can be made, a
 # resident balloon that leaves that much of MemAvailable), cold page cache before each run,

@@ -24,6 +24,7 @@ struct MemoryPlan {
   size_t arena_bytes = 0;
   size_t ws_bytes = 0;     ///< the largest call's workspace (Call::ws_bytes)
   size_t stage_bytes = 0;  ///< the largest streamed layer's gate + up + down bytes
+  size_t host_bytes = 0;   ///< host memory of the pinned and host values (one buffer each)
 };
 
 /// Offsets in one arena for buffers of known lifetimes (graph/arena.h).
