@@ -155,7 +155,7 @@ void add_disk_tier(const Request& req, Plan& plan, bool pool_share,
   plan.disk_weight_bytes = tier_bytes;
   plan.cpu_weight_bytes -= tier_bytes;
   plan.ram_slot_bytes = per_slot * c;
-  plan.how += fmt::format("; disk tier: {} RAM expert slots per MoE layer", c);
+  plan.how += fmt::format("; disk tier: {} RAM expert slot{} per MoE layer", c, c == 1 ? "" : "s");
 }
 
 }  // namespace berth::placement

@@ -724,6 +724,8 @@ Plan make_plan_once(const Request& req, bool probing, int* fallback) {
       note(fmt::format("-ot {} matches no tensor of this model", r.text));
 
   account_plan(req, plan, ot_pinned, adaptive, slots_at, has_exps, probing);
+  // Nothing on the GPU (-ngl 0): no expert can move, whatever the budget.
+  if (plan.expert_slots == 0 && !plan.any_on_gpu()) plan.residency = ResidencyMode::fixed;
   return plan;
 }
 

@@ -13,6 +13,9 @@ namespace berth::placement {
 
 namespace {
 
+// The board's whole pool (Request::pool_bytes is what the plan may fill).
+size_t whole_pool(const Request& req) { return req.pool_bytes + req.activation_reserve_bytes; }
+
 std::string unified_terms(const Request& req, const Plan& plan) {
   return fmt::format(
       "weights {} held once ({} computed by the GPU, {} by the CPU) + GPU KV cache {} + CPU KV "
@@ -117,9 +120,13 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
     if (f.vram_budget && *f.vram_budget > req.device_free_bytes)
       note(unified ? fmt::format("--vram-budget {} is more than the unified pool of {} (the {} "
                                  "the OS reports available minus a margin of {}): the GPU's "
-                                 "side is capped at the pool",
-                                 mib(*f.vram_budget), mib(req.device_free_bytes),
-                                 mib(req.os_available_bytes), mib(req.pool_margin_bytes))
+                                 "side is capped at {}",
+                                 mib(*f.vram_budget), mib(whole_pool(req)),
+                                 mib(req.os_available_bytes), mib(req.pool_margin_bytes),
+                                 req.activation_reserve_bytes > 0
+                                     ? fmt::format("the {} it leaves beside the activations",
+                                                   mib(req.device_free_bytes))
+                                     : std::string("the pool"))
                    : fmt::format("--vram-budget {} is more than the {} free on {}: the budget "
                                  "is capped at {}",
                                  mib(*f.vram_budget), mib(req.device_free_bytes), req.device_name,
@@ -194,23 +201,26 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
   // An explicit --ram-budget above what the pool leaves the CPU is capped, not silently.
   if (f.ram_budget) {
     const std::string gpu =
-        fmt::format("what the GPU's side ({}) leaves of the pool", mib(gpu_side));
+        req.activation_reserve_bytes > 0
+            ? fmt::format("what the GPU's side ({}) and the activations ({}) leave of the pool",
+                          mib(gpu_side), mib(req.activation_reserve_bytes))
+            : fmt::format("what the GPU's side ({}) leaves of the pool", mib(gpu_side));
     const size_t ram = *f.ram_budget;
     if (ram == kNoRamBudget)
       note(
           fmt::format("--ram-budget none: on unified memory the CPU's side is still capped at "
                       "{}, {} of {}",
-                      mib(pool_left), gpu, mib(req.pool_bytes)));
-    else if (ram > req.pool_bytes)
+                      mib(pool_left), gpu, mib(whole_pool(req))));
+    else if (ram > whole_pool(req))
       note(
           fmt::format("--ram-budget {} is more than the unified pool of {}: the CPU's side is "
                       "capped at {}, {}",
-                      mib(ram), mib(req.pool_bytes), mib(pool_left), gpu));
-    else if (f.vram_budget && *f.vram_budget + ram > req.pool_bytes)
+                      mib(ram), mib(whole_pool(req)), mib(pool_left), gpu));
+    else if (f.vram_budget && *f.vram_budget + ram > whole_pool(req))
       note(
           fmt::format("--vram-budget {} and --ram-budget {} add up to more than the unified "
                       "pool of {} they both draw on: the CPU's side gets at most {} ({})",
-                      mib(*f.vram_budget), mib(ram), mib(req.pool_bytes), gpu, mib(pool_left)));
+                      mib(*f.vram_budget), mib(ram), mib(whole_pool(req)), gpu, mib(pool_left)));
     else if (ram > pool_left)
       note(fmt::format("--ram-budget {} is more than {} ({}): the CPU's side is capped at it",
                        mib(ram), gpu, mib(pool_left)));

@@ -192,7 +192,10 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
             : std::string(),
         to_mib(plan.pool_total()),
         plan.activation_bytes > 0
-            ? fmt::format(" and the CPU's activations {:.3f} MiB", to_mib(plan.activation_bytes))
+            ? fmt::format(" and {} {:.3f} MiB",
+                          plan.activations_host_buffers ? "the scheduler's host buffers"
+                                                        : "the CPU's activations",
+                          to_mib(plan.activation_bytes))
             : std::string(),
         to_mib(plan.whole_pool_bytes > 0 ? plan.whole_pool_bytes : plan.pool_bytes),
         to_mib(req.os_available_bytes), to_mib(req.pool_margin_bytes),
@@ -264,6 +267,7 @@ std::string plan_json(const Request& req, const Plan& plan) {
         {"pool_bytes", plan.whole_pool_bytes > 0 ? plan.whole_pool_bytes : plan.pool_bytes},
         {"planned_pool_bytes", plan.pool_bytes},
         {"activation_bytes", plan.activation_bytes},
+        {"activations", plan.activations_host_buffers ? "host_buffers" : "cpu"},
         {"os_available_bytes", req.os_available_bytes},
         {"pool_margin_bytes", req.pool_margin_bytes},
         {"device_reported_free_bytes", req.device_reported_free_bytes},

@@ -370,7 +370,10 @@ int64_t default_serve_context(const Model& model, const placement::Flags& flags,
     const bool any_gpu = p.any_on_gpu();
     if (p.unified) {
       z.memory = p.pool_bytes;
-      z.where = "the unified pool";
+      z.where = p.activation_bytes > 0 && p.whole_pool_bytes > p.pool_bytes
+                    ? fmt::format("the unified pool of {} less the activations",
+                                  placement::mib(p.whole_pool_bytes))
+                    : std::string("the unified pool");
     } else if (r.shared_pool && flags_want_gpu(f)) {
       z.memory = r.shared_pool_bytes;
       z.where = "the board's pool (--unified off)";
@@ -571,6 +574,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     if (unified) {
       s.request.unified = true;
       s.request.pool_bytes = pool;
+      s.request.activation_reserve_bytes = up.pool - pool;
       s.request.os_available_bytes = os_available;
       s.request.pool_margin_bytes = placement::kRamMargin;
       s.request.device_reported_free_bytes = free_bytes;
@@ -679,25 +683,54 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
             placement::mib(pool_use() - p.ram_total() - p.gpu_weight_bytes - p.gpu_kv_bytes));
       return t;
     };
-    // -ngl 0 opens no device: the board is BERTH_SIM_DEVICE's, or the real one asked once.
-    const std::string pool_name =
-        s.device ? fmt::format("{}'s pool", device_name) : std::string("the board's pool");
-    // The CPU's activations of a plan for -ub u (0 where the GPU computes anything); the step
-    // graphs' arena sizes are kept per -ub (building them is the cost).
-    std::map<int64_t, size_t> arena_of_ub;
+    // One name whether a device was opened or not (run and serve with -ngl 0 open none; plan
+    // does): the board is BERTH_SIM_DEVICE's, or the real one asked once.
+    const std::string pool_name = "the board's pool";
+    // The activations a plan for -ub u adds to the pool: with nothing on the GPU, the CPU
+    // executor's arena; a split plan, the scheduler's host buffers (the values a split step
+    // passes between the CPU and the GPU and the CPU ops' own, one buffer each) for the decode
+    // steps and a ubatch of u tokens, the shapes the runtime keeps within them
+    // (HybridOptions::step_host_bytes). Kept per -ub and split (building the steps is the cost).
+    std::map<std::string, size_t> act_cache;
+    const auto split_now = [&] { return s.plan.any_on_gpu() && s.device != nullptr; };
     const auto act_for = [&](int64_t u) -> size_t {
-      if (s.plan.any_on_gpu() && s.device) return 0;
-      const int64_t key = std::min(u, n_ctx);
-      auto it = arena_of_ub.find(key);
-      if (it == arena_of_ub.end())
-        it = arena_of_ub.emplace(key, cpu_step_arena_bytes(model, static_cast<int32_t>(key))).first;
-      return it->second;
+      const int64_t n = std::min(u, n_ctx);
+      std::string key = fmt::format("{}:{}:{}:{}:", n, split_now(), s.plan.expert_slots, stream);
+      if (split_now()) {
+        for (placement::Home h : s.plan.home) key += static_cast<char>('0' + static_cast<int>(h));
+        key += ':';
+        for (placement::Home h : s.plan.kv_home)
+          key += static_cast<char>('0' + static_cast<int>(h));
+        for (int32_t c : s.plan.layer_slots) key += fmt::format(",{}", c);
+      }
+      auto it = act_cache.find(key);
+      if (it != act_cache.end()) return it->second;
+      size_t bytes = 0;
+      if (!split_now()) {
+        bytes = cpu_step_arena_bytes(model, static_cast<int32_t>(n));
+      } else {
+        SessionParams p = params;
+        p.n_ubatch = static_cast<int32_t>(n);
+        const auto steps = step_schedules(model, s, p);  // a decode step, then the ubatch
+        // Decode steps of 1..K tokens (K sequences, at most 64: scheduler.cpp captures those
+        // once per token count and keeps them), each K rows of the one-token step's buffers.
+        const size_t k = static_cast<size_t>(std::clamp(params.n_seq, 1, 64));
+        bytes = plan_memory(steps.front().second, model.weights()).host_bytes * k * (k + 1) / 2 +
+                plan_memory(steps.back().second, model.weights()).host_bytes;
+      }
+      return act_cache.emplace(std::move(key), bytes).first->second;
     };
     int64_t n_ub = std::min<int64_t>(params.n_ubatch, n_ctx);
     size_t act = act_for(params.n_ubatch);
+    // What the activations are, for a ubatch of u tokens.
+    const auto act_what = [&](int64_t u) {
+      return fmt::format("{} a ubatch of {} token{}",
+                         split_now() ? "the scheduler's host buffers for the decode steps and"
+                                     : "the CPU's activations for",
+                         u, u == 1 ? "" : "s");
+    };
     const auto act_text = [&] {
-      return fmt::format("the CPU's activations for a ubatch of {} token{} ({}), {}", n_ub,
-                         n_ub == 1 ? "" : "s",
+      return fmt::format("{} ({}), {}", act_what(n_ub),
                          n_ub < params.n_ubatch ? "-ub, capped by -c"
                          : params.n_ubatch_auto ? "the default -ub"
                                                 : "-ub",
@@ -720,8 +753,16 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         return pool_use() + act_for(u) <= up.pool;
       };
       if (whole_pool_first && attempt(up.pool)) return true;
-      const size_t a = act_for(u);
-      if (a < up.pool && attempt(up.pool - a)) return true;
+      // A split plan made for less pool computes more on the CPU, whose host buffers grow: plan
+      // again for the pool less the larger buffers while they grow (a few rounds reach all of
+      // the CPU-held layers).
+      size_t a = act_for(u);
+      for (int round = 0; round < 8 && a < up.pool; ++round) {
+        if (attempt(up.pool - a)) return true;
+        const size_t grown = act_for(u);
+        if (grown <= a) break;
+        a = grown;
+      }
       pool = up.pool;
       return false;
     };
@@ -731,15 +772,18 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       const std::string asked_text = act_text();
       const int64_t asked_ub = params.n_ubatch, was = n_ub;
       const size_t was_act = act;
+      const std::string was_what = act_what(was);
       // First the -ub asked for (or the default) with the pool less its activations; then, -ub
       // not given, the largest halved -ub whose plan (either way) fits.
       bool done = fits_with_ub(asked_ub, /*whole_pool_first=*/false);
       if (done) {
-        info(
-            fmt::format("{}, do not fit beside the plan in the pool of {}: planned for the {} "
-                        "they leave",
-                        asked_text, placement::mib(up.pool), placement::mib(pool)));
         act = act_for(asked_ub);
+        // A split plan made for less pool may hold larger host buffers (more on the CPU).
+        info(fmt::format("{}, do not fit beside the plan in the pool of {}: planned for the {} {}",
+                         asked_text, placement::mib(up.pool), placement::mib(pool),
+                         act == was_act
+                             ? std::string("they leave")
+                             : fmt::format("left beside the plan's own, {}", placement::mib(act))));
       }
       // The largest halved -ub that fits: the remedy named, or (-ub not given) the one taken.
       int64_t fits_ub = 0;
@@ -749,10 +793,9 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         n_ub = fits_ub;
         act = act_for(fits_ub);
         const std::string lowered = fmt::format(
-            "-ub lowered from {} to {}: the CPU's activations for a ubatch of {} tokens, {}, do "
-            "not fit beside the plan in {} of {}, nor beside a plan for the pool less them (set "
-            "-ub to choose)",
-            was, n_ub, was, placement::mib(was_act), pool_name, placement::mib(up.pool));
+            "-ub lowered from {} to {}: {}, {}, do not fit beside the plan in {} of {}, nor "
+            "beside a plan for the pool less them (set -ub to choose)",
+            was, n_ub, was_what, placement::mib(was_act), pool_name, placement::mib(up.pool));
         if (plan_only)
           s.plan.notes.push_back(lowered);
         else if (progress_to_stderr)  // run, serve: where the other plan notes go
@@ -787,24 +830,17 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                              placement::mib(*flags.ram_budget), pool_name,
                              placement::mib(up.pool)));
     s.plan.activation_bytes = act;
+    s.plan.activations_host_buffers = split_now();
     s.plan.whole_pool_bytes = act > 0 ? up.pool : 0;
-    if (act > 0)
-      info(fmt::format("{}, counted in the pool: {} of {}", act_text(),
-                       placement::mib(pool_use() + act), placement::mib(up.pool)));
-    // A split plan: the scheduler's host buffers (the values that cross between the CPU and the
-    // GPU, and the CPU ops' own) are not in the count yet; say how large they are.
-    if (any_gpu && s.device) {
-      size_t host = 0;
-      for (const auto& [title, sched] : step_schedules(model, s, params))
-        host += plan_memory(sched, model.weights()).host_bytes;
-      // Below 64 MiB the pool's 1 GiB margin holds them (the output's logits, token ids).
-      if (host >= (size_t{64} << 20))
-        info(fmt::format(
-            "not counted in the pool: the scheduler's host buffers for the values a split step "
-            "passes between the CPU and the GPU, {} for a decode step and a ubatch of {} tokens "
-            "(one set per step shape, up to 8 shapes kept)",
-            placement::mib(host), n_ub));
-    }
+    // A split step's host buffers hold the steps the runtime keeps to what was counted.
+    params.hybrid.step_host_bytes = split_now() ? act : 0;
+    // Host buffers below 64 MiB (an all-GPU plan's logits and token ids) need no line.
+    if (act > 0 && (!split_now() || act >= (size_t{64} << 20)))
+      info(fmt::format("{}, counted in the pool: {} of {}{}", act_text(),
+                       placement::mib(pool_use() + act), placement::mib(up.pool),
+                       split_now() ? " (other step shapes reuse that room: the least recently "
+                                     "used is freed)"
+                                   : ""));
   }
   // Expert slots (--residency adaptive): the plan's count, on its layers.
   ExpertSlotsOptions& xs = params.hybrid.expert_slots;

@@ -42,10 +42,10 @@ struct Scheduler::Step {
   MemoryPlan m;
   StepBindings b;
   std::vector<SegmentRun> seg_runs;
-  std::vector<float*> host_val;                // per value: where CPU ops read and write it
-  std::vector<std::vector<float>> host_owned;  // values only CPU ops touch
-  std::vector<void*> pinned;                   // page-locked host buffers (to free)
-  std::vector<uint8_t*> masks;                 // device expert masks (to free)
+  std::vector<float*> host_val;   // per value: where CPU ops read and write it
+  std::vector<float> host_arena;  // values only CPU ops touch (MemoryPlan)
+  std::vector<void*> pinned;      // page-locked host buffers (to free)
+  std::vector<uint8_t*> masks;    // device expert masks (to free)
   void* arena = nullptr;
   void* ws = nullptr;
   float* out_host = nullptr;
@@ -247,6 +247,13 @@ int64_t Scheduler::warm_workers_us() const {
   return !dev_ || dev_->computes_on_host() || !opt_.graphs || profiling_ ? 0 : kDecodeWarmWorkersUs;
 }
 
+size_t Scheduler::host_buffer_bytes() const {
+  size_t n = 0;
+  if (dev_)
+    for (const auto& st : steps_) n += st->m.host_bytes;
+  return n;
+}
+
 size_t Scheduler::device_scratch_bytes() const {
   size_t n = 0;
   for (const auto& st : steps_) n += st->m.arena_bytes + st->m.ws_bytes;
@@ -265,18 +272,21 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   // Keep a few shapes: each holds device memory (its arena, workspace, page-locked buffers),
   // and prompts of many lengths would otherwise grow it without bound. Steps with a captured
   // graph (decode: one token) stay; the least recently used of the others goes.
-  constexpr size_t kMaxSteps = 8;
-  while (steps_.size() >= kMaxSteps) {
+  const auto evict_one = [this] {
     auto victim = steps_.end();
     for (auto it = steps_.begin(); it != steps_.end(); ++it)
       if ((*it)->graph < 0 && (victim == steps_.end() || (*it)->last_use < (*victim)->last_use))
         victim = it;
-    if (victim == steps_.end()) break;
+    if (victim == steps_.end()) return false;
     if (dev_) {
       dev_->synchronize();
       free_step(**victim);
     }
     steps_.erase(victim);
+    return true;
+  };
+  constexpr size_t kMaxSteps = 8;
+  while (steps_.size() >= kMaxSteps && evict_one()) {
   }
   auto owned = std::make_unique<Step>();
   Step& st = *owned;
@@ -318,6 +328,21 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     }
   st.m = plan_memory(s, weights_, keep);
   const MemoryPlan& m = st.m;
+  // The kept steps' host buffers within HybridOptions::step_host_bytes (what a board's plan
+  // counted): the least recently used others go first; a step larger alone still runs.
+  if (opt_.step_host_bytes > 0) {
+    while (host_buffer_bytes() + m.host_bytes > opt_.step_host_bytes && evict_one()) {
+    }
+    if (host_buffer_bytes() + m.host_bytes > opt_.step_host_bytes && !host_budget_warned_) {
+      host_budget_warned_ = true;
+      log::warn(
+          "a step of {} tokens ({} output rows) holds {:.1f} MiB of host buffers beside the "
+          "{:.1f} MiB the kept steps hold: more than the {:.1f} MiB the plan counted in the pool",
+          g.n_tokens, out_rows, static_cast<double>(m.host_bytes) / (1 << 20),
+          static_cast<double>(host_buffer_bytes()) / (1 << 20),
+          static_cast<double>(opt_.step_host_bytes) / (1 << 20));
+    }
+  }
   StepBindings& b = st.b;
   try {
     if (m.stage_bytes > 0) res_->reserve_stage(m.stage_bytes);
@@ -328,7 +353,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     b.value.assign(n_val, nullptr);
     b.host.assign(n_val, nullptr);
     st.host_val.assign(n_val, nullptr);
-    st.host_owned.resize(n_val);
+    st.host_arena.assign(m.host_arena_bytes / sizeof(float), 0.0f);
     for (size_t v = 0; v < n_val; ++v) {
       if (m.on_device[v])
         b.value[v] = reinterpret_cast<float*>(static_cast<uint8_t*>(st.arena) + m.offset[v]);
@@ -338,8 +363,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
         b.host[v] = static_cast<float*>(p);
         st.host_val[v] = b.host[v];
       } else if (m.host[v]) {
-        st.host_owned[v].resize(static_cast<size_t>(sg.values[v].rows * sg.values[v].cols));
-        st.host_val[v] = st.host_owned[v].data();
+        st.host_val[v] = st.host_arena.data() + m.host_offset[v] / sizeof(float);
       }
     }
     // Values read in place (flag hand-off): device ops read their page-locked buffer.

@@ -145,7 +145,10 @@ TEST_CASE("expert slots: swaps forced every step keep the CPU-only greedy tokens
           // is still loading (its copy late: the simulated copy worker shares the host's cores,
           // and a loaded machine delays it): each such miss has a late copy behind it.
           CHECK(st.swaps + st.late >= (st.boundaries - 1) * n_layer);
-          CHECK(st.swaps >= (st.boundaries - 1) * n_layer / 2);
+          // How many land in time is the machine's load (half or more when idle; 17 of 40 under
+          // ctest -j2 once, which a bound of half failed): the first boundary, with no copy in
+          // flight, swaps in every layer whatever the load.
+          CHECK(st.swaps >= n_layer);
           CHECK(st.swaps <= st.boundaries * n_layer);
           CHECK(st.commits > 0);
           CHECK(st.bytes_moved > 0);

@@ -25,6 +25,7 @@
 #include "berth/runtime/placed.h"
 #include "berth/runtime/plan_request.h"
 #include "berth/runtime/session.h"
+#include "berth/scheduler/memory.h"
 #include "berth/scheduler/scheduler.h"
 #include "berth/tools/synth.h"
 #include "greedy_run.h"
@@ -562,6 +563,100 @@ TEST_CASE("hybrid: prompts of many lengths keep a bounded number of compiled ste
     CHECK(used <= s.scheduler().device_scratch_bytes() + s.residency()->device_weight_bytes() +
                       s.kv_device_bytes() + (size_t{1} << 20));
   }
+}
+
+TEST_CASE("hybrid: the values only the CPU touches share one host arena, same logits") {
+  // They had one buffer each: a split of a dense model with most layers on the CPU held every
+  // value of those layers at once (about 38 GiB for a 27B at ubatch 2048, by the plan's count).
+  gguf::File file = gguf::File::open(test::stories260k().string());
+  auto model = load_model(file);
+  auto dev = test_device();
+  const int n_layer = static_cast<int>(model->hparams().n_layer);
+  const Homes h = homes_by(*model, [&](const std::string& n, int l) {
+    return l == n_layer - 1 || n.rfind("output", 0) == 0;  // the rest on the CPU
+  });
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 32; ++i) prompt.push_back((i * 37 + 11) % 500 + 3);
+  SessionParams sp = on_device(dev.get(), h, 64);
+  sp.n_ubatch = 32;
+  Session s(*model, sp);
+  const std::span<const float> got = s.eval(prompt);
+  const std::vector<float> split(got.begin(), got.end());
+  SessionParams cpu_sp;
+  cpu_sp.n_ctx = 64;
+  cpu_sp.n_ubatch = 32;
+  Session cpu(*model, cpu_sp);
+  const std::span<const float> ref = cpu.eval(prompt);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < split.size(); ++i) {
+    num += (split[i] - ref[i]) * (split[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  CHECK(num / den < placement_nmse("f32"));
+  const graph::Graph g = model->build_step(32, 1);
+  const MemoryPlan m = plan_memory(s.scheduler().schedule(g), model->weights());
+  size_t separate = 0;
+  for (size_t v = 0; v < g.values.size(); ++v)
+    if (m.host[v]) separate += static_cast<size_t>(g.values[v].rows * g.values[v].cols) * 4;
+  MESSAGE("host values ", separate, " B one buffer each; arena ", m.host_arena_bytes, " B");
+  CHECK(m.host_arena_bytes > 0);
+  CHECK(m.host_arena_bytes * 4 < separate);
+  CHECK(m.host_bytes == m.pinned_bytes + m.host_arena_bytes);
+}
+
+TEST_CASE("hybrid: a split step's host buffers stay within HybridOptions::step_host_bytes") {
+  // A board's plan counts the host buffers of the decode step and a full ubatch in its pool; the
+  // scheduler keeps the steps it holds within that (they were kept per shape, up to 8 shapes, a
+  // full ubatch's each, uncounted). Evicted shapes compile again with the same results.
+  gguf::File file = gguf::File::open(tiny_moe_file("f32"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  const Homes h = homes_by(*model, [](const std::string& n, int) {
+    return n.find("_exps") == std::string::npos;  // routed experts on the CPU: a split step
+  });
+  constexpr int32_t kUb = 32;
+  const auto prompt_of = [](int n) {
+    std::vector<int32_t> p;
+    for (int i = 0; i < n; ++i) p.push_back((i * 31 + 7) % 200 + 3);
+    return p;
+  };
+  // The host buffers of a decode step and a full ubatch, as the plan counts them.
+  size_t budget = 0;
+  {
+    SessionParams sp = on_device(dev.get(), h, 256);
+    sp.n_ubatch = kUb;
+    Session s(*model, sp);
+    (void)s.eval(prompt_of(kUb));
+    (void)s.eval(prompt_of(1));
+    budget = s.scheduler().host_buffer_bytes();
+  }
+  REQUIRE(budget > 0);
+  // Prompts of other lengths (their tails are other shapes), with decode steps between.
+  const auto run = [&](size_t cap, size_t* peak) {
+    SessionParams sp = on_device(dev.get(), h, 256);
+    sp.n_ubatch = kUb;
+    sp.hybrid.step_host_bytes = cap;
+    Session s(*model, sp);
+    std::vector<float> out;
+    *peak = 0;
+    for (int n : {kUb + 5, kUb + 17, 2 * kUb + 9, kUb + 23, kUb + 2}) {
+      s.reset();
+      for (int32_t t : {-1, 5, 9}) {
+        const std::span<const float> l = t < 0 ? s.eval(prompt_of(n)) : s.eval({&t, 1});
+        out.insert(out.end(), l.begin(), l.end());
+        *peak = std::max(*peak, s.scheduler().host_buffer_bytes());
+      }
+    }
+    return out;
+  };
+  size_t peak_free = 0, peak_capped = 0;
+  const std::vector<float> free_run = run(0, &peak_free);
+  const std::vector<float> capped = run(budget, &peak_capped);
+  MESSAGE("budget ", budget, " B; peak without the cap ", peak_free, " B, with it ", peak_capped,
+          " B");
+  CHECK(peak_free > budget);  // the case exercises the cap
+  CHECK(peak_capped <= budget);
+  CHECK(capped == free_run);
 }
 
 TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the same tokens") {

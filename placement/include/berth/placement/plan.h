@@ -158,8 +158,11 @@ struct Request {
   /// CPU's side. No expert slots (experts are never copied). The automatic plan picks who
   /// computes each unit by `rates` (UnifiedRates), not by where bytes live.
   bool unified = false;
-  /// The pool: os_available_bytes minus pool_margin_bytes, at most the device's total memory.
+  /// The pool: os_available_bytes minus pool_margin_bytes, at most the device's total memory,
+  /// less activation_reserve_bytes: the part the runtime keeps for the activations where they
+  /// did not fit beside a plan for the whole pool (messages name the whole pool).
   size_t pool_bytes = 0;
+  size_t activation_reserve_bytes = 0;
   size_t os_available_bytes = 0;  ///< the OS's MemAvailable (for messages)
   size_t pool_margin_bytes = 0;   ///< what the pool leaves of it
   /// What the device itself reports free (cudaMemGetInfo; for messages: on a unified board it
@@ -224,11 +227,14 @@ struct Plan {
   /// who computes a tensor, not where its bytes live.
   bool unified = false;
   size_t pool_bytes = 0;
-  /// A board's one pool also holds the CPU's activations (the runtime's step arena at -ub, set by
-  /// runtime's place(); 0: not counted). whole_pool_bytes is the pool they share with the plan;
-  /// pool_bytes is what the plan was made for: the pool less them where they did not fit beside a
-  /// plan for the whole pool (the disk tier then takes more routed experts).
+  /// A board's one pool also holds the activations, set by runtime's place() (0: not counted):
+  /// with nothing on the GPU the CPU's step arena at -ub; for a split plan
+  /// (activations_host_buffers) the scheduler's host buffers for a decode step and a ubatch.
+  /// whole_pool_bytes is the pool they share with the plan; pool_bytes is what the plan was made
+  /// for: the pool less them where they did not fit beside a plan for the whole pool (the disk
+  /// tier then takes more routed experts).
   size_t activation_bytes = 0;
+  bool activations_host_buffers = false;
   size_t whole_pool_bytes = 0;
   /// Unified memory: everything the plan holds in the pool, each weight once.
   size_t pool_total() const {
@@ -324,6 +330,7 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// computes, held once in host memory; else 0), "ram_bytes", "disk_bytes", "ram_budget_bytes"
 /// (null: none), "ram_slots"}, "unified": null or {"pool_bytes" (the whole pool),
 /// "planned_pool_bytes" (Plan::pool_bytes), "activation_bytes" (Plan::activation_bytes),
+/// "activations" ("cpu": the CPU's step arena; "host_buffers": a split step's host buffers),
 /// "os_available_bytes", "pool_margin_bytes", "device_reported_free_bytes", "total_bytes"
 /// (Plan::pool_total plus the activations),
 /// "weights_bytes" (held once: in the pool, or on the disk tier), "gpu_computes_bytes",

@@ -17,14 +17,20 @@
 namespace berth {
 
 struct MemoryPlan {
-  std::vector<uint8_t> on_device;  ///< per value: a buffer in the device arena
-  std::vector<size_t> offset;      ///< per value: its offset in the arena (256-byte aligned)
-  std::vector<uint8_t> pinned;     ///< per value: a page-locked host buffer (it crosses)
-  std::vector<uint8_t> host;       ///< per value: host memory of its own (CPU ops only)
+  std::vector<uint8_t> on_device;   ///< per value: a buffer in the device arena
+  std::vector<size_t> offset;       ///< per value: its offset in the arena (256-byte aligned)
+  std::vector<uint8_t> pinned;      ///< per value: a page-locked host buffer (it crosses)
+  std::vector<uint8_t> host;        ///< per value: in the host arena (CPU ops only touch it)
+  std::vector<size_t> host_offset;  ///< per host value: its offset in the host arena
   size_t arena_bytes = 0;
   size_t ws_bytes = 0;     ///< the largest call's workspace (Call::ws_bytes)
   size_t stage_bytes = 0;  ///< the largest streamed layer's gate + up + down bytes
-  size_t host_bytes = 0;   ///< host memory of the pinned and host values (one buffer each)
+  /// The host arena: the values only CPU ops touch, a value's bytes reused once its last CPU
+  /// reader has run (the CPU segments run one after another, in order); each moe_route output
+  /// and the graph's output live to the end of the step.
+  size_t host_arena_bytes = 0;
+  size_t pinned_bytes = 0;  ///< the page-locked values' bytes (one buffer each)
+  size_t host_bytes = 0;    ///< host memory of the step: pinned_bytes + host_arena_bytes
 };
 
 /// Offsets in one arena for buffers of known lifetimes (graph/arena.h).

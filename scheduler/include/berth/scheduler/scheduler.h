@@ -94,6 +94,13 @@ struct HybridOptions {
   /// by the slot table (schedule.h, step 1). Needs the CPU-held experts pinned (the Session
   /// pins them). 0: off.
   ExpertSlotsOptions expert_slots;
+  /// Host memory, in bytes, that the kept step shapes' host buffers (MemoryPlan::host_bytes:
+  /// the values a split step passes between the CPU and the device, and the CPU ops' own) may
+  /// hold together: before a new shape allocates its own, the least recently used shapes without
+  /// a captured graph are freed until it fits; a shape larger alone still runs (with one
+  /// warning). A board's plan sets it to what it counted in the pool (a decode step and a full
+  /// ubatch). 0: no cap (at most 8 shapes are kept).
+  size_t step_host_bytes = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
 };
@@ -149,6 +156,8 @@ class Scheduler {
   void set_skip_cpu_segments(bool on) { skip_cpu_ = on; }
   /// Device bytes of the steps' arenas and workspaces.
   size_t device_scratch_bytes() const;
+  /// Host bytes of the kept steps' host buffers (MemoryPlan::host_bytes; 0 without a device).
+  size_t host_buffer_bytes() const;
   /// Step shapes compiled and kept (at most 8 besides captured decode steps: the least recently
   /// run other one is freed to make room).
   size_t n_steps() const { return steps_.size(); }
@@ -244,6 +253,7 @@ class Scheduler {
   Device* dev_;
   std::vector<placement::Home> kv_home_;
   HybridOptions opt_;
+  bool host_budget_warned_ = false;
   CpuExecutor cpu_;
   Capabilities caps_;
   int32_t* tokens_host_ = nullptr;  // page-locked, n_ctx long
