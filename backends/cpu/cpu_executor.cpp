@@ -104,7 +104,10 @@ void CpuExecutor::begin_external(const graph::Graph& g, std::span<float* const> 
     throw Error(ErrorCategory::internal, "begin_external: one pointer per value expected");
   ++run_count_;
   ptrs_.assign(value_ptrs.begin(), value_ptrs.end());
-  readable_.assign(g.values.size(), 1);
+  // The caller may reuse the others' bytes within the step (the Scheduler's host arena).
+  readable_.assign(g.values.size(), 0);
+  if (g.output >= 0) readable_[static_cast<size_t>(g.output)] = 1;
+  for (graph::ValueId v : graph::kept_after_step(g)) readable_[static_cast<size_t>(v)] = 1;
 }
 
 void CpuExecutor::run_subset(const graph::Graph& g, std::span<const int32_t> op_indices,

@@ -713,9 +713,10 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         p.n_ubatch = static_cast<int32_t>(n);
         const auto steps = step_schedules(model, s, p);  // a decode step, then the ubatch
         // Decode steps of 1..K tokens (K sequences, at most 64: scheduler.cpp captures those
-        // once per token count and keeps them), each K rows of the one-token step's buffers.
+        // once per token count and kind, greedy on the device or sampled, and keeps them), each
+        // K rows of the one-token step's buffers.
         const size_t k = static_cast<size_t>(std::clamp(params.n_seq, 1, 64));
-        bytes = plan_memory(steps.front().second, model.weights()).host_bytes * k * (k + 1) / 2 +
+        bytes = plan_memory(steps.front().second, model.weights()).host_bytes * k * (k + 1) +
                 plan_memory(steps.back().second, model.weights()).host_bytes;
       }
       return act_cache.emplace(std::move(key), bytes).first->second;

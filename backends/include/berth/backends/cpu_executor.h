@@ -132,9 +132,10 @@ class CpuExecutor {
   }
 
   /// Value `v` of the last run() of graph `g` ([rows, cols] row-major): the output or a
-  /// layer's routing (a moe_route output; graph::kept_after_step); after begin_external, any
-  /// value. Throws Error(invalid_argument) for an id that graph does not have, or a value run()
-  /// did not keep (its bytes were reused by later ops: graph::step_arena).
+  /// layer's routing (a moe_route output; graph::kept_after_step), after run() or a step begun
+  /// by begin_external (whose caller reuses the bytes of the others too: the Scheduler's host
+  /// arena). Throws Error(invalid_argument) for an id that graph does not have, or a value the
+  /// step did not keep (its bytes were reused by later ops: graph::step_arena).
   std::span<const float> value(const graph::Graph& g, graph::ValueId v) const;
 
   /// Op timing: when on, run() adds each op's wall time to its kind's total.

@@ -98,8 +98,10 @@ struct HybridOptions {
   /// the values a split step passes between the CPU and the device, and the CPU ops' own) may
   /// hold together: before a new shape allocates its own, the least recently used shapes without
   /// a captured graph are freed until it fits; a shape larger alone still runs (with one
-  /// warning). A board's plan sets it to what it counted in the pool (a decode step and a full
-  /// ubatch). 0: no cap (at most 8 shapes are kept).
+  /// warning). A board's plan sets it to what it counted in the pool (the decode steps of 1..-np
+  /// tokens, greedy and sampled, and a full ubatch). Shapes that change from step to step (a
+  /// server's mixed steps) are then compiled again more often than the 8 kept without a cap.
+  /// 0: no cap (at most 8 shapes are kept).
   size_t step_host_bytes = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
@@ -142,6 +144,7 @@ class Scheduler {
                                       std::span<const int32_t> seqs = {});
 
   /// The schedule steps of the shape of `g` run (made now if no step of that shape ran yet).
+  /// Like a step, it may free a kept shape (and the output of the step that ran on it).
   const Schedule& schedule(const graph::Graph& g, bool select = false);
   /// Where op `i` of `g` runs.
   placement::Home op_home(const graph::Graph& g, size_t i);
