@@ -42,10 +42,11 @@ struct Scheduler::Step {
   MemoryPlan m;
   StepBindings b;
   std::vector<SegmentRun> seg_runs;
-  std::vector<float*> host_val;   // per value: where CPU ops read and write it
-  std::vector<float> host_arena;  // values only CPU ops touch (MemoryPlan)
-  std::vector<void*> pinned;      // page-locked host buffers (to free)
-  std::vector<uint8_t*> masks;    // device expert masks (to free)
+  std::vector<float*> host_val;     // per value: where CPU ops read and write it
+  std::vector<float> host_arena;    // values only CPU ops touch (MemoryPlan)
+  std::vector<void*> pinned;        // page-locked host buffers (to free)
+  std::vector<size_t> pinned_size;  // their sizes
+  std::vector<uint8_t*> masks;      // device expert masks (to free)
   void* arena = nullptr;
   void* ws = nullptr;
   float* out_host = nullptr;
@@ -153,6 +154,9 @@ void Scheduler::release() {
   }
   for (auto& st : steps_) free_step(*st);
   steps_.clear();
+  for (const auto& [bytes, p] : spare_host_) dev_->dealloc_host(p);
+  spare_host_.clear();
+  spare_host_bytes_ = 0;
   if (tokens_host_) dev_->dealloc_host(tokens_host_), tokens_host_ = nullptr;
   if (positions_host_) dev_->dealloc_host(positions_host_), positions_host_ = nullptr;
   if (tokens_dev_) dev_->dealloc(tokens_dev_), tokens_dev_ = nullptr;
@@ -232,14 +236,39 @@ const float* Scheduler::value_to_host(const Step& st, graph::ValueId v, std::vec
   return out.data();
 }
 
-void Scheduler::free_step(Step& st) {
+void Scheduler::free_step(Step& st, bool recycle) {
   if (st.arena) dev_->dealloc(st.arena), st.arena = nullptr;
   if (st.ws) dev_->dealloc(st.ws), st.ws = nullptr;
   if (st.b.selected_dev) dev_->dealloc(st.b.selected_dev), st.b.selected_dev = nullptr;
   for (uint8_t*& m : st.masks)
     if (m) dev_->dealloc(m), m = nullptr;
-  for (void* p : st.pinned) dev_->dealloc_host(p);
+  for (size_t i = 0; i < st.pinned.size(); ++i) {
+    if (recycle && opt_.step_host_bytes > 0 && i < st.pinned_size.size()) {
+      spare_host_.emplace(st.pinned_size[i], st.pinned[i]);
+      spare_host_bytes_ += st.pinned_size[i];
+    } else {
+      dev_->dealloc_host(st.pinned[i]);
+    }
+  }
   st.pinned.clear();
+  st.pinned_size.clear();
+  st.host_arena.clear();
+  st.host_arena.shrink_to_fit();
+}
+
+void* Scheduler::take_host(size_t bytes, const char* name, size_t* got) {
+  auto it = spare_host_.lower_bound(bytes);
+  if (it != spare_host_.end() && it->first <= 2 * bytes) {
+    void* p = it->second;
+    *got = it->first;
+    spare_host_bytes_ -= it->first;
+    spare_host_.erase(it);
+    return p;
+  }
+  void* p = dev_->alloc_host(bytes, name);
+  ++host_allocs_;
+  *got = bytes;
+  return p;
 }
 
 int64_t Scheduler::warm_workers_us() const {
@@ -247,12 +276,17 @@ int64_t Scheduler::warm_workers_us() const {
   return !dev_ || dev_->computes_on_host() || !opt_.graphs || profiling_ ? 0 : kDecodeWarmWorkersUs;
 }
 
-size_t Scheduler::host_buffer_bytes() const {
+size_t Scheduler::kept_host_bytes() const {
   size_t n = 0;
   if (dev_)
-    for (const auto& st : steps_) n += st->m.host_bytes;
+    for (const auto& st : steps_) {
+      n += st->host_arena.size() * sizeof(float);
+      for (size_t b : st->pinned_size) n += b;
+    }
   return n;
 }
+
+size_t Scheduler::host_buffer_bytes() const { return kept_host_bytes() + spare_host_bytes_; }
 
 size_t Scheduler::device_scratch_bytes() const {
   size_t n = 0;
@@ -280,7 +314,7 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     if (victim == steps_.end()) return false;
     if (dev_) {
       dev_->synchronize();
-      free_step(**victim);
+      free_step(**victim, /*recycle=*/true);
     }
     steps_.erase(victim);
     return true;
@@ -330,16 +364,18 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
   const MemoryPlan& m = st.m;
   // The kept steps' host buffers within HybridOptions::step_host_bytes (what a board's plan
   // counted): the least recently used others go first; a step larger alone still runs.
+  // Evicted steps leave their page-locked buffers as spares this one takes; the spares it does
+  // not take are freed once it holds its own (below).
   if (opt_.step_host_bytes > 0) {
-    while (host_buffer_bytes() + m.host_bytes > opt_.step_host_bytes && evict_one()) {
+    while (kept_host_bytes() + m.host_bytes > opt_.step_host_bytes && evict_one()) {
     }
-    if (host_buffer_bytes() + m.host_bytes > opt_.step_host_bytes && !host_budget_warned_) {
+    if (kept_host_bytes() + m.host_bytes > opt_.step_host_bytes && !host_budget_warned_) {
       host_budget_warned_ = true;
       log::warn(
           "a step of {} tokens ({} output rows) holds {:.1f} MiB of host buffers beside the "
           "{:.1f} MiB the kept steps hold: more than the {:.1f} MiB the plan counted in the pool",
           g.n_tokens, out_rows, static_cast<double>(m.host_bytes) / (1 << 20),
-          static_cast<double>(host_buffer_bytes()) / (1 << 20),
+          static_cast<double>(kept_host_bytes()) / (1 << 20),
           static_cast<double>(opt_.step_host_bytes) / (1 << 20));
     }
   }
@@ -358,8 +394,10 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
       if (m.on_device[v])
         b.value[v] = reinterpret_cast<float*>(static_cast<uint8_t*>(st.arena) + m.offset[v]);
       if (m.pinned[v]) {
-        void* p = dev_->alloc_host(value_bytes(sg.values[v]), sg.values[v].name);
+        size_t got = 0;
+        void* p = take_host(value_bytes(sg.values[v]), sg.values[v].name.c_str(), &got);
         st.pinned.push_back(p);
+        st.pinned_size.push_back(got);
         b.host[v] = static_cast<float*>(p);
         st.host_val[v] = b.host[v];
       } else if (m.host[v]) {
@@ -388,10 +426,12 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
       b.selected_dev = static_cast<int32_t*>(dev_->alloc(bytes, "the selected tokens"));
       b.selected_host = static_cast<int32_t*>(dev_->alloc_host(bytes, "the selected tokens"));
       st.pinned.push_back(b.selected_host);
+      st.pinned_size.push_back(bytes);
     }
     if (s.handoff == Handoff::flags && !s.segments.empty()) {
       b.flags = static_cast<uint32_t*>(dev_->alloc_host(s.segments.size() * 8, "hand-off flags"));
       st.pinned.push_back(b.flags);
+      st.pinned_size.push_back(s.segments.size() * 8);
     }
     st.seg_runs.resize(s.segments.size());
     b.segment_arg.resize(s.segments.size());
@@ -508,6 +548,14 @@ Scheduler::Step& Scheduler::step_for(const graph::Graph& g, bool select) {
     throw;
   }
   steps_.push_back(std::move(owned));
+  // The spares this step did not take go, largest first, while the kept steps and they hold more
+  // than the cap.
+  while (!spare_host_.empty() && kept_host_bytes() + spare_host_bytes_ > opt_.step_host_bytes) {
+    auto it = std::prev(spare_host_.end());
+    dev_->dealloc_host(it->second);
+    spare_host_bytes_ -= it->first;
+    spare_host_.erase(it);
+  }
   return *steps_.back();
 }
 

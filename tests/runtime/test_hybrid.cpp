@@ -631,15 +631,16 @@ TEST_CASE("hybrid: a split step's host buffers stay within HybridOptions::step_h
     budget = s.scheduler().host_buffer_bytes();
   }
   REQUIRE(budget > 0);
-  // Prompts of other lengths (their tails are other shapes), with decode steps between.
-  const auto run = [&](size_t cap, size_t* peak) {
+  // Prompts of other lengths (their tails are other shapes, each more than half a ubatch), with
+  // decode steps between.
+  const auto run = [&](size_t cap, size_t* peak, int64_t* allocs) {
     SessionParams sp = on_device(dev.get(), h, 256);
     sp.n_ubatch = kUb;
     sp.hybrid.step_host_bytes = cap;
     Session s(*model, sp);
     std::vector<float> out;
     *peak = 0;
-    for (int n : {kUb + 5, kUb + 17, 2 * kUb + 9, kUb + 23, kUb + 2}) {
+    for (int n : {kUb + 17, kUb + 23, 2 * kUb + 30, kUb + 20, kUb + 17}) {
       s.reset();
       for (int32_t t : {-1, 5, 9}) {
         const std::span<const float> l = t < 0 ? s.eval(prompt_of(n)) : s.eval({&t, 1});
@@ -647,16 +648,21 @@ TEST_CASE("hybrid: a split step's host buffers stay within HybridOptions::step_h
         *peak = std::max(*peak, s.scheduler().host_buffer_bytes());
       }
     }
+    *allocs = s.scheduler().host_allocs();
     return out;
   };
   size_t peak_free = 0, peak_capped = 0;
-  const std::vector<float> free_run = run(0, &peak_free);
-  const std::vector<float> capped = run(budget, &peak_capped);
+  int64_t allocs_free = 0, allocs_capped = 0;
+  const std::vector<float> free_run = run(0, &peak_free, &allocs_free);
+  const std::vector<float> capped = run(budget, &peak_capped, &allocs_capped);
   MESSAGE("budget ", budget, " B; peak without the cap ", peak_free, " B, with it ", peak_capped,
-          " B");
+          " B; page-locked allocations ", allocs_free, " and ", allocs_capped);
   CHECK(peak_free > budget);  // the case exercises the cap
   CHECK(peak_capped <= budget);
   CHECK(capped == free_run);
+  // A shape compiled again takes the page-locked buffers the one it replaced left (each tail
+  // within twice its size): fewer allocations than one set per shape kept without the cap.
+  CHECK(allocs_capped < allocs_free);
 }
 
 TEST_CASE("hybrid: prefill streams CPU-held experts to the device and gives the same tokens") {

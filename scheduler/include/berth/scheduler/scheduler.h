@@ -98,10 +98,12 @@ struct HybridOptions {
   /// the values a split step passes between the CPU and the device, and the CPU ops' own) may
   /// hold together: before a new shape allocates its own, the least recently used shapes without
   /// a captured graph are freed until it fits; a shape larger alone still runs (with one
-  /// warning). A board's plan sets it to what it counted in the pool (the decode steps of 1..-np
-  /// tokens, greedy and sampled, and a full ubatch). Shapes that change from step to step (a
-  /// server's mixed steps) are then compiled again more often than the 8 kept without a cap.
-  /// 0: no cap (at most 8 shapes are kept).
+  /// warning). A freed shape's page-locked buffers stay as spares the next shapes take (one of
+  /// at most twice a value's size), the spares they leave freed once the cap is reached. A
+  /// board's plan sets it to what it counted in the pool (the decode steps of 1..-np tokens,
+  /// greedy and sampled, and a full ubatch). Shapes that change from step to step (a server's
+  /// mixed steps) are then compiled again more often than the 8 kept without a cap. 0: no cap (at
+  /// most 8 shapes are kept, nothing spared).
   size_t step_host_bytes = 0;
   /// Called while uploading weights: bytes done and total.
   std::function<void(size_t done, size_t total)> progress;
@@ -159,8 +161,11 @@ class Scheduler {
   void set_skip_cpu_segments(bool on) { skip_cpu_ = on; }
   /// Device bytes of the steps' arenas and workspaces.
   size_t device_scratch_bytes() const;
-  /// Host bytes of the kept steps' host buffers (MemoryPlan::host_bytes; 0 without a device).
+  /// Host bytes of the kept steps' host buffers (their host arenas and page-locked buffers) and
+  /// of the spare page-locked buffers freed steps left for later ones (0 without a device).
   size_t host_buffer_bytes() const;
+  /// Page-locked buffers allocated for step values so far (spares taken are not counted).
+  int64_t host_allocs() const { return host_allocs_; }
   /// Step shapes compiled and kept (at most 8 besides captured decode steps: the least recently
   /// run other one is freed to make room).
   size_t n_steps() const { return steps_.size(); }
@@ -237,7 +242,14 @@ class Scheduler {
   static void run_segment(void* arg);
   void serve_segments(Step& st, int64_t warm_us);  // flag hand-off: runs ready segments in order
   void release_flags(Step& st, size_t from);       // sets the done flags of segments >= from
-  void free_step(Step& st);
+  // Frees a step's memory; with `recycle` (and HybridOptions::step_host_bytes set) its
+  // page-locked buffers become spares that later steps take instead of allocating.
+  void free_step(Step& st, bool recycle = false);
+  // A page-locked buffer of at least `bytes` (a spare of at most twice that, else a new one);
+  // its size in *got.
+  void* take_host(size_t bytes, const char* name, size_t* got);
+  // Host bytes of the kept steps' buffers, spares not included.
+  size_t kept_host_bytes() const;
   void release();  // frees everything on the device (destructor, failed constructor)
   // Routing hooks around a step of schedule graph `g` (the partitioned one).
   void route_before(const graph::Graph& g);
@@ -257,6 +269,9 @@ class Scheduler {
   std::vector<placement::Home> kv_home_;
   HybridOptions opt_;
   bool host_budget_warned_ = false;
+  std::multimap<size_t, void*> spare_host_;  // size -> page-locked buffer freed by a step
+  size_t spare_host_bytes_ = 0;
+  int64_t host_allocs_ = 0;
   CpuExecutor cpu_;
   Capabilities caps_;
   int32_t* tokens_host_ = nullptr;  // page-locked, n_ctx long
