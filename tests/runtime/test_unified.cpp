@@ -537,8 +537,9 @@ TEST_CASE("unified: the automatic plan moves routed experts to the disk tier bef
       CAPTURE(file);
       CAPTURE(flags);
       bool fitted = false;
-      for (const char* board :
-           {"1200M", "1500M", "1800M", "2G", "2200M", "2500M", "3G", "3500M", "4G", "6G"}) {
+      // (1200M, 2G and 3500M were dropped to keep CI's ASan run short: each plan of the
+      // 48-layer file takes about 1.2 s there.)
+      for (const char* board : {"1500M", "1800M", "2200M", "2500M", "3G", "4G", "6G"}) {
         CAPTURE(board);
         int rc = 0, auto_rc = 0;
         std::string err;
