@@ -40,30 +40,48 @@ size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_
   return total;
 }
 
-size_t step_arena(const Graph& g, std::span<const ValueId> keep, std::vector<size_t>& offsets) {
-  const size_t n_val = g.values.size(), n_ops = g.ops.size();
-  std::vector<size_t> sizes(n_val, 0);
-  std::vector<int64_t> birth(n_val, 0), death(n_val, 0);
-  for (size_t i = 0; i < n_ops;) {
-    // A group: consecutive matmuls of one input (CpuExecutor runs them as one region).
-    size_t n = 1;
-    if (g.ops[i].kind == OpKind::matmul)
-      while (i + n < n_ops && g.ops[i + n].kind == OpKind::matmul &&
-             g.ops[i + n].inputs[0] == g.ops[i].inputs[0])
-        ++n;
-    const auto first = static_cast<int64_t>(i), last = static_cast<int64_t>(i + n - 1);
-    for (size_t j = i; j < i + n; ++j) {
-      const Op& op = g.ops[j];
-      for (ValueId v : op.inputs)
-        death[static_cast<size_t>(v)] = std::max(death[static_cast<size_t>(v)], last);
-      const auto o = static_cast<size_t>(op.output);
-      sizes[o] = static_cast<size_t>(g.values[o].rows * g.values[o].cols) * sizeof(float);
-      birth[o] = first;
-      death[o] = std::max(death[o], last);
+void op_lifetimes(const Graph& g, std::span<const int32_t> order, std::vector<int64_t>& birth,
+                  std::vector<int64_t>& death) {
+  const auto n = static_cast<int64_t>(order.empty() ? g.ops.size() : order.size());
+  const auto op_at = [&](int64_t j) {
+    return order.empty() ? static_cast<size_t>(j)
+                         : static_cast<size_t>(order[static_cast<size_t>(j)]);
+  };
+  birth.assign(g.values.size(), -1);
+  death.assign(g.values.size(), -1);
+  const auto touch = [&](ValueId vi, int64_t b, int64_t d) {
+    const auto v = static_cast<size_t>(vi);
+    if (birth[v] < 0) birth[v] = b;
+    death[v] = std::max(death[v], d);
+  };
+  for (int64_t i = 0; i < n;) {
+    const Op& op = g.ops[op_at(i)];
+    int64_t k = 1;
+    if (op.kind == OpKind::matmul)
+      while (i + k < n && op_at(i + k) == op_at(i) + static_cast<size_t>(k) &&
+             g.ops[op_at(i + k)].kind == OpKind::matmul &&
+             g.ops[op_at(i + k)].inputs[0] == op.inputs[0])
+        ++k;
+    const int64_t first = i, last = i + k - 1;
+    for (int64_t j = i; j < i + k; ++j) {
+      const Op& o = g.ops[op_at(j)];
+      for (ValueId v : o.inputs) touch(v, first, last);
+      touch(o.output, first, last);
     }
-    i += n;
+    i += k;
   }
-  const auto end = static_cast<int64_t>(n_ops);
+}
+
+size_t step_arena(const Graph& g, std::span<const ValueId> keep, std::vector<size_t>& offsets) {
+  const size_t n_val = g.values.size();
+  std::vector<int64_t> birth, death;
+  op_lifetimes(g, {}, birth, death);
+  std::vector<size_t> sizes(n_val, 0);
+  for (const Op& op : g.ops) {
+    const auto o = static_cast<size_t>(op.output);
+    sizes[o] = static_cast<size_t>(g.values[o].rows * g.values[o].cols) * sizeof(float);
+  }
+  const auto end = static_cast<int64_t>(g.ops.size());
   if (g.output >= 0) death[static_cast<size_t>(g.output)] = end;
   for (ValueId v : keep) death[static_cast<size_t>(v)] = end;
   return assign_offsets(sizes, birth, death, offsets);

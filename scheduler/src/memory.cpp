@@ -76,39 +76,15 @@ MemoryPlan plan_memory(const Schedule& s, const graph::WeightTable& w,
     if (m.pinned[v]) m.pinned_bytes += value_bytes(g.values[v]);
   }
   m.arena_bytes = assign_offsets(sizes, birth, death, m.offset);
-  // The host arena, by the CPU ops' order: segment after segment, each in op order. A group of
-  // consecutive matmuls of one input runs as one region (CpuExecutor::run_ops): its outputs are
-  // born at its first op and its inputs read until its last (as graph::step_arena).
-  std::vector<size_t> host_sizes(n_val, 0);
-  std::vector<int64_t> h_birth(n_val, -1), h_death(n_val, -1);
+  // The host arena, by the CPU ops' order: segment after segment, each in op order
+  // (graph::op_lifetimes, as CpuExecutor::run_ops groups them).
   std::vector<int32_t> order;
   for (const CpuSegment& seg : s.segments)
     order.insert(order.end(), seg.ops.begin(), seg.ops.end());
   const auto n_order = static_cast<int64_t>(order.size());
-  for (int64_t i = 0; i < n_order;) {
-    const Op& op = g.ops[static_cast<size_t>(order[static_cast<size_t>(i)])];
-    int64_t n = 1;
-    if (op.kind == OpKind::matmul)
-      while (i + n < n_order &&
-             order[static_cast<size_t>(i + n)] == order[static_cast<size_t>(i)] + n &&
-             g.ops[static_cast<size_t>(order[static_cast<size_t>(i + n)])].kind == OpKind::matmul &&
-             g.ops[static_cast<size_t>(order[static_cast<size_t>(i + n)])].inputs[0] ==
-                 op.inputs[0])
-        ++n;
-    const int64_t first = i, last = i + n - 1;
-    for (int64_t j = i; j < i + n; ++j) {
-      const Op& o = g.ops[static_cast<size_t>(order[static_cast<size_t>(j)])];
-      for (ValueId vi : o.inputs) {
-        const auto v = static_cast<size_t>(vi);
-        if (h_birth[v] < 0) h_birth[v] = first;
-        h_death[v] = std::max(h_death[v], last);
-      }
-      const auto v = static_cast<size_t>(o.output);
-      if (h_birth[v] < 0) h_birth[v] = first;
-      h_death[v] = std::max(h_death[v], last);
-    }
-    i += n;
-  }
+  std::vector<int64_t> h_birth, h_death;
+  graph::op_lifetimes(g, order, h_birth, h_death);
+  std::vector<size_t> host_sizes(n_val, 0);
   for (size_t v = 0; v < n_val; ++v) {
     if (!m.host[v]) continue;
     host_sizes[v] = value_bytes(g.values[v]);

@@ -52,13 +52,13 @@ Run greedy(Session& s, const std::vector<int32_t>& prompt, int n) {
   return test::greedy(s, prompt, n, false);
 }
 
-/// A tiny F32 synthetic file of `preset` (cached in the test temp dir).
-std::string tiny_file(const std::string& preset, int n_mtp = 0) {
+/// A tiny synthetic file of `preset` in `type` (F32 by default; cached in the test temp dir).
+std::string tiny_file(const std::string& preset, int n_mtp = 0, const std::string& type = "f32") {
   SynthSpec s = synth_preset(preset);
-  s.type = "f32";
+  s.type = type;
   s.seed = 7;
   s.n_mtp = n_mtp;
-  const auto path = test::temp_dir("qwen35") / fmt::format("{}-f32-mtp{}.gguf", preset, n_mtp);
+  const auto path = test::temp_dir("qwen35") / fmt::format("{}-{}-mtp{}.gguf", preset, type, n_mtp);
   if (!std::filesystem::exists(path)) write_synth_model(s, path.string(), 2);
   return path.string();
 }
@@ -368,12 +368,7 @@ TEST_CASE("qwen35: quantized placements keep the CPU-only tokens outside the tie
   for (const char* preset : {"tiny-qwen35", "tiny-qwen35moe"}) {
     const std::string name = preset;
     CAPTURE(name);
-    SynthSpec spec = synth_preset(preset);
-    spec.type = "q8_0";
-    spec.seed = 7;
-    const auto path = test::temp_dir("qwen35") / fmt::format("{}-q8_0.gguf", preset);
-    if (!std::filesystem::exists(path)) write_synth_model(spec, path.string(), 2);
-    gguf::File f = gguf::File::open(path.string());
+    gguf::File f = gguf::File::open(tiny_file(preset, 0, "q8_0"));
     std::unique_ptr<Model> m = load_model(f);
     const std::vector<int32_t> prompt =
         prompt_of(15, 5, static_cast<int32_t>(m->hparams().n_vocab));

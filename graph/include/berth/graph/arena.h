@@ -17,6 +17,15 @@ namespace berth::graph {
 size_t assign_offsets(const std::vector<size_t>& sizes, const std::vector<int64_t>& birth,
                       const std::vector<int64_t>& death, std::vector<size_t>& offsets);
 
+/// Lifetimes of `g`'s values over the ops `order` (indices into g.ops in the order they run;
+/// empty: all of g in order) as CpuExecutor runs them: a run of consecutive matmuls of one input
+/// (adjacent in `order` and in g.ops) is one parallel region, its outputs born at its first op
+/// and its inputs read until its last. Fills birth and death (one per value, positions in
+/// `order`; -1 for a value no listed op touches; a value read before any listed op writes it is
+/// born at its first reader).
+void op_lifetimes(const Graph& g, std::span<const int32_t> order, std::vector<int64_t>& birth,
+                  std::vector<int64_t>& death);
+
 /// The arena of `g`'s values when its ops run one after another in order, as
 /// CpuExecutor::run runs them: value v ([rows, cols] f32) lives from the op that writes it to
 /// the last op that reads it; a run of consecutive matmuls of one input counts as one op (they
