@@ -433,6 +433,7 @@ void BatchEngine::end(Slot& s, FinishReason reason) {
   std::shared_ptr<Generation> gen;
   s.sampler.reset();
   s.pending = -1;
+  bool stopping = false;
   {
     std::lock_guard<std::mutex> lock(mu_);  // cancel_all() reads s.gen
     gen = std::move(s.gen);
@@ -443,8 +444,23 @@ void BatchEngine::end(Slot& s, FinishReason reason) {
     SlotInfo& info = info_[static_cast<size_t>(s.id)];
     info.is_processing = false;
     info.n_cached = static_cast<int64_t>(s.cache->tokens().size());
+    stopping = stopping_;
   }
   gen->finish(reason, s.t);
+  // The turn boundary (beside the prompt's end, step()): the state holds the prompt and the
+  // reply's evaluated tokens (not the last sampled one) and SlotCache records exactly those,
+  // whatever ended the request: a stop string, a vanished client or a cancel in prefill arrive as
+  // a cancel between steps, where the two agree too. The chat's next turn continues this state
+  // without a checkpoint; a prompt that branches off it later (the next turn's reply
+  // regenerated, its user message edited) restores here instead of at the prompt's end and
+  // evaluates none of the reply again. Taken after finish(): the copy (the recurrent state, to
+  // the host) does not delay this request's answer. None at shutdown.
+  if (stopping) return;
+  try {
+    s.cache->checkpoint();
+  } catch (const std::exception& e) {
+    log::warn("slot {}: no checkpoint at the end of the reply ({})", s.id, e.what());
+  }
 }
 
 void BatchEngine::fail(Slot& s, const std::string& message) {

@@ -268,9 +268,10 @@ bool eventually(F pred, double seconds) {
 }
 
 /// Writes (once per process) a synthetic model and returns its path: "tiny-qwen3" (the preset:
-/// byte-level BPE vocabulary of 1024 tokens with a ChatML template) or "slow-llama" (f32 llama,
+/// byte-level BPE vocabulary of 1024 tokens with a ChatML template), "slow-llama" (f32 llama,
 /// 6 layers of n_embd 512: several ms per token on one thread, for tests that must catch a
-/// request in flight).
+/// request in flight) or "tiny-qwen35" (the preset, f32: a hybrid whose Gated DeltaNet state
+/// cannot be cut back, so the prefix cache goes through checkpoints).
 inline std::string synth_model(const std::string& kind) {
   const std::filesystem::path dir = temp_dir("server-models");
   const std::filesystem::path p = dir / (kind + ".gguf");
@@ -278,6 +279,9 @@ inline std::string synth_model(const std::string& kind) {
   SynthSpec spec;
   if (kind == "tiny-qwen3") {
     spec = synth_preset("tiny-qwen3");
+  } else if (kind == "tiny-qwen35") {
+    spec = synth_preset("tiny-qwen35");
+    spec.type = "f32";
   } else if (kind == "slow-llama") {
     spec = synth_preset("tiny-llama");
     spec.n_layer = 6;

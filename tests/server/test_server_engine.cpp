@@ -1,6 +1,7 @@
 // BatchEngine without HTTP: the slots share each forward step, a request's tokens are those it
 // gets alone whatever shares its steps, cancellation frees a slot in prefill and in decode, the
-// queue limit, and the prefix cache's reuse giving the same tokens as a full prefill.
+// queue limit, and the prefix cache's reuse giving the same tokens as a full prefill (for
+// Qwen3.5, through the checkpoints at the end of each prompt and of each reply).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -300,4 +301,58 @@ TEST_CASE("BatchEngine: a prompt sharing a prefix reuses the slot's cache, with 
   const Result r4 = drain(*e->submit(pinned));
   CHECK(r4.slot == pinned.slot);
   CHECK(r4.ids() == r2.ids());
+}
+
+TEST_CASE(
+    "BatchEngine: a Qwen3.5 slot keeps a checkpoint at the end of each reply, so a next turn "
+    "branching off the chat re-evaluates none of the reply, with the same tokens") {
+  // tiny-qwen35: Gated DeltaNet layers whose state cannot be cut back; the prefix cache reaches
+  // earlier positions only through SlotCache's checkpoints (the end of each prompt and of each
+  // reply). Token-id prompts: nothing is retokenized.
+  static LoadedModel m(synth_model("tiny-qwen35"));
+  auto e = make_engine(m, 1, 256, 8);  // one slot; -ub 8: prompts in several chunks
+  auto ids_request = [](std::vector<int32_t> prompt, int64_t max_tokens) {
+    GenerationRequest r;
+    r.prompt = std::move(prompt);
+    r.sampling.sampler.temp = 0;
+    r.max_tokens = max_tokens;
+    r.ignore_eos = true;  // exactly max_tokens tokens
+    return r;
+  };
+  const std::vector<int32_t> p = {5, 17, 300, 42, 9, 77, 8, 600, 123, 31, 64, 999};  // 12
+  constexpr int64_t kReply = 6;
+  const Result r1 = drain(*e->submit(ids_request(p, kReply)));
+  REQUIRE(r1.ids().size() == static_cast<size_t>(kReply));
+  CHECK(r1.timings.n_cached == 0);
+  // The slot holds the prompt and the reply but its last token (sampled, never evaluated).
+  const auto n_state = static_cast<int64_t>(p.size()) + kReply - 1;  // 17
+  CHECK(e->slots()[0].n_cached == n_state);
+
+  // The next turn: the prompt, the reply, a user message. It continues what the slot holds.
+  std::vector<int32_t> next = p;
+  for (int32_t id : r1.ids()) next.push_back(id);
+  for (int32_t id : {700, 701, 702, 703, 704}) next.push_back(id);  // 23 tokens
+  const Result r2 = drain(*e->submit(ids_request(next, kReply)));
+  CHECK(r2.timings.n_cached == n_state);
+  CHECK(r2.timings.n_evaluated == static_cast<int64_t>(next.size()) - n_state);
+
+  // That turn regenerated: the same prompt again. Its last token must be evaluated again, so
+  // the nearest checkpoint at or before 22 is the first reply's end (17); without it, the first
+  // prompt's end (12), and the whole reply would be evaluated again.
+  const Result r3 = drain(*e->submit(ids_request(next, kReply)));
+  CHECK(r3.timings.n_cached == n_state);
+  CHECK(r3.timings.n_evaluated == 6);  // the reply's last token and the 5 of the user message
+  // That turn's user message edited: the same.
+  std::vector<int32_t> edited(next.begin(), next.begin() + n_state + 1);
+  for (int32_t id : {800, 801, 802}) edited.push_back(id);
+  const Result r4 = drain(*e->submit(ids_request(edited, kReply)));
+  CHECK(r4.timings.n_cached == n_state);
+  CHECK(r4.timings.n_evaluated == 4);
+
+  // Bit-identical tokens to an engine without a cache (a fresh slot, the prompt from position 0).
+  const std::vector<int32_t> fresh = run_alone(m, ids_request(next, kReply)).ids();
+  CHECK(fresh.size() == static_cast<size_t>(kReply));
+  CHECK(r2.ids() == fresh);
+  CHECK(r3.ids() == fresh);
+  CHECK(r4.ids() == run_alone(m, ids_request(edited, kReply)).ids());
 }

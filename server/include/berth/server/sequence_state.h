@@ -99,6 +99,10 @@ class RecurrentSequenceState : public KvSequenceState {
 /// longest common prefix of the two, reached by truncation when the state allows it, else by
 /// the latest checkpoint at or before it. Keeps at most `max_checkpoints` checkpoints (the
 /// oldest are dropped), taken by checkpoint() and only for states that cannot truncate.
+/// BatchEngine takes one at the end of each prompt and one at the end of each request (the
+/// reply), so the default 4 hold the latest two turns: dropping the oldest first keeps the
+/// latest turn's pair and the previous reply's end, which a prompt branching off the chat
+/// (a regenerated reply, an edited user message) restores.
 class SlotCache {
  public:
   explicit SlotCache(SequenceState& state, int max_checkpoints = 4);
