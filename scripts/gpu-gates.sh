@@ -22,6 +22,8 @@ out=${1:-.}
 mkdir -p "$out"
 source .device/env.sh
 [[ -e /work/shared ]] || { mkdir -p /work && ln -sfn "$PWD/.device/data" /work/shared; }
+# The suites start `berth` by the build tree's path (tests/CMakeLists.txt, BERTH_BIN).
+[[ -x /work/main/build/bin/berth ]] || { mkdir -p /work/main/build && ln -sfn "$PWD/.device/bin" /work/main/build/bin; }
 stories=.device/data/models/stories260K.gguf
 golden=0b999e769e18af0f01f0ff820e3b3698
 status=0
