@@ -10,6 +10,7 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/placement/plan.h"
+#include "berth/residency/expert_slots.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "commands.h"
@@ -32,6 +33,7 @@ struct PlanOptions {
   bool ops = false;
   bool tensors = false;
   int32_t residency_swaps = 4;
+  std::string residency_policy;  // --residency-policy (empty: the default)
 };
 
 int plan(const PlanOptions& o) {
@@ -46,6 +48,9 @@ int plan(const PlanOptions& o) {
   sp.hybrid.warm_workers_us = o.warm_workers_us;
   sp.hybrid.handoff = parse_handoff(o.handoff);
   sp.hybrid.expert_slots.max_swaps_per_step = o.residency_swaps;
+  // The policy seeds the slots: the plan shows the experts they start with.
+  if (!o.residency_policy.empty())
+    sp.hybrid.expert_slots.policy = make_slot_policy(o.residency_policy);
   const int64_t n_ctx = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(model->hparams());
   PlacementSetup setup = place(*model, o.flags, sp, false, /*plan_only=*/true);
   placement::Plan& p = setup.plan;
@@ -109,9 +114,10 @@ Runner add_plan(CLI::App& app) {
   add_warm_workers(*sub, o->warm_workers_us);
   add_handoff(*sub, o->handoff);
   add_residency_swaps(*sub, o->residency_swaps);
+  add_residency_policy(*sub, o->residency_policy);
   sub->add_flag("--tensors", o->tensors,
                 "the table also lists every tensor (name, type, MiB, home); the default shows "
-                "per MoE layer how many experts are on the GPU");
+                "per MoE layer how many experts are on the GPU and which");
   sub->add_flag("--ops", o->ops,
                 "also print the schedule of a decode step and of a prefill ubatch: each op's "
                 "side (GPU or CPU) and why, the CPU segments, the copies between the sides with "

@@ -1,6 +1,6 @@
 // `berth trace`: routing traces for residency benchmarks (residency/routing_trace.h for the
 // format, residency/trace_gen.h for the generator, residency/cache_sim.h for the simulator).
-//   berth trace gen --preset locality --tokens N -s SEED -o FILE
+//   berth trace gen --preset locality --tokens N -s SEED -o FILE   (prints its LRU hit rates)
 //   berth trace stats FILE
 //   berth trace dump FILE [--first T] [--count N]
 #include <fmt/format.h>
@@ -9,6 +9,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <span>
 
 #include "berth/core/error.h"
 #include "berth/residency/cache_sim.h"
@@ -37,6 +38,27 @@ struct TraceOptions {
   int64_t first = 0, count = -1;
 };
 
+// One line per policy and cache size (12.5% and 25% of each layer's experts): the share of
+// routed calls served and the loads per token (`trace stats`; `trace gen` with LRU alone).
+std::string cache_lines(const RoutingTrace& tr, std::span<ExpertCachePolicy* const> policies) {
+  std::string out;
+  const int32_t n_expert = tr.shape.n_expert;
+  for (ExpertCachePolicy* p : policies)
+    for (double f : {0.125, 0.25}) {
+      const int32_t cap = cache_capacity(f, n_expert);
+      const CacheSimResult r = simulate_cache(tr, *p, cap);
+      out += fmt::format(
+          "{} cache of {:g}% ({} of {} experts per layer): {:.1f}% of routed calls served, "
+          "{:.2f} loads per token\n",
+          r.policy, 100.0 * f, cap, n_expert, 100.0 * r.hit_rate(), r.loads_per_token());
+    }
+  return out;
+}
+
+// `trace gen` simulates LRU on the trace it wrote up to this many bytes of ids in memory
+// (about 1.4 million tokens of the qwen3-30b-a3b shape); beyond, `trace stats` does it.
+constexpr uint64_t kGenStatsMaxBytes = uint64_t{1} << 30;
+
 int trace_gen(const TraceOptions& o) {
   TraceGenSpec s = trace_preset(o.preset);
   if (o.n_layer) s.n_layer = *o.n_layer;
@@ -63,6 +85,20 @@ int trace_gen(const TraceOptions& o) {
       "({} prefill), {} MoE layers x {} experts, top-{}, seed {}, {:.1f} MB\n",
       o.out, s.preset, s.zipf, s.reuse, s.window, s.lag_exponent, s.n_tokens, s.n_prompt, s.n_layer,
       s.n_expert, s.n_expert_used, s.seed, mb));
+  // The generator's check: LRU hit rates of the trace as written (the locality preset's
+  // calibration is ~67% / ~81% for the qwen3-30b-a3b shape).
+  const uint64_t id_bytes = static_cast<uint64_t>(s.n_tokens) *
+                            static_cast<uint64_t>(shape.ids_per_token()) * sizeof(uint16_t);
+  if (id_bytes > kGenStatsMaxBytes) {
+    (void)write_stdout(
+        fmt::format("LRU hit rates not simulated for a trace this long ({:.1f} MB of ids in "
+                    "memory): `berth trace stats {}` gives them\n",
+                    static_cast<double>(id_bytes) / 1e6, o.out));
+    return 0;
+  }
+  LruPolicy lru;
+  ExpertCachePolicy* const policies[] = {&lru};
+  (void)write_stdout(cache_lines(read_routing_trace(o.out), policies));
   return 0;
 }
 
@@ -83,17 +119,8 @@ int trace_stats(const TraceOptions& o) {
                      tr.n_tokens() * s.n_expert_used);
   LruPolicy lru;
   LfuDecayPolicy lfu(o.half_life, o.margin);
-  for (ExpertCachePolicy* p :
-       {static_cast<ExpertCachePolicy*>(&lru), static_cast<ExpertCachePolicy*>(&lfu)}) {
-    for (double f : {0.125, 0.25}) {
-      const int32_t cap = cache_capacity(f, s.n_expert);
-      const CacheSimResult r = simulate_cache(tr, *p, cap);
-      out += fmt::format(
-          "{} cache of {:g}% ({} of {} experts per layer): {:.1f}% of routed calls served, "
-          "{:.2f} loads per token\n",
-          r.policy, 100.0 * f, cap, s.n_expert, 100.0 * r.hit_rate(), r.loads_per_token());
-    }
-  }
+  ExpertCachePolicy* const policies[] = {&lru, &lfu};
+  out += cache_lines(tr, policies);
   const std::vector<double> cov = coverage_fraction(tr, 0.9);
   const auto [lo, hi] = std::minmax_element(cov.begin(), cov.end());
   out += fmt::format(
@@ -127,7 +154,9 @@ Runner add_trace(CLI::App& app) {
   sub->require_subcommand(1);
 
   CLI::App* g = sub->add_subcommand(
-      "gen", "generate a trace with Zipf popularity and temporal locality (residency/trace_gen.h)");
+      "gen",
+      "generate a trace with Zipf popularity and temporal locality (residency/trace_gen.h) and "
+      "print its LRU hit rates with 12.5% and 25% of each layer's experts cached");
   o->gen = g;
   g->add_option("--preset", o->preset,
                 "locality (LRU at 12.5%/25% of experts serves ~67%/81% of calls), popularity "

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <span>
 
 #include "berth/core/strings.h"
 #include "berth/placement/plan.h"
@@ -29,7 +30,30 @@ struct MoeLayer {
   Home home = Home::cpu;
   int32_t on_disk() const { return ram_slots > 0 ? n_expert - ram_slots : 0; }
   int32_t on_gpu() const { return home == Home::gpu ? n_expert : slots; }
+  // The experts on the GPU when the run starts, ascending (known: false when the plan does not
+  // say which experts its slots start with: Plan::slot_seed empty), and whether they move.
+  std::vector<int32_t> gpu_experts;
+  bool known = true, moves = false;
 };
+
+// The experts on the GPU of each MoE layer (see MoeLayer).
+void add_gpu_experts(const Plan& plan, MoeLayer& m) {
+  m.gpu_experts.clear();
+  m.known = true;
+  m.moves = false;
+  if (m.home == Home::gpu) {
+    for (int32_t e = 0; e < m.n_expert; ++e) m.gpu_experts.push_back(e);
+  } else if (m.slots > 0) {
+    const auto l = static_cast<size_t>(m.layer);
+    m.known = l < plan.slot_seed.size() && !plan.slot_seed[l].empty();
+    if (m.known) {
+      m.gpu_experts = plan.slot_seed[l];
+      std::sort(m.gpu_experts.begin(), m.gpu_experts.end());
+      m.moves = plan.slots_move;
+    }
+  }
+}
+
 std::vector<MoeLayer> moe_layers(const Request& req, const Plan& plan) {
   std::vector<MoeLayer> out;
   std::vector<int64_t> at(static_cast<size_t>(std::max(req.n_layer, 0)), -1);
@@ -50,10 +74,26 @@ std::vector<MoeLayer> moe_layers(const Request& req, const Plan& plan) {
   }
   std::sort(out.begin(), out.end(),
             [](const MoeLayer& a, const MoeLayer& b) { return a.layer < b.layer; });
+  for (MoeLayer& m : out) add_gpu_experts(plan, m);
   return out;
 }
 
 }  // namespace
+
+std::string expert_ranges(std::span<const int32_t> ids) {
+  std::vector<int32_t> v(ids.begin(), ids.end());
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  std::string out;
+  for (size_t a = 0; a < v.size();) {
+    size_t b = a + 1;
+    while (b < v.size() && v[b] == v[b - 1] + 1) ++b;
+    if (!out.empty()) out += ',';
+    out += b - a == 1 ? fmt::format("{}", v[a]) : fmt::format("{}-{}", v[a], v[b - 1]);
+    a = b;
+  }
+  return out;
+}
 
 std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   std::string out;
@@ -74,18 +114,33 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
   // Per MoE layer, the experts on the GPU: runs of layers alike.
   const std::vector<MoeLayer> moe = moe_layers(req, plan);
   if (!moe.empty()) {
-    out += fmt::format("\nresidency: {}{}\n", residency_mode_name(plan.residency),
+    // Whether the experts listed move while running: only the slots' do, unless their policy
+    // holds them fixed.
+    const bool seeded = std::any_of(moe.begin(), moe.end(), [](const MoeLayer& m) {
+      return m.slots > 0 && m.home != Home::gpu && m.known;
+    });
+    std::string moving;
+    if (plan.expert_slots > 0 && seeded)
+      moving = fmt::format("; policy {}: {}", plan.slot_policy,
+                           plan.slots_move ? "the slots start with the experts listed and follow "
+                                             "the routing while running"
+                                           : "the slots hold the experts listed, fixed");
+    else if (plan.expert_slots == 0)
+      moving = " (fixed: no expert moves while running)";
+    out += fmt::format("\nresidency: {}{}{}\n", residency_mode_name(plan.residency),
                        plan.expert_slots > 0
                            ? fmt::format(", {} expert slots per CPU-held MoE layer ({:.3f} MiB)",
                                          plan.expert_slots, to_mib(plan.slot_bytes))
-                           : std::string());
+                           : std::string(),
+                       moving);
     out += fmt::format("{:<16}  {}\n", "MoE layers", "experts on the GPU");
     size_t a = 0;
     while (a < moe.size()) {
       size_t b = a + 1;
       while (b < moe.size() && moe[b].layer == moe[b - 1].layer + 1 &&
              moe[b].on_gpu() == moe[a].on_gpu() && moe[b].n_expert == moe[a].n_expert &&
-             moe[b].home == moe[a].home && moe[b].ram_slots == moe[a].ram_slots)
+             moe[b].home == moe[a].home && moe[b].ram_slots == moe[a].ram_slots &&
+             moe[b].known == moe[a].known && moe[b].gpu_experts == moe[a].gpu_experts)
         ++b;
       const std::string layers = b - a == 1
                                      ? fmt::format("blk.{}", moe[a].layer)
@@ -96,7 +151,8 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
       const std::string what =
           m.home == Home::gpu ? fmt::format("all{} (expert tensors on the GPU)", n)
           : m.slots > 0
-              ? fmt::format("{} of {} (expert slots; the rest on the CPU)", m.slots, m.n_expert)
+              ? fmt::format("{} of {} (expert slots; the rest on the CPU){}", m.slots, m.n_expert,
+                            m.known ? ": " + expert_ranges(m.gpu_experts) : std::string())
           : m.n_expert > 0 ? fmt::format("0 of {} (expert tensors on the CPU)", m.n_expert)
                            : std::string("none (expert tensors on the CPU)");
       const std::string disk = m.ram_slots > 0
@@ -243,11 +299,14 @@ std::string plan_json(const Request& req, const Plan& plan) {
   j["kv"] = std::move(kv);
   j["residency"] = std::string(residency_mode_name(plan.residency));
   j["expert_slots"] = plan.expert_slots;
+  j["slot_policy"] = plan.slot_policy.empty() ? json(nullptr) : json(plan.slot_policy);
   json moe = json::array();
   for (const MoeLayer& m : moe_layers(req, plan))
     moe.push_back({{"layer", m.layer},
                    {"n_expert", m.n_expert},
                    {"experts_on_gpu", m.on_gpu()},
+                   {"gpu_experts", m.known ? json(m.gpu_experts) : json(nullptr)},
+                   {"gpu_experts_move", m.moves},
                    {"slots", m.slots},
                    {"home", std::string(home_name(m.home))},
                    {"ram_slots", m.ram_slots},

@@ -10,6 +10,35 @@
 
 namespace berth {
 
+std::vector<int32_t> SlotPolicy::seed(int32_t, int32_t capacity) {
+  std::vector<int32_t> out;
+  for (int32_t e = 0; e < capacity; ++e) out.push_back(e);
+  return out;
+}
+
+std::vector<std::vector<int32_t>> seed_slots(SlotPolicy& policy, std::span<const int32_t> blocks,
+                                             int32_t n_expert, int32_t capacity) {
+  policy.set_blocks(blocks);
+  policy.reset(static_cast<int32_t>(blocks.size()), n_expert, capacity);
+  std::vector<std::vector<int32_t>> out;
+  for (int32_t l = 0; l < static_cast<int32_t>(blocks.size()); ++l) {
+    std::vector<int32_t> s = policy.seed(l, capacity);
+    std::vector<uint8_t> seen(static_cast<size_t>(std::max(n_expert, 0)), 0);
+    bool ok = static_cast<int32_t>(s.size()) == capacity;
+    for (int32_t e : s) {
+      ok = ok && e >= 0 && e < n_expert && !seen[static_cast<size_t>(e)];
+      if (ok) seen[static_cast<size_t>(e)] = 1;
+    }
+    if (!ok)
+      throw Error(ErrorCategory::internal,
+                  fmt::format("slot policy {}: the seed of blk.{} is not {} distinct experts below "
+                              "{}",
+                              policy.name(), blocks[static_cast<size_t>(l)], capacity, n_expert));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 CacheSlotPolicy::CacheSlotPolicy(std::unique_ptr<residency::ExpertCachePolicy> p)
     : p_(std::move(p)) {
   if (!p_) throw Error(ErrorCategory::invalid_argument, "CacheSlotPolicy: no cache policy");
@@ -215,23 +244,26 @@ ExpertSlots::ExpertSlots(Device& dev, const graph::WeightTable& weights,
       M.slot_expert.assign(static_cast<size_t>(c), -1);
       M.loading.assign(static_cast<size_t>(c), -1);
       std::fill_n(M.host_table, ids.n_expert, -1);
-      // The starting set: expert s in slot s, uploaded now.
-      for (int32_t s = 0; s < c; ++s) {
-        size_t base = 0;
-        for (int z = 0; z < 3; ++z) {
-          dev_.upload(M.slots + base + static_cast<size_t>(s) * M.bytes[z],
-                      M.pinned[z] + static_cast<size_t>(s) * M.bytes[z], M.bytes[z]);
-          base += static_cast<size_t>(c) * M.bytes[z];
-        }
-        M.slot_expert[static_cast<size_t>(s)] = s;
-        M.host_table[s] = s;
-      }
-      dev_.upload(M.dev_table, M.host_table, static_cast<size_t>(ids.n_expert) * 4);
     }
     std::vector<int32_t> blocks;
     for (const Layer& L : layers_) blocks.push_back(weights.layer(L.ids.gate));
-    opt_.policy->set_blocks(blocks);
-    opt_.policy->reset(n_layers(), n_expert, c);
+    // The starting set, the policy's seed (what `berth plan` shows), uploaded now.
+    const std::vector<std::vector<int32_t>> seeds = seed_slots(*opt_.policy, blocks, n_expert, c);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Layer& M = layers_[l];
+      for (int32_t s = 0; s < c; ++s) {
+        const int32_t e = seeds[l][static_cast<size_t>(s)];
+        size_t base = 0;
+        for (int z = 0; z < 3; ++z) {
+          dev_.upload(M.slots + base + static_cast<size_t>(s) * M.bytes[z],
+                      M.pinned[z] + static_cast<size_t>(e) * M.bytes[z], M.bytes[z]);
+          base += static_cast<size_t>(c) * M.bytes[z];
+        }
+        M.slot_expert[static_cast<size_t>(s)] = e;
+        M.host_table[e] = s;
+      }
+      dev_.upload(M.dev_table, M.host_table, static_cast<size_t>(M.ids.n_expert) * 4);
+    }
   } catch (...) {
     release();
     throw;

@@ -315,6 +315,33 @@ std::unique_ptr<Device> placement_device(const placement::Flags& flags) {
 }
 
 namespace {
+// Plan::slot_seed: the experts each layer's slots start with, from the slot policy by the code
+// that loads them (seed_slots), so that `berth plan` shows what the run will hold.
+void seed_plan_slots(PlacementSetup& s, const ExpertSlotsOptions& xs) {
+  placement::Plan& p = s.plan;
+  p.slot_seed.clear();
+  p.slot_policy.clear();
+  p.slots_move = true;
+  if (p.expert_slots <= 0) return;
+  std::vector<int32_t> blocks;
+  int32_t n_expert = 0;
+  for (size_t l = 0; l < p.layer_slots.size(); ++l)
+    if (p.layer_slots[l] > 0) blocks.push_back(static_cast<int32_t>(l));
+  for (const placement::TensorEntry& t : s.request.tensors)
+    if (t.routed_expert() && t.layer >= 0 && static_cast<size_t>(t.layer) < p.layer_slots.size() &&
+        p.layer_slots[static_cast<size_t>(t.layer)] > 0)
+      n_expert = std::max(n_expert, t.n_expert);
+  if (blocks.empty() || n_expert <= p.expert_slots) return;
+  const std::shared_ptr<SlotPolicy> policy =
+      xs.policy ? xs.policy : std::shared_ptr<SlotPolicy>(default_slot_policy());
+  const std::vector<std::vector<int32_t>> seeds =
+      seed_slots(*policy, blocks, n_expert, p.expert_slots);
+  p.slot_seed.assign(p.layer_slots.size(), {});
+  for (size_t i = 0; i < blocks.size(); ++i) p.slot_seed[static_cast<size_t>(blocks[i])] = seeds[i];
+  p.slot_policy = policy->name();
+  p.slots_move = policy->moves();
+}
+
 // place() into `s`, whose device the caller set: on a throw `s` keeps it.
 void place_into(PlacementSetup& s, const Model& model, const placement::Flags& flags,
                 SessionParams& params, bool progress_to_stderr, bool plan_only);
@@ -848,6 +875,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
   xs.slots_per_layer = s.plan.expert_slots;
   xs.layers.clear();
   for (int32_t c : s.plan.layer_slots) xs.layers.push_back(c > 0);
+  seed_plan_slots(s, xs);
   if (plan_only) {
     s.plan.notes.insert(s.plan.notes.begin(), notes.begin(), notes.end());
     if (!any_gpu && auto_stream) stream = 0;

@@ -1023,6 +1023,57 @@ TEST_CASE("--residency adaptive with -ngl, --cpu-moe, --n-cpu-moe and -ot") {
         ErrorCategory::invalid_argument);
 }
 
+TEST_CASE("plan table and JSON: which experts the slots start with") {
+  CHECK(expert_ranges(std::vector<int32_t>{9, 0, 1, 2, 3, 7, 3}) == "0-3,7,9");
+  CHECK(expert_ranges(std::vector<int32_t>{5}) == "5");
+  CHECK(expert_ranges(std::vector<int32_t>{}).empty());
+  // --n-cpu-moe 2 at 500 MiB (as above): layers 0 and 1 with 5 slots. make_plan does not know
+  // the slots' experts (runtime's place() asks the slot policy): no ids then.
+  Request n = stacked_moe_request();
+  n.flags.vram_budget = 500 * MiB;
+  n.flags.n_gpu_layers = 99;
+  n.flags.n_cpu_moe = 2;
+  Plan p = make_plan(n);
+  REQUIRE(p.layer_slots == std::vector<int32_t>{5, 5, 0, 0});
+  nlohmann::json j = nlohmann::json::parse(plan_json(n, p));
+  CHECK(j["moe_layers"][0]["gpu_experts"].is_null());
+  CHECK(j["moe_layers"][2]["gpu_experts"] == std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  CHECK(j["slot_policy"].is_null());
+  CHECK(plan_table(n, p).find("blk.0-1           5 of 10 (expert slots; the rest on the CPU)\n") !=
+        std::string::npos);
+  // Seeds that differ per layer: one line each, ascending runs; fixed ones say so.
+  p.slot_seed = {{7, 1, 2, 3, 9}, {0, 1, 2, 3, 4}, {}, {}};
+  p.slot_policy = "frequency(cal.trace)";
+  p.slots_move = false;
+  const std::string t = plan_table(n, p);
+  INFO(t);
+  CHECK(t.find("policy frequency(cal.trace): the slots hold the experts listed, fixed") !=
+        std::string::npos);
+  CHECK(t.find("blk.0             5 of 10 (expert slots; the rest on the CPU): 1-3,7,9\n") !=
+        std::string::npos);
+  CHECK(t.find("blk.1             5 of 10 (expert slots; the rest on the CPU): 0-4\n") !=
+        std::string::npos);
+  j = nlohmann::json::parse(plan_json(n, p));
+  CHECK(j["moe_layers"][0]["gpu_experts"] == std::vector<int32_t>{1, 2, 3, 7, 9});
+  CHECK(j["moe_layers"][0]["gpu_experts_move"] == false);
+  CHECK(j["slot_policy"] == "frequency(cal.trace)");
+  // The same seed on both layers and a policy that moves them: one line.
+  p.slot_seed[0] = p.slot_seed[1];
+  p.slots_move = true;
+  p.slot_policy = "lru";
+  const std::string m = plan_table(n, p);
+  CHECK(m.find("policy lru: the slots start with the experts listed and follow the routing") !=
+        std::string::npos);
+  CHECK(m.find("blk.0-1           5 of 10 (expert slots; the rest on the CPU): 0-4\n") !=
+        std::string::npos);
+  CHECK(nlohmann::json::parse(plan_json(n, p))["moe_layers"][1]["gpu_experts_move"] == true);
+  // Static: nothing moves.
+  n.flags.residency = ResidencyMode::fixed;
+  CHECK(plan_table(n, make_plan(n))
+            .find("residency: static (fixed: no expert moves while "
+                  "running)") != std::string::npos);
+}
+
 TEST_CASE("--ram-budget: routed experts beyond the budget go to the disk tier") {
   // No device: CPU weights 571 MiB, of them 360 MiB routed experts (4 layers x 10 experts x 9
   // MiB); the CPU KV cache 40 MiB (f32). What must stay in RAM: 211 + 40 = 251 MiB.

@@ -37,10 +37,18 @@ TEST_CASE("berth trace: gen, stats and dump") {
   CHECK(r.out.find("3000 tokens (10 prefill), 48 MoE layers x 128 experts, top-8, seed 5") !=
         std::string::npos);
   CHECK(std::filesystem::file_size(dir / "loc.trace") == 32 + 4 * 48 + 3000 * 385);
+  // gen prints the trace's LRU hit rates (the generator's check), the lines `trace stats` prints.
+  const std::string lru12 = "lru cache of 12.5% (16 of 128 experts per layer)";
+  const std::string lru25 = "lru cache of 25% (32 of 128 experts per layer)";
+  CHECK(std::abs(served(r.out, lru12) - 0.67) <= 0.03);
+  CHECK(std::abs(served(r.out, lru25) - 0.81) <= 0.03);
+  CHECK(r.out.find("lfu-decay") == std::string::npos);
+  const std::string gen_lru = r.out.substr(r.out.find(lru12));
 
   r = run_command(bin + " trace stats " + file);
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find(gen_lru) != std::string::npos);
   CHECK(r.out.find("3000 tokens (10 prefill, 2990 decode), 48 MoE layers (blocks 0..47), 128 "
                    "experts, top-8, without weights") != std::string::npos);
   CHECK(r.out.find("routed calls: 1152000 (24000 per MoE layer)") != std::string::npos);

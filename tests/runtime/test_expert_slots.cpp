@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
 #include "berth/residency/expert_slots.h"
+#include "berth/residency/routing_trace.h"
 #include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/scheduler/scheduler.h"
@@ -373,4 +375,102 @@ TEST_CASE("expert slots: the plan counts what the device holds, and the budget h
     CHECK(plan.gpu_total() <= plan.budget_bytes);
   }
   unsetenv("BERTH_SIM_DEVICE");
+}
+
+TEST_CASE("berth plan names the experts the slots start with, as the run loads them") {
+  // tiny-qwen3moe: MoE layers blk.0 and blk.1 of 8 experts, top-2; --cpu-moe at 1 GiB gives 7
+  // slots per layer. A calibration trace where blk.0 never calls expert 2 and blk.1 never calls
+  // expert 5 (each other expert twice): the frequency policy seeds the slots with the other
+  // seven, fixed; the default policy starts with experts 0-6 and moves them.
+  if (use_cuda()) return;  // place() opens the first CUDA device there
+  using test::run_command;
+  using test::shell_quote;
+  const std::string path = moe_file("tiny-qwen3moe", "q8_0");
+  gguf::File file = gguf::File::open(path);
+  auto model = load_model(file);
+  residency::RoutingTrace cal;
+  cal.shape.n_layer = 2;
+  cal.shape.n_expert = 8;
+  cal.shape.n_expert_used = 2;
+  cal.shape.blocks = {0, 1};
+  const std::vector<std::vector<uint16_t>> called = {{0, 1, 3, 4, 5, 6, 7}, {0, 1, 2, 3, 4, 6, 7}};
+  for (size_t i = 0; i < 7; ++i) {
+    cal.kinds.push_back(residency::TokenKind::decode);
+    for (const auto& c : called) cal.ids.insert(cal.ids.end(), {c[i], c[(i + 1) % 7]});
+  }
+  const std::string trace = (test::temp_dir("slots") / "seed-cal.trace").string();
+  residency::write_routing_trace(trace, cal);
+  const std::vector<int32_t> want0 = {0, 1, 3, 4, 5, 6, 7}, want1 = {0, 1, 2, 3, 4, 6, 7};
+  const std::vector<int32_t> first7 = {0, 1, 2, 3, 4, 5, 6};
+
+  setenv("BERTH_SIM_DEVICE", "1G", 1);
+  placement::Flags f;
+  f.n_gpu_layers = 99;
+  f.cpu_moe = true;
+  f.residency = placement::ResidencyMode::adaptive;
+  for (const bool frequency : {false, true}) {
+    CAPTURE(frequency);
+    SessionParams sp;
+    sp.n_threads = 2;
+    sp.n_ctx = 256;
+    sp.n_ubatch = 64;
+    if (frequency) sp.hybrid.expert_slots.policy = make_slot_policy("frequency:" + trace);
+    PlacementSetup placed = place(*model, f, sp, false);
+    const placement::Plan& plan = placed.plan;
+    REQUIRE(plan.expert_slots == 7);
+    REQUIRE(plan.slot_seed.size() == 2);
+    auto sorted = [](std::vector<int32_t> v) {
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    CHECK(sorted(plan.slot_seed[0]) == (frequency ? want0 : first7));
+    CHECK(sorted(plan.slot_seed[1]) == (frequency ? want1 : first7));
+    CHECK(plan.slots_move == !frequency);
+    // The run's slots hold exactly those, in the same slot order, before any step.
+    Session s(*model, sp);
+    const ExpertSlots* xs = s.residency()->expert_slots();
+    REQUIRE(xs != nullptr);
+    REQUIRE(xs->n_layers() == 2);
+    CHECK(xs->slot_experts(0) == plan.slot_seed[0]);
+    CHECK(xs->slot_experts(1) == plan.slot_seed[1]);
+    CHECK(xs->stats().swaps == 0);
+    // The table and the JSON say so.
+    const std::string t = placement::plan_table(placed.request, plan);
+    INFO(t);
+    const nlohmann::json j = nlohmann::json::parse(placement::plan_json(placed.request, plan));
+    REQUIRE(j["moe_layers"].size() == 2);
+    CHECK(j["moe_layers"][0]["gpu_experts"].get<std::vector<int32_t>>() ==
+          (frequency ? want0 : first7));
+    CHECK(j["moe_layers"][1]["gpu_experts"].get<std::vector<int32_t>>() ==
+          (frequency ? want1 : first7));
+    CHECK(j["moe_layers"][0]["gpu_experts_move"] == !frequency);
+    if (frequency) {
+      CHECK(j["slot_policy"] == "frequency(" + trace + ")");
+      CHECK(t.find("the slots hold the experts listed, fixed") != std::string::npos);
+      CHECK(t.find("blk.0             7 of 8 (expert slots; the rest on the CPU): 0-1,3-7\n") !=
+            std::string::npos);
+      CHECK(t.find("blk.1             7 of 8 (expert slots; the rest on the CPU): 0-4,6-7\n") !=
+            std::string::npos);
+    } else {
+      CHECK(j["slot_policy"] == "lfu-decay(h=64,z=3)");
+      CHECK(t.find("policy lfu-decay(h=64,z=3): the slots start with the experts listed and "
+                   "follow the routing while running") != std::string::npos);
+      CHECK(t.find("blk.0-1           7 of 8 (expert slots; the rest on the CPU): 0-6\n") !=
+            std::string::npos);
+    }
+  }
+  unsetenv("BERTH_SIM_DEVICE");
+
+  // The same through `berth plan --residency-policy`.
+  const std::string bin = test::berth_bin();
+  const test::CommandResult r =
+      run_command(bin + " plan -m " + shell_quote(path) +
+                  " --vram-budget 1G -c 256 -ngl 99 --cpu-moe --residency adaptive "
+                  "--residency-policy " +
+                  shell_quote("frequency:" + trace) + " --json");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  CHECK(j["moe_layers"][0]["gpu_experts"].get<std::vector<int32_t>>() == want0);
+  CHECK(j["moe_layers"][1]["gpu_experts"].get<std::vector<int32_t>>() == want1);
 }

@@ -47,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -208,6 +209,13 @@ struct Plan {
   /// layers whose routed experts stay on the CPU without an -ot rule placing them, else 0.
   int32_t expert_slots = 0;
   std::vector<int32_t> layer_slots;
+  /// Per layer (n_layer entries; empty when unknown): the experts its expert slots hold when the
+  /// run starts, slot s the s-th, empty for a layer without slots. make_plan leaves it empty;
+  /// runtime's place() fills it from the slot policy (residency/expert_slots.h, seed_slots: the
+  /// code that loads the slots), with the policy's name and whether it moves them while running.
+  std::vector<std::vector<int32_t>> slot_seed;
+  std::string slot_policy;
+  bool slots_move = true;
   /// Device bytes of the slots and their expert->slot tables (int32 per expert per layer).
   size_t slot_bytes = 0;
   /// The disk tier (only when the CPU-held weights and KV cache exceed Request::ram_budget_bytes):
@@ -312,8 +320,15 @@ Plan make_plan(const Request& req);
 /// routed experts, the KV cache) exceeds the budget, or the room holds not even one slot per
 /// layer.
 ///
+/// Expert ids as ascending runs: {0, 1, 2, 3, 7, 9} -> "0-3,7,9" (sorted and deduplicated
+/// first; "" for none).
+std::string expert_ranges(std::span<const int32_t> ids);
+
 /// Human-readable table: the notes; per MoE layer how many of its experts are on the GPU (all:
-/// its expert tensors are there; C of n: C expert slots; 0: none) and, with `tensors`, one line
+/// its expert tensors are there; C of n: C expert slots, followed by the experts they start
+/// with as expert_ranges when Plan::slot_seed says, the residency line saying whether they
+/// move while running (and the policy); 0: none), runs of consecutive layers alike on one
+/// line, and, with `tensors`, one line
 /// per tensor (name, type, MiB, home); the KV cache as runs of consecutive layers with the same
 /// home, then totals per device (weights, expert slots, KV cache, scratch, margin, total; the
 /// GPU's against the budget).
@@ -323,9 +338,14 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors = fals
 /// "total_bytes", "budget_bytes"}, "CPU": {"weights_bytes", "kv_bytes", "total_bytes"}},
 /// "tensors": [{"name", "role", "type", "bytes", "layer", "home"}...],
 /// "kv": [{"layer", "bytes", "home"}...], "residency": "static"|"adaptive", "expert_slots" (C),
-/// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "slots", "home", "ram_slots",
-/// "experts_on_disk"}...] (home of its expert tensors; experts_on_gpu = n_expert on the GPU,
-/// else its slots; experts_on_disk = n_expert - ram_slots for a tiered layer, else 0),
+/// "slot_policy" (Plan::slot_policy; null when not set),
+/// "moe_layers": [{"layer", "n_expert", "experts_on_gpu", "gpu_experts", "gpu_experts_move",
+/// "slots", "home", "ram_slots", "experts_on_disk"}...] (home of its expert tensors;
+/// experts_on_gpu = n_expert on the GPU, else its slots; gpu_experts: which experts are on the
+/// GPU when the run starts, ascending: all for a layer whose expert tensors are there, the
+/// slots' seed (Plan::slot_seed; null when the plan does not have it), [] for none;
+/// gpu_experts_move: the slots' policy moves them while running; experts_on_disk = n_expert -
+/// ram_slots for a tiered layer, else 0),
 /// "tiers": {"vram_bytes", "gpu_computed_host_bytes" (unified memory: the weights the GPU
 /// computes, held once in host memory; else 0), "ram_bytes", "disk_bytes", "ram_budget_bytes"
 /// (null: none), "ram_slots"}, "unified": null or {"pool_bytes" (the whole pool),

@@ -70,7 +70,21 @@ class SlotPolicy {
   /// The experts `layer`'s slots should hold now (distinct, < n_expert, at most capacity), the
   /// most wanted first.
   virtual std::vector<int32_t> target(int32_t layer) = 0;
+  /// After reset(): the experts `layer`'s `capacity` slots hold when they are made, slot s the
+  /// s-th (capacity distinct ids < n_expert). The default: experts 0..capacity-1.
+  virtual std::vector<int32_t> seed(int32_t layer, int32_t capacity);
+  /// Whether the slots' experts change while running (false: the seed stays, as
+  /// FrequencySlotPolicy's does).
+  virtual bool moves() const { return true; }
 };
+
+/// The experts each layer's slots start with, in slot order: policy.set_blocks(blocks),
+/// policy.reset(blocks.size(), n_expert, capacity), then policy.seed() per layer. ExpertSlots
+/// loads these at construction and `berth plan` prints them (runtime's place() fills
+/// placement::Plan::slot_seed with it). Throws what the policy's reset() throws;
+/// Error(internal) for a seed that is not `capacity` distinct ids < n_expert.
+std::vector<std::vector<int32_t>> seed_slots(SlotPolicy& policy, std::span<const int32_t> blocks,
+                                             int32_t n_expert, int32_t capacity);
 
 /// A routing-trace cache policy (residency/cache_sim.h: LruPolicy, LfuDecayPolicy) as a slot
 /// policy: observe() is its update(), target() its resident set (ascending ids).
@@ -106,8 +120,8 @@ class RotatingSlotPolicy final : public SlotPolicy {
 };
 
 /// The frequency-static baseline: each layer's slots hold the experts a calibration trace called
-/// most (ties: the lower id), fixed for the whole run (after the first boundaries have copied
-/// them in); routing is ignored. Throws Error(invalid_argument) from set_blocks()/reset() when
+/// most (ties: the lower id), loaded when the slots are made (seed()) and fixed for the whole
+/// run; routing is ignored. Throws Error(invalid_argument) from set_blocks()/reset() when
 /// the trace does not record a layer with slots or has another n_expert.
 class FrequencySlotPolicy final : public SlotPolicy {
  public:
@@ -118,6 +132,8 @@ class FrequencySlotPolicy final : public SlotPolicy {
   void reset(int32_t n_layer, int32_t n_expert, int32_t capacity) override;
   void observe(int32_t, std::span<const uint16_t>) override {}
   std::vector<int32_t> target(int32_t layer) override;
+  std::vector<int32_t> seed(int32_t layer, int32_t) override { return target(layer); }
+  bool moves() const override { return false; }
 
  private:
   std::string name_;
@@ -174,7 +190,8 @@ class ExpertSlots {
   };
 
   /// Allocates options.slots_per_layer slots per layer of `layers` on `dev` and their tables,
-  /// and fills slot s of each layer with expert s (synchronously). `pinned(id)` gives each
+  /// and fills them with the policy's seed (seed_slots: by default slot s holds expert s;
+  /// synchronously). `pinned(id)` gives each
   /// tensor's page-locked host memory. Throws Error(invalid_argument) for C outside
   /// [1, n_expert), S < 1, a layer without pinned tensors or of a shape unlike the table's; the
   /// device's Error(out_of_memory).
