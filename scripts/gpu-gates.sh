@@ -27,7 +27,7 @@ source .device/env.sh
 stories=.device/data/models/stories260K.gguf
 golden=0b999e769e18af0f01f0ff820e3b3698
 status=0
-gates=${GATES:-test_gpu hybrid_cuda golden memcheck memcheck_attn racecheck racecheck_swaps}
+gates=${GATES:-test_gpu hybrid_cuda golden memcheck memcheck_attn racecheck}
 want() { [[ " $gates " == *" $1 "* ]]; }
 step() { local name=$1; shift; want "$name" || return 0; echo "== $name: $*"; if stdbuf -oL -eL "$@" >"$out/$name.txt" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?)"; status=1; fi; tail -4 "$out/$name.txt" | sed 's/^/   /'; }
 nvidia-smi -L
@@ -41,5 +41,4 @@ done
 step memcheck env BERTH_TEST_DEVICE=cuda timeout -k 10 240 compute-sanitizer --tool memcheck --error-exitcode 3 test_runtime -tc='hybrid: replaying*,hybrid: prefill streams*,batch: a sequence*,hybrid: the values only*,hybrid: a split step*,expert slots: swaps forced every step*,stream split: every*,unified: without pageable*,qwen35: on the device*'
 step memcheck_attn timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 3 test_gpu -tc='*attention decode*,*captured decode graph*,*8-bit blocks left by the attention*'
 step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*,*long caches*'
-step racecheck_swaps env BERTH_TEST_DEVICE=cuda timeout -k 10 240 compute-sanitizer --tool racecheck --error-exitcode 3 test_runtime -tc='expert slots: swaps forced every step*'
 exit $status
