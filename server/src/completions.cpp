@@ -288,14 +288,15 @@ struct Output {
 /// on the connection's thread.
 class EventStream {
  public:
-  explicit EventStream(std::unique_ptr<Output> out) : out_(std::move(out)) {}
+  /// `text` and `toks`: what Output::take released and covered up to the first token (the
+  /// handler waits for it before committing the status).
+  EventStream(std::unique_ptr<Output> out, std::string text, std::vector<GeneratedToken> toks)
+      : out_(std::move(out)), first_text_(std::move(text)), first_toks_(std::move(toks)) {}
 
   /// Writes the whole stream; false when the client went away (the generation is cancelled).
   bool run(httplib::DataSink& sink) {
     Output& o = *out_;
     sink_ = &sink;
-    // First bytes at once: the role (chat) or a comment, so a client that left while queued or
-    // during prefill is noticed on the next write.
     if (o.req.endpoint == Endpoint::chat) {
       json j = o.base("chat.completion.chunk");
       j["choices"] = json::array({json{{"index", 0},
@@ -303,27 +304,23 @@ class EventStream {
                                        {"logprobs", nullptr},
                                        {"finish_reason", nullptr}}});
       if (!write(sse(j))) return false;
-    } else if (!write(": berth\n\n")) {
-      return false;
     }
-    std::vector<GeneratedToken> toks;  // tokens whose text has not been sent yet
+    const bool native_tokens = o.req.endpoint == Endpoint::native && o.req.return_tokens;
+    std::vector<GeneratedToken> toks = std::move(first_toks_);  // tokens whose text is unsent
+    std::string text = std::move(first_text_);
     while (true) {
+      if (!text.empty() || (native_tokens && !toks.empty())) {
+        if (!write(sse(o.chunk(text, toks, nullptr)))) return false;
+        toks.clear();
+      }
+      if (o.done) return finish(toks);
       if (o.srv.stopping.load()) return end_with_error(kShuttingDown);
       GenerationUpdate u = o.gen->wait(kPoll);
       if (o.watch.gone()) {
         o.gen->cancel();
         return false;
       }
-      const std::string text = o.take(u, toks);
-      const bool native_tokens = o.req.endpoint == Endpoint::native && o.req.return_tokens;
-      if (!text.empty() || (native_tokens && !toks.empty())) {
-        if (!write(sse(o.chunk(text, toks, nullptr)))) return false;
-        toks.clear();
-      } else if (u.progressed && !o.done) {
-        if (!write(fmt::format(": prefill {}/{}\n\n", u.n_prompt_done, o.req.gen.prompt.size())))
-          return false;
-      }
-      if (o.done) return finish(toks);
+      text = o.take(u, toks);
       if (Clock::now() - last_write_ > std::chrono::duration<double>(o.srv.opt.ping_interval_s) &&
           !write(": ping\n\n"))
         return false;
@@ -370,6 +367,8 @@ class EventStream {
   }
 
   std::unique_ptr<Output> out_;
+  std::string first_text_;
+  std::vector<GeneratedToken> first_toks_;
   httplib::DataSink* sink_ = nullptr;
   Clock::time_point last_write_ = Clock::now();
 };
@@ -401,7 +400,33 @@ void HttpServer::Impl::completion(const httplib::Request& http, httplib::Respons
   }
 
   if (out->req.stream) {
-    auto stream = std::make_shared<EventStream>(std::move(out));
+    // The status goes out with the first bytes, so wait for the first token (or the end)
+    // before: a request that fails before it (the engine's error, a shutdown while it waits or
+    // prefills) gets a real HTTP status, as without streaming. The client is watched meanwhile
+    // (PeerWatch): one that hangs up while queued or in prefill frees its slot.
+    Output& o = *out;
+    std::string text;
+    std::vector<GeneratedToken> toks;
+    while (!o.done && o.n_tokens == 0) {
+      if (stopping.load()) {
+        o.gen->cancel();
+        send_error(res, kShuttingDown);
+        return;
+      }
+      GenerationUpdate u = o.gen->wait(kPoll);
+      if (o.watch.gone()) {
+        o.gen->cancel();
+        log::debug("request {}: the client went away before the first token", o.id);
+        res.status = 499;  // never reaches anyone
+        return;
+      }
+      text += o.take(u, toks);
+    }
+    if (o.error && o.n_tokens == 0) {
+      send_error(res, *o.error);
+      return;
+    }
+    auto stream = std::make_shared<EventStream>(std::move(out), std::move(text), std::move(toks));
     res.status = 200;
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");

@@ -418,13 +418,15 @@ TEST_CASE("a client that vanishes frees its slot within a step: mid-stream, in p
   }
   CHECK(eventually(idle, 3));
   CHECK(metric("tokens_predicted_total") - t0 < 300);
-  {  // In prefill (-ub 1: a step per prompt token): hang up after the first prefill comment.
+  {  // In prefill (-ub 1: a step per prompt token; nothing is sent before the first token):
+     // hang up once the prompt is under way.
     std::vector<int32_t> ids(600, 7);
     ids[0] = 1;
+    const double p0 = metric("prompt_tokens_total");
     RawConn c(srv.port);
     const std::string body = json{{"prompt", ids}, {"n_predict", 4}, {"stream", true}}.dump();
     REQUIRE(c.send(http_post_head("/completion", body.size()) + body));
-    CHECK(c.read_until(": prefill").find(": prefill") != std::string::npos);
+    CHECK(eventually([&] { return metric("prompt_tokens_total") >= p0 + 8; }, 10));
   }
   CHECK(eventually(idle, 3));
   CHECK(metric("prompt_tokens_total") < 300);
@@ -557,6 +559,17 @@ TEST_CASE(
                        {"temperature", 0}});
     });
     REQUIRE(eventually([&] { return srv.engine->n_in_flight() == 1; }, 10));
+    // Late: a second streaming request waits for the slot and is cancelled by the shutdown
+    // before its first token, so it gets a real status, not 200 and an error event.
+    Stream queued;
+    std::thread t2;
+    if (late) {
+      t2 = std::thread([&] {
+        queued = post_stream(srv.port, "/v1/completions",
+                             {{"prompt", {1, 9}}, {"max_tokens", 8}, {"stream", true}});
+      });
+      REQUIRE(eventually([&] { return srv.engine->n_in_flight() == 2; }, 10));
+    }
     std::thread stopper([&] { srv.http->shutdown(std::chrono::milliseconds(late ? 200 : 60000)); });
     if (!late) {  // Once the drain began (the long request still runs), new requests get 503.
       CHECK(eventually([&] { return srv.http->draining(); }, 10));
@@ -565,9 +578,15 @@ TEST_CASE(
       CHECK(r.j.dump().find("the server is shutting down") != std::string::npos);
     }
     t.join();
+    if (t2.joinable()) t2.join();
     stopper.join();
     CHECK(s.status == 200);
     if (late) {
+      CHECK(queued.status == 503);
+      CHECK(queued.data.empty());
+      const json qe = json::parse(queued.raw);
+      CHECK(qe["error"]["code"] == 503);
+      CHECK(qe["error"]["type"] == "unavailable_error");
       CHECK(s.data.back() != "[DONE]");
       const json e = json::parse(s.data.back());
       CHECK(e["error"]["code"] == 503);
