@@ -84,9 +84,11 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
   if (f.n_gpu_layers > 0) r.flags.n_gpu_layers = -1;
   std::fill(r.kv_bytes.begin(), r.kv_bytes.end(), size_t{0});
   const bool ctx = plan_fits(r);
-  // A board whose OS reports less available than the device's memory: freeing memory (other
-  // processes, the page cache they pin) is enough where the whole board would hold the plan.
-  const size_t board_bytes = req.unified ? req.device_reported_free_bytes : req.device_free_bytes;
+  // A board whose OS reports less available than its memory: freeing memory (other processes,
+  // the page cache they pin) is enough where the whole board would hold the plan. The board's
+  // size, not what the device reports free (on a unified board cudaMemGetInfo counts the page
+  // cache as used: a GB10 reports ~3 GiB free with 52 GiB available).
+  const size_t board_bytes = req.board_bytes;
   if (board && req.os_available_bytes > 0 && board_bytes > req.os_available_bytes) {
     Request w = req;
     const size_t whole =
@@ -98,7 +100,7 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
     if (plan_fits(w))
       return fmt::format(
           "{}use a smaller quantization, or free memory on the board (the OS reports {} "
-          "available of the {} the device reports; the plan fits the whole board)",
+          "available of the board's {}; the plan fits the whole board)",
           ctx ? "lower -c, " : "", mib(req.os_available_bytes), mib(board_bytes));
   }
   return fmt::format("{}use a smaller quantization or {}", ctx ? "lower -c, " : "", more);

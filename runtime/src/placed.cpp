@@ -278,6 +278,7 @@ bool flags_want_gpu(const placement::Flags& flags) {
 struct UnifiedPool {
   bool unified = false, shared = false, discrete = false;
   size_t os_available = 0, pool = 0;
+  size_t board = 0;  ///< the board's memory (0: not a board, or --unified on on a discrete GPU)
 };
 
 UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bool has_device) {
@@ -298,9 +299,10 @@ UnifiedPool unified_pool(const Device* device, const placement::Flags& flags, bo
   u.pool = u.os_available > placement::kRamMargin ? u.os_available - placement::kRamMargin : 0;
   // A unified board's memory bounds the pool; --unified on on a discrete GPU keeps the
   // weights in host memory, which its VRAM does not bound.
-  if (device && dinfo.unified) u.pool = std::min(u.pool, dinfo.total_bytes);
-  if (sim) u.pool = std::min(u.pool, sim->capacity_bytes);
-  if (real) u.pool = std::min(u.pool, real->total_bytes);
+  if (device && dinfo.unified) u.board = dinfo.total_bytes;
+  if (sim) u.board = sim->capacity_bytes;
+  if (real) u.board = real->total_bytes;
+  if (u.board > 0) u.pool = std::min(u.pool, u.board);
   if (!device && flags.vram_budget) u.pool = std::min(u.pool, *flags.vram_budget);
   return u;
 }
@@ -605,6 +607,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       s.request.os_available_bytes = os_available;
       s.request.pool_margin_bytes = placement::kRamMargin;
       s.request.device_reported_free_bytes = free_bytes;
+      s.request.board_bytes = up.board;
       s.request.n_expert_used = static_cast<int32_t>(model.hparams().n_expert_used);
       if (dinfo.gpu_gbps > 0) s.request.rates.gpu_gbps = dinfo.gpu_gbps;
       if (dinfo.cpu_gbps > 0) s.request.rates.cpu_gbps = dinfo.cpu_gbps;
@@ -614,6 +617,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     } else if (up.shared) {
       s.request.shared_pool = true;
       s.request.shared_pool_bytes = pool;
+      s.request.board_bytes = up.board;
       s.request.os_available_bytes = os_available;
       s.request.pool_margin_bytes = placement::kRamMargin;
     }

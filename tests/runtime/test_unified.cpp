@@ -1049,7 +1049,16 @@ TEST_CASE("unified: refusal hints name only remedies that work") {
                      "",
                      1,
                      {"free memory on the board (the OS reports 40960.0 MiB available of the "
-                      "131072.0 MiB the device reports"},
+                      "board's 131072.0 MiB; the plan fits the whole board)"},
+                     {"larger board"}},
+                    // The device's free report (a GB10's ~3 GiB: the page cache counted as used)
+                    // decides nothing: the board's size does (it said "a larger board", and
+                    // named the free figure as the board's size).
+                    {"unified:128G,available=40G,free=3G",
+                     "",
+                     1,
+                     {"free memory on the board (the OS reports 40960.0 MiB available of the "
+                      "board's 131072.0 MiB; the plan fits the whole board)"},
                      {"larger board"}},
                     {"unified:128G,available=40G", " -ngl 0", 1, {"free memory on the board"}, {}},
                     {"unified:32G,available=20G", "", 1, {"a larger board"}, {"free memory"}}});

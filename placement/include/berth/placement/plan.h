@@ -169,6 +169,9 @@ struct Request {
   /// What the device itself reports free (cudaMemGetInfo; for messages: on a unified board it
   /// counts the page cache as used, so it is not the pool).
   size_t device_reported_free_bytes = 0;
+  /// A board's memory (the device's total on a unified board, unified or --unified off; 0:
+  /// unknown or not a board): what a remedy of freeing memory on the board is measured against.
+  size_t board_bytes = 0;
   UnifiedRates rates;
   int32_t n_expert_used = 0;  ///< routed experts per token (the cost of a layer's experts)
   /// Unified mode on a device with memory of its own (--unified on on a discrete GPU): what it
