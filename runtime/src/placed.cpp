@@ -782,7 +782,11 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
           return false;
         }
         find_gpu();
-        return pool_use() + act_for(u) <= up.pool;
+        // A plan for the pool less a reserve fits only where its own activations fit in that
+        // reserve: its notes and budgets name the reserve as the activations (a plan for the
+        // pool less 726 MiB that held 774 MiB of host buffers said both).
+        const size_t a = act_for(u);
+        return pool_use() + a <= up.pool && (for_pool == up.pool || a <= up.pool - for_pool);
       };
       if (whole_pool_first && attempt(up.pool)) return true;
       // A split plan made for less pool computes more on the CPU, whose host buffers grow: plan
@@ -798,6 +802,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       pool = up.pool;
       return false;
     };
+    std::vector<std::string> plan_notes;  // notes of the final plan (s.plan may be re-made)
     if (act > 0 && pool_use() + act > up.pool) {
       const size_t base = pool_use();
       const std::string base_terms = plan_terms();
@@ -829,8 +834,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
             "beside a plan for the pool less them (set -ub to choose)",
             was, n_ub, was_what, placement::mib(was_act), pool_name, placement::mib(up.pool));
         if (plan_only)
-          s.plan.notes.push_back(lowered);
-        else if (progress_to_stderr)  // run, serve: where the other plan notes go
+          plan_notes.push_back(lowered);  // the plan's, once it is final
+        else if (progress_to_stderr)      // run, serve: where the other plan notes go
           std::fprintf(stderr, "note: %s\n", lowered.c_str());
         else
           log::warn("{}", lowered);
@@ -861,6 +866,30 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                : fmt::format("--ram-budget {} is more than {} of {}: the plan is capped at it",
                              placement::mib(*flags.ram_budget), pool_name,
                              placement::mib(up.pool)));
+    // A plan made for the whole pool that leaves room for its activations: plan again for the
+    // pool less them, so that what the plan says is left to either side (the budgets, the
+    // CPU's cap) is what the activations leave; kept where it is the same plan's activations.
+    if (act > 0 && pool == up.pool && act < up.pool) {
+      const size_t whole = pool;
+      const placement::Plan kept = s.plan;
+      const placement::Request kept_req = s.request;
+      bool same = false;
+      pool = up.pool - act;
+      try {
+        make();
+        find_gpu();
+        same = act_for(n_ub) == act && pool_use() <= pool;
+      } catch (const Error& e) {
+        if (e.category() != ErrorCategory::out_of_memory) throw;
+      }
+      if (!same) {
+        pool = whole;
+        s.plan = kept;
+        s.request = kept_req;
+        find_gpu();
+      }
+    }
+    s.plan.notes.insert(s.plan.notes.end(), plan_notes.begin(), plan_notes.end());
     s.plan.activation_bytes = act;
     s.plan.activations_host_buffers = split_now();
     s.plan.whole_pool_bytes = act > 0 ? up.pool : 0;

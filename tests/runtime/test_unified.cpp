@@ -718,7 +718,9 @@ TEST_CASE("unified: serve's default context is one the plan accepts, and its not
       {"unified:8G,available=6G",
        "-ngl 0",
        0,
-       {"0 layers f16 on the GPU, 48 f32 on the CPU", "the RAM budget (5120.0 MiB)"}},
+       // The RAM budget is the pool less the CPU's activations (it named the whole pool,
+       // 5120.0 MiB, which the activations also draw on).
+       {"0 layers f16 on the GPU, 48 f32 on the CPU", "the RAM budget (5092.3 MiB)"}},
       {"unified:12G", "--unified off --vram-budget 2G", 0, {"the board's pool (--unified off)"}},
   };
   for (const Case& c : cases) {
@@ -976,6 +978,33 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
                                                                                              << 30);
     CHECK(u["total_bytes"].get<size_t>() <= size_t{2} << 30);
     CHECK(u["total_bytes"].get<size_t>() > u["activation_bytes"].get<size_t>());
+  }
+  // One activation figure: a plan re-made for the pool less its activations reserves what its
+  // own split holds (it was made for the pool less 726.0 MiB, a round's, while holding 774.2
+  // MiB: the CPU's cap said 433.4 MiB and planned_pool_bytes + activation_bytes exceeded the
+  // pool), and the budget column and a --ram-budget above it say what is left: 385.1 MiB.
+  {
+    const std::vector<nlohmann::json> j = check_plans(
+        q30, {{"unified:4G",
+               " --ram-budget 0",
+               0,
+               {"the CPU's side is still capped at 385.1 MiB, what the GPU's side (1912.6 MiB) "
+                "and the activations (774.2 MiB) leave of the pool of 3072.0 MiB",
+                "a ubatch of 1024 tokens (the default -ub), 774.2 MiB, counted in the pool"},
+               {"726.0 MiB", "433.4 MiB"}},
+              {"unified:4G",
+               " --ram-budget 400M",
+               0,
+               {"--ram-budget 400.0 MiB is more than what the GPU's side (1912.6 MiB) and the "
+                "activations (774.2 MiB) leave of the pool (385.1 MiB)"},
+               {}}});
+    for (const nlohmann::json& p : j) {
+      REQUIRE(p["unified"].is_object());
+      const nlohmann::json& u = p["unified"];
+      CHECK(u["planned_pool_bytes"].get<size_t>() + u["activation_bytes"].get<size_t>() ==
+            u["pool_bytes"].get<size_t>());
+      CHECK(std::abs(p["tiers"]["ram_budget_bytes"].get<double>() / (1 << 20) - 385.107) < 0.001);
+    }
   }
   // A split plan counts the scheduler's host buffers in the pool (they were left out: 1061.8 MiB
   // here, the plan filling the pool without them); a plan for the pool less them computes more
