@@ -14,7 +14,9 @@ namespace berth::placement {
 namespace {
 
 // The board's whole pool (Request::pool_bytes is what the plan may fill).
-size_t whole_pool(const Request& req) { return req.pool_bytes + req.activation_reserve_bytes; }
+size_t whole_pool(const Request& req) {
+  return (req.shared_pool ? req.shared_pool_bytes : req.pool_bytes) + req.activation_reserve_bytes;
+}
 
 std::string unified_terms(const Request& req, const Plan& plan) {
   return fmt::format(
@@ -118,19 +120,30 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
     // A budget above what there is is capped, not silently: on unified memory the pool (which
     // place() passes as the device's free memory), else the device's free memory.
     if (f.vram_budget && *f.vram_budget > req.device_free_bytes)
-      note(unified ? fmt::format("--vram-budget {} is more than the unified pool of {} (the {} "
-                                 "the OS reports available minus a margin of {}): the GPU's "
-                                 "side is capped at {}",
-                                 mib(*f.vram_budget), mib(whole_pool(req)),
-                                 mib(req.os_available_bytes), mib(req.pool_margin_bytes),
-                                 req.activation_reserve_bytes > 0
-                                     ? fmt::format("the {} it leaves beside the activations",
-                                                   mib(req.device_free_bytes))
-                                     : std::string("the pool"))
-                   : fmt::format("--vram-budget {} is more than the {} free on {}: the budget "
-                                 "is capped at {}",
-                                 mib(*f.vram_budget), mib(req.device_free_bytes), req.device_name,
-                                 mib(req.device_free_bytes)));
+      note(req.shared_pool
+               ? fmt::format(
+                     "--vram-budget {} is more than {} (--unified off): the GPU's side "
+                     "is capped at it",
+                     mib(*f.vram_budget),
+                     req.activation_reserve_bytes > 0
+                         ? fmt::format("the {} the activations ({}) leave of the "
+                                       "board's pool of {}",
+                                       mib(req.device_free_bytes),
+                                       mib(req.activation_reserve_bytes), mib(whole_pool(req)))
+                         : fmt::format("the board's pool of {}", mib(whole_pool(req))))
+           : unified ? fmt::format("--vram-budget {} is more than the unified pool of {} (the {} "
+                                   "the OS reports available minus a margin of {}): the GPU's "
+                                   "side is capped at {}",
+                                   mib(*f.vram_budget), mib(whole_pool(req)),
+                                   mib(req.os_available_bytes), mib(req.pool_margin_bytes),
+                                   req.activation_reserve_bytes > 0
+                                       ? fmt::format("the {} it leaves beside the activations",
+                                                     mib(req.device_free_bytes))
+                                       : std::string("the pool"))
+                     : fmt::format("--vram-budget {} is more than the {} free on {}: the budget "
+                                   "is capped at {}",
+                                   mib(*f.vram_budget), mib(req.device_free_bytes), req.device_name,
+                                   mib(req.device_free_bytes)));
   }
   if (any_gpu) {
     plan.scratch_bytes = req.scratch_bytes;
@@ -159,8 +172,10 @@ void account_plan(const Request& req, Plan& plan, const std::vector<bool>& ot_pi
                     mib(plan.budget_bytes), describe_flags(f), unified_terms(req, plan),
                     refusal_hint(req, plan, has_exps, probing)));
   }
-  if (any_gpu && plan.gpu_total() > plan.budget_bytes) {
-    const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
+  // A board's pool (--unified off) that the GPU's side alone exceeds: refused below naming both
+  // sides against the pool (finish_shared_pool), unless --vram-budget is the cap.
+  const bool by_flag = f.vram_budget && *f.vram_budget <= req.device_free_bytes;
+  if (any_gpu && plan.gpu_total() > plan.budget_bytes && (!req.shared_pool || by_flag)) {
     const std::string source =
         by_flag ? std::string("--vram-budget")
         : f.vram_budget

@@ -48,7 +48,7 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
     Request u = req;
     u.unified = true;
     u.pool_bytes = u.device_free_bytes = req.shared_pool_bytes;
-    u.device_reported_free_bytes = req.device_free_bytes;
+    u.device_reported_free_bytes = req.device_reported_free_bytes;
     u.shared_pool = false;
     if (plan_fits(u)) parts.push_back("--unified auto (which holds each weight once)");
   }

@@ -13,6 +13,14 @@ namespace berth::placement {
 void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags,
                         const std::function<std::string()>& fix) {
   const size_t pool = req.shared_pool_bytes;
+  // The whole pool, and what the plan was made for: the pool less the activations place()
+  // keeps beside it where they did not fit beside a plan for the whole pool.
+  const size_t whole = pool + req.activation_reserve_bytes;
+  const std::string of_pool =
+      req.activation_reserve_bytes > 0
+          ? fmt::format("the {} the activations ({}) leave of the pool of {}", mib(pool),
+                        mib(req.activation_reserve_bytes), mib(whole))
+          : fmt::format("the pool of {}", mib(pool));
   const size_t gpu_side = plan.gpu_total();
   const std::string board = req.has_device ? req.device_name : std::string("the unified board");
   const std::string source = fmt::format(
@@ -52,9 +60,9 @@ void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags
         mib(plan.cpu_weight_bytes), mib(plan.cpu_kv_bytes), mib(plan.ram_slot_bytes), source);
   };
   const std::string what = fmt::format(
-      "{}'s memory, which the GPU shares with the CPU (a pool of {}; --unified off: the GPU "
-      "computes from copies of its weights)",
-      req.device_name, mib(pool));
+      "{}'s memory, which the GPU shares with the CPU ({}; --unified off: the GPU computes "
+      "from copies of its weights)",
+      req.device_name, of_pool);
   Request cpu_side = req;
   cpu_side.ram_budget_bytes = std::min(req.ram_budget_bytes, pool > gpu_side ? pool - gpu_side : 0);
   try {
@@ -72,7 +80,7 @@ void finish_shared_pool(const Request& req, Plan& plan, const std::string& flags
       "--unified off on {}, whose memory the GPU shares: the plan holds the {} of weights the "
       "GPU computes twice (its copies, and the file's pages while the OS keeps them cached) and "
       "counts both sides against the pool: {} of {} ({}); --unified auto holds each weight once",
-      req.device_name, mib(plan.gpu_weight_bytes), mib(total), mib(pool), terms()));
+      req.device_name, mib(plan.gpu_weight_bytes), mib(total), of_pool, terms()));
 }
 
 }  // namespace berth::placement

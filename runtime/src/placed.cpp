@@ -597,8 +597,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     const int64_t rows = n_ctx * std::max(params.n_seq, 1);
     s.request =
         plan_request(model, rows, static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, rows)),
-                     flags, device_name, unified ? pool : free_bytes, has_device, stream,
-                     params.hybrid.host_expert_share, std::max(params.n_seq, 1));
+                     flags, device_name, unified || up.shared ? pool : free_bytes, has_device,
+                     stream, params.hybrid.host_expert_share, std::max(params.n_seq, 1));
     s.request.ram_budget_bytes = ram_budget();
     if (unified) {
       s.request.unified = true;
@@ -617,6 +617,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     } else if (up.shared) {
       s.request.shared_pool = true;
       s.request.shared_pool_bytes = pool;
+      s.request.activation_reserve_bytes = up.pool - pool;
+      s.request.device_reported_free_bytes = free_bytes;
       s.request.board_bytes = up.board;
       s.request.os_available_bytes = os_available;
       s.request.pool_margin_bytes = placement::kRamMargin;

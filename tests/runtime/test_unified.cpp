@@ -565,15 +565,19 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
                  // pool are refused, naming only remedies that work (not --unified auto, which
                  // does not fit -ngl 99 --cpu-moe's GPU side either, nor --vram-budget, which
                  // changes no explicit plan).
+                 // The figures named are those used: the pool less the activations, and the
+                 // pool, 7168.0 MiB (it called 5622.8 MiB "the pool").
                  {"unified:8G",
                   " --unified off",
                   0,
-                  {"counts both sides against the pool", "--unified auto holds each weight once"},
-                  {}},
+                  {"counts both sides against the pool: 5536.5 MiB of the 5622.8 MiB the "
+                   "activations (1545.2 MiB) leave of the pool of 7168.0 MiB",
+                   "--unified auto holds each weight once"},
+                  {"of 5622.8 MiB ("}},
                  {"unified:2G",
                   " --unified off -ngl 99 --cpu-moe",
                   1,
-                  {"which the GPU shares with the CPU (a pool of 1024.0 MiB", "copies of",
+                  {"which the GPU shares with the CPU (the pool of 1024.0 MiB", "copies of",
                    "the CPU's side", "lower -c, use a smaller quantization or a larger board"},
                   {"--unified auto", "--vram-budget SIZE", "lower -ngl", "leave out -ngl"}},
                  {"unified:24G",
@@ -593,7 +597,20 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
                   {"of SIM0's own memory but it reports 2048.0 MiB free", "KV cache 3840.0 MiB"},
                   {}},
                  {"2G", " --unified on -ngl 99 --cpu-moe -c 4096", 0, {}, {}},
+                 // The board's pool caps the GPU's side of a plan of copies, not the device's
+                 // free report (it was refused on "the budget is 2048.0 MiB (free on the
+                 // device)"); a refusal names both sides against the pool.
+                 {"unified:8G,free=2G", " --unified off -ngl 99 --n-cpu-moe 33", 0, {}, {}},
+                 {"unified:8G,free=2G",
+                  " --unified off -ngl 99 --n-cpu-moe 20",
+                  1,
+                  {"which the GPU shares with the CPU (the pool of 7168.0 MiB",
+                   "the GPU's side 10901.7 MiB", "lower -ngl"},
+                  {"free on the device", "2048.0 MiB"}},
              });
+  // The budget column is the pool less the activations (it showed the whole board, 8192.0 MiB).
+  CHECK(std::abs(j[0]["devices"]["GPU"]["budget_bytes"].get<double>() / (1 << 20) - 5622.755) <
+        0.001);
   // The board's 5 GiB pool (not this host's memory), less the CPU's activations at the default
   // -ub 2048 (kept: the disk tier takes more routed experts instead).
   CHECK(j[3]["tiers"]["ram_budget_bytes"].get<size_t>() <= size_t{5} << 30);

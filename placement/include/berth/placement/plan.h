@@ -163,6 +163,7 @@ struct Request {
   /// less activation_reserve_bytes: the part the runtime keeps for the activations where they
   /// did not fit beside a plan for the whole pool (messages name the whole pool).
   size_t pool_bytes = 0;
+  /// The same reserve taken from shared_pool_bytes on a board planned with --unified off.
   size_t activation_reserve_bytes = 0;
   size_t os_available_bytes = 0;  ///< the OS's MemAvailable (for messages)
   size_t pool_margin_bytes = 0;   ///< what the pool leaves of it
