@@ -29,6 +29,17 @@ std::string or_list(const std::vector<std::string>& parts) {
   return s;
 }
 
+// `flags` without its -ot rules that name the GPU (those win over -ngl); true when it had any.
+bool drop_gpu_rules(Flags& flags) {
+  const size_t n = flags.overrides.size();
+  std::erase_if(flags.overrides, [](const auto& rule) {
+    std::string d = rule.second;
+    for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return d != "CPU";
+  });
+  return flags.overrides.size() < n;
+}
+
 // The remedies that make `req` (refused) fit when tried, as a list for a message: lower -ngl
 // (-ngl 0 fits), --cpu-moe, the automatic plan, and on a board planned with copies (--unified
 // off) --unified auto; when none does, a smaller context (if the plan fits without any KV
@@ -54,6 +65,14 @@ std::string remedies(const Request& req, bool has_exps, bool probing) {
   }
   if (f.n_gpu_layers > 0 && with([](Flags& g) { g.n_gpu_layers = 0; }))
     parts.push_back("lower -ngl");
+  // -ot rules that send tensors to the GPU (with -ngl 0 nothing else does): the plan without
+  // them (it named only a smaller quantization or a larger board).
+  if (Flags g = f; drop_gpu_rules(g)) {
+    if (with([&](Flags& h) { h = g; }))
+      parts.push_back("leave out the -ot rules that send tensors to the GPU");
+    else if (f.n_gpu_layers > 0 && with([&](Flags& h) { h = g, h.n_gpu_layers = 0; }))
+      parts.push_back("lower -ngl and leave out the -ot rules that send tensors to the GPU");
+  }
   if (f.n_gpu_layers != 0 && has_exps && !f.cpu_moe && with([](Flags& g) { g.cpu_moe = true; }))
     parts.push_back("add --n-cpu-moe N or --cpu-moe");
   if (f.n_gpu_layers >= 0 && with([](Flags& g) { g.n_gpu_layers = -1; }))
@@ -115,13 +134,7 @@ std::string refusal_hint(const Request& req, const Plan& plan, bool has_exps, bo
     // -ot rules that name the GPU win over -ngl: running on the CPU means leaving them out.
     Request cpu = req;
     cpu.flags.n_gpu_layers = 0;
-    cpu.flags.overrides.clear();
-    for (const auto& rule : f.overrides) {
-      std::string d = rule.second;
-      for (char& c : d) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-      if (d == "CPU") cpu.flags.overrides.push_back(rule);
-    }
-    const bool gpu_rules = cpu.flags.overrides.size() < f.overrides.size();
+    const bool gpu_rules = drop_gpu_rules(cpu.flags);
     std::string on_cpu;
     if (probing || plan_fits(cpu))
       on_cpu = !gpu_rules            ? "run on the CPU with -ngl 0"

@@ -1108,6 +1108,20 @@ TEST_CASE("unified: refusal hints name only remedies that work") {
                      {"larger board"}},
                     {"unified:128G,available=40G", " -ngl 0", 1, {"free memory on the board"}, {}},
                     {"unified:32G,available=20G", "", 1, {"a larger board"}, {"free memory"}}});
+  // -ot rules that send everything to the GPU beside -ngl 0 (or -ngl 20): leaving them out (and
+  // lowering -ngl) is named, and fits (it said only "a smaller quantization or a larger board").
+  check_plans(sparse_30b(),
+              {{"unified:8G",
+                " -ngl 0 -ot .=GPU",
+                1,
+                {"; leave out the -ot rules that send tensors to the GPU"},
+                {"larger board"}},
+               {"unified:8G",
+                " -ngl 20 -ot .=GPU",
+                1,
+                {"; lower -ngl and leave out the -ot rules that send tensors to the GPU"},
+                {"larger board"}},
+               {"unified:8G", " -ngl 0", 0, {}, {}}});
   // A pool below the GPU's scratch and margin: the fix named is one that runs (with -ngl 0
   // given, only leaving out the -ot rules that name the GPU), and the pool, not "the device's
   // free memory", is the limit (it said "run on the CPU with -ngl 0" to -ngl 0 -ot .=GPU).
