@@ -231,7 +231,9 @@ std::string plan_table(const Request& req, const Plan& plan, bool tensors) {
                                    to_mib(plan.gpu_weight_bytes))
                      : std::string(),
         to_mib(plan.ram_total()), to_mib(plan.disk_weight_bytes),
-        plan.ram_slots > 0 ? fmt::format(", {} RAM slots per MoE layer", plan.ram_slots) : "");
+        plan.ram_slots > 0 ? fmt::format(", {} RAM slot{} per MoE layer", plan.ram_slots,
+                                         plan.ram_slots == 1 ? "" : "s")
+                           : "");
   }
   if (plan.unified)
     out += fmt::format(

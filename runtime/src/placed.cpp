@@ -143,9 +143,9 @@ std::string PlacementSetup::summary() const {
   const std::string disk =
       plan.disk_weight_bytes > 0
           ? fmt::format(
-                " ({:.2f} GiB of them routed experts read from disk into {} RAM slots per "
+                " ({:.2f} GiB of them routed experts read from disk into {} RAM slot{} per "
                 "MoE layer)",
-                gib(plan.disk_weight_bytes), plan.ram_slots)
+                gib(plan.disk_weight_bytes), plan.ram_slots, plan.ram_slots == 1 ? "" : "s")
           : "";
   if (!device)
     return fmt::format("placement: all {:.2f} GiB of weights on the CPU{} ({})", gib(cpu), disk,
@@ -763,11 +763,14 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
                                      : "the CPU's activations for",
                          u, u == 1 ? "" : "s");
     };
+    int64_t lowered_from = 0;  // the default -ub this was lowered from (0: not lowered)
     const auto act_text = [&] {
       return fmt::format("{} ({}), {}", act_what(n_ub),
-                         n_ub < params.n_ubatch ? "-ub, capped by -c"
-                         : params.n_ubatch_auto ? "the default -ub"
-                                                : "-ub",
+                         n_ub < params.n_ubatch ? std::string("-ub, capped by -c")
+                         : lowered_from > 0
+                             ? fmt::format("the default -ub lowered from {}", lowered_from)
+                         : params.n_ubatch_auto ? std::string("the default -ub")
+                                                : std::string("-ub"),
                          placement::mib(act));
     };
     // Makes the plan for -ub u that fits the pool with its activations: first for the whole pool,
@@ -830,6 +833,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         if (fits_with_ub(u, /*whole_pool_first=*/true)) fits_ub = u;
       if (!done && params.n_ubatch_auto && fits_ub > 0) {
         n_ub = fits_ub;
+        lowered_from = was;
         act = act_for(fits_ub);
         const std::string lowered = fmt::format(
             "-ub lowered from {} to {}: {}, {}, do not fit beside the plan in {} of {}, nor "

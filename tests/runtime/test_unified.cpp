@@ -608,6 +608,13 @@ TEST_CASE("unified: a board's memory is one pool whoever computes; a plan of cop
                    "the GPU's side 10901.7 MiB", "lower -ngl"},
                   {"free on the device", "2048.0 MiB"}},
              });
+  // One RAM slot is singular in the tiers line (it said "1 RAM slots").
+  {
+    const test::CommandResult r =
+        berth_with("unified:8G,free=2G",
+                   "plan -m " + test::shell_quote(model) + " --unified off -ngl 99 --n-cpu-moe 33");
+    CHECK_MESSAGE(has(r.out, "1 RAM slot per MoE layer"), r.out, r.err);
+  }
   // The budget column is the pool less the activations (it showed the whole board, 8192.0 MiB).
   CHECK(std::abs(j[0]["devices"]["GPU"]["budget_bytes"].get<double>() / (1 << 20) - 5622.755) <
         0.001);
@@ -1002,19 +1009,21 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
   // pool), and the budget column and a --ram-budget above it say what is left: 385.1 MiB.
   {
     const std::vector<nlohmann::json> j = check_plans(
-        q30, {{"unified:4G",
-               " --ram-budget 0",
-               0,
-               {"the CPU's side is still capped at 385.1 MiB, what the GPU's side (1912.6 MiB) "
-                "and the activations (774.2 MiB) leave of the pool of 3072.0 MiB",
-                "a ubatch of 1024 tokens (the default -ub), 774.2 MiB, counted in the pool"},
-               {"726.0 MiB", "433.4 MiB"}},
-              {"unified:4G",
-               " --ram-budget 400M",
-               0,
-               {"--ram-budget 400.0 MiB is more than what the GPU's side (1912.6 MiB) and the "
-                "activations (774.2 MiB) leave of the pool (385.1 MiB)"},
-               {}}});
+        q30,
+        {{"unified:4G",
+          " --ram-budget 0",
+          0,
+          {"the CPU's side is still capped at 385.1 MiB, what the GPU's side (1912.6 MiB) "
+           "and the activations (774.2 MiB) leave of the pool of 3072.0 MiB",
+           "a ubatch of 1024 tokens (the default -ub lowered from 2048), 774.2 MiB, counted in "
+           "the pool"},
+          {"726.0 MiB", "433.4 MiB"}},
+         {"unified:4G",
+          " --ram-budget 400M",
+          0,
+          {"--ram-budget 400.0 MiB is more than what the GPU's side (1912.6 MiB) and the "
+           "activations (774.2 MiB) leave of the pool (385.1 MiB)"},
+          {}}});
     for (const nlohmann::json& p : j) {
       REQUIRE(p["unified"].is_object());
       const nlohmann::json& u = p["unified"];
