@@ -591,13 +591,17 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     params.hybrid.host_expert_share = 0;
   }
   if (auto_stream) stream = kStreamExpertsAutoTokens;
+  // The flags make() plans with: `flags`, or -ngl 0 where the automatic plan on a board's pool
+  // falls back to everything on the CPU beside its (much smaller) activations.
+  placement::Flags plan_flags = flags;
+  bool cpu_fallback = false;
   const auto make = [&] {
     // The KV cache holds n_seq sequences of n_ctx positions: plan for all of its rows.
     // Scratch for the largest step: -ub tokens, or the whole cache when that is smaller.
     const int64_t rows = n_ctx * std::max(params.n_seq, 1);
     s.request =
         plan_request(model, rows, static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, rows)),
-                     flags, device_name, unified || up.shared ? pool : free_bytes, has_device,
+                     plan_flags, device_name, unified || up.shared ? pool : free_bytes, has_device,
                      stream, params.hybrid.host_expert_share, std::max(params.n_seq, 1));
     s.request.ram_budget_bytes = ram_budget();
     if (unified) {
@@ -624,6 +628,15 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
       s.request.pool_margin_bytes = placement::kRamMargin;
     }
     s.plan = placement::make_plan(s.request);
+    // The how of -ngl 0, "-ngl 0 (unified memory)" or "-ngl 0", told as the automatic plan's.
+    if (cpu_fallback && s.plan.how.starts_with("-ngl 0")) {
+      const std::string was = unified ? "-ngl 0 (unified memory)" : "-ngl 0";
+      s.plan.how.replace(
+          0, s.plan.how.starts_with(was) ? was.size() : 6,
+          fmt::format(
+              "automatic ({}: everything on the CPU, where no split fits beside its activations)",
+              unified ? "unified memory" : "the board's pool, --unified off"));
+    }
   };
   const auto info = [&](std::string line) {
     if (plan_only)
@@ -803,6 +816,18 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
         const size_t grown = act_for(u);
         if (grown <= a) break;
         a = grown;
+      }
+      // The automatic plan: everything on the CPU, for the pool less the CPU's activations at
+      // this -ub (a split's host buffers are much larger; planning for the pool less those
+      // missed the all-CPU plan that fits: a 3200M board lowered -ub to 512 where 3000M ran
+      // -ub 2048 on the CPU).
+      if (flags.n_gpu_layers < 0 && flags.overrides.empty() && !cpu_fallback) {
+        plan_flags.n_gpu_layers = 0;
+        cpu_fallback = true;
+        const size_t arena = cpu_step_arena_bytes(model, static_cast<int32_t>(std::min(u, n_ctx)));
+        if (arena < up.pool && (attempt(up.pool - arena) || attempt(up.pool))) return true;
+        plan_flags = flags;
+        cpu_fallback = false;
       }
       pool = up.pool;
       return false;

@@ -961,7 +961,8 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
                {"unified:1300M",
                 " -ngl 0 -c 8192",
                 0,
-                {"-ub lowered from 2048 to 256", "ubatch 256"},
+                {"-ub lowered from 2048 to 256", "ubatch 256",
+                 "a ubatch of 256 tokens (the default -ub lowered from 2048), 30.0 MiB"},
                 {}}});
   // run refuses before loading, as plan does.
   const test::CommandResult r = berth_with(
@@ -1003,27 +1004,31 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
     CHECK(u["total_bytes"].get<size_t>() <= size_t{2} << 30);
     CHECK(u["total_bytes"].get<size_t>() > u["activation_bytes"].get<size_t>());
   }
+  // Monotonic in the board's size: a board that fits at the default -ub 2048 (3000M, everything on
+  // the CPU) means every larger one does (3200M lowered -ub to 512, 3500M to 512 with a split,
+  // 3800M and 4G to 1024: the fallback to the CPU was planned for the pool less the split's host
+  // buffers instead of its own activations).
+  for (const char* board : {"unified:3000M", "unified:3200M", "unified:3500M", "unified:3800M"})
+    check_plans(q30, {{board, "", 0, {"ubatch 2048"}, {"lowered"}}});
   // One activation figure: a plan re-made for the pool less its activations reserves what its
   // own split holds (it was made for the pool less 726.0 MiB, a round's, while holding 774.2
   // MiB: the CPU's cap said 433.4 MiB and planned_pool_bytes + activation_bytes exceeded the
   // pool), and the budget column and a --ram-budget above it say what is left: 385.1 MiB.
   {
     const std::vector<nlohmann::json> j = check_plans(
-        q30,
-        {{"unified:4G",
-          " --ram-budget 0",
-          0,
-          {"the CPU's side is still capped at 385.1 MiB, what the GPU's side (1912.6 MiB) "
-           "and the activations (774.2 MiB) leave of the pool of 3072.0 MiB",
-           "a ubatch of 1024 tokens (the default -ub lowered from 2048), 774.2 MiB, counted in "
-           "the pool"},
-          {"726.0 MiB", "433.4 MiB"}},
-         {"unified:4G",
-          " --ram-budget 400M",
-          0,
-          {"--ram-budget 400.0 MiB is more than what the GPU's side (1912.6 MiB) and the "
-           "activations (774.2 MiB) leave of the pool (385.1 MiB)"},
-          {}}});
+        q30, {{"unified:4G",
+               " --ram-budget 0 -ub 1024",
+               0,
+               {"the CPU's side is still capped at 385.1 MiB, what the GPU's side (1912.6 MiB) "
+                "and the activations (774.2 MiB) leave of the pool of 3072.0 MiB",
+                "a ubatch of 1024 tokens (-ub), 774.2 MiB, counted in the pool"},
+               {"the activations (726.0 MiB)", "433.4 MiB"}},
+              {"unified:4G",
+               " --ram-budget 400M -ub 1024",
+               0,
+               {"--ram-budget 400.0 MiB is more than what the GPU's side (1912.6 MiB) and the "
+                "activations (774.2 MiB) leave of the pool (385.1 MiB)"},
+               {}}});
     for (const nlohmann::json& p : j) {
       REQUIRE(p["unified"].is_object());
       const nlohmann::json& u = p["unified"];
@@ -1044,13 +1049,15 @@ TEST_CASE("unified: -ngl 0 counts the CPU's activations in the pool; -ub lowers 
               "planned for the 6008.6 MiB left beside the plan's own, 1159.4 MiB",
               "1159.4 MiB, counted in the pool: 7135.6 MiB of 7168.0 MiB"},
              {"not counted"}},
-            // -ub 2048 given on a 4 GB board: refused, naming them and the -ub that fits.
+            // -ub 2048 given on a 4 GB board: no split fits beside its host buffers, everything
+            // on the CPU does (it was refused, naming "-ub 1024 fits", though -ngl 0 -ub 2048 fit).
             {"unified:4G",
              " -ub 2048",
-             1,
-             {"the scheduler's host buffers for the decode steps and a ubatch of 2048 tokens (-ub)",
-              "lower -ub: -ub 1024 fits"},
-             {}},
+             0,
+             {"automatic (unified memory: everything on the CPU, where no split fits beside its "
+              "activations)",
+              "ubatch 2048"},
+             {"lowered"}},
             {"unified:128G", "", 0, {}, {"host buffers"}}});
   CHECK(split[0]["unified"]["activations"] == "host_buffers");
   const double host_mib =
