@@ -373,6 +373,30 @@ class EventStream {
   Clock::time_point last_write_ = Clock::now();
 };
 
+/// Waits for `o`'s end (or, with `first_token`, its first token), watching the client and the
+/// server's stop, appending the text released to `text` and the tokens to `toks`. False when it
+/// answered `res` itself: 503 at a stop, or nothing (499) for a client that went away; the
+/// generation is cancelled then.
+bool await(Output& o, httplib::Response& res, std::string& text, std::vector<GeneratedToken>& toks,
+           bool first_token) {
+  while (!o.done && !(first_token && o.n_tokens > 0)) {
+    if (o.srv.stopping.load()) {
+      o.gen->cancel();
+      send_error(res, kShuttingDown);
+      return false;
+    }
+    GenerationUpdate u = o.gen->wait(kPoll);
+    if (o.watch.gone()) {
+      o.gen->cancel();
+      log::debug("request {}: the client went away", o.id);
+      res.status = 499;  // never reaches anyone
+      return false;
+    }
+    text += o.take(u, toks);
+  }
+  return true;
+}
+
 }  // namespace
 
 void HttpServer::Impl::completion(const httplib::Request& http, httplib::Response& res,
@@ -407,21 +431,7 @@ void HttpServer::Impl::completion(const httplib::Request& http, httplib::Respons
     Output& o = *out;
     std::string text;
     std::vector<GeneratedToken> toks;
-    while (!o.done && o.n_tokens == 0) {
-      if (stopping.load()) {
-        o.gen->cancel();
-        send_error(res, kShuttingDown);
-        return;
-      }
-      GenerationUpdate u = o.gen->wait(kPoll);
-      if (o.watch.gone()) {
-        o.gen->cancel();
-        log::debug("request {}: the client went away before the first token", o.id);
-        res.status = 499;  // never reaches anyone
-        return;
-      }
-      text += o.take(u, toks);
-    }
+    if (!await(o, res, text, toks, /*first_token=*/true)) return;
     if (o.error && o.n_tokens == 0) {
       send_error(res, *o.error);
       return;
@@ -440,20 +450,7 @@ void HttpServer::Impl::completion(const httplib::Request& http, httplib::Respons
   Output& o = *out;
   std::string content;
   std::vector<GeneratedToken> toks;
-  while (!o.done) {
-    if (stopping.load()) {
-      send_error(res, kShuttingDown);
-      return;
-    }
-    GenerationUpdate u = o.gen->wait(kPoll);
-    if (o.watch.gone()) {
-      o.gen->cancel();
-      log::debug("request {}: the client went away", o.id);
-      res.status = 499;  // never reaches anyone
-      return;
-    }
-    content += o.take(u, toks);
-  }
+  if (!await(o, res, content, toks, /*first_token=*/false)) return;
   if (o.error) {
     send_error(res, *o.error);
     return;
