@@ -18,8 +18,13 @@
 #include "berth/core/error.h"
 #include "berth/io/gguf.h"
 #include "berth/models/model.h"
+#include "berth/placement/plan.h"
+#include "berth/residency/disk_tier.h"
+#include "berth/residency/expert_slots.h"
+#include "berth/residency/routing_trace.h"
 #include "berth/runtime/batch.h"
 #include "berth/runtime/kv_cache.h"
+#include "berth/runtime/placed.h"
 #include "berth/runtime/session.h"
 #include "berth/tools/synth.h"
 #include "greedy_run.h"
@@ -51,6 +56,10 @@ struct Placement {
   std::function<bool(int)> gpu_layer;
   bool gpu_rest = false;
   bool cpu_experts = false;  ///< routed experts on the CPU whatever gpu_layer says (--cpu-moe)
+  /// Further settings over the homes (unified memory, streaming, expert slots, the disk tier).
+  std::function<void(SessionParams&)> more;
+  /// Called with each session once its sequences have run (checks that a setting took effect).
+  std::function<void(Session&)> after;
 };
 
 SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t n_ctx,
@@ -73,6 +82,7 @@ SessionParams params(const Model& m, const Placement& p, int32_t n_seq, int64_t 
     for (int32_t l = 0; l < m.hparams().n_layer; ++l)
       sp.kv_home.push_back(p.gpu_layer(l) ? Home::gpu : Home::cpu);
   }
+  if (p.more) p.more(sp);
   return sp;
 }
 
@@ -137,6 +147,7 @@ Trace run_beside(const Model& m, const Placement& pl, const std::vector<int32_t>
     REQUIRE(step < 10000);
   }
   CHECK(done.size() == static_cast<size_t>(1 + o.n));
+  if (pl.after) pl.after(s);
   return traces[a_id];
 }
 
@@ -155,15 +166,26 @@ Trace run_alone_session(const Model& m, const Placement& pl, const std::vector<i
     t.tokens.push_back(id);
     if (i + 1 < n_gen) l = s.eval(std::span<const int32_t>(&id, 1));
   }
+  if (pl.after) pl.after(s);
   return t;
 }
 
-/// The invariance cases of one model and placement.
-void check_invariance(const Model& m, const Placement& pl) {
-  const auto n_vocab = static_cast<int32_t>(m.hparams().n_vocab);
-  const std::vector<int32_t> prompt = prompt_of(37, 0, n_vocab);
-  const int n_gen = 24;
-  const Trace alone = run_beside(m, pl, prompt, n_gen, {}, 512);
+/// The sequence of the invariance cases: its prompt, and the tokens it generates.
+std::vector<int32_t> seq_prompt(const Model& m) {
+  return prompt_of(37, 0, static_cast<int32_t>(m.hparams().n_vocab));
+}
+constexpr int kSeqGen = 24;
+
+/// The sequence alone in the loop.
+Trace run_alone(const Model& m, const Placement& pl) {
+  return run_beside(m, pl, seq_prompt(m), kSeqGen, {}, 512);
+}
+
+/// The invariance cases of one model and placement. Returns the sequence's trace alone.
+Trace check_invariance(const Model& m, const Placement& pl) {
+  const std::vector<int32_t> prompt = seq_prompt(m);
+  const int n_gen = kSeqGen;
+  const Trace alone = run_alone(m, pl);
   REQUIRE(alone.tokens.size() == static_cast<size_t>(n_gen));
   CHECK(alone.stop == StopReason::n_predict);
   // The loop alone is the one-sequence Session, bit for bit.
@@ -182,11 +204,13 @@ void check_invariance(const Model& m, const Placement& pl) {
       {"7 others joining late, -ub 5", {7, 9, 13, true}, 5},
   };
   for (const Case& c : cases) {
-    CAPTURE(c.name);
+    const std::string name = c.name;
+    CAPTURE(name);
     const Trace got = run_beside(m, pl, prompt, n_gen, c.o, c.n_ubatch);
     CHECK(got.tokens == alone.tokens);
     CHECK(same_bits(got, alone));
   }
+  return alone;
 }
 
 }  // namespace
@@ -276,6 +300,143 @@ TEST_CASE(
   auto model = load_model(file);
   auto dev = test_device();
   check_invariance(*model, {dev.get(), [](int) { return true; }, true});
+}
+
+// The disk tier (docs/disk.md): every MoE layer's routed experts stay in the file and are read
+// into a RAM cache of 2 slots per layer (of 4 experts, top 2). The sequence's decode token alone
+// needs at most the 2 the slots hold; a step of several sequences (and a prompt) needs more and
+// computes them in groups, evicting and reading again. The combine stays in slot order, so the
+// sequence's bits are those of the untiered run too.
+TEST_CASE(
+    "batch: a MoE sequence whose experts are read from disk does not depend on its neighbours") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q4_k"));
+  auto model = load_model(file);
+  const int32_t n_layer = model->hparams().n_layer;
+  placement::Plan plan;  // the disk tier's part of a plan: every MoE layer, 2 RAM slots
+  plan.ram_slots = 2;
+  plan.layer_ram_slots.assign(static_cast<size_t>(n_layer), 2);
+  int sessions = 0;
+  const auto tiered = [&](Placement pl) {
+    pl.more = [&](SessionParams& sp) { use_disk_tier(file, *model, plan, sp); };
+    pl.after = [&](Session& s) {
+      ++sessions;
+      REQUIRE(s.disk_tier() != nullptr);
+      const DiskTier::Stats st = s.disk_tier()->stats();
+      // More expert reads than slots: experts were evicted and read again.
+      CHECK(st.reads_demand + st.reads_ahead > int64_t{plan.ram_slots} * n_layer);
+      CHECK(st.calls > 0);
+    };
+    return pl;
+  };
+  auto dev = test_device();
+  const Placement cpu{}, gpu{dev.get(), [](int) { return true; }, true, true};
+  for (const Placement* base : {&cpu, &gpu}) {
+    CAPTURE(base->dev != nullptr);
+    sessions = 0;
+    const Trace alone = check_invariance(*model, tiered(*base));
+    CHECK(sessions == 8);  // the loop alone, the session alone, 6 neighbourhoods
+    CHECK(same_bits(alone, run_alone(*model, *base)));
+  }
+}
+
+// Unified memory (--unified, docs/unified.md): the device reads the weights it computes in host
+// memory (a device without pageable memory access reads one page-locked host copy of them);
+// nothing is uploaded. Same kernels on the same bytes: the bits of the placement that uploads.
+TEST_CASE("batch: a MoE sequence on unified memory does not depend on its neighbours") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  int sessions = 0;
+  const auto unified = [&](Placement pl) {
+    pl.more = [](SessionParams& sp) { sp.unified = true; };
+    pl.after = [&](Session& s) {
+      ++sessions;
+      REQUIRE(s.residency() != nullptr);
+      CHECK(s.residency()->device_weight_bytes() == 0);
+      CHECK(s.residency()->in_place_weight_bytes() > 0);
+    };
+    return pl;
+  };
+  const Placement all{dev.get(), [](int) { return true; }, true},
+      cpu_experts{dev.get(), [](int) { return true; }, true, true};
+  for (const Placement* base : {&all, &cpu_experts}) {
+    const std::string where = base == &all ? "every layer" : "experts on the CPU";
+    CAPTURE(where);
+    sessions = 0;
+    const Trace alone = check_invariance(*model, unified(*base));
+    CHECK(sessions == 8);
+    CHECK(same_bits(alone, run_alone(*model, *base)));
+  }
+}
+
+namespace {
+
+/// --residency-policy frequency:TRACE (FrequencySlotPolicy) with a calibration trace of one token
+/// that routed to experts `hot` in every layer of `m`: the slots hold those for good.
+std::shared_ptr<SlotPolicy> static_slots(const Model& m, std::vector<uint16_t> hot) {
+  residency::RoutingTrace t;
+  t.shape.n_layer = m.hparams().n_layer;
+  t.shape.n_expert = m.hparams().n_expert;
+  t.shape.n_expert_used = static_cast<int32_t>(hot.size());
+  for (int32_t l = 0; l < t.shape.n_layer; ++l) t.shape.blocks.push_back(l);
+  t.kinds.push_back(residency::TokenKind::prefill);
+  for (int32_t l = 0; l < t.shape.n_layer; ++l) t.ids.insert(t.ids.end(), hot.begin(), hot.end());
+  return std::make_shared<FrequencySlotPolicy>(t, "calibration");
+}
+
+}  // namespace
+
+// Expert slots that do not move (--residency-policy frequency:TRACE): each MoE layer's experts 1
+// and 3 in device slots, 0 and 2 on the CPU, every other weight on the device. A token's experts
+// are computed where their expert lives, whatever shares its step.
+TEST_CASE("batch: a MoE sequence with static expert slots does not depend on its neighbours") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  REQUIRE(model->hparams().n_expert == 4);
+  auto dev = test_device();
+  int sessions = 0;
+  Placement pl{dev.get(), [](int) { return true; }, true, true};
+  pl.more = [&](SessionParams& sp) {
+    sp.hybrid.expert_slots = {.slots_per_layer = 2, .policy = static_slots(*model, {3, 1})};
+  };
+  pl.after = [&](Session& s) {
+    ++sessions;
+    REQUIRE(s.residency()->expert_slots() != nullptr);
+    const ExpertSlots::Stats st = s.residency()->expert_slots()->stats();
+    CHECK(st.swaps == 0);
+    CHECK(st.device_calls > 0);         // routed calls served from the slots
+    CHECK(st.device_calls < st.calls);  // and on the CPU
+  };
+  check_invariance(*model, pl);
+  CHECK(sessions == 8);
+}
+
+// Streamed prefill (--stream-experts N): a step of at least N tokens (and more than one) computes
+// the CPU-held experts on the device, their tensors copied there layer by layer; a smaller step
+// computes them on the CPU (scheduler/schedule.h, step 2). Here N = 16: the sequence's prompt
+// alone (37 tokens, one step) streams; beside others its rows share steps of other sizes, so
+// where its experts are computed depends on its neighbours (the counts below). The simulated
+// device computes experts with the CPU's kernels, bit for bit the CPU's results, so here the
+// bits agree; a device whose expert kernels are not the CPU's (CUDA) shows whether they do.
+TEST_CASE("batch: a MoE sequence with streamed prefill does not depend on its neighbours") {
+  gguf::File file = gguf::File::open(tiny_moe_file("q8_0"));
+  auto model = load_model(file);
+  auto dev = test_device();
+  std::vector<int64_t> streamed;
+  Placement pl{dev.get(), [](int) { return true; }, true, true};
+  pl.more = [](SessionParams& sp) { sp.hybrid.stream_experts_min_tokens = 16; };
+  pl.after = [&](Session& s) { streamed.push_back(s.scheduler().streamed_ops()); };
+  check_invariance(*model, pl);
+  // Per session (check_invariance's order): alone, its prompt's one step streams every layer;
+  // with -ub 16 the steps of others' prompt chunks and its decode token stream; with -ub 8 and
+  // -ub 5 no step reaches 16 tokens, so its prompt's experts are computed on the CPU.
+  const int64_t n_layer = model->hparams().n_layer;
+  REQUIRE(streamed.size() == 8);
+  CHECK(streamed[0] == n_layer);
+  CHECK(streamed[1] == n_layer);
+  CHECK(streamed[5] > n_layer);
+  CHECK(streamed[6] == 0);
+  CHECK(streamed[7] == 0);
 }
 
 namespace {
