@@ -72,6 +72,10 @@ int& gemv_max_tok() {
   static int v = 8;
   return v;
 }
+bool& gemv_group_tokens() {
+  static bool v = !env_says_off("BERTH_GEMV_GROUP_TOK");
+  return v;
+}
 bool& gemv_kq() {
   static bool v = !env_says_off("BERTH_GEMV_KQ");
   return v;
@@ -194,9 +198,9 @@ struct GemvArgs {
   int n_more;
 };
 
-// Rows past the first matrix belong to the next ones (a single-token matmul group): moves row r
-// of the launch to its matrix (weights w, output out, n_out rows); a row past them all keeps
-// r >= n_out.
+// Rows past the first matrix belong to the next ones (a matmul group): moves row r of the launch
+// to its matrix (weights w, output out, n_out rows); a row past them all keeps r >= n_out. A
+// group's outputs are [n_tok, n_out] each: out_stride_of gives the stride of a token's row.
 __device__ __forceinline__ void group_row(const GemvArgs& a, int64_t& r, const uint8_t*& w,
                                           float*& out, int64_t& n_out) {
   for (int j = 0; j < a.n_more && r >= n_out; ++j) {
@@ -205,6 +209,9 @@ __device__ __forceinline__ void group_row(const GemvArgs& a, int64_t& r, const u
     out = a.out_more[j];
     n_out = a.rows_more[j];
   }
+}
+__device__ __forceinline__ int64_t out_stride_of(const GemvArgs& a, int64_t n_out) {
+  return a.n_more > 0 ? n_out : a.out_stride;
 }
 
 // Expert of slot j of token t of a route, or -1 when the slot is outside [slot_begin,
@@ -246,8 +253,58 @@ __device__ __forceinline__ bool gemv_setup(const GemvArgs& a, const uint8_t*& w,
   return gemv_setup_bytes(a, a.w, a.r.expert_bytes, w, act0, out0);
 }
 
+// The pairs of a grouped routed block (GemvRoute::groups): activation and output row of each of
+// its n pairs (entries past n repeat the last pair; they are never summed or stored).
+struct GroupRows {
+  int64_t act[kMoeGroupTok];
+  int64_t out[kMoeGroupTok];
+  int n;
+};
+
+// This block's group (blockIdx.y) of a grouped routed GEMV: its expert's matrix in w (a.w,
+// expert stride a.r.expert_bytes) and its pairs' rows. False: no group (uniform over the block).
+__device__ __forceinline__ bool group_setup(const GemvArgs& a, const uint8_t*& w, GroupRows& g) {
+  const int4 grp = a.r.groups[blockIdx.y];
+  if (grp.z <= 0) return false;
+  w = a.w + static_cast<size_t>(grp.x) * a.r.expert_bytes;
+  g.n = grp.z;
+#pragma unroll
+  for (int t = 0; t < kMoeGroupTok; ++t) {
+    const int64_t p = a.r.group_list[grp.y + (t < grp.z ? t : grp.z - 1)];
+    g.act[t] = p / a.r.act_div;
+    g.out[t] = p;
+  }
+  return true;
+}
+
 // Warps of a block that gemv_store's shared sums serve (router_route_kernel's 16).
 constexpr int kStoreWarps = 16;
+
+// Reduce-scatter of NT tokens' partial sums over a row's lanes, stages o = O, O / 2, .., 1 (the
+// butterfly's order): while a lane holds M > 1 tokens it swaps half of them with lane ^ o (the
+// upper half stays where lane & o is set) and adds the other's half to the half it keeps; once it
+// holds one token, a plain butterfly step. Each sum is the butterfly's (the same pairs added at
+// every stage, a + b == b + a), for NT / 2 + NT / 4 + .. shuffles instead of NT per stage. On
+// return v[0 .. max(1, NT / (2O))) are the sums of tokens idx, idx + 1, ...
+template <int M, int O, int NT>
+__device__ __forceinline__ void reduce_scatter(float (&v)[NT], int lane, int& idx) {
+  if constexpr (O >= 1) {
+    if constexpr (M > 1) {
+      const bool hi = (lane & O) != 0;
+#pragma unroll
+      for (int i = 0; i < M / 2; ++i) {
+        const float send = hi ? v[i] : v[i + M / 2];
+        const float keep = hi ? v[i + M / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      if (hi) idx += M / 2;
+      reduce_scatter<M / 2, O / 2, NT>(v, lane, idx);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+      reduce_scatter<1, O / 2, NT>(v, lane, idx);
+    }
+  }
+}
 
 // NT: accumulators per thread (1 for single-token calls, kGemvTok otherwise).
 // Epilogue of the GEMVs: the lanes of a row sum their partial dot products, lane 0 stores them.
@@ -255,10 +312,58 @@ constexpr int kStoreWarps = 16;
 // spans 2 or 4 warps, gemv_shape): the butterfly within each warp, then the row's first lane
 // adds its warps' sums in order, (w0 + w1) or (w0 + w1) + (w2 + w3), from shared memory; every
 // thread of the block must then call it.
-template <int NT>
+// Token t's value of row r goes to out[(out0 + t) * stride + r]; kGroup: the tokens are the pairs
+// of `g` (NT = kMoeGroupTok), output row g.out[t] instead of out0 + t.
+template <int NT, bool kGroup = false>
 __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], bool active, int sl,
-                                           int64_t out0, int64_t r, float* out) {
+                                           int64_t out0, int64_t r, float* out, int64_t stride,
+                                           const GroupRows* g = nullptr) {
   const int wl = a.lpr < 32 ? a.lpr : 32;
+  if constexpr (NT > 1) {
+    if (a.lpr <= 32 && a.lpr > 1) {
+      // Several tokens on a row within a warp: reduce-scatter (the butterfly's sums), then the
+      // lanes holding a token's sum (the first of each set of wl / NT lanes when wl > NT) store.
+      const int lane = static_cast<int>(threadIdx.x & 31);
+      int idx = 0;
+      switch (wl) {
+        case 32:
+          reduce_scatter<NT, 16, NT>(acc, lane, idx);
+          break;
+        case 16:
+          reduce_scatter<NT, 8, NT>(acc, lane, idx);
+          break;
+        case 8:
+          reduce_scatter<NT, 4, NT>(acc, lane, idx);
+          break;
+        case 4:
+          reduce_scatter<NT, 2, NT>(acc, lane, idx);
+          break;
+        default:
+          reduce_scatter<NT, 1, NT>(acc, lane, idx);
+          break;
+      }
+      const int held = NT >= wl ? NT / wl : 1;
+      const int idle = wl > NT ? wl / NT - 1 : 0;  // low lane bits of a token's other holders
+      if (!active || (sl & idle) != 0) return;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        if (i >= held) break;
+        const int t = idx + i;
+        if constexpr (kGroup) {
+          if (t < g->n) {
+            int64_t row = g->out[0];
+#pragma unroll
+            for (int j = 1; j < NT; ++j)
+              if (j == t) row = g->out[j];
+            out[row * stride + r] = acc[i];
+          }
+        } else if (t < a.n_tok) {
+          out[(out0 + t) * stride + r] = acc[i];
+        }
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int t = 0; t < NT; ++t)
     for (int o = wl >> 1; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
@@ -282,8 +387,13 @@ __device__ __forceinline__ void gemv_store(const GemvArgs& a, float (&acc)[NT], 
   }
   if (active && sl == 0) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (NT == 1 || t < a.n_tok) out[(out0 + t) * a.out_stride + r] = acc[t];
+    for (int t = 0; t < NT; ++t) {
+      if constexpr (kGroup) {
+        if (t < g->n) out[g->out[t] * stride + r] = acc[t];
+      } else if (NT == 1 || t < a.n_tok) {
+        out[(out0 + t) * stride + r] = acc[t];
+      }
+    }
   }
 }
 
@@ -479,16 +589,17 @@ __device__ __forceinline__ float kq_dot(const KqUnit& k, const int8_t* __restric
 }
 
 // The rows of one K-quant GEMV block (gemv_q_block's contract; R = a.rps).
-template <GgmlType T, int NT, int R>
+template <GgmlType T, int NT, int R, bool kGroup = false>
 __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
-                                              int64_t out0, float* out) {
+                                              int64_t out0, float* out,
+                                              const GroupRows* g = nullptr) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sl = lane & (a.lpr - 1);
   const int64_t set =
       (static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp) * (32 / a.lpr) + lane / a.lpr;
   const uint8_t* row[R];
   float* dst[R];
-  int64_t rr[R];
+  int64_t rr[R], sd[R];
   bool on[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -500,6 +611,7 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
     rr[i] = r;
     row[i] = wi + static_cast<size_t>(on[i] ? r : 0) * a.row_bytes;
     dst[i] = oi;
+    sd[i] = out_stride_of(a, n_out);
   }
   float acc[R][NT];
 #pragma unroll
@@ -519,26 +631,36 @@ __device__ __forceinline__ void gemv_kq_block(const GemvArgs& a, const uint8_t* 
       KqUnit k;
       decode_kq_raw<T>(raw[i], u, k);
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
-        if (NT == 1 || t < a.n_tok)
+      for (int t = 0; t < NT; ++t) {
+        if constexpr (kGroup) {
+          if (t < g->n)
+            acc[i][t] = __fadd_rn(acc[i][t], kq_dot<T>(k, a.xq, a.xm, g->act[t], a.n_in, u));
+        } else if (NT == 1 || t < a.n_tok) {
           acc[i][t] = __fadd_rn(acc[i][t], kq_dot<T>(k, a.xq, a.xm, act0 + t, a.n_in, u));
+        }
+      }
     }
   }
 #pragma unroll
-  for (int i = 0; i < R; ++i) gemv_store<NT>(a, acc[i], on[i], sl, out0, rr[i], dst[i]);
+  for (int i = 0; i < R; ++i)
+    gemv_store<NT, kGroup>(a, acc[i], on[i], sl, out0, rr[i], dst[i], sd[i], g);
 }
 
 // The rows of one quantized GEMV block (w: the block's matrix, act0 / out0: its first
-// activation and output rows, from gemv_setup; out: its output base, a.out or another).
-template <GgmlType T, int NT>
+// activation and output rows, from gemv_setup; out: its output base, a.out or another). kGroup:
+// the tokens are the pairs of `grp` (group_setup; NT = kMoeGroupTok), each pair's row summed as
+// an ungrouped launch sums it.
+template <GgmlType T, int NT, bool kGroup = false>
 __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w, int64_t act0,
-                                             int64_t out0, float* out) {
+                                             int64_t out0, float* out,
+                                             const GroupRows* grp = nullptr) {
+  static_assert(!kGroup || NT == kMoeGroupTok, "gemv_q_block: a group has kMoeGroupTok tokens");
   if constexpr (is_kq(T)) {
     if (a.kq) {
       if (a.rps == 2)
-        gemv_kq_block<T, NT, 2>(a, w, act0, out0, out);
+        gemv_kq_block<T, NT, 2, kGroup>(a, w, act0, out0, out, grp);
       else
-        gemv_kq_block<T, NT, 1>(a, w, act0, out0, out);
+        gemv_kq_block<T, NT, 1, kGroup>(a, w, act0, out0, out, grp);
       return;
     }
   }
@@ -561,8 +683,8 @@ __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w
       const QGroup q = load_group<T>(row, g);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        if (NT == 1 || t < a.n_tok) {
-          const int64_t ar = act0 + t;
+        if (kGroup ? t < grp->n : (NT == 1 || t < a.n_tok)) {
+          const int64_t ar = kGroup ? grp->act[t] : act0 + t;
           const uint4* xp = reinterpret_cast<const uint4*>(a.xq + ar * a.n_in + 32 * g);
           const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
           const float4 m = __ldg(a.xm + ar * G + g);
@@ -585,7 +707,7 @@ __device__ __forceinline__ void gemv_q_block(const GemvArgs& a, const uint8_t* w
       }
     }
   }
-  gemv_store<NT>(a, acc, active, sl, out0, r, out);
+  gemv_store<NT, kGroup>(a, acc, active, sl, out0, r, out, out_stride_of(a, n_out), grp);
 }
 
 template <GgmlType T, int NT>
@@ -609,6 +731,17 @@ __global__ void __launch_bounds__(kThreads, MINB) gemv_kq_kernel(GemvArgs a) {
     gemv_kq_block<T, 1, 2>(a, w, act0, out0, a.out);
   else
     gemv_kq_block<T, 1, 1>(a, w, act0, out0, a.out);
+}
+
+// A routed GEMV grouped by expert (GemvRoute::groups): grid row y computes group y's pairs,
+// each with the bits gemv_q_kernel<T, 1> gives it.
+template <GgmlType T>
+__global__ void __launch_bounds__(kThreads) gemv_group_kernel(GemvArgs a) {
+  pdl_enter();
+  const uint8_t* w;
+  GroupRows g;
+  if (!group_setup(a, w, g)) return;  // uniform over the block
+  gemv_q_block<T, kMoeGroupTok, true>(a, w, 0, 0, a.out, &g);
 }
 
 // Whether this block is the last of `total` blocks to count at *count (the count's atomic add
@@ -787,7 +920,7 @@ __global__ void __launch_bounds__(kThreads) gemv_f_kernel(GemvArgs a) {
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
   if (active) gemv_f_lane<T, NT>(a, row, act0, sl, acc);
-  gemv_store<NT>(a, acc, active, sl, out0, r, out);
+  gemv_store<NT>(a, acc, active, sl, out0, r, out, out_stride_of(a, n_out));
 }
 
 // ---- the decode router and its route in one launch (thread block cluster, sm_90) -------------
@@ -820,7 +953,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
     const bool active = r < a.n_out;
     float acc[1] = {0.0f};
     if (active) gemv_f_lane<T, 1>(a, a.w + static_cast<size_t>(r) * a.row_bytes, 0, sl, acc);
-    gemv_store<1>(a, acc, active, sl, 0, r, a.out);
+    gemv_store<1>(a, acc, active, sl, 0, r, a.out, a.out_stride);
   }
   __threadfence();
   cluster.sync();  // every block's logits are in a.out
@@ -1006,6 +1139,10 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
     launch("gemv_f_kernel", a.n_tok == 1 ? gemv_f_kernel<T, 1> : gemv_f_kernel<T, kGemvTok>, grid,
            kThreads, 0, s, a);
   } else {
+    if (a.r.groups) {
+      launch("gemv_group_kernel", gemv_group_kernel<T>, grid, kThreads, 0, s, a);
+      return;
+    }
     if constexpr (is_kq(T)) {
       if (a.kq && a.n_tok == 1 && gemv_kq_minb() != 0) {
         launch("gemv_kq_kernel", gemv_kq_minb() == 7 ? gemv_kq_kernel<T, 7> : gemv_kq_kernel<T, 8>,
@@ -1076,6 +1213,8 @@ void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s) {
   if (n_out == 0 || n_tok == 0 || (route.route && route.pairs == 0)) return;
   BERTH_CHECK(n_tok <= kGemvTok, "gemv: n_tok " + std::to_string(n_tok));
+  BERTH_CHECK(!route.groups || (is_quantized(type) && route.route && !route.by_slot && n_tok == 1),
+              "gemv: groups of pairs need quantized weights and a route by expert");
   const GemvArgs a = gemv_args(type, w, n_in, n_out, xf, qa, n_tok, out, out_stride, route);
   dim3 grid(blocks_for(n_out, static_cast<int>(rows_per_block(a.lpr, a.rps))),
             route.route ? static_cast<unsigned>(route.pairs) : 1u);
@@ -1097,8 +1236,10 @@ bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in)
 }
 
 void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, const float* x,
-                    cudaStream_t s) {
+                    cudaStream_t s, int64_t n_tok) {
   if (n_jobs < 1 || n_jobs > 3) throw Error(ErrorCategory::internal, "gemv_one_token: n_jobs");
+  if (n_tok < 1 || n_tok > kGemvTok)
+    throw Error(ErrorCategory::internal, "gemv_one_token: n_tok " + std::to_string(n_tok));
   const GgmlType type = jobs[0].type;
   GemvArgs a{};
   a.w = static_cast<const uint8_t*>(jobs[0].w);
@@ -1108,8 +1249,9 @@ void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, co
   a.xf = x;
   a.xq = qa.q;
   a.xm = qa.meta;
-  a.n_tok = 1;
+  a.n_tok = static_cast<int>(n_tok);
   a.out = jobs[0].out;
+  // Every job's output is [n_tok, its n_out] (out_stride_of).
   a.out_stride = jobs[0].n_out;
   int64_t total = jobs[0].n_out;
   for (int j = 1; j < n_jobs; ++j) {
@@ -1541,7 +1683,7 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
   // quantized once and read by every job.
   const QAct qa = qact_at(workspace, n_tok, n_in);
   if (!x_q8) quantize_act(x, nullptr, n_tok, n_in, qa, stream);
-  if (n_tok == 1) {
+  if (n_tok <= kGemvTok && gemv_group_tokens()) {
     // One launch per weight type and up to 3 matrices (a decode step's Q and K, often V too; a
     // Qwen3.5 GDN layer's ssm_alpha and ssm_beta): the rows of the matrices follow one another
     // in the grid. Matrices share a launch only where each alone would get the same lanes per
@@ -1564,7 +1706,7 @@ void matmul_group(const MatmulJob* jobs, int n_jobs, int64_t n_in, const float* 
         done[static_cast<size_t>(j)] = true;  // no rows
         continue;
       }
-      gemv_one_token(same, n, n_in, qa, x, stream);
+      gemv_one_token(same, n, n_in, qa, x, stream, n_tok);
     }
     return;
   }

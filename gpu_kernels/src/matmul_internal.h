@@ -106,18 +106,33 @@ struct GemvRoute {
   int slot_begin = 0;
   int slot_end = 1 << 30;
   bool by_slot = false;
+  /// Grouped by expert (quantized weights, never by_slot): grid row y computes group y =
+  /// groups[y] = {expert e, first entry m0 in group_list, count n (0: no group, the row exits),
+  /// unused}: the pairs group_list[m0 .. m0 + n) of expert e, n <= kMoeGroupTok, their weights
+  /// loaded once for all n (moe_gather with tile kMoeGroupTok writes both). Each pair's output row
+  /// gets the bits the ungrouped launch gives it. Null: one grid row per pair, as above.
+  const int4* groups = nullptr;
+  const int32_t* group_list = nullptr;
 };
+
+/// Pairs of one expert a grouped routed GEMV block computes (GemvRoute::groups).
+inline constexpr int kMoeGroupTok = 4;
 
 /// out[t * out_stride + r] = W[r] . x[t] for r < n_out, t < n_tok (n_tok <= kGemvTok; 1 with a
 /// route). Quantized types read qa, float types read xf.
 void gemv(GgmlType type, const void* w, int64_t n_in, int64_t n_out, const float* xf, QAct qa,
           int64_t n_tok, float* out, int64_t out_stride, const GemvRoute& route, cudaStream_t s);
-/// A single-token GEMV of 1-3 matrices of one type and n_in, in one launch; each job's rows as
-/// gemv() computes them. Quantized types read activations `qa` (quantize_act of one row), float
-/// types x (f32 [n_in]). The jobs must agree on the lanes per row, which follow each matrix's
-/// shape (gemv_one_token_lanes_agree; float jobs also on 16-byte alignment).
+/// A GEMV of n_tok <= kGemvTok tokens on 1-3 matrices of one type and n_in, in one launch; each
+/// job's rows as gemv() computes them (job j's output [n_tok, n_out_j], n_out_j contiguous).
+/// Quantized types read activations `qa` (quantize_act of the n_tok rows), float types x (f32
+/// [n_tok, n_in]). The jobs must agree on the lanes per row, which follow each matrix's shape
+/// (gemv_one_token_lanes_agree; float jobs also on 16-byte alignment).
 void gemv_one_token(const MatmulJob* jobs, int n_jobs, int64_t n_in, QAct qa, const float* x,
-                    cudaStream_t s);
+                    cudaStream_t s, int64_t n_tok = 1);
+/// Whether matmul_group runs a decode step of 2..kGemvTok tokens as it runs one token (one launch
+/// per weight type for up to 3 matrices) instead of one launch per matrix (true by default; the
+/// same bits). BERTH_GEMV_GROUP_TOK=0 (or false, off, no) sets it false (benchmarks compare).
+bool& gemv_group_tokens();
 bool gemv_one_token_lanes_agree(const MatmulJob* jobs, int n_jobs, int64_t n_in);
 
 /// moe_experts' decode GEMVs on quantized weights with their neighbours in the same launch.

@@ -4,7 +4,10 @@
 // covers all n_tok * k (token, slot) pairs (grid row = pair; the expert id is read from `route`
 // on the device, masked or invalid slots exit at once): gate, up, then SwiGLU fused into the
 // quantization of the down input, then down; a combine kernel sums each token's slots in slot
-// order.
+// order. With several tokens and moe_gemv_group() (off by default: slower on an H100) the pairs
+// are first listed by expert (the prefill's gather kernel, tiles of kMoeGroupTok pairs) and each
+// quantized GEMV's grid row is a tile: its expert's weights are loaded once for up to
+// kMoeGroupTok pairs, each pair's row summed in the same order as alone.
 //
 // Prefill: a one-warp kernel lists the valid pairs grouped by expert (experts ascending, pairs
 // in token order within each: a stable counting sort with warp match/popc, no atomics) and
@@ -68,12 +71,14 @@ __device__ __forceinline__ int slot_expert(const float* route, int64_t t, int k,
   return e;
 }
 
-// One warp. Outputs: expert_off / tile_off [n_expert + 1], list [valid pairs] (pair ids grouped
-// by expert), pos [P] (row of each pair in the list, -1 when skipped).
+// One warp. Outputs: expert_off / tile_off [n_expert + 1] (tiles of `tile` pairs), list [valid
+// pairs] (pair ids grouped by expert), pos [P] (row of each pair in the list, -1 when skipped);
+// with `groups` [P] also the tiles themselves, in order: {expert, first list entry, pairs, 0},
+// then {0, 0, 0, 0} up to P (GemvRoute::groups).
 __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok, int k,
                                   PairSel sel, int32_t* __restrict__ expert_off,
                                   int32_t* __restrict__ tile_off, int32_t* __restrict__ list,
-                                  int32_t* __restrict__ pos) {
+                                  int32_t* __restrict__ pos, int tile, int4* __restrict__ groups) {
   pdl_enter();
   extern __shared__ int32_t cnt[];
   const int lane = threadIdx.x;
@@ -88,20 +93,39 @@ __global__ void moe_gather_kernel(const float* __restrict__ route, int64_t n_tok
     if (e >= 0 && lane == __ffs(same) - 1) cnt[e] += __popc(same);
     __syncwarp();
   }
-  if (lane == 0) {
-    int32_t off = 0, toff = 0;
-    for (int e = 0; e < n_expert; ++e) {
-      const int32_t c = cnt[e];
-      expert_off[e] = off;
-      tile_off[e] = toff;
-      cnt[e] = off;  // becomes the cursor
-      off += c;
-      toff += (c + kBM - 1) / kBM;
+  // Offsets by a warp scan over 32 experts at a time (a serial loop over 128 experts took ~20 us
+  // on an H100, longer than the GEMVs it groups).
+  int32_t off = 0, toff = 0;  // the experts before this chunk's
+  for (int base = 0; base < n_expert; base += 32) {
+    const int e = base + lane;
+    const int32_t c = e < n_expert ? cnt[e] : 0;
+    const int32_t nt = (c + tile - 1) / tile;
+    int32_t ic = c, it = nt;  // inclusive sums over the chunk's lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t uc = __shfl_up_sync(0xffffffffu, ic, o);
+      const int32_t ut = __shfl_up_sync(0xffffffffu, it, o);
+      if (lane >= o) ic += uc, it += ut;
     }
+    const int32_t my_off = off + ic - c, my_toff = toff + it - nt;
+    if (e < n_expert) {
+      expert_off[e] = my_off;
+      tile_off[e] = my_toff;
+      cnt[e] = my_off;  // becomes the cursor
+      if (groups)
+        for (int32_t m = 0; m < c; m += tile)
+          groups[my_toff + m / tile] = make_int4(e, my_off + m, c - m < tile ? c - m : tile, 0);
+    }
+    off += __shfl_sync(0xffffffffu, ic, 31);
+    toff += __shfl_sync(0xffffffffu, it, 31);
+  }
+  if (lane == 0) {
     expert_off[n_expert] = off;
     tile_off[n_expert] = toff;
   }
   __syncwarp();
+  if (groups)
+    for (int64_t g = toff + lane; g < P; g += 32) groups[g] = make_int4(0, 0, 0, 0);
   const unsigned lt = (1u << lane) - 1u;
   for (int64_t base = 0; base < P; base += 32) {
     const int64_t p = base + lane;
@@ -862,6 +886,11 @@ bool& moe_gemv_fused() {
   return v;
 }
 
+bool& moe_gemv_group() {
+  static bool v = env_says_on("BERTH_MOE_GROUP");
+  return v;
+}
+
 bool& moe_gemm_mma() {
   static bool v = !env_says_off("BERTH_MOE_MMA");
   return v;
@@ -942,6 +971,10 @@ struct MoeLayout {
   size_t hq = 0, g = 0, u = 0, aq = 0, y = 0;  // decode
   bool fused = false;  // decode on moe_gemv_gate_up / moe_gemv_down, whose counts are at cnt
   size_t cnt = 0;
+  // Decode of several tokens, five launches: the routed GEMVs grouped by expert (moe_gather's
+  // tiles of kMoeGroupTok pairs at grp; eoff, toff, list, pos as prefill has them).
+  bool grouped = false;
+  size_t grp = 0;
   size_t st[3] = {0, 0, 0};                                      // staged gate, up, down
   size_t eoff = 0, toff = 0, list = 0, pos = 0, a = 0, act = 0;  // prefill (plus g, y)
   bool int8 = false;   // prefill on the int8 GEMM: hq, g, aq, y instead of a, g, act, y
@@ -973,6 +1006,15 @@ struct MoeLayout {
       if (fused)
         cnt =
             take(static_cast<size_t>(moe_gemv_counts(w.down_type, w.n_ff, w.n_embd, n_tok, P)) * 4);
+      grouped = !fused && !stage && n_tok >= 2 && detail::moe_gemv_group() &&
+                (is_quantized(w.gate_type) || is_quantized(w.up_type) || is_quantized(w.down_type));
+      if (grouped) {
+        eoff = take(static_cast<size_t>(w.n_expert + 1) * 4);
+        toff = take(static_cast<size_t>(w.n_expert + 1) * 4);
+        list = take(static_cast<size_t>(P) * 4);
+        pos = take(static_cast<size_t>(P) * 4);
+        grp = take(static_cast<size_t>(P) * sizeof(int4));
+      }
       if (stage) {
         const int64_t n_sel = slot_end(w, slots) - slots.begin;
         st[0] = take(static_cast<size_t>(n_sel) * matrix_bytes(w, 0));
@@ -1122,8 +1164,28 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
       moe_gemv_down(w.down_type, wd, w.n_ff, w.n_embd, aq, Y, out, cnt + P, r, stream);
       return;
     }
+    const int4* groups = nullptr;
+    const int32_t* group_list = nullptr;
+    if (L.grouped) {
+      auto* list = reinterpret_cast<int32_t*>(ws + L.list);
+      auto* grp = reinterpret_cast<int4*>(ws + L.grp);
+      launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(wk.n_expert) * 4,
+             stream, rt, n_tok, k, sel, reinterpret_cast<int32_t*>(ws + L.eoff),
+             reinterpret_cast<int32_t*>(ws + L.toff), list, reinterpret_cast<int32_t*>(ws + L.pos),
+             kMoeGroupTok, grp);
+      groups = grp;
+      group_list = list;
+    }
+    // Each GEMV on quantized weights by group, on float weights by pair.
+    const auto by_group = [&](GgmlType t) {
+      const bool q = is_quantized(t);
+      r.groups = q ? groups : nullptr;
+      r.group_list = q ? group_list : nullptr;
+    };
+    by_group(w.gate_type);
     gemv(w.gate_type, wg, w.n_embd, w.n_ff, h, hq, 1, G, w.n_ff, r, stream);
     r.expert_bytes = up_bytes;
+    by_group(w.up_type);
     gemv(w.up_type, wu, w.n_embd, w.n_ff, h, hq, 1, U, w.n_ff, r, stream);
     if (is_quantized(w.down_type)) {
       aq = qact_at(ws + L.aq, P, w.n_ff);
@@ -1134,6 +1196,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
     }
     r.act_div = 1;
     r.expert_bytes = down_bytes;
+    by_group(w.down_type);
     gemv(w.down_type, wd, w.n_ff, w.n_embd, G, aq, 1, Y, w.n_embd, r, stream);
     launch("moe_combine_kernel", moe_combine_kernel, combine_grid(n_tok, w.n_embd), 256, 0, stream,
            rt, k, sel, nullptr, Y, w.n_embd, out);
@@ -1148,7 +1211,7 @@ void moe_experts(const MoeWeights& w, const float* h, const float* route, int64_
   auto* list = reinterpret_cast<int32_t*>(ws + L.list);
   auto* pos = reinterpret_cast<int32_t*>(ws + L.pos);
   launch("moe_gather_kernel", moe_gather_kernel, 1, 32, static_cast<size_t>(wk.n_expert) * 4,
-         stream, rt, n_tok, k, sel, eoff, toff, list, pos);
+         stream, rt, n_tok, k, sel, eoff, toff, list, pos, kBM, static_cast<int4*>(nullptr));
   const unsigned max_tiles = static_cast<unsigned>((P + kBM - 1) / kBM + wk.n_expert);
   GemmArgs a{};
   a.expert_off = eoff;

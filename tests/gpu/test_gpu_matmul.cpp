@@ -282,13 +282,13 @@ TEST_CASE(
         dx.put(x);
         const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
         Dev ws(wsb);
-        auto run = [&](bool kq, int rps, int64_t nt, int minb = 0) {
+        auto run = [&](bool kq, int rps, int64_t nt, int minb = 0, int64_t tok0 = 0) {
           gpu::detail::gemv_kq() = kq;
           gpu::detail::gemv_kq_rps() = rps;
           gpu::detail::gemv_kq_minb() = minb;
           dout.poison();
-          gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>(), nt, dout.as<float>(), ws.p, wsb,
-                      nullptr);
+          gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>() + tok0 * n_in, nt, dout.as<float>(),
+                      ws.p, wsb, nullptr);
           CUDA_OK(cudaDeviceSynchronize());
           gpu::detail::gemv_kq() = saved_kq;
           gpu::detail::gemv_kq_rps() = saved_rps;
@@ -313,6 +313,17 @@ TEST_CASE(
         const double e_old = nmse_d(ref8, old);
         CAPTURE(e_old);
         CHECK(e_old <= kTolGemvQShape);
+        // Every token's row alone has its bits in the 8-token launch (the several-token sums are
+        // reduce-scattered over a row's lanes, one token's are a butterfly), on both kernels.
+        bool alone_same = true;
+        for (int64_t tok = 0; tok < n_tok; ++tok)
+          for (const bool kq : {true, false}) {
+            const auto one = run(kq, 0, 1, 0, tok);
+            const auto& all = kq ? base : old;
+            alone_same = alone_same &&
+                         std::memcmp(one.data(), all.data() + tok * n_out, one.size() * 4) == 0;
+          }
+        CHECK(alone_same);
         // The two kernels sum in different orders, so their bits differ; they differ only by
         // rounding.
         CHECK(nmse_d(std::vector<double>(base.begin(), base.end()), old) <= 1e-9);
@@ -414,16 +425,18 @@ TEST_CASE("gpu matmul_group: the same bits as one matmul per job, mixed types, b
   }
 }
 
-// One token through matmul_group against one matmul per job: the same bits for every job.
+// n_tok decode tokens (one, or up to 8: one launch per type too) through matmul_group against
+// one matmul per job: the same bits for every job and token.
 void check_group_one_token(int64_t n_in, const std::vector<GgmlType>& types,
-                           const std::vector<int64_t>& outs, uint64_t seed) {
+                           const std::vector<int64_t>& outs, uint64_t seed, int64_t n_tok = 1) {
+  CAPTURE(n_tok);
   const size_t n = types.size();
-  const auto x = gaussian(static_cast<size_t>(n_in), seed, 1.0f, 0.1f);
+  const auto x = gaussian(static_cast<size_t>(n_tok * n_in), seed, 1.0f, 0.1f);
   Dev dx(x.size() * 4);
   dx.put(x);
   size_t wsb = 0;
   for (size_t j = 0; j < n; ++j)
-    wsb = std::max(wsb, gpu::matmul_workspace_bytes(types[j], n_in, outs[j], 1));
+    wsb = std::max(wsb, gpu::matmul_workspace_bytes(types[j], n_in, outs[j], n_tok));
   Dev ws(wsb);
   std::vector<std::unique_ptr<Dev>> dws, one, grp;
   std::vector<MatmulJob> jobs;
@@ -431,25 +444,26 @@ void check_group_one_token(int64_t n_in, const std::vector<GgmlType>& types,
     const auto wq = make_weights(types[j], outs[j], n_in, seed + 1 + j);
     dws.push_back(std::make_unique<Dev>(wq.size()));
     dws.back()->put(wq);
-    one.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
-    grp.push_back(std::make_unique<Dev>(static_cast<size_t>(outs[j]) * 4));
+    one.push_back(std::make_unique<Dev>(static_cast<size_t>(n_tok * outs[j]) * 4));
+    grp.push_back(std::make_unique<Dev>(static_cast<size_t>(n_tok * outs[j]) * 4));
     one.back()->poison();
     grp.back()->poison();
-    gpu::matmul(types[j], dws.back()->p, n_in, outs[j], dx.as<float>(), 1, one.back()->as<float>(),
-                ws.p, wsb, nullptr);
+    gpu::matmul(types[j], dws.back()->p, n_in, outs[j], dx.as<float>(), n_tok,
+                one.back()->as<float>(), ws.p, wsb, nullptr);
     jobs.push_back({types[j], dws.back()->p, outs[j], grp.back()->as<float>()});
   }
-  gpu::matmul_group(jobs.data(), static_cast<int>(n), n_in, dx.as<float>(), 1, ws.p, wsb, nullptr);
+  gpu::matmul_group(jobs.data(), static_cast<int>(n), n_in, dx.as<float>(), n_tok, ws.p, wsb,
+                    nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   for (size_t j = 0; j < n; ++j) {
     CAPTURE(j);
-    const auto a = one[j]->get<float>(static_cast<size_t>(outs[j]));
-    const auto b = grp[j]->get<float>(static_cast<size_t>(outs[j]));
+    const auto a = one[j]->get<float>(static_cast<size_t>(n_tok * outs[j]));
+    const auto b = grp[j]->get<float>(static_cast<size_t>(n_tok * outs[j]));
     CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
   }
 }
 
-TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, same bits") {
+TEST_CASE("gpu matmul_group, 1-8 tokens: matrices of one type share a launch, same bits") {
   REQUIRE_DEVICE();
   // Q, K, V of one type (one launch), Q and K of one type with V of another (two), and a group
   // with a float matrix; widths that end inside a block of rows.
@@ -461,7 +475,9 @@ TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, sam
                                           {GgmlType::Q8_0, GgmlType::F32, GgmlType::Q8_0},
                                           {GgmlType::Q6_K, GgmlType::Q4_K}}) {
     CAPTURE(type_name(types[0]));
-    check_group_one_token(2048, types, outs, seed += 100);
+    seed += 100;
+    for (const int64_t n_tok : {int64_t{1}, int64_t{3}, int64_t{8}})
+      check_group_one_token(2048, types, outs, seed, n_tok);
   }
   // Qwen3.5-4B's attention Q (with its gate), K, V: rows of 40 units, where K and V alone fill
   // few row blocks and get 32 lanes per row against Q's 8 (gemv_shape), so Q launches alone.
@@ -473,13 +489,14 @@ TEST_CASE("gpu matmul_group, one token: matrices of one type share a launch, sam
   }
 }
 
-TEST_CASE("gpu matmul_group, one token, five jobs: launches by type, float rows of 128 lanes") {
+TEST_CASE("gpu matmul_group, five jobs: launches by type, float rows of 128 lanes") {
   REQUIRE_DEVICE();
   // A Qwen3.5-27B GDN layer's group (attn_qkv Q5_K, attn_gate Q4_K, ssm_beta and ssm_alpha f32,
   // rows of 128 lanes that share a launch) plus an f16 job: each job's bits as matmul alone.
-  check_group_one_token(
-      5120, {GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::F32, GgmlType::F32, GgmlType::F16},
-      {300, 129, 48, 48, 7}, 7300);
+  for (const int64_t n_tok : {int64_t{1}, int64_t{4}})
+    check_group_one_token(
+        5120, {GgmlType::Q5_K, GgmlType::Q4_K, GgmlType::F32, GgmlType::F32, GgmlType::F16},
+        {300, 129, 48, 48, 7}, 7300, n_tok);
 }
 
 TEST_CASE("gpu swiglu_matmul: the bits of swiglu then matmul of one decode row") {
@@ -997,6 +1014,58 @@ TEST_CASE("gpu moe_experts decode: the fused launches give the five launches' bi
     }
   }
   gpu::detail::moe_gemv_fused() = saved_fused;
+  gpu::detail::moe_gemv_max_tok() = saved;
+}
+
+TEST_CASE("gpu moe_experts decode: pairs grouped by expert keep each row's bits alone") {
+  REQUIRE_DEVICE();
+  const int saved = gpu::detail::moe_gemv_max_tok();
+  const bool saved_group = gpu::detail::moe_gemv_group();
+  struct Types {
+    GgmlType g, u, d;
+  };
+  const std::vector<uint8_t> all(8, 1), keep = {0, 1, 0, 0, 1, 1, 0, 0};
+  // K-quants on the unit kernel, the group kernel's types, and a float up matrix (its GEMV stays
+  // one pair per block beside the grouped gate and down).
+  for (Types ty : {Types{GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K},
+                   Types{GgmlType::Q5_K, GgmlType::Q5_K, GgmlType::Q5_K},
+                   Types{GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q4_0},
+                   Types{GgmlType::Q2_K, GgmlType::Q2_K, GgmlType::Q3_K},
+                   Types{GgmlType::Q8_0, GgmlType::F16, GgmlType::Q5_1}}) {
+    MoeCase mc(ty.g, ty.u, ty.d);
+    CAPTURE(type_name(ty.g));
+    CAPTURE(type_name(ty.u));
+    CAPTURE(type_name(ty.d));
+    // 7 and 40 tokens: experts shared by up to 3 and 18 pairs (tiles of 4, a last partial one).
+    for (int64_t n_tok : {int64_t{2}, int64_t{7}, int64_t{40}}) {
+      CAPTURE(n_tok);
+      const MoeInputs in(mc, n_tok, 700 + static_cast<uint64_t>(n_tok));
+      for (const auto* mask : {&all, &keep})
+        for (const gpu::MoeSlots sl : {gpu::MoeSlots{}, gpu::MoeSlots{1, 3}}) {
+          CAPTURE(mask == &keep);
+          CAPTURE(sl.begin);
+          gpu::detail::moe_gemv_group() = false;
+          const auto by_pair = run_moe(mc, in.dh, in.dr, n_tok, *mask, true, sl);
+          gpu::detail::moe_gemv_group() = true;
+          const auto grouped = run_moe(mc, in.dh, in.dr, n_tok, *mask, true, sl);
+          CHECK(std::memcmp(by_pair.data(), grouped.data(), by_pair.size() * 4) == 0);
+          // Every token alone (one pair per block) gives its row of the grouped step.
+          bool alone_same = true;
+          for (int64_t t = 0; t < n_tok; ++t) {
+            Dev h1(static_cast<size_t>(mc.n_embd) * 4), r1(static_cast<size_t>(2 * mc.k) * 4);
+            h1.put(std::vector<float>(in.h.begin() + t * mc.n_embd,
+                                      in.h.begin() + (t + 1) * mc.n_embd));
+            r1.put(
+                std::vector<float>(in.r.begin() + t * 2 * mc.k, in.r.begin() + (t + 1) * 2 * mc.k));
+            const auto one = run_moe(mc, h1, r1, 1, *mask, true, sl);
+            alone_same = alone_same && std::memcmp(one.data(), grouped.data() + t * mc.n_embd,
+                                                   one.size() * 4) == 0;
+          }
+          CHECK(alone_same);
+        }
+    }
+  }
+  gpu::detail::moe_gemv_group() = saved_group;
   gpu::detail::moe_gemv_max_tok() = saved;
 }
 

@@ -268,6 +268,16 @@ bool& moe_gemm_int8();
 /// graph replay, docs/performance.md). BERTH_MOE_FUSED=1 (or true, on, yes) sets it true. The
 /// workspace size depends on it: set it before sizing (not thread safe).
 bool& moe_gemv_fused();
+/// Whether moe_experts' decode rows of a step of several tokens (the five-launch path, some of
+/// gate, up and down quantized) run their routed GEMVs on the quantized matrices grouped by
+/// expert: a one-warp kernel lists the step's pairs by expert in tiles of up to 4, and each GEMV
+/// block loads its expert's rows once for all pairs of its tile (false by default: on an H100
+/// the several-token decode steps of synthetic qwen3-30b-a3b were 7-10% slower with it,
+/// docs/performance.md). Each pair's row gets the bits the one-pair-per-block launch gives it
+/// (tested), so a row's bits do not depend on the step's other tokens. BERTH_MOE_GROUP=1 (or
+/// true, on, yes) sets it true. The workspace size depends on it: set it before sizing (not
+/// thread safe).
+bool& moe_gemv_group();
 /// Whether decode GEMVs (matmul's decode rows, matmul_group, moe_experts' decode rows) on Q4_K,
 /// Q5_K and Q6_K weights run on the 64-element-unit kernel (true by default: every loaded weight
 /// byte used by the lane that loads it, several rows per lane set sharing the activations'
