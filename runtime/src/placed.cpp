@@ -576,7 +576,7 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
   // when experts stay on the CPU and host memory holds their pinned copy (re-planning without
   // the room otherwise).
   int32_t& stream = params.hybrid.stream_experts_min_tokens;
-  const bool auto_stream = stream == kStreamExpertsAuto && !unified;
+  bool auto_stream = stream == kStreamExpertsAuto && !unified;
   if (unified) {
     // Nothing is copied to the device: no streamed experts, no staged decode share.
     if (stream > 0)
@@ -589,6 +589,19 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
           true, "--host-expert-share ignored: on unified memory no expert is copied to the GPU");
     stream = 0;
     params.hybrid.host_expert_share = 0;
+  }
+  if (params.n_seq > 1 && stream != 0 && !unified) {
+    // The scheduler never streams a step of several sequences (its rows' experts would be
+    // computed on the GPU or the CPU by the step's size, so a row's bits would follow its
+    // neighbours): no streaming buffers to plan. (auto: silently, as where nothing streams.)
+    if (!auto_stream)
+      unified_msgs.emplace_back(
+          true, fmt::format("--stream-experts {}: off: steps of several sequences ({}) never "
+                            "stream, so that a sequence's results do not depend on the others "
+                            "(a session of one sequence streams)",
+                            stream, params.n_seq));
+    stream = 0;
+    auto_stream = false;
   }
   if (auto_stream) stream = kStreamExpertsAutoTokens;
   // The flags make() plans with: `flags`, or -ngl 0 where the automatic plan on a board's pool
@@ -1028,7 +1041,8 @@ std::vector<std::pair<std::string, Schedule>> step_schedules(const Model& model,
   for (const auto& [n_tokens, title] :
        {std::pair<int32_t, std::string>{1, "decode step (1 token)"},
         {n_ub, fmt::format("prefill ubatch ({} token{})", n_ub, n_ub == 1 ? "" : "s")}}) {
-    const graph::Graph g = model.build_step(n_tokens, 1);
+    graph::Graph g = model.build_step(n_tokens, 1);
+    g.batch_invariant = params.n_seq > 1;  // as Session builds its steps
     out.emplace_back(
         title, make_schedule(g, w, setup.plan.home, setup.plan.kv_home, caps, opt, dev, n_ctx));
   }

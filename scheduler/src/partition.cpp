@@ -128,9 +128,11 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
     return static_cast<size_t>(id) < caps.slotted.size() ? caps.slotted[static_cast<size_t>(id)]
                                                          : 0;
   };
-  // A step that may stream whole CPU-held layers keeps them whole.
+  // A step that may stream whole CPU-held layers keeps them whole. A batch-invariant step (of a
+  // session of several sequences) never streams: whether a step streams follows its size, so
+  // where a row's experts are computed (and their bits) would follow its neighbours.
   const bool streams = g.n_tokens > 1 && opt.stream_experts_min_tokens > 0 &&
-                       g.n_tokens >= opt.stream_experts_min_tokens;
+                       g.n_tokens >= opt.stream_experts_min_tokens && !g.batch_invariant;
   // The decode share, over the layers without slots.
   std::vector<Home> share_home = weight_home;
   for (const Op& op : g.ops)
@@ -327,7 +329,7 @@ Schedule partition(const graph::Graph& model_graph, const graph::WeightTable& we
           side = Side::device;
           cause = Cause::host_share;
         } else if (h == Home::cpu && opt.stream_experts_min_tokens > 0 && g.n_tokens > 1 &&
-                   g.n_tokens >= opt.stream_experts_min_tokens &&
+                   g.n_tokens >= opt.stream_experts_min_tokens && !g.batch_invariant &&
                    s.value_side[static_cast<size_t>(op.inputs[0])] == Side::device &&
                    pinned(op.moe.gate) && pinned(op.moe.up) && pinned(op.moe.down)) {
           side = Side::device;

@@ -236,8 +236,8 @@ TEST_CASE("stream split: on concentrated routing the unused experts stop being c
 }
 
 TEST_CASE(
-    "stream split: sessions of several sequences never split (rows must not depend on the "
-    "ubatch)") {
+    "stream split: sessions of several sequences never split or stream (rows must not depend on "
+    "the ubatch)") {
   gguf::File file = gguf::File::open(moe_file("q8_0", 1.0));
   auto model = load_model(file);
   auto dev = test::test_device();
@@ -248,8 +248,16 @@ TEST_CASE(
   sp.hybrid.stream_rates = StreamRates{.pcie_gbps = 10, .dram_gbps = 10, .cpu_gflops = 2};
   Session s(*model, sp);
   (void)greedy(s, prompt_of(32), 2);
-  CHECK(s.scheduler().streamed_ops() > 0);
+  // Whether a step streams follows its size, so a step of several sequences computes its
+  // CPU-held experts on the CPU (test_batch.cpp's streamed case); the same session of one
+  // sequence streams and splits.
+  CHECK(s.scheduler().streamed_ops() == 0);
   CHECK(s.scheduler().stream_split_stats().layer_steps == 0);
+  sp.n_seq = 1;
+  Session one(*model, sp);
+  (void)greedy(one, prompt_of(32), 2);
+  CHECK(one.scheduler().streamed_ops() > 0);
+  CHECK(one.scheduler().stream_split_stats().layer_steps > 0);
 }
 
 TEST_CASE("stream split: a step that throws adds nothing to the split's counts") {

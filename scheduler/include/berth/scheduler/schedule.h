@@ -27,8 +27,10 @@
 // 2. Sides: an op with a weight runs where the weight lives (moe_experts: where its expert
 //    tensors live; they must live together), attention where its layer's KV cache lives; with
 //    streaming (options.stream_experts_min_tokens N > 0), a moe_experts op of CPU-held, pinned
-//    experts in a step of >= N tokens (and more than one) whose input is on the device runs on
-//    the device, its experts streamed; any other op on the device when one of its inputs was
+//    experts in a step of >= N tokens (and more than one) that is not batch-invariant (a step
+//    of several sequences never streams: its rows' experts would be computed on the device or
+//    the CPU by the step's size) whose input is on the device runs on the device, its experts
+//    streamed; any other op on the device when one of its inputs was
 //    produced there, else on the CPU. An op the device does not support (capabilities.supports)
 //    runs on the CPU.
 // 3. CPU segments: runs of consecutive CPU ops. Each forks after the last device op producing
