@@ -1068,7 +1068,12 @@ std::vector<std::string> device_option_notes(const Model& model, const SessionPa
     }
     if (cpu_layers > 0) {
       const double f = params.hybrid.host_expert_share;
-      if (f > 0) {
+      if (f > 0 && params.n_seq > 1) {
+        out.push_back(fmt::format(
+            "--host-expert-share {} has no effect: steps of several sequences ({}) never take "
+            "it, so that a row's results do not depend on the other rows",
+            f, params.n_seq));
+      } else if (f > 0) {
         // The layers the executor can split (f = 1 gives each of them all its slots).
         const auto cand = host_share_device_slots(g, params.weight_home, 1.0);
         const auto slots = host_share_device_slots(g, params.weight_home, f);

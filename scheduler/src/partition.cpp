@@ -139,8 +139,12 @@ void split_host_experts(Schedule& s, const std::vector<Home>& weight_home, const
     if (op.kind == OpKind::moe_experts && n_slots(op.moe.gate) > 0 &&
         static_cast<size_t>(op.moe.gate) < share_home.size())
       share_home[static_cast<size_t>(op.moe.gate)] = Home::gpu;
+  // Not in a batch-invariant step: the share applies to one-token steps only, so a sequence's
+  // decode row would have its last slots computed on the device alone and on the CPU beside
+  // other sequences.
   const std::vector<int32_t> dev_slots =
-      host_share_device_slots(g, share_home, opt.host_expert_share);
+      g.batch_invariant ? std::vector<int32_t>(g.ops.size(), 0)
+                        : host_share_device_slots(g, share_home, opt.host_expert_share);
   // The split of streamed layers: the layers the decode share could take (CPU-held, pinned, the
   // norm before them on the device) take it, in a step that streams and whose rows must not
   // depend on their neighbours (which experts the CPU computes depends on the whole ubatch).

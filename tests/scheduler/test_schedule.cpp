@@ -340,6 +340,10 @@ TEST_CASE("schedule rules: the decode share splits each CPU-held layer by route 
   // Prefill is not split.
   const Schedule p = schedule_for(*m, c, 512);
   for (uint8_t h : p.host_w) CHECK(h == 0);
+  // Nor is a one-token step of several sequences (batch-invariant): the share follows the
+  // step's size, so a sequence's decode row would change sides with its neighbours.
+  const Schedule inv = schedule_for(*m, c, 1, false, true);
+  for (uint8_t h : inv.host_w) CHECK(h == 0);
 }
 
 TEST_CASE("schedule rules: expert slots split each CPU-held layer by residency") {
