@@ -55,6 +55,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   r.machine = machine_info();
   r.n_prompt = options.n_prompt;
   r.n_gen = options.n_gen;
+  r.n_ctx = options.n_ctx;
   r.repetitions = o.repetitions;
   gguf::File file = gguf::File::open(o.model_path);
   std::unique_ptr<Model> model = load_model(file);
@@ -67,6 +68,20 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
                 fmt::format("bench model --parallel: -p {} + -n {} = {} tokens per sequence exceed "
                             "the model's context_length {}",
                             options.n_prompt, options.n_gen, n_ctx, hp.n_ctx_train));
+  for (const int n_seq : options.parallel) {
+    if (options.n_ctx <= 0 || n_seq < 1) continue;
+    const int64_t per = options.n_ctx / n_seq;
+    if (per < n_ctx)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("bench model --parallel: -c {} gives each of {} sequences {} tokens, "
+                              "fewer than -p {} + -n {}",
+                              options.n_ctx, n_seq, per, options.n_prompt, options.n_gen));
+    if (per > hp.n_ctx_train)
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("bench model --parallel: -c {} / {} = {} tokens per sequence exceed "
+                              "the model's context_length {}",
+                              options.n_ctx, n_seq, per, hp.n_ctx_train));
+  }
   if (options.n_ubatch < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("bench model --parallel: -ub {} (need >= 1)", options.n_ubatch));
@@ -87,7 +102,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   for (const int n_seq : options.parallel) {
     SessionParams sp;
     sp.n_threads = r.n_threads;
-    sp.n_ctx = n_ctx;
+    sp.n_ctx = options.n_ctx > 0 ? options.n_ctx / n_seq : n_ctx;
     sp.n_seq = n_seq;
     sp.n_ubatch = options.n_ubatch;
     sp.hybrid.stream_experts_min_tokens = o.stream_min_tokens;
@@ -238,20 +253,28 @@ nlohmann::json to_json(const BatchBenchResult& r) {
                     {"device_bytes_per_step", x.device_bytes},
                     {"bound_tok_s", x.bound_tok_s},
                     {"fraction_of_bound", x.fraction}});
-  return {{"machine", to_json(r.machine)}, {"arch", r.arch},
-          {"model", r.model_name},         {"device", r.device},
-          {"placement", r.placement},      {"n_threads", r.n_threads},
-          {"n_prompt", r.n_prompt},        {"n_gen", r.n_gen},
-          {"repetitions", r.repetitions},  {"dram_gbps", r.dram_gbps},
-          {"hbm_gbps", r.hbm_gbps},        {"parallel", rows}};
+  return {{"machine", to_json(r.machine)},
+          {"arch", r.arch},
+          {"model", r.model_name},
+          {"device", r.device},
+          {"placement", r.placement},
+          {"n_threads", r.n_threads},
+          {"n_prompt", r.n_prompt},
+          {"n_gen", r.n_gen},
+          {"n_ctx", r.n_ctx},
+          {"repetitions", r.repetitions},
+          {"dram_gbps", r.dram_gbps},
+          {"hbm_gbps", r.hbm_gbps},
+          {"parallel", rows}};
 }
 
 std::string format_text(const BatchBenchResult& r) {
   std::string s = fmt::format(
-      "model {} ({}), {} threads, {}{}; {} prompt tokens per sequence, {} decode steps, "
+      "model {} ({}), {} threads, {}{}; {} prompt tokens per sequence, {} decode steps{}, "
       "median of {}\nDRAM {:.1f} GB/s{}\n",
       r.model_name, r.arch, r.n_threads, r.device.empty() ? "CPU only" : r.device,
-      r.placement.empty() ? "" : ", " + r.placement, r.n_prompt, r.n_gen, r.repetitions,
+      r.placement.empty() ? "" : ", " + r.placement, r.n_prompt, r.n_gen,
+      r.n_ctx > 0 ? fmt::format(", -c {} (c / N per sequence)", r.n_ctx) : "", r.repetitions,
       r.dram_gbps, r.hbm_gbps > 0 ? fmt::format(", device {:.0f} GB/s", r.hbm_gbps) : "");
   s += fmt::format("{:>4} {:>12} {:>12} {:>14} {:>12} {:>12} {:>12} {:>9}\n", "N", "tok/s",
                    "tok/s/seq", "experts/layer", "host MB", "device MB", "bound tok/s", "of bound");

@@ -358,6 +358,9 @@ Runner add_bench_serve(CLI::App& bench) {
   sub->add_option("-n,--n-predict", o->bench.n_predict, "tokens generated per request")
       ->capture_default_str()
       ->check(range(1, 1 << 20));
+  sub->add_flag("--sync", o->bench.sync,
+                "the clients start each round's requests together, so their sequences decode in "
+                "the same steps (as `bench model --parallel N`)");
   sub->add_option("--json", o->json_path, "also write the numbers as JSON to this file");
   sub->add_flag("-q,--quiet", o->quiet, "no progress lines on stderr");
   return [o] { return bench_serve(*o); };

@@ -4,6 +4,7 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <mutex>
@@ -148,6 +149,7 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   std::mutex progress_mu;
   int done = 0;
   const Clock::time_point t0 = Clock::now();
+  std::barrier<> round(o.n_clients);
   std::vector<std::thread> threads;
   for (int c = 0; c < o.n_clients; ++c)
     threads.emplace_back([&, c] {
@@ -156,6 +158,7 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
       for (int r = 0; r < o.n_requests; ++r) {
         std::vector<int32_t> prompt(static_cast<size_t>(o.n_prompt));
         for (int32_t& t : prompt) t = id(rng);
+        if (o.sync) round.arrive_and_wait();
         per_client[static_cast<size_t>(c)].push_back(one_request(o, prompt));
         if (o.progress) {
           std::lock_guard<std::mutex> lock(progress_mu);

@@ -92,6 +92,26 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
     REQUIRE(j["parallel"].size() == 3);
     CHECK(j["parallel"][2]["n_seq"].get<int>() == 4);
   }
+  {  // -c: the KV cache over all sequences, c / N each, as a server's slots.
+    const CommandResult ok =
+        run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                    " -p 4 -n 2 -r 1 -t 2 -q -ngl 0 --parallel 1,4 -c 24 --json -");
+    REQUIRE(ok.exit_code == 0);
+    CHECK(nlohmann::json::parse(ok.out)["n_ctx"].get<int64_t>() == 24);
+    // 25 / 5 = 5 tokens per sequence < -p 4 + -n 2: refused before any row runs.
+    const CommandResult few =
+        run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                    " -p 4 -n 2 -r 1 -t 2 -q -ngl 0 --parallel 1,5 -c 25");
+    CHECK(few.exit_code != 0);
+    CHECK(!few.signaled);
+    CHECK(few.out.empty());
+    CHECK(few.err.find("-c 25 gives each of 5 sequences 5 tokens, fewer than -p 4 + -n 2") !=
+          std::string::npos);
+    const CommandResult alone = run_command(berth::test::berth_bin() + " bench model -m " +
+                                            shell_quote(model) + " -p 4 -n 2 -q -c 64");
+    CHECK(alone.exit_code == 2);
+    CHECK(alone.err.find("-c applies to --parallel only") != std::string::npos);
+  }
   for (const std::string bad : {"--parallel 2 -n 0"}) {
     CAPTURE(bad);
     const CommandResult r = run_command(berth::test::berth_bin() + " bench model -m " +

@@ -34,6 +34,10 @@ struct BatchBenchOptions {
   int n_prompt = 512;         ///< -p: prompt tokens per sequence (>= 1)
   int n_gen = 128;            ///< -n: decode steps (>= 1)
   int n_ubatch = 512;         ///< -ub: tokens per prefill step of each prompt (>= 1)
+  /// -c: KV cache tokens over all sequences, each sequence getting n_ctx / N (as `serve -c -np`
+  /// gives its slots); 0: n_prompt + n_gen per sequence. The decode attention's KV split is a
+  /// function of a sequence's n_ctx, so this changes the step's kernels.
+  int64_t n_ctx = 0;
 };
 
 struct BatchRow {
@@ -54,6 +58,7 @@ struct BatchBenchResult {
   MachineInfo machine;
   std::string arch, model_name, device, placement;
   int n_threads = 0, n_prompt = 0, n_gen = 0, repetitions = 0;
+  int64_t n_ctx = 0;  ///< -c as given (0: n_prompt + n_gen per sequence)
   double dram_gbps = 0, hbm_gbps = 0;
   std::vector<BatchRow> rows;
 };

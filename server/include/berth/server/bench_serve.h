@@ -11,6 +11,10 @@
 //     fell behind); the first read's other tokens have no sample;
 //   aggregate tok/s: generated tokens of all requests / wall time from the first request sent
 //     to the last response read.
+// With `sync`, the clients start each round's requests together (a barrier before every request),
+// so the N prompts are prefilled in the same steps and the N sequences then decode together, as
+// the batching loop's `bench model --parallel N` does; without it each client sends its next
+// request as soon as its last one ended, so prompts are prefilled in steps that others decode in.
 // Percentiles: nearest-rank (p50, p99) over every request's samples.
 #pragma once
 
@@ -32,6 +36,7 @@ struct ServeBenchOptions {
   int n_predict = 64;   ///< tokens generated per request
   int64_t n_vocab = 0;  ///< prompt ids are drawn from [1, n_vocab); 0: ask GET /v1/models
   uint64_t seed = 1;
+  bool sync = false;  ///< a barrier before each round's requests (see above)
   std::function<void(std::string_view)> progress;
 };
 
