@@ -56,6 +56,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   r.n_prompt = options.n_prompt;
   r.n_gen = options.n_gen;
   r.n_ctx = options.n_ctx;
+  r.greedy = options.greedy;
   r.repetitions = o.repetitions;
   gguf::File file = gguf::File::open(o.model_path);
   std::unique_ptr<Model> model = load_model(file);
@@ -93,6 +94,16 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   const graph::Graph g1 = model->build_step(1, 1);
   const graph::WeightTable& w = model->weights();
   std::mt19937_64 rng(o.seed);
+  // bench serve's prompts (server/src/bench_serve.cpp): client q's generator, its requests'
+  // prompts drawn one after another.
+  std::vector<std::mt19937_64> serve_rng;
+  auto serve_prompt = [&](size_t q, int n) {
+    while (serve_rng.size() <= q) serve_rng.emplace_back(o.seed * 1000003u + serve_rng.size());
+    std::uniform_int_distribution<int32_t> id(1, static_cast<int32_t>(hp.n_vocab - 1));
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (int32_t& x : t) x = id(serve_rng[q]);
+    return t;
+  };
   auto random_tokens = [&](size_t n) {
     std::vector<int32_t> t(n);
     for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(hp.n_vocab));
@@ -100,6 +111,7 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
   };
 
   for (const int n_seq : options.parallel) {
+    serve_rng.clear();  // each N: a server of its own, its clients' generators fresh
     SessionParams sp;
     sp.n_threads = r.n_threads;
     sp.n_ctx = options.n_ctx > 0 ? options.n_ctx / n_seq : n_ctx;
@@ -163,13 +175,20 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     int64_t cpu_experts = 0, cpu_bytes = 0, dev_reads = 0, dev_bytes = 0;
     bool dev_counts = false;
     for (int rep = 0; rep <= o.repetitions; ++rep) {
+      std::vector<int32_t> next(static_cast<size_t>(n_seq));  // greedy: each one's next token
       for (int q = 0; q < n_seq; ++q) {  // each prompt in steps of at most -ub tokens
-        const std::vector<int32_t> p = random_tokens(static_cast<size_t>(options.n_prompt));
+        const std::vector<int32_t> p = options.greedy
+                                           ? serve_prompt(static_cast<size_t>(q), options.n_prompt)
+                                           : random_tokens(static_cast<size_t>(options.n_prompt));
         for (size_t i0 = 0; i0 < p.size(); i0 += static_cast<size_t>(options.n_ubatch)) {
           const size_t n = std::min(p.size() - i0, static_cast<size_t>(options.n_ubatch));
           std::vector<int32_t> pos(n), sq(n, seqs[static_cast<size_t>(q)]);
           for (size_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(i0 + i);
-          session.eval_step(std::span<const int32_t>(p).subspan(i0, n), pos, sq, 1, 0);
+          const std::span<const int32_t> chunk = std::span<const int32_t>(p).subspan(i0, n);
+          if (options.greedy && i0 + n == p.size())
+            next[static_cast<size_t>(q)] = session.eval_step_select(chunk, pos, sq, 1, 0)[0];
+          else
+            session.eval_step(chunk, pos, sq, 1, 0);
         }
       }
       session.executor().reset_moe_reads();
@@ -178,9 +197,15 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
       std::vector<int32_t> pos(static_cast<size_t>(n_seq));
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < options.n_gen; ++i) {
-        const std::vector<int32_t> t = random_tokens(static_cast<size_t>(n_seq));
         std::fill(pos.begin(), pos.end(), options.n_prompt + i);
-        session.eval_step(t, pos, seqs, n_seq, n_seq);  // one decode token per sequence
+        if (options.greedy) {  // each sequence's own greedy token, as a server's slot decodes
+          const std::span<const int32_t> picked =
+              session.eval_step_select(next, pos, seqs, n_seq, n_seq);
+          std::copy(picked.begin(), picked.end(), next.begin());
+        } else {
+          const std::vector<int32_t> t = random_tokens(static_cast<size_t>(n_seq));
+          session.eval_step(t, pos, seqs, n_seq, n_seq);  // one decode token per sequence
+        }
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep == 0) continue;  // warm-up
@@ -262,6 +287,7 @@ nlohmann::json to_json(const BatchBenchResult& r) {
           {"n_prompt", r.n_prompt},
           {"n_gen", r.n_gen},
           {"n_ctx", r.n_ctx},
+          {"greedy", r.greedy},
           {"repetitions", r.repetitions},
           {"dram_gbps", r.dram_gbps},
           {"hbm_gbps", r.hbm_gbps},
@@ -274,8 +300,10 @@ std::string format_text(const BatchBenchResult& r) {
       "median of {}\nDRAM {:.1f} GB/s{}\n",
       r.model_name, r.arch, r.n_threads, r.device.empty() ? "CPU only" : r.device,
       r.placement.empty() ? "" : ", " + r.placement, r.n_prompt, r.n_gen,
-      r.n_ctx > 0 ? fmt::format(", -c {} (c / N per sequence)", r.n_ctx) : "", r.repetitions,
-      r.dram_gbps, r.hbm_gbps > 0 ? fmt::format(", device {:.0f} GB/s", r.hbm_gbps) : "");
+      (r.n_ctx > 0 ? fmt::format(", -c {} (c / N per sequence)", r.n_ctx) : std::string()) +
+          (r.greedy ? ", greedy tokens from bench serve's prompts" : ""),
+      r.repetitions, r.dram_gbps,
+      r.hbm_gbps > 0 ? fmt::format(", device {:.0f} GB/s", r.hbm_gbps) : "");
   s += fmt::format("{:>4} {:>12} {:>12} {:>14} {:>12} {:>12} {:>12} {:>9}\n", "N", "tok/s",
                    "tok/s/seq", "experts/layer", "host MB", "device MB", "bound tok/s", "of bound");
   for (const BatchRow& x : r.rows)

@@ -37,6 +37,7 @@ struct BenchOptions {
   bench::ModelBenchOptions m;
   size_t model_dram_mib = 0;
   int64_t ctx_size = 0;  // -c with --parallel (0: -p + -n per sequence)
+  bool greedy = false;   // --greedy with --parallel
   // llama-bench's list options as typed (each occurrence one list), and -o.
   std::vector<std::string> n_prompt, n_gen, n_depth, n_batch, n_ubatch, pg;
   std::string output = "md";
@@ -127,10 +128,11 @@ void parse_model_lists(BenchOptions& o) {
                         l.n_depth == std::vector<int>{0} &&
                         l.n_batch == std::vector<int>{bench::kDefaultBatch} && l.pg.empty() &&
                         o.output == "md" && o.m.routing_trace.empty();
-  if ((!o.n_parallel.empty() && !one_each) || (o.n_parallel.empty() && o.ctx_size > 0))
+  if ((!o.n_parallel.empty() && !one_each) ||
+      (o.n_parallel.empty() && (o.ctx_size > 0 || o.greedy)))
     throw CLI::ValidationError(
         "--parallel takes one -p, -n and -ub value, and no -d, -b, -pg, -o or --routing-trace; "
-        "-c applies to --parallel only");
+        "-c and --greedy apply to --parallel only");
   if (o.json_path == "-" && o.format != bench::OutputFormat::md)
     throw CLI::ValidationError(fmt::format(
         "--json - and -o {} both write to standard output (give --json a file)", o.output));
@@ -150,6 +152,7 @@ int bench_model(BenchOptions& o) {
     b.n_gen = l.n_gen[0];
     b.n_ubatch = l.n_ubatch[0];
     b.n_ctx = o.ctx_size;
+    b.greedy = o.greedy;
     const bench::BatchBenchResult r = bench::run_batch_bench(b);
     json_out.write(bench::to_json(r));
     json_out.text(bench::format_text(r));
@@ -305,6 +308,9 @@ Runner add_bench(CLI::App& app) {
                 "with --parallel: the KV cache's tokens over all N sequences, each getting c / N "
                 "as a server's slots do (default: -p + -n per sequence)")
       ->check(range(int64_t{1}, int64_t{1} << 32));
+  m->add_flag("--greedy", o->greedy,
+              "with --parallel: decode each sequence's greedy token (picked as a server picks "
+              "it) from the prompts `bench serve` sends, instead of random tokens");
   add_host_expert_share(*m, o->m.host_expert_share);
   add_warm_workers(*m, o->m.warm_workers_us);
   add_residency_swaps(*m, o->m.residency_swaps);

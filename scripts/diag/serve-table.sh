@@ -3,9 +3,10 @@
 # the synthetic qwen3-30b-a3b Q4_K_M, all on the GPU and with --cpu-moe.
 #   bash scripts/diag/serve-table.sh OUT_DIR [REQUESTS] [PLACEMENT...]
 # PLACEMENT: gpu (-ngl 99) and/or cpumoe (-ngl 99 --cpu-moe); both when none is named.
-# Loop: bench model -p 32 -n 128 -r 2 --parallel 1,2,4,8 -c 4096 (each sequence 4096 / N
-# tokens of KV cache, as the server's slots; every row's logits to the host, no sampling), and
-# once without -c (-p + -n per sequence: the decode attention's KV split follows n_ctx). Server: bench serve with N streaming clients, REQUESTS (default 3) greedy requests
+# Loop: bench model -p 32 -n 128 -r 2 --parallel 1,2,4,8 -c 4096 --greedy (each sequence 4096 / N
+# tokens of KV cache, as the server's slots; each sequence decodes its greedy tokens from the
+# prompts bench serve sends, so the loop's steps carry the server's tokens and read the same
+# experts), and once with random tokens and no -c (-p + -n per sequence, issue 19's rows). Server: bench serve with N streaming clients, REQUESTS (default 3) greedy requests
 # each of -p 32 -n 128, -c 4096, once with --sync (the clients' requests start together, so
 # their sequences decode in the same steps, as the loop's do) and once free-running (a client's
 # next prompt is prefilled while the others decode); JSON per run in OUT_DIR.
@@ -31,7 +32,7 @@ for tag in "${places[@]}"; do
     echo "== loop $flags -c $c"
     # shellcheck disable=SC2046,SC2086
     timeout 300 berth bench model -m "$f" -t "$t" -p 32 -n 128 -r 2 $flags --parallel 1,2,4,8 \
-      $( [[ $c != 0 ]] && echo "-c $c" ) --json "$out/loop-$tag$sfx.json" \
+      $( [[ $c != 0 ]] && echo "-c $c --greedy" ) --json "$out/loop-$tag$sfx.json" \
       2>"$out/loop-$tag$sfx.err" | tee "$out/loop-$tag$sfx.txt" | tail -6
   done
   for n in 1 2 4 8; do

@@ -5,7 +5,7 @@ import os
 import sys
 
 d = sys.argv[1]
-print("| FLAGS | N | clients | loop tok/s, -p + -n per sequence | loop tok/s, -c 4096 | server decode tok/s | server / loop | ITL p50 ms | ITL p99 ms "
+print("| FLAGS | N | clients | loop tok/s, random tokens, -p + -n per sequence | loop tok/s, greedy, -c 4096 | server decode tok/s | server / loop | ITL p50 ms | ITL p99 ms "
       "| loop step ms | per step | TTFT p50 ms | TTFT p99 ms | server aggregate (wall) |")
 print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for tag, flags in (("gpu", "`-ngl 99`"), ("cpumoe", "`-ngl 99 --cpu-moe`")):

@@ -95,9 +95,13 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
   {  // -c: the KV cache over all sequences, c / N each, as a server's slots.
     const CommandResult ok =
         run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
-                    " -p 4 -n 2 -r 1 -t 2 -q -ngl 0 --parallel 1,4 -c 24 --json -");
+                    " -p 4 -n 2 -r 1 -t 2 -q -ngl 0 --parallel 1,4 -c 24 --greedy --json -");
     REQUIRE(ok.exit_code == 0);
-    CHECK(nlohmann::json::parse(ok.out)["n_ctx"].get<int64_t>() == 24);
+    const auto j = nlohmann::json::parse(ok.out);
+    CHECK(j["n_ctx"].get<int64_t>() == 24);
+    CHECK(j["greedy"].get<bool>());
+    REQUIRE(j["parallel"].size() == 2);
+    CHECK(j["parallel"][1]["agg_tok_s"].get<double>() > 0);
     // 25 / 5 = 5 tokens per sequence < -p 4 + -n 2: refused before any row runs.
     const CommandResult few =
         run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
@@ -110,7 +114,7 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
     const CommandResult alone = run_command(berth::test::berth_bin() + " bench model -m " +
                                             shell_quote(model) + " -p 4 -n 2 -q -c 64");
     CHECK(alone.exit_code == 2);
-    CHECK(alone.err.find("-c applies to --parallel only") != std::string::npos);
+    CHECK(alone.err.find("-c and --greedy apply to --parallel only") != std::string::npos);
   }
   for (const std::string bad : {"--parallel 2 -n 0"}) {
     CAPTURE(bad);

@@ -3,7 +3,13 @@
 //
 // Per N (each the median of `repetitions` runs after a warm-up; each run prefills N prompts of
 // n_prompt seeded random tokens, one sequence per step, then times n_gen decode steps of N
-// tokens fed without sampling):
+// tokens fed without sampling; with `greedy`, each step feeds every sequence its own greedy
+// token, picked as a server picks it (Session::eval_step_select: on the device where there is
+// one, only the ids come back), from the prompts `bench serve` sends: run k's prompt of sequence
+// q is client q's k-th request (std::mt19937_64 seeded seed * 1000003 + q, ids uniform in
+// [1, n_vocab)). A sequence's tokens never depend on its neighbours (the batch-invariance rule),
+// so the loop then decodes exactly the tokens a server's slots decode for those requests, and
+// its steps read the same experts):
 //   aggregate tok/s = N * n_gen / s; per-sequence tok/s = n_gen / s.
 //   Routed experts: the CPU's moe_experts calls count the distinct experts a step reads
 //   (CpuExecutor::moe_reads: each expert's gate/up/down once for all of the step's tokens routed
@@ -38,6 +44,7 @@ struct BatchBenchOptions {
   /// gives its slots); 0: n_prompt + n_gen per sequence. The decode attention's KV split is a
   /// function of a sequence's n_ctx, so this changes the step's kernels.
   int64_t n_ctx = 0;
+  bool greedy = false;  ///< --greedy: decode greedy tokens from bench serve's prompts (above)
 };
 
 struct BatchRow {
@@ -59,6 +66,7 @@ struct BatchBenchResult {
   std::string arch, model_name, device, placement;
   int n_threads = 0, n_prompt = 0, n_gen = 0, repetitions = 0;
   int64_t n_ctx = 0;  ///< -c as given (0: n_prompt + n_gen per sequence)
+  bool greedy = false;
   double dram_gbps = 0, hbm_gbps = 0;
   std::vector<BatchRow> rows;
 };
