@@ -306,11 +306,27 @@ int bench_serve(BenchServeOptions& o) {
     };
   const server::ServeBenchResult r = server::run_serve_bench(o.bench);
   nlohmann::json j = server::to_json(r);
+  std::string engine_line;
   if (srv) {
     j["server"] = {{"model", o.serve.model},
                    {"n_slots", o.serve.n_slots},
                    {"n_ctx_per_slot", srv->engine().n_ctx_per_slot()},
                    {"n_threads", srv->engine().n_threads()}};
+    // The engine's own view of its decode steps, beside the clients' ITL.
+    const server::EngineMetrics m = srv->engine().metrics();
+    const auto per = [](double v, int64_t n) { return n > 0 ? v / static_cast<double>(n) : 0.0; };
+    j["engine"] = {{"decode_steps", m.decode_steps_total},
+                   {"decode_rows_per_step",
+                    per(static_cast<double>(m.decode_rows_total), m.decode_steps_total)},
+                   {"decode_step_ms", 1e3 * per(m.decode_step_seconds_total, m.decode_steps_total)},
+                   {"decode_interval_ms",
+                    1e3 * per(m.decode_interval_seconds_total, m.decode_intervals_total)}};
+    engine_line = fmt::format(
+        "engine: {} decode steps of {:.2f} rows (means: forward {:.2f} ms, start to next start "
+        "{:.2f} ms)\n",
+        m.decode_steps_total, per(static_cast<double>(m.decode_rows_total), m.decode_steps_total),
+        1e3 * per(m.decode_step_seconds_total, m.decode_steps_total),
+        1e3 * per(m.decode_interval_seconds_total, m.decode_intervals_total));
     srv->http().shutdown(std::chrono::milliseconds(1000));
   }
   j["n_prompt"] = o.bench.n_prompt;
@@ -320,7 +336,7 @@ int bench_serve(BenchServeOptions& o) {
     out << j.dump(2) << "\n";
     if (!out) throw Error(ErrorCategory::io, fmt::format("cannot write '{}'", o.json_path));
   }
-  (void)write_stdout(server::format_text(r));
+  (void)write_stdout(server::format_text(r) + engine_line);
   return r.n_failed == 0 ? 0 : 1;
 }
 

@@ -288,6 +288,12 @@ void BatchEngine::note_recent(Slot& s, int32_t id) {
 // One forward step over every busy slot: the decode token of each generating slot, then prompt
 // chunks of prefilling slots in order of admission, up to -ub tokens (StepPacker).
 void BatchEngine::step() {
+  const auto start = Clock::now();
+  // Start to start of two decode-only steps in a row (counted once this one is known to be one).
+  const double gap = last_decode_start_
+                         ? std::chrono::duration<double>(start - *last_decode_start_).count()
+                         : -1.0;
+  last_decode_start_.reset();
   busy_.clear();
   for (Slot& s : slots_) {
     if (!s.gen) continue;
@@ -347,7 +353,17 @@ void BatchEngine::step() {
     metrics_.n_step_seqs_total += packer_.n_seqs();
     metrics_.max_step_seqs = std::max(metrics_.max_step_seqs, packer_.n_seqs());
     metrics_.tokens_device_picked_total += device_pick ? n_rows : 0;
+    if (packer_.n_prompt() == 0) {
+      ++metrics_.decode_steps_total;
+      metrics_.decode_rows_total += packer_.n_decode();
+      metrics_.decode_step_seconds_total += ms / 1e3;
+      if (gap >= 0) {
+        ++metrics_.decode_intervals_total;
+        metrics_.decode_interval_seconds_total += gap;
+      }
+    }
   }
+  if (packer_.n_prompt() == 0) last_decode_start_ = start;
   const auto n_vocab = static_cast<size_t>(session_->n_vocab());
   for (size_t i = 0; i < busy_.size(); ++i) {
     const int64_t n = packer_.taken(i);

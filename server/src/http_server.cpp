@@ -280,6 +280,18 @@ void HttpServer::Impl::routes() {
            static_cast<double>(m.n_step_seqs_total));
     metric("step_slots_max", "gauge", "The most slots one forward step carried.",
            static_cast<double>(m.max_step_seqs));
+    metric("decode_steps_total", "counter", "Forward steps of decode tokens only.",
+           static_cast<double>(m.decode_steps_total));
+    metric("decode_rows_total", "counter", "Decode tokens of those steps.",
+           static_cast<double>(m.decode_rows_total));
+    metric("decode_step_seconds_total", "counter", "Forward time of those steps.",
+           m.decode_step_seconds_total);
+    metric("decode_intervals_total", "counter",
+           "Decode-only steps followed by another step (start to next start).",
+           static_cast<double>(m.decode_intervals_total));
+    metric("decode_interval_seconds_total", "counter",
+           "Start of a decode-only step to the start of the next, summed.",
+           m.decode_interval_seconds_total);
     metric("requests_processing", "gauge", "Requests in a slot.",
            static_cast<double>(m.requests_processing));
     metric("requests_deferred", "gauge", "Requests waiting for a slot.",

@@ -151,7 +151,15 @@ TEST_CASE(
   for (const std::string& p : kPrompts) {
     auto e = make_engine(m, 1, 512, 512, 64, dev.get());
     alone.push_back(drain(*e->submit(greedy(m, p, 24))).ids());
-    CHECK(e->metrics().tokens_device_picked_total == 24);
+    const server::EngineMetrics mt = e->metrics();
+    CHECK(mt.tokens_device_picked_total == 24);
+    // The prompt's step samples the first token, 23 decode-only steps the rest: 22 of them
+    // follow a decode-only step.
+    CHECK(mt.decode_steps_total == 23);
+    CHECK(mt.decode_rows_total == 23);
+    CHECK(mt.decode_intervals_total == 22);
+    CHECK(mt.decode_step_seconds_total > 0);
+    CHECK(mt.decode_interval_seconds_total > 0);
     CHECK(alone.back().size() == 24);
   }
   auto e = make_engine(m, 4, 4 * 256, 512, 64, dev.get());
@@ -161,6 +169,9 @@ TEST_CASE(
   e->hold_queue(false);
   for (size_t i = 0; i < gens.size(); ++i) CHECK(drain(*gens[i]).ids() == alone[i]);
   CHECK(e->metrics().tokens_device_picked_total == 4 * 24);
+  // The four prompts in one step (-ub 512), then 23 steps of four decode tokens.
+  CHECK(e->metrics().decode_steps_total == 23);
+  CHECK(e->metrics().decode_rows_total == 4 * 23);
   {  // one slot wants logprobs for its 8 tokens: those steps' rows come back as logits
     auto mixed = make_engine(m, 4, 4 * 256, 512, 64, dev.get());
     mixed->hold_queue(true);

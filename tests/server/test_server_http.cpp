@@ -546,6 +546,11 @@ TEST_CASE("/health is 503 while loading, then 200; --metrics serves Prometheus t
   CHECK(r.body.find("# TYPE berth:prompt_tokens_total counter\nberth:prompt_tokens_total 5\n") !=
         std::string::npos);
   CHECK(r.body.find("berth:tokens_predicted_total 6\n") != std::string::npos);
+  // 6 tokens: the prompt's step samples the first, 5 decode-only steps the others.
+  CHECK(r.body.find("# TYPE berth:decode_steps_total counter\nberth:decode_steps_total 5\n") !=
+        std::string::npos);
+  CHECK(r.body.find("berth:decode_rows_total 5\n") != std::string::npos);
+  CHECK(r.body.find("berth:decode_intervals_total 4\n") != std::string::npos);
   CHECK(r.body.find("berth:requests_processing 0\n") != std::string::npos);
   http.stop();
 }

@@ -117,6 +117,8 @@ class BatchEngine : public Engine {
   std::vector<Slot*> busy_;
   std::vector<StepInput> inputs_;
   StepPacker packer_;
+  // When the last step started, if it carried decode tokens only (for decode_interval_*).
+  std::optional<Clock::time_point> last_decode_start_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -175,6 +175,15 @@ struct EngineMetrics {
   int32_t max_step_seqs = 0;  ///< the most slots one forward step carried
   /// Tokens the device picked (greedy, one output row in the step: only the id came back).
   int64_t tokens_device_picked_total = 0;
+  /// Steps of decode tokens only: how many, their rows summed, and the time of their forward
+  /// pass (Session::eval_step*), seconds.
+  int64_t decode_steps_total = 0;
+  int64_t decode_rows_total = 0;
+  double decode_step_seconds_total = 0;
+  /// From the start of a decode-only step to the start of the next when that is one too (the
+  /// forward pass plus the engine's host work between steps), seconds; how many such pairs.
+  int64_t decode_intervals_total = 0;
+  double decode_interval_seconds_total = 0;
   int64_t requests_processing = 0;  ///< now: requests in a slot
   int64_t requests_deferred = 0;    ///< now: requests waiting for a slot
 };
