@@ -76,6 +76,10 @@ bool& gemv_group_tokens() {
   static bool v = !env_says_off("BERTH_GEMV_GROUP_TOK");
   return v;
 }
+bool& gemv_tok4() {
+  static bool v = env_says_on("BERTH_GEMV_TOK4");
+  return v;
+}
 bool& gemv_kq() {
   static bool v = !env_says_off("BERTH_GEMV_KQ");
   return v;
@@ -719,6 +723,18 @@ __global__ void __launch_bounds__(kThreads) gemv_q_kernel(GemvArgs a) {
   gemv_q_block<T, NT>(a, w, act0, out0, a.out);
 }
 
+// gemv_q_kernel for 2-4 tokens (gemv_tok4()): 4 accumulators per row, compiled for at least 5
+// resident blocks per SM (at most 102 registers: 96 for Q4_K without spills, small spills for
+// Q5_K and Q6_K, against 126-128 registers and 4 blocks per SM for the 8-token instantiation).
+template <GgmlType T>
+__global__ void __launch_bounds__(kThreads, 5) gemv_q4_kernel(GemvArgs a) {
+  pdl_enter();
+  const uint8_t* w;
+  int64_t act0, out0;
+  if (!gemv_setup(a, w, act0, out0)) return;  // uniform over the block
+  gemv_q_block<T, 4>(a, w, act0, out0, a.out);
+}
+
 // gemv_q_kernel's K-quant path alone, compiled for at least MINB resident blocks per SM
 // (gemv_kq_minb(): single-token launches; the same instructions in another register allocation).
 template <GgmlType T, int MINB>
@@ -1149,6 +1165,10 @@ void launch_gemv_t(const GemvArgs& a, dim3 grid, cudaStream_t s) {
                grid, kThreads, 0, s, a);
         return;
       }
+    }
+    if (a.n_tok > 1 && a.n_tok <= 4 && gemv_tok4()) {
+      launch("gemv_q4_kernel", gemv_q4_kernel<T>, grid, kThreads, 0, s, a);
+      return;
     }
     launch("gemv_q_kernel", a.n_tok == 1 ? gemv_q_kernel<T, 1> : gemv_q_kernel<T, kGemvTok>, grid,
            kThreads, 0, s, a);

@@ -264,6 +264,7 @@ TEST_CASE(
   const int saved_rps = gpu::detail::gemv_kq_rps();
   const int saved_minb = gpu::detail::gemv_kq_minb();
   const int saved_lanes = gpu::detail::gemv_kq_lanes();
+  const bool saved_tok4 = gpu::detail::gemv_tok4();
   uint64_t seed = 4400;
   for (GgmlType t : {GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K}) {
     CAPTURE(type_name(t));
@@ -282,10 +283,12 @@ TEST_CASE(
         dx.put(x);
         const size_t wsb = gpu::matmul_workspace_bytes(t, n_in, n_out, n_tok);
         Dev ws(wsb);
-        auto run = [&](bool kq, int rps, int64_t nt, int minb = 0, int64_t tok0 = 0) {
+        auto run = [&](bool kq, int rps, int64_t nt, int minb = 0, int64_t tok0 = 0,
+                       bool tok4 = false) {
           gpu::detail::gemv_kq() = kq;
           gpu::detail::gemv_kq_rps() = rps;
           gpu::detail::gemv_kq_minb() = minb;
+          gpu::detail::gemv_tok4() = tok4;
           dout.poison();
           gpu::matmul(t, dw.p, n_in, n_out, dx.as<float>() + tok0 * n_in, nt, dout.as<float>(),
                       ws.p, wsb, nullptr);
@@ -293,6 +296,7 @@ TEST_CASE(
           gpu::detail::gemv_kq() = saved_kq;
           gpu::detail::gemv_kq_rps() = saved_rps;
           gpu::detail::gemv_kq_minb() = saved_minb;
+          gpu::detail::gemv_tok4() = saved_tok4;
           return dout.get<float>(static_cast<size_t>(nt * n_out));
         };
         const auto base = run(true, 1, n_tok);
@@ -324,6 +328,20 @@ TEST_CASE(
                          std::memcmp(one.data(), all.data() + tok * n_out, one.size() * 4) == 0;
           }
         CHECK(alone_same);
+        // Launches of 2-4 tokens, through the 8-token and the 4-token kernel (gemv_tok4), and
+        // rps 1 and 2: each token's row has the bits of the 8-token launch.
+        bool few_same = true;
+        for (const int64_t nt : {int64_t{2}, int64_t{3}, int64_t{4}})
+          for (const bool kq : {true, false})
+            for (const bool tok4 : {false, true})
+              for (const int rps : {1, 2}) {
+                const int64_t tok0 = n_tok - nt;
+                const auto few = run(kq, kq ? rps : 0, nt, 0, tok0, tok4);
+                const auto& all = kq ? base : old;
+                few_same = few_same &&
+                           std::memcmp(few.data(), all.data() + tok0 * n_out, few.size() * 4) == 0;
+              }
+        CHECK(few_same);
         // The two kernels sum in different orders, so their bits differ; they differ only by
         // rounding.
         CHECK(nmse_d(std::vector<double>(base.begin(), base.end()), old) <= 1e-9);

@@ -305,6 +305,12 @@ int& gemv_kq_lanes();
 /// decode on an H200: 7 113.9 tok/s, 0 106.1-107.4, docs/performance.md). BERTH_GEMV_KQ_MINB sets
 /// it; another value throws Error(invalid_argument).
 int& gemv_kq_minb();
+/// Whether quantized GEMVs of 2-4 tokens run gemv_q4_kernel (4 accumulators per row, compiled
+/// for 5 blocks per SM: at most 102 registers) instead of the 8-token instantiation (126-128
+/// registers for the K-quants, 4 blocks per SM). A token's sum is the same butterfly in both
+/// (gemv_store's reduce-scatter), so its bits do not change (tested); only the speed may. Off by
+/// default until measured; BERTH_GEMV_TOK4=1 (or true, on, yes) sets it.
+bool& gemv_tok4();
 }  // namespace detail
 
 /// MoE router: for each of n_tok rows of logits [n_tok, n_expert]: p = softmax (in double),
