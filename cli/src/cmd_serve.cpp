@@ -129,7 +129,11 @@ class RunningServer {
                               n_ctx, o.n_slots, n_ctx / o.n_slots));
     n_ctx = n_ctx / o.n_slots * o.n_slots;  // every slot the same size
     if (std::string c = context_note(n_ctx, hp); !c.empty()) log::warn("{}", c);
-    params.n_ctx = n_ctx;
+    // Planned as the engine runs it: -np sequences of -c / -np positions each (the same KV
+    // rows as -c), and each slot's spare recurrent-state rows for its checkpoints.
+    params.n_ctx = n_ctx / o.n_slots;
+    params.n_seq = o.n_slots;
+    params.n_state_spare = o.n_slots * server::kDeviceCheckpointsPerSlot;
     placed_ = place(*model_, o.placement, params, true, false, std::move(device));
     use_disk_tier(file_, *model_, placed_.plan, params);
     params.hybrid.warm_workers_us = o.warm_workers_us;

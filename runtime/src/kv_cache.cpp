@@ -11,10 +11,15 @@
 
 namespace berth {
 
-KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq) {
+KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq,
+                 int32_t n_state_spare) {
   view_.layers = layers;
   view_.n_ctx = n_ctx;
   view_.n_seq = n_seq;
+  if (n_state_spare < 0)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("spare recurrent-state rows must be >= 0, got {}", n_state_spare));
+  n_spare_ = n_state_spare;
   if (n_ctx < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the context size must be at least 1, got {}", n_ctx));
@@ -40,12 +45,12 @@ KvCache::KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_se
       view_.k.push_back(k_.back().get());
       view_.v.push_back(v_.back().get());
       // The recurrent state is small next to a long context's KV rows: allocated zeroed.
-      conv_.push_back(l.conv_dim > 0 ? std::make_unique<float[]>(
-                                           static_cast<size_t>(int64_t{n_seq} * l.conv_dim))
-                                     : nullptr);
-      ssm_.push_back(
-          l.ssm_dim > 0 ? std::make_unique<float[]>(static_cast<size_t>(int64_t{n_seq} * l.ssm_dim))
-                        : nullptr);
+      conv_.push_back(
+          l.conv_dim > 0 ? std::make_unique<float[]>(static_cast<size_t>(state_rows() * l.conv_dim))
+                         : nullptr);
+      ssm_.push_back(l.ssm_dim > 0
+                         ? std::make_unique<float[]>(static_cast<size_t>(state_rows() * l.ssm_dim))
+                         : nullptr);
       view_.conv.push_back(conv_.back().get());
       view_.ssm.push_back(ssm_.back().get());
     }
@@ -76,8 +81,8 @@ void KvCache::allocate_device(Device& dev, const std::vector<placement::Home>& k
       if (kl.recurrent()) {
         // The layer's recurrent state moves to the device whole (its ssm_conv and gated_delta
         // run there): f32 as on the host, zeroed.
-        const size_t cb = static_cast<size_t>(int64_t{view_.n_seq} * kl.conv_dim) * 4;
-        const size_t sb = static_cast<size_t>(int64_t{view_.n_seq} * kl.ssm_dim) * 4;
+        const size_t cb = static_cast<size_t>(state_rows() * kl.conv_dim) * 4;
+        const size_t sb = static_cast<size_t>(state_rows() * kl.ssm_dim) * 4;
         if (cb > 0)
           view_.dev_conv[l] =
               static_cast<float*>(dev.alloc(cb, fmt::format("the conv state of layer {}", l)));
@@ -129,14 +134,12 @@ void KvCache::release_device(bool keep_host_state) {
   for (size_t l = 0; keep_host_state && l < view_.layers.size(); ++l) {
     const KvLayer& kl = view_.layers[l];
     if (!view_.dev_conv[l] && !view_.dev_ssm[l]) continue;
-    conv_[l] =
-        kl.conv_dim > 0
-            ? std::make_unique<float[]>(static_cast<size_t>(int64_t{view_.n_seq} * kl.conv_dim))
-            : nullptr;
-    ssm_[l] =
-        kl.ssm_dim > 0
-            ? std::make_unique<float[]>(static_cast<size_t>(int64_t{view_.n_seq} * kl.ssm_dim))
-            : nullptr;
+    conv_[l] = kl.conv_dim > 0
+                   ? std::make_unique<float[]>(static_cast<size_t>(state_rows() * kl.conv_dim))
+                   : nullptr;
+    ssm_[l] = kl.ssm_dim > 0
+                  ? std::make_unique<float[]>(static_cast<size_t>(state_rows() * kl.ssm_dim))
+                  : nullptr;
     view_.conv[l] = conv_[l].get();
     view_.ssm[l] = ssm_[l].get();
   }
@@ -161,7 +164,7 @@ size_t KvCache::bytes() const {
     const bool host_state = i >= view_.dev_conv.size() || (!view_.dev_conv[i] && !view_.dev_ssm[i]);
     total += (static_cast<size_t>(view_.n_rows()) * static_cast<size_t>(l.k_dim + l.v_dim) +
               (host_state
-                   ? static_cast<size_t>(view_.n_seq) * static_cast<size_t>(l.conv_dim + l.ssm_dim)
+                   ? static_cast<size_t>(state_rows()) * static_cast<size_t>(l.conv_dim + l.ssm_dim)
                    : 0)) *
              sizeof(float);
   }
@@ -251,6 +254,10 @@ void KvCache::reset_state(int32_t seq) {
 
 std::vector<float> KvCache::save_state(int32_t seq) const {
   check_seq(seq, "save_state");
+  return state_of_row(seq);
+}
+
+std::vector<float> KvCache::state_of_row(int64_t row) const {
   std::vector<float> out;
   for (int32_t l = 0; l < n_layer(); ++l) {
     const KvLayer& kl = view_.layer(l);
@@ -265,13 +272,54 @@ std::vector<float> KvCache::save_state(int32_t seq) const {
     };
     // The state is on one side: the device's when it has one (the host's is gone then).
     if (kl.conv_dim > 0)
-      take(view_.dev_conv[li] ? view_.dev_conv[li] + seq * kl.conv_dim : nullptr,
-           view_.dev_conv[li] ? nullptr : view_.conv_state(l, seq), kl.conv_dim);
+      take(view_.dev_conv[li] ? view_.dev_conv[li] + row * kl.conv_dim : nullptr,
+           view_.dev_conv[li] ? nullptr : view_.conv[li] + row * kl.conv_dim, kl.conv_dim);
     if (kl.ssm_dim > 0)
-      take(view_.dev_ssm[li] ? view_.dev_ssm[li] + seq * kl.ssm_dim : nullptr,
-           view_.dev_ssm[li] ? nullptr : view_.ssm_state(l, seq), kl.ssm_dim);
+      take(view_.dev_ssm[li] ? view_.dev_ssm[li] + row * kl.ssm_dim : nullptr,
+           view_.dev_ssm[li] ? nullptr : view_.ssm[li] + row * kl.ssm_dim, kl.ssm_dim);
   }
   return out;
+}
+
+void KvCache::check_spare(int32_t r, const char* what) const {
+  if (r < 0 || r >= n_spare_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("{}: spare state row {} is outside the cache's {}", what, r, n_spare_));
+}
+
+void KvCache::copy_state_row(int64_t from, int64_t to) {
+  for (size_t l = 0; l < view_.layers.size(); ++l) {
+    const KvLayer& kl = view_.layers[l];
+    const size_t cb = static_cast<size_t>(kl.conv_dim) * sizeof(float);
+    const size_t sb = static_cast<size_t>(kl.ssm_dim) * sizeof(float);
+    if (view_.dev_conv[l])
+      dev_->copy(kSync, view_.dev_conv[l] + to * kl.conv_dim,
+                 view_.dev_conv[l] + from * kl.conv_dim, cb);
+    else if (view_.conv[l])
+      std::memcpy(view_.conv[l] + to * kl.conv_dim, view_.conv[l] + from * kl.conv_dim, cb);
+    if (view_.dev_ssm[l])
+      dev_->copy(kSync, view_.dev_ssm[l] + to * kl.ssm_dim, view_.dev_ssm[l] + from * kl.ssm_dim,
+                 sb);
+    else if (view_.ssm[l])
+      std::memcpy(view_.ssm[l] + to * kl.ssm_dim, view_.ssm[l] + from * kl.ssm_dim, sb);
+  }
+}
+
+void KvCache::save_state_spare(int32_t seq, int32_t r) {
+  check_seq(seq, "save_state_spare");
+  check_spare(r, "save_state_spare");
+  copy_state_row(seq, int64_t{view_.n_seq} + r);
+}
+
+void KvCache::restore_state_spare(int32_t seq, int32_t r) {
+  check_seq(seq, "restore_state_spare");
+  check_spare(r, "restore_state_spare");
+  copy_state_row(int64_t{view_.n_seq} + r, seq);
+}
+
+std::vector<float> KvCache::spare_state(int32_t r) const {
+  check_spare(r, "spare_state");
+  return state_of_row(int64_t{view_.n_seq} + r);
 }
 
 void KvCache::restore_state(int32_t seq, std::span<const float> state) {

@@ -615,7 +615,8 @@ void place_into(PlacementSetup& s, const Model& model, const placement::Flags& f
     s.request =
         plan_request(model, rows, static_cast<int32_t>(std::min<int64_t>(params.n_ubatch, rows)),
                      plan_flags, device_name, unified || up.shared ? pool : free_bytes, has_device,
-                     stream, params.hybrid.host_expert_share, std::max(params.n_seq, 1));
+                     stream, params.hybrid.host_expert_share,
+                     std::max(params.n_seq, 1) + std::max(params.n_state_spare, 0));
     s.request.ram_budget_bytes = ram_budget();
     if (unified) {
       s.request.unified = true;

@@ -22,7 +22,8 @@ Session::Session(const Model& model, SessionParams params)
     : model_(model),
       params_(params),
       pool_(std::make_unique<ThreadPool>(resolve_threads(params.n_threads))),
-      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams()), params.n_seq) {
+      kv_(model.kv_layers(), resolve_ctx(params.n_ctx, model.hparams()), params.n_seq,
+          params.n_state_spare) {
   if (params_.n_ubatch < 1)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("the ubatch size must be at least 1, got {}", params_.n_ubatch));

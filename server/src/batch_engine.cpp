@@ -73,10 +73,17 @@ BatchEngine::BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOp
     s.id = session_->kv().acquire();  // the lowest free one: i
     BERTH_CHECK(s.id == i, fmt::format("BatchEngine: slot {} got KV sequence {}", i, s.id));
     // Recurrent layers (Qwen3.5) cannot truncate: their prefix reuse goes through checkpoints.
-    if (session_->kv().recurrent())
-      s.state = std::make_unique<RecurrentSequenceState>(n_ctx_slot_, session_->kv(), s.id);
-    else
+    if (session_->kv().recurrent()) {
+      // The slot's spare state rows (SessionParams::n_state_spare), when the session has them.
+      std::vector<int32_t> rows;
+      const int32_t k = kDeviceCheckpointsPerSlot;
+      if (session_->kv().n_state_spare() >= (i + 1) * k)
+        for (int32_t r = i * k; r < (i + 1) * k; ++r) rows.push_back(r);
+      s.state = std::make_unique<RecurrentSequenceState>(n_ctx_slot_, session_->kv(), s.id,
+                                                         std::move(rows));
+    } else {
       s.state = std::make_unique<KvSequenceState>(n_ctx_slot_);
+    }
     s.cache = std::make_unique<SlotCache>(*s.state);
     info_[static_cast<size_t>(i)] = SlotInfo{i, n_ctx_slot_, false, 0, 0};
   }

@@ -48,19 +48,51 @@ void RecurrentSequenceState::truncate_to(int64_t n) {
 
 Checkpoint RecurrentSequenceState::save() {
   const uint64_t h = next_handle_++;
-  saved_[h] = {n_past_, kv_.save_state(seq_)};
+  Saved sv;
+  sv.n_past = n_past_;
+  if (free_rows_.empty())  // the oldest checkpoint on a row makes room for this newest one
+    for (auto& [handle, old] : saved_)
+      if (old.row >= 0) {
+        old.host = kv_.spare_state(old.row);
+        free_rows_.push_back(old.row);
+        old.row = -1;
+        break;
+      }
+  if (!free_rows_.empty()) {
+    sv.row = free_rows_.back();
+    kv_.save_state_spare(seq_, sv.row);
+    free_rows_.pop_back();
+  } else {
+    sv.host = kv_.save_state(seq_);
+  }
+  saved_[h] = std::move(sv);
   return Checkpoint{n_past_, h};
 }
 
 void RecurrentSequenceState::restore(const Checkpoint& cp) {
   const auto it = saved_.find(cp.handle);
-  if (it == saved_.end() || it->second.first != cp.n_past || cp.n_past > n_past_)
+  if (it == saved_.end() || it->second.n_past != cp.n_past || cp.n_past > n_past_)
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("sequence {}: no checkpoint {} at position {} to restore (the "
                             "sequence holds {} tokens)",
                             seq_, cp.handle, cp.n_past, n_past_));
-  kv_.restore_state(seq_, it->second.second);
+  if (it->second.row >= 0)
+    kv_.restore_state_spare(seq_, it->second.row);
+  else
+    kv_.restore_state(seq_, it->second.host);
   n_past_ = cp.n_past;
+}
+
+void RecurrentSequenceState::drop(const Checkpoint& cp) {
+  const auto it = saved_.find(cp.handle);
+  if (it == saved_.end()) return;
+  if (it->second.row >= 0) free_rows_.push_back(it->second.row);
+  saved_.erase(it);
+}
+
+size_t RecurrentSequenceState::n_saved_on_rows() const {
+  return static_cast<size_t>(
+      std::count_if(saved_.begin(), saved_.end(), [](const auto& e) { return e.second.row >= 0; }));
 }
 
 SlotCache::SlotCache(SequenceState& state, int max_checkpoints)

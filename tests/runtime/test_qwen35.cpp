@@ -617,6 +617,7 @@ TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") 
   for (const bool on_device : {false, true}) {
     CAPTURE(on_device);
     SessionParams sp = cpu_params(64, 512, 3);
+    sp.n_state_spare = 2;  // spare state rows: checkpoints where the state lives
     if (on_device) {  // the recurrent state on the device: copy, save and restore go there
       sp.device = dev.get();
       sp.weight_home = all.w;
@@ -660,6 +661,24 @@ TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") 
     CHECK(step(c, std::span<const int32_t>(&next[0], 1), n) != on_a[0]);
     CHECK_THROWS_AS(kv.restore_state(a, std::span<const float>(saved.data(), saved.size() - 1)),
                     Error);
+    // A spare row keeps a's state where it lives and gives it back bit for bit, to a or to
+    // another sequence; its host copy is save_state()'s.
+    REQUIRE(kv.n_state_spare() == 2);
+    kv.restore_state(a, saved);
+    kv.save_state_spare(a, 1);
+    CHECK(kv.spare_state(1) == saved);
+    step(a, std::span<const int32_t>(&next[0], 1), n);
+    CHECK(kv.save_state(a) != saved);
+    kv.restore_state_spare(a, 1);
+    CHECK(kv.save_state(a) == saved);
+    kv.restore_state_spare(c, 1);
+    CHECK(kv.save_state(c) == saved);
+    for (int i = 0; i < 3; ++i)
+      CHECK(step(a, std::span<const int32_t>(&next[i], 1), n + i) == on_a[static_cast<size_t>(i)]);
+    CHECK_THROWS_AS(kv.save_state_spare(a, 2), Error);
+    CHECK_THROWS_AS(kv.restore_state_spare(a, -1), Error);
+    CHECK_THROWS_AS(kv.spare_state(2), Error);
+    CHECK_THROWS_AS(kv.save_state_spare(3, 0), Error);
   }
 }
 

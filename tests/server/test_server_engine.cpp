@@ -29,8 +29,9 @@ const LoadedModel& stories() {
 
 std::unique_ptr<BatchEngine> make_engine(const LoadedModel& m, int32_t n_slots, int64_t n_ctx,
                                          int32_t n_ubatch = 512, int32_t queue = 64,
-                                         Device* device = nullptr) {
+                                         Device* device = nullptr, int32_t n_state_spare = 0) {
   BatchEngineOptions o;
+  o.session.n_state_spare = n_state_spare;
   if (device != nullptr) {  // everything on the device
     o.session.device = device;
     o.session.weight_home.assign(m.model->weights().size(), placement::Home::gpu);
@@ -320,50 +321,65 @@ TEST_CASE(
   // tiny-qwen35: Gated DeltaNet layers whose state cannot be cut back; the prefix cache reaches
   // earlier positions only through SlotCache's checkpoints (the end of each prompt and of each
   // reply). Token-id prompts: nothing is retokenized.
+  // Checkpoints as host copies (no spare state rows), on the slot's two spare rows on the CPU,
+  // and on them on the (simulated) device, where they are device-to-device copies; with two rows
+  // the older checkpoints move to the host as newer ones come (the reply's end at 17 among them).
   static LoadedModel m(synth_model("tiny-qwen35"));
-  auto e = make_engine(m, 1, 256, 8);  // one slot; -ub 8: prompts in several chunks
-  auto ids_request = [](std::vector<int32_t> prompt, int64_t max_tokens) {
-    GenerationRequest r;
-    r.prompt = std::move(prompt);
-    r.sampling.sampler.temp = 0;
-    r.max_tokens = max_tokens;
-    r.ignore_eos = true;  // exactly max_tokens tokens
-    return r;
-  };
-  const std::vector<int32_t> p = {5, 17, 300, 42, 9, 77, 8, 600, 123, 31, 64, 999};  // 12
-  constexpr int64_t kReply = 6;
-  const Result r1 = drain(*e->submit(ids_request(p, kReply)));
-  REQUIRE(r1.ids().size() == static_cast<size_t>(kReply));
-  CHECK(r1.timings.n_cached == 0);
-  // The slot holds the prompt and the reply but its last token (sampled, never evaluated).
-  const auto n_state = static_cast<int64_t>(p.size()) + kReply - 1;  // 17
-  CHECK(e->slots()[0].n_cached == n_state);
+  std::unique_ptr<Device> dev = make_sim_device(size_t{1} << 30);
+  for (const int config : {0, 1, 2}) {
+    CAPTURE(config);
+    const int32_t spare = config == 0 ? 0 : server::kDeviceCheckpointsPerSlot;
+    auto e = make_engine(m, 1, 256, 8, 64, config == 2 ? dev.get() : nullptr, spare);
+    auto ids_request = [](std::vector<int32_t> prompt, int64_t max_tokens) {
+      GenerationRequest r;
+      r.prompt = std::move(prompt);
+      r.sampling.sampler.temp = 0;
+      r.max_tokens = max_tokens;
+      r.ignore_eos = true;  // exactly max_tokens tokens
+      return r;
+    };
+    const std::vector<int32_t> p = {5, 17, 300, 42, 9, 77, 8, 600, 123, 31, 64, 999};  // 12
+    constexpr int64_t kReply = 6;
+    const Result r1 = drain(*e->submit(ids_request(p, kReply)));
+    REQUIRE(r1.ids().size() == static_cast<size_t>(kReply));
+    CHECK(r1.timings.n_cached == 0);
+    // The slot holds the prompt and the reply but its last token (sampled, never evaluated).
+    const auto n_state = static_cast<int64_t>(p.size()) + kReply - 1;  // 17
+    CHECK(e->slots()[0].n_cached == n_state);
 
-  // The next turn: the prompt, the reply, a user message. It continues what the slot holds.
-  std::vector<int32_t> next = p;
-  for (int32_t id : r1.ids()) next.push_back(id);
-  for (int32_t id : {700, 701, 702, 703, 704}) next.push_back(id);  // 23 tokens
-  const Result r2 = drain(*e->submit(ids_request(next, kReply)));
-  CHECK(r2.timings.n_cached == n_state);
-  CHECK(r2.timings.n_evaluated == static_cast<int64_t>(next.size()) - n_state);
+    // The next turn: the prompt, the reply, a user message. It continues what the slot holds.
+    std::vector<int32_t> next = p;
+    for (int32_t id : r1.ids()) next.push_back(id);
+    for (int32_t id : {700, 701, 702, 703, 704}) next.push_back(id);  // 23 tokens
+    const Result r2 = drain(*e->submit(ids_request(next, kReply)));
+    CHECK(r2.timings.n_cached == n_state);
+    CHECK(r2.timings.n_evaluated == static_cast<int64_t>(next.size()) - n_state);
 
-  // That turn regenerated: the same prompt again. Its last token must be evaluated again, so
-  // the nearest checkpoint at or before 22 is the first reply's end (17); without it, the first
-  // prompt's end (12), and the whole reply would be evaluated again.
-  const Result r3 = drain(*e->submit(ids_request(next, kReply)));
-  CHECK(r3.timings.n_cached == n_state);
-  CHECK(r3.timings.n_evaluated == 6);  // the reply's last token and the 5 of the user message
-  // That turn's user message edited: the same.
-  std::vector<int32_t> edited(next.begin(), next.begin() + n_state + 1);
-  for (int32_t id : {800, 801, 802}) edited.push_back(id);
-  const Result r4 = drain(*e->submit(ids_request(edited, kReply)));
-  CHECK(r4.timings.n_cached == n_state);
-  CHECK(r4.timings.n_evaluated == 4);
+    // That turn regenerated: the same prompt again. Its last token must be evaluated again, so
+    // the nearest checkpoint at or before 22 is the first reply's end (17); without it, the first
+    // prompt's end (12), and the whole reply would be evaluated again.
+    const Result r3 = drain(*e->submit(ids_request(next, kReply)));
+    CHECK(r3.timings.n_cached == n_state);
+    CHECK(r3.timings.n_evaluated == 6);  // the reply's last token and the 5 of the user message
+    // That turn's user message edited: the same.
+    std::vector<int32_t> edited(next.begin(), next.begin() + n_state + 1);
+    for (int32_t id : {800, 801, 802}) edited.push_back(id);
+    const Result r4 = drain(*e->submit(ids_request(edited, kReply)));
+    CHECK(r4.timings.n_cached == n_state);
+    CHECK(r4.timings.n_evaluated == 4);
 
-  // Bit-identical tokens to an engine without a cache (a fresh slot, the prompt from position 0).
-  const std::vector<int32_t> fresh = run_alone(m, ids_request(next, kReply)).ids();
-  CHECK(fresh.size() == static_cast<size_t>(kReply));
-  CHECK(r2.ids() == fresh);
-  CHECK(r3.ids() == fresh);
-  CHECK(r4.ids() == run_alone(m, ids_request(edited, kReply)).ids());
+    // Bit-identical tokens to an engine without a cache (a fresh slot, the prompt from position 0).
+    const std::vector<int32_t> fresh = run_alone(m, ids_request(next, kReply)).ids();
+    CHECK(fresh.size() == static_cast<size_t>(kReply));
+    CHECK(r2.ids() == fresh);
+    CHECK(r3.ids() == fresh);
+    CHECK(r4.ids() == run_alone(m, ids_request(edited, kReply)).ids());
+    // Branching off right after that prompt: the checkpoint at its end (21), among the newest
+    // (on a spare row where the slot has them).
+    std::vector<int32_t> branch = edited;
+    for (int32_t id : {900, 901}) branch.push_back(id);
+    const Result r5 = drain(*e->submit(ids_request(branch, kReply)));
+    CHECK(r5.timings.n_cached == static_cast<int64_t>(edited.size()));
+    CHECK(r5.ids() == run_alone(m, ids_request(branch, kReply)).ids());
+  }
 }

@@ -32,10 +32,15 @@ namespace berth {
 /// bytes()) or, for the layers allocate_device() is given, on the device (device_bytes()), zeroed
 /// when a sequence is acquired and by reset_state(); the executors also start a sequence from zero
 /// at its position 0. Such a state summarises every position processed and cannot be cut back:
-/// save_state() / restore_state() keep and bring back a whole sequence.
+/// save_state() / restore_state() keep and bring back a whole sequence in host memory;
+/// `n_state_spare` spare rows beside the sequences' (n_seq + n_state_spare rows per recurrent
+/// layer, on the state's side, counted by bytes() / device_bytes()) keep copies where the state
+/// lives: save_state_spare() / restore_state_spare() (device-to-device copies when the state is
+/// on the device). Throws Error(invalid_argument) for n_state_spare < 0.
 class KvCache {
  public:
-  KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq = 1);
+  KvCache(const std::vector<KvLayer>& layers, int64_t n_ctx, int32_t n_seq = 1,
+          int32_t n_state_spare = 0);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -78,6 +83,16 @@ class KvCache {
   /// Writes back a save_state() of this cache into sequence `seq` (any sequence), bit for bit.
   /// Throws Error(invalid_argument) for an id outside [0, n_seq) or a size that differs.
   void restore_state(int32_t seq, std::span<const float> state);
+  /// Spare state rows (the constructor's n_state_spare).
+  int32_t n_state_spare() const { return n_spare_; }
+  /// Copies sequence `seq`'s recurrent state into spare row `r`, on the side each layer's state
+  /// lives (device to device where it is on the device), bit for bit.
+  /// restore_state_spare copies spare row `r` into sequence `seq` (any sequence).
+  /// spare_state(r) is spare row r's state as save_state() lays out a sequence's (host copy).
+  /// Throw Error(invalid_argument) for seq outside [0, n_seq) or r outside [0, n_state_spare).
+  void save_state_spare(int32_t seq, int32_t r);
+  void restore_state_spare(int32_t seq, int32_t r);
+  std::vector<float> spare_state(int32_t r) const;
   int32_t n_layer() const { return view_.n_layer(); }
   const KvLayer& layer(int32_t l) const { return view_.layer(l); }
   float* k(int32_t l) { return view_.k.at(static_cast<size_t>(l)); }
@@ -95,7 +110,16 @@ class KvCache {
   // Zeroes sequence seq's device-held recurrent state (layers with dev_conv / dev_ssm).
   void zero_device_state(int32_t seq);
   void check_seq(int32_t seq, const char* what) const;
+  void check_spare(int32_t r, const char* what) const;
+  // Copies the recurrent state of state row `from` to row `to` (rows: sequences 0..n_seq-1, then
+  // the spare rows), every recurrent layer, on its side.
+  void copy_state_row(int64_t from, int64_t to);
+  // State row `row` in save_state()'s layout.
+  std::vector<float> state_of_row(int64_t row) const;
+  // Rows of each recurrent layer's state arrays: n_seq + n_spare_.
+  int64_t state_rows() const { return int64_t{view_.n_seq} + n_spare_; }
   KvView view_;
+  int32_t n_spare_ = 0;
   std::vector<std::unique_ptr<float[]>> k_, v_, conv_, ssm_;
   std::vector<uint8_t> used_;  // per sequence: acquired
   Device* dev_ = nullptr;

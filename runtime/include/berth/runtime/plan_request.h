@@ -19,8 +19,9 @@ namespace berth {
 /// - kv_bytes: per layer, f16 K and V rows for n_ctx tokens, (k_dim + v_dim) * 2 * n_ctx bytes
 ///   (model.kv_layers(); a layer without an entry gets 0); n_ctx counts the rows of all
 ///   sequences;
-/// - state_bytes: per layer, a recurrent layer's f32 state of `n_seq` sequences,
-///   (conv_dim + ssm_dim) * 4 * n_seq bytes (it lives with the layer's KV cache);
+/// - state_bytes: per layer, a recurrent layer's f32 state of `n_seq` state rows (the sequences
+///   and the spare rows that keep checkpoints), (conv_dim + ssm_dim) * 4 * n_seq bytes (it lives
+///   with the layer's KV cache);
 /// - scratch_bytes: device_scratch_bytes(model, n_ubatch, n_ctx) + expert_stage_bytes(model,
 ///   stream_experts_min_tokens, host_expert_share) (scheduler/memory.h, residency/residency.h:
 ///   --stream-experts and

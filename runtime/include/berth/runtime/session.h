@@ -32,6 +32,10 @@ struct SessionParams {
   /// Sequences the KV cache holds (-np), each of n_ctx positions. eval() and eval_argmax() use
   /// sequence 0; eval_step() any (the batching loop, runtime/batch.h).
   int32_t n_seq = 1;
+  /// Spare recurrent-state rows of the KV cache (KvCache's n_state_spare: checkpoints kept where
+  /// the state lives; the server gives each slot kDeviceCheckpointsPerSlot); placement counts them
+  /// with the sequences' state. No effect on a model without recurrent layers.
+  int32_t n_state_spare = 0;
   /// With a device: weights and KV caches where `weight_home` (one per WeightTable entry) and
   /// `kv_home` (one per layer) say (Residency puts them there), and the Scheduler runs each op
   /// where they are. Null: CPU only.

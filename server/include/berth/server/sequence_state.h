@@ -70,29 +70,46 @@ class KvSequenceState : public SequenceState {
   int64_t n_past_ = 0;
 };
 
+/// Spare recurrent-state rows a server gives each slot (SessionParams::n_state_spare): its
+/// newest checkpoints stay where the state lives (on the device: device-to-device copies).
+inline constexpr int32_t kDeviceCheckpointsPerSlot = 2;
+
 /// One sequence of a model with recurrent layers (KvCache::recurrent(): Qwen3.5's Gated
 /// DeltaNet), stepped like KvSequenceState: its recurrent state summarises every position, so
 /// it cannot truncate (truncate_to(0) zeroes it; other n throw Error(unsupported)); save()
-/// copies the sequence's whole recurrent state (KvCache::save_state, host memory) and restore()
-/// writes it back bit for bit, the attention layers' KV rows before the checkpoint being still
-/// valid (SlotCache's guarantee). `kv` must outlive the state.
+/// copies the sequence's whole recurrent state and restore() writes it back bit for bit, the
+/// attention layers' KV rows before the checkpoint being still valid (SlotCache's guarantee).
+/// A checkpoint goes to one of `spare_rows` (KvCache spare state rows this sequence owns: a copy
+/// where the state lives, device to device when it is on the device); with none free, the oldest
+/// checkpoint on a spare row first moves to host memory (KvCache::spare_state), so the newest
+/// stay on the rows; without spare rows every checkpoint is a host copy (KvCache::save_state).
+/// `kv` must outlive the state; the rows must be distinct, within kv's spare rows and owned by
+/// this state alone.
 class RecurrentSequenceState : public KvSequenceState {
  public:
-  RecurrentSequenceState(int64_t n_ctx, KvCache& kv, int32_t seq)
-      : KvSequenceState(n_ctx), kv_(kv), seq_(seq) {}
+  RecurrentSequenceState(int64_t n_ctx, KvCache& kv, int32_t seq,
+                         std::vector<int32_t> spare_rows = {})
+      : KvSequenceState(n_ctx), kv_(kv), seq_(seq), free_rows_(std::move(spare_rows)) {}
   bool can_truncate() const override { return false; }
   void truncate_to(int64_t n) override;
   Checkpoint save() override;
   void restore(const Checkpoint& cp) override;
-  void drop(const Checkpoint& cp) override { saved_.erase(cp.handle); }
-  /// Checkpoints held (for tests).
+  void drop(const Checkpoint& cp) override;
+  /// Checkpoints held, and those of them on spare rows (for tests).
   size_t n_saved() const { return saved_.size(); }
+  size_t n_saved_on_rows() const;
 
  private:
+  struct Saved {
+    int64_t n_past = 0;
+    int32_t row = -1;         // the spare row holding it, or -1: `host`
+    std::vector<float> host;  // save_state()'s layout
+  };
   KvCache& kv_;
   int32_t seq_;
   uint64_t next_handle_ = 1;
-  std::map<uint64_t, std::pair<int64_t, std::vector<float>>> saved_;  // handle: n_past, state
+  std::vector<int32_t> free_rows_;   // owned spare rows holding no checkpoint
+  std::map<uint64_t, Saved> saved_;  // by handle: oldest first
 };
 
 /// What one slot's state holds (its token ids) and how much of a new prompt it can reuse: the
