@@ -118,8 +118,12 @@ class RunningServer {
     params.hybrid.host_expert_share = o.host_expert_share;
     int64_t n_ctx = o.n_ctx;
     if (n_ctx <= 0) {
+      // Sized as one sequence of -c positions (the same KV rows as -np of -c / -np) whose
+      // recurrent state rows are all the slots' and their spare rows.
+      SessionParams sizing = params;
+      sizing.n_state_spare = o.n_slots * (1 + server::kDeviceCheckpointsPerSlot) - 1;
       std::string note;
-      n_ctx = default_serve_context(*model_, o.placement, params, device, &note);
+      n_ctx = default_serve_context(*model_, o.placement, sizing, device, &note);
       if (!note.empty()) log::warn("{}", note);
     }
     if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
