@@ -73,10 +73,12 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
     if (options.n_ctx <= 0 || n_seq < 1) continue;
     const int64_t per = options.n_ctx / n_seq;
     if (per < n_ctx)
-      throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("bench model --parallel: -c {} gives each of {} sequences {} tokens, "
-                              "fewer than -p {} + -n {}",
-                              options.n_ctx, n_seq, per, options.n_prompt, options.n_gen));
+      throw Error(
+          ErrorCategory::invalid_argument,
+          fmt::format("bench model --parallel: -c {} gives each of {} sequences {} token{}, "
+                      "fewer than -p {} + -n {}",
+                      options.n_ctx, n_seq, per, per == 1 ? "" : "s", options.n_prompt,
+                      options.n_gen));
     if (per > hp.n_ctx_train)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("bench model --parallel: -c {} / {} = {} tokens per sequence exceed "

@@ -306,8 +306,8 @@ Runner add_bench(CLI::App& app) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   m->add_option("-c,--ctx-size", o->ctx_size,
                 "with --parallel: the KV cache's tokens over all N sequences, each getting c / N "
-                "as a server's slots do (default: -p + -n per sequence)")
-      ->check(range(int64_t{1}, int64_t{1} << 32));
+                "as a server's slots do (0, the default: -p + -n per sequence)")
+      ->check(range(int64_t{0}, int64_t{1} << 24));
   m->add_flag("--greedy", o->greedy,
               "with --parallel: decode each sequence's greedy token (picked as a server picks "
               "it) from the prompts `bench serve` sends, instead of random tokens");
