@@ -210,21 +210,9 @@ void KvCache::copy(int32_t src, int32_t dst, int64_t n) {
                             "sequences and 0 <= n <= {}",
                             n, src, dst, view_.n_ctx));
   if (n == 0) return;
+  copy_state_row(src, dst);
   for (size_t l = 0; l < view_.layers.size(); ++l) {
     const KvLayer& kl = view_.layers[l];
-    const auto li = static_cast<int32_t>(l);
-    const size_t cb = static_cast<size_t>(kl.conv_dim) * sizeof(float);
-    const size_t sb = static_cast<size_t>(kl.ssm_dim) * sizeof(float);
-    if (view_.dev_conv[l])
-      dev_->copy(kSync, view_.dev_conv[l] + dst * kl.conv_dim,
-                 view_.dev_conv[l] + src * kl.conv_dim, cb);
-    else if (view_.conv[l])
-      std::memcpy(view_.conv_state(li, dst), view_.conv_state(li, src), cb);
-    if (view_.dev_ssm[l])
-      dev_->copy(kSync, view_.dev_ssm[l] + dst * kl.ssm_dim, view_.dev_ssm[l] + src * kl.ssm_dim,
-                 sb);
-    else if (view_.ssm[l])
-      std::memcpy(view_.ssm_state(li, dst), view_.ssm_state(li, src), sb);
     const size_t ks = static_cast<size_t>(n * kl.k_dim), vs = static_cast<size_t>(n * kl.v_dim);
     const int64_t s0 = view_.row(src, 0), d0 = view_.row(dst, 0);
     std::memcpy(view_.k[l] + d0 * kl.k_dim, view_.k[l] + s0 * kl.k_dim, ks * sizeof(float));

@@ -618,7 +618,7 @@ TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") 
     CAPTURE(on_device);
     SessionParams sp = cpu_params(64, 512, 3);
     sp.n_state_spare = 2;  // spare state rows: checkpoints where the state lives
-    if (on_device) {  // the recurrent state on the device: copy, save and restore go there
+    if (on_device) {       // the recurrent state on the device: copy, save and restore go there
       sp.device = dev.get();
       sp.weight_home = all.w;
       sp.kv_home = all.kv;
