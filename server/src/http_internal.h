@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -74,9 +75,14 @@ struct HttpServer::Impl {
   std::atomic<uint64_t> counter{0};
   std::string id_seed;  // random, per process: response ids are id_seed + counter
   std::atomic<int64_t> n_requests{0}, n_errors{0};
+  /// The methods each route answers, by path ("GET, HEAD" or "POST"): written by routes().
+  std::map<std::string, std::string> allow;
 
   explicit Impl(ServerOptions o);
   void routes();
+  /// A route that exists but does not answer req.method: 405 with its methods in Allow, and
+  /// true; false for a path that is no route.
+  bool wrong_method(const httplib::Request& req, httplib::Response& res) const;
   /// "chatcmpl-…" / "cmpl-…": the prefix, then 24 characters unique in this process.
   std::string next_id(const char* prefix);
 

@@ -68,6 +68,16 @@ std::string HttpServer::Impl::next_id(const char* prefix) {
   return fmt::format("{}{}{:012d}", prefix, id_seed, counter.fetch_add(1) + 1);
 }
 
+bool HttpServer::Impl::wrong_method(const httplib::Request& req, httplib::Response& res) const {
+  const auto it = allow.find(req.path);
+  if (it == allow.end()) return false;
+  res.set_header("Allow", it->second);
+  send_error(res, ApiError{405, "invalid_request_error",
+                           fmt::format("method {} is not allowed on {} (it answers {})",
+                                       printable(req.method, 20), req.path, it->second)});
+  return true;
+}
+
 namespace {
 
 bool is_public(const std::string& path) {
@@ -190,13 +200,23 @@ void HttpServer::Impl::routes() {
         send_error(res, ApiError{500, "server_error", printable(what, 500)});
       });
 
-  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  // Routes, each recorded in `allow` (cpp-httplib answers HEAD with a GET route).
+  auto get = [this](const char* path, httplib::Server::Handler h) {
+    allow[path] = "GET, HEAD";
+    svr->Get(path, std::move(h));
+  };
+  auto post = [this](const char* path, httplib::Server::HandlerWithContentReader h) {
+    allow[path] = "POST";
+    svr->Post(path, std::move(h));
+  };
+
+  get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (!ready.load())
       send_error(res, ApiError{503, "unavailable_error", "Loading model"});
     else
       send_json(res, json{{"status", "ok"}});
   });
-  s.Get("/v1/health", [this](const httplib::Request&, httplib::Response& res) {
+  get("/v1/health", [this](const httplib::Request&, httplib::Response& res) {
     if (!ready.load())
       send_error(res, ApiError{503, "unavailable_error", "Loading model"});
     else
@@ -215,10 +235,10 @@ void HttpServer::Impl::routes() {
                                                      {"n_layer", model.n_layer},
                                                      {"size", model.file_size}}}}})}});
   };
-  s.Get("/v1/models", models);
-  s.Get("/models", models);
+  get("/v1/models", models);
+  get("/models", models);
 
-  s.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+  get("/props", [this](const httplib::Request&, httplib::Response& res) {
     const SamplerParams d;
     send_json(res, json{{"default_generation_settings",
                          {{"n_ctx", engine->n_ctx_per_slot()},
@@ -241,7 +261,7 @@ void HttpServer::Impl::routes() {
                         {"modalities", {{"vision", false}, {"audio", false}}},
                         {"build_info", "berth 0.1.0"}});
   });
-  s.Get("/slots", [this](const httplib::Request&, httplib::Response& res) {
+  get("/slots", [this](const httplib::Request&, httplib::Response& res) {
     json arr = json::array();
     for (const SlotInfo& si : engine->slots())
       arr.push_back({{"id", si.id},
@@ -251,7 +271,7 @@ void HttpServer::Impl::routes() {
                      {"tokens_cached", si.n_cached}});
     send_json(res, arr);
   });
-  s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     if (!opt.metrics) {
       send_error(res, ApiError{501, "not_supported_error",
                                "This server does not support metrics endpoint. Start it with "
@@ -305,21 +325,21 @@ void HttpServer::Impl::routes() {
   });
 
   for (const char* p : {"/v1/chat/completions", "/chat/completions"})
-    s.Post(p, [this](const httplib::Request& req, httplib::Response& res,
-                     const httplib::ContentReader& r) { completion(req, res, r, Endpoint::chat); });
+    post(p, [this](const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& r) { completion(req, res, r, Endpoint::chat); });
   for (const char* p : {"/v1/completions", "/completions"})
-    s.Post(p, [this](const httplib::Request& req, httplib::Response& res,
-                     const httplib::ContentReader& r) {
+    post(p, [this](const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& r) {
       completion(req, res, r, Endpoint::completions);
     });
-  s.Post("/completion",
-         [this](const httplib::Request& req, httplib::Response& res,
-                const httplib::ContentReader& r) { completion(req, res, r, Endpoint::native); });
+  post("/completion",
+       [this](const httplib::Request& req, httplib::Response& res,
+              const httplib::ContentReader& r) { completion(req, res, r, Endpoint::native); });
 
   // /tokenize, /detokenize, /apply-template: small JSON in, JSON out.
-  auto simple = [this](const char* path, std::function<json(const json&)> fn) {
-    svr->Post(path, [this, fn](const httplib::Request& req, httplib::Response& res,
-                               const httplib::ContentReader& reader) {
+  auto simple = [this, &post](const char* path, std::function<json(const json&)> fn) {
+    post(path, [this, fn](const httplib::Request& req, httplib::Response& res,
+                          const httplib::ContentReader& reader) {
       std::string body;
       if (!read_body(req, res, reader, opt.max_body_bytes, body)) return;
       try {
@@ -374,17 +394,24 @@ void HttpServer::Impl::routes() {
     return json{{"prompt", chat_text(pieces)}};
   });
 
-  // Anything else: 404, after reading (at most max_body_bytes of) the body.
-  auto not_found = [this](const httplib::Request& req, httplib::Response& res,
-                          const httplib::ContentReader& reader) {
+  // Anything else: 405 on a route that answers other methods (Allow names them), 404 on any
+  // other path; after reading (at most max_body_bytes of) the body where there is one.
+  auto not_routed = [this](const httplib::Request& req, httplib::Response& res) {
+    if (!wrong_method(req, res))
+      send_error(res, ApiError{404, "not_found_error", "File Not Found"});
+  };
+  auto not_routed_body = [this, not_routed](const httplib::Request& req, httplib::Response& res,
+                                            const httplib::ContentReader& reader) {
     std::string body;
     if (!read_body(req, res, reader, opt.max_body_bytes, body)) return;
-    send_error(res, ApiError{404, "not_found_error", "File Not Found"});
+    not_routed(req, res);
   };
-  s.Post(".*", not_found);
-  s.Put(".*", not_found);
-  s.Patch(".*", not_found);
-  s.Delete(".*", not_found);
+  s.Get(".*", not_routed);  // GET and HEAD
+  s.Options(".*", not_routed);
+  s.Post(".*", not_routed_body);
+  s.Put(".*", not_routed_body);
+  s.Patch(".*", not_routed_body);
+  s.Delete(".*", not_routed_body);
 }
 
 HttpServer::HttpServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {

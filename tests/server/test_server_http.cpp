@@ -111,6 +111,71 @@ TEST_CASE("endpoints answer in llama-server's and OpenAI's shapes") {
   check_error(post_raw(port, "/v1/completions", "\"just a string\""), 400, "invalid_request_error");
 }
 
+TEST_CASE("a route asked with a method it does not answer is 405 with Allow; others stay 404") {
+  TestServer srv(stories(), ServerConfig{});
+  auto c = client(srv.port);
+  auto send = [&](const std::string& method, const std::string& path, const std::string& body) {
+    httplib::Request req;
+    req.method = method;
+    req.path = path;
+    if (!body.empty()) {
+      req.body = body;
+      req.set_header("Content-Type", "application/json");
+    }
+    httplib::Response res;
+    httplib::Error err = httplib::Error::Success;
+    Reply out;
+    if (!c.send(req, res, err)) return out;
+    out.status = res.status;
+    out.body = res.body;
+    out.headers = res.headers;
+    out.j = json::parse(out.body, nullptr, false);
+    return out;
+  };
+  struct Case {
+    std::string method, path, body, allow;
+  };
+  for (const Case& k : std::vector<Case>{{"GET", "/v1/chat/completions", "", "POST"},
+                                         {"GET", "/completion", "", "POST"},
+                                         {"POST", "/health", "", "GET, HEAD"},
+                                         {"POST", "/v1/models", "{\"a\": 1}", "GET, HEAD"},
+                                         {"DELETE", "/props", "", "GET, HEAD"},
+                                         {"PUT", "/tokenize", "{\"content\": \"hi\"}", "POST"},
+                                         {"PATCH", "/slots", "{}", "GET, HEAD"},
+                                         {"OPTIONS", "/metrics", "", "GET, HEAD"}}) {
+    CAPTURE(k.method);
+    CAPTURE(k.path);
+    const Reply r = send(k.method, k.path, k.body);
+    CHECK(r.status == 405);
+    CHECK(httplib::detail::get_header_value(r.headers, "Allow", 0, "") == k.allow);
+    CHECK(r.j == json{{"error",
+                       {{"code", 405},
+                        {"message", "method " + k.method + " is not allowed on " + k.path +
+                                        " (it answers " + k.allow + ")"},
+                        {"type", "invalid_request_error"}}}});
+  }
+  // HEAD has no body; the Allow of a GET route is true of HEAD.
+  Reply r = send("HEAD", "/v1/completions", "");
+  CHECK(r.status == 405);
+  CHECK(httplib::detail::get_header_value(r.headers, "Allow", 0, "") == std::string("POST"));
+  CHECK(send("HEAD", "/health", "").status == 200);
+  // Paths that are no route: 404, whatever the method, and no Allow.
+  for (const std::string method : {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}) {
+    CAPTURE(method);
+    for (const std::string path : {"/nope", "/health/", "/v1/chat/completions/x"}) {
+      CAPTURE(path);
+      r = send(method, path, "");
+      CHECK(r.status == 404);
+      CHECK(!r.headers.count("Allow"));
+      if (method != "HEAD") check_error(r, 404, "not_found_error");
+    }
+  }
+  // The connection and the routes go on as before.
+  CHECK(send("GET", "/health", "").j == json{{"status", "ok"}});
+  CHECK(send("POST", "/tokenize", "{\"content\": \"Once upon a time\"}").j["tokens"] ==
+        json{403, 407, 261, 378});
+}
+
 TEST_CASE("exact token counts, finish_reason and the golden continuation") {
   TestServer srv(stories(), ServerConfig{});
   Reply r = post(srv.port, "/v1/completions", completion_body(kOnce, 64));

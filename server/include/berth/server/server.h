@@ -5,7 +5,8 @@
 // /v1/chat/completions (and /chat/completions), /v1/completions (and /completions),
 // /completion, /tokenize, /detokenize, /apply-template. Errors are
 // {"error":{"code","message","type"}} with the HTTP status (400 invalid_request_error or
-// exceed_context_size_error, 401 authentication_error, 404 not_found_error, 413, 500
+// exceed_context_size_error, 401 authentication_error, 404 not_found_error, 405
+// invalid_request_error with an Allow header for a method a route does not answer, 413, 500
 // server_error, 501 not_supported_error, 503 unavailable_error). A completion request is
 // checked, tokenized and accepted by the engine before any byte of the response is written, so
 // every refusal has its real status, streaming or not; after a stream began, an error is an
