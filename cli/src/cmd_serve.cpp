@@ -126,11 +126,8 @@ class RunningServer {
       n_ctx = default_serve_context(*model_, o.placement, sizing, device, &note);
       if (!note.empty()) log::warn("{}", note);
     }
-    if (n_ctx / o.n_slots < 2)  // before listening, as every other check of the flags
-      throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs "
-                              "at least 2 (raise -c or lower -np)",
-                              n_ctx, o.n_slots, n_ctx / o.n_slots));
+    // Before listening, as every other check of the flags.
+    server::BatchEngine::check_slot_context(n_ctx, o.n_slots);
     n_ctx = n_ctx / o.n_slots * o.n_slots;  // every slot the same size
     if (std::string c = context_note(n_ctx, hp); !c.empty()) log::warn("{}", c);
     // Planned as the engine runs it: -np sequences of -c / -np positions each (the same KV

@@ -56,12 +56,8 @@ BatchEngine::BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOp
     throw Error(ErrorCategory::invalid_argument,
                 fmt::format("--queue must be at least 0, got {}", options_.queue_limit));
   const int64_t n_ctx = options_.n_ctx > 0 ? options_.n_ctx : default_n_ctx(model.hparams());
+  check_slot_context(n_ctx, np);
   n_ctx_slot_ = n_ctx / np;
-  if (n_ctx_slot_ < 2)
-    throw Error(ErrorCategory::invalid_argument,
-                fmt::format("-c {} over -np {} slots leaves {} tokens per slot; each slot needs at "
-                            "least 2 (raise -c or lower -np)",
-                            n_ctx, np, n_ctx_slot_));
   SessionParams sp = options_.session;
   sp.n_ctx = n_ctx_slot_;
   sp.n_seq = np;
@@ -90,6 +86,15 @@ BatchEngine::BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOp
   busy_.reserve(slots_.size());
   inputs_.reserve(slots_.size());
   thread_ = std::thread([this] { loop(); });
+}
+
+void BatchEngine::check_slot_context(int64_t n_ctx, int32_t n_slots) {
+  const int64_t per = n_ctx / n_slots;
+  if (per < 2)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("-c {} over -np {} slot{} leaves {} token{} per slot; each slot needs "
+                            "at least 2 (raise -c or lower -np)",
+                            n_ctx, n_slots, n_slots == 1 ? "" : "s", per, per == 1 ? "" : "s"));
 }
 
 BatchEngine::~BatchEngine() {

@@ -101,13 +101,51 @@ TEST_CASE("berth serve refuses a bad model or bad flags before listening, exit c
   const std::string model = shell_quote(stories260k().string());
   r = run_command(berth_bin() + " serve --port 0 -np 0 -m " + model);
   CHECK(r.exit_code == 2);
-  r = run_command(berth_bin() + " serve --port 0 -np 4 -c 6 -m " + model);
-  CHECK(r.exit_code == 1);
-  CHECK(r.err.find("each slot needs at least 2") != std::string::npos);
-  CHECK(r.err.find("listening") == std::string::npos);
+  // -c / -np below a one-token prompt and one generated token per slot: exit 1 (invalid_argument,
+  // as bench model --parallel's -c check), naming -c, -np and the tokens per slot.
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"-np 4 -c 6",
+            "-c 6 over -np 4 slots leaves 1 token per slot; each slot needs at "
+            "least 2 (raise -c or lower -np)\n"},
+           {"-np 4 -c 3",
+            "-c 3 over -np 4 slots leaves 0 tokens per slot; each slot needs at "
+            "least 2 (raise -c or lower -np)\n"},
+           {"-c 1",
+            "-c 1 over -np 1 slot leaves 1 token per slot; each slot needs at least 2 "
+            "(raise -c or lower -np)\n"}}) {
+    CAPTURE(flags);
+    r = run_command(berth_bin() + " serve --port 0 " + flags + " -m " + model);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("berth: error: " + says) != std::string::npos);
+    CHECK(r.err.find("listening") == std::string::npos);
+  }
   r = run_command(berth_bin() + " serve --port 0 --chat-template nope -m " + model);
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("nope") != std::string::npos);
+}
+
+TEST_CASE("-c / -np of 2 tokens per slot serves a one-token prompt; a longer one is 400") {
+  ServeProcess p({"-m", stories260k().string(), "--port", "0", "-t", "1", "-np", "4", "-c", "9"});
+  const int port = p.ready();
+  REQUIRE_MESSAGE(port > 0, p.stderr_text());
+  CHECK(p.stderr_text().find("4 slots of 2 tokens") != std::string::npos);
+  CHECK(get(port, "/props").j["default_generation_settings"]["n_ctx"] == 2);
+  // The prompt's token fills one position, the first generated token the other; the second
+  // generated token is never evaluated.
+  Reply r = post(port, "/v1/completions",
+                 {{"prompt", json::array({1})}, {"max_tokens", 8}, {"temperature", 0}});
+  CHECK(r.status == 200);
+  CHECK(r.j["usage"]["prompt_tokens"] == 1);
+  CHECK(r.j["usage"]["completion_tokens"] == 2);
+  CHECK(r.j["choices"][0]["finish_reason"] == "length");
+  r = post(port, "/v1/completions",
+           {{"prompt", json::array({1, 403})}, {"max_tokens", 8}, {"temperature", 0}});
+  CHECK(r.status == 400);
+  CHECK(r.j["error"]["type"] == "exceed_context_size_error");
+  CHECK(r.j["error"]["n_ctx"] == 2);
+  CHECK(r.j["error"]["n_prompt_tokens"] == 2);
+  p.signal(SIGTERM);
+  CHECK(p.wait_exit(20) == 0);
 }
 
 TEST_CASE("SIGTERM: the request in flight finishes, new ones are refused, exit code 0") {

@@ -49,6 +49,10 @@ class BatchEngine : public Engine {
   /// below 2 tokens (naming -c and -np); what Session's constructor throws (Error(unsupported)
   /// for several slots with KV layers on a device whose attention serves one sequence).
   BatchEngine(const Model& model, const Tokenizer& tok, BatchEngineOptions options);
+  /// The per-slot context check of the constructor, for callers that check flags before building
+  /// an engine: throws Error(invalid_argument) naming -c, -np and the tokens per slot when
+  /// n_ctx / n_slots is below 2 (a one-token prompt and one generated token). n_slots >= 1.
+  static void check_slot_context(int64_t n_ctx, int32_t n_slots);
   /// Cancels every request (each ends with FinishReason::cancelled) and joins the thread.
   ~BatchEngine() override;
   BatchEngine(const BatchEngine&) = delete;
