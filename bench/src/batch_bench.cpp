@@ -210,6 +210,9 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
         }
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // Progress only: the rows are the result's (format_text), on standard output.
+      say(fmt::format("N={:<4} run {}{}  {:8.1f} tok/s", n_seq, rep, rep ? "" : " (warm-up)",
+                      s > 0 ? static_cast<double>(n_seq) * options.n_gen / s : 0.0));
       if (rep == 0) continue;  // warm-up
       secs.push_back(s);
       const CpuExecutor::MoeReads& m = session.executor().moe_reads();
@@ -257,11 +260,6 @@ BatchBenchResult run_batch_bench(const BatchBenchOptions& options) {
         (row.device_bytes > 0 && r.hbm_gbps > 0 ? row.device_bytes / (r.hbm_gbps * 1e9) : 0.0);
     row.bound_tok_s = t > 0 ? n_seq / t : 0;
     row.fraction = row.bound_tok_s > 0 ? row.agg_tok_s.median / row.bound_tok_s : 0;
-    say(fmt::format(
-        "N={:<3} {:8.1f} tok/s ({:.1f} per sequence), {:.1f} experts/layer/step{}, "
-        "bound {:.1f} tok/s ({:.0f}%)",
-        n_seq, row.agg_tok_s.median, row.seq_tok_s, row.experts_per_layer,
-        row.experts_exact ? "" : " (upper bound)", row.bound_tok_s, 100 * row.fraction));
     r.rows.push_back(row);
   }
   return r;

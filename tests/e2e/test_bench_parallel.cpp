@@ -1,8 +1,8 @@
 // `berth bench model --parallel`: N sequences decoding together. The rows obey the relations
 // batch_bench.h states (aggregate = N x per sequence, bound from the bytes and bandwidths), the
 // distinct experts per layer per step lie between n_expert_used and min(N x n_expert_used,
-// n_expert), one sequence reads exactly n_expert_used, and bad counts are refused. No speed is
-// asserted.
+// n_expert), one sequence reads exactly n_expert_used, and bad counts are refused; the table goes
+// to standard output once, standard error holding only progress. No speed is asserted.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +25,13 @@ using berth::test::run_command;
 using berth::test::shell_quote;
 
 bool near(double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(std::abs(a), 1.0); }
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
 
 }  // namespace
 
@@ -124,4 +133,35 @@ TEST_CASE("bench model --parallel: rows, expert counts and bounds") {
     CHECK(!r.signaled);
     CHECK(r.err.find("parallel") != std::string::npos);
   }
+}
+
+TEST_CASE(
+    "bench model --parallel: the table once, on standard output; progress on standard error") {
+  const CommandResult r = run_command(berth::test::berth_bin() + " bench model -m " +
+                                      shell_quote(berth::test::stories260k().string()) +
+                                      " -p 8 -n 4 -r 2 -t 1 --dram-mib 64 --parallel 1,2");
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  // A row of the table: N, tok/s, tok/s/seq, ...
+  const std::regex row(R"(^ *(\d+) +\d+\.\d +\d+\.\d +.*%$)");
+  const std::vector<std::string> out = lines_of(r.out);
+  std::vector<int> ns;
+  for (const std::string& line : out)
+    if (std::smatch m; std::regex_match(line, m, row)) ns.push_back(std::stoi(m[1]));
+  CHECK(ns == std::vector<int>{1, 2});
+  CHECK(out.size() == 5);  // the model line, DRAM, the header and the two rows
+  // Standard error: the DRAM measurement and a line per run of each N (a warm-up, then -r 2);
+  // no row of the table, and nothing of its summary.
+  const std::vector<std::string> err = lines_of(r.err);
+  int n_runs = 0;
+  for (const std::string& line : err) {
+    CAPTURE(line);
+    CHECK(!std::regex_match(line, row));
+    CHECK(line.find("bound") == std::string::npos);
+    CHECK(line.find("per sequence") == std::string::npos);
+    if (line.rfind("N=", 0) == 0 && line.find(" run ") != std::string::npos) ++n_runs;
+  }
+  CHECK(n_runs == 2 * 3);
+  CHECK(err.size() == 1 + 2 * 3);
 }
