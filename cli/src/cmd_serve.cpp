@@ -318,20 +318,9 @@ int bench_serve(BenchServeOptions& o) {
                    {"n_ctx_per_slot", srv->engine().n_ctx_per_slot()},
                    {"n_threads", srv->engine().n_threads()}};
     // The engine's own view of its decode steps, beside the clients' ITL.
-    const server::EngineMetrics m = srv->engine().metrics();
-    const auto per = [](double v, int64_t n) { return n > 0 ? v / static_cast<double>(n) : 0.0; };
-    j["engine"] = {{"decode_steps", m.decode_steps_total},
-                   {"decode_rows_per_step",
-                    per(static_cast<double>(m.decode_rows_total), m.decode_steps_total)},
-                   {"decode_step_ms", 1e3 * per(m.decode_step_seconds_total, m.decode_steps_total)},
-                   {"decode_interval_ms",
-                    1e3 * per(m.decode_interval_seconds_total, m.decode_intervals_total)}};
-    engine_line = fmt::format(
-        "engine: {} decode steps of {:.2f} rows (means: forward {:.2f} ms, start to next start "
-        "{:.2f} ms)\n",
-        m.decode_steps_total, per(static_cast<double>(m.decode_rows_total), m.decode_steps_total),
-        1e3 * per(m.decode_step_seconds_total, m.decode_steps_total),
-        1e3 * per(m.decode_interval_seconds_total, m.decode_intervals_total));
+    const server::EngineStepMeans e = server::engine_step_means(srv->engine().metrics());
+    j["engine"] = server::to_json(e);
+    engine_line = server::format_text(e);
     srv->http().shutdown(std::chrono::milliseconds(1000));
   }
   j["n_prompt"] = o.bench.n_prompt;

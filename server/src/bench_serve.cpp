@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "berth/core/error.h"
+#include "berth/server/engine.h"
 
 namespace berth::server {
 
@@ -217,6 +218,30 @@ std::string format_text(const ServeBenchResult& r) {
       r.per_request_tok_s, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms, r.itl_p99_ms);
   if (!r.first_error.empty()) s += "first error: " + r.first_error + "\n";
   return s;
+}
+
+EngineStepMeans engine_step_means(const EngineMetrics& m) {
+  const auto per = [](double v, int64_t n) { return n > 0 ? v / static_cast<double>(n) : 0.0; };
+  EngineStepMeans e;
+  e.decode_steps = m.decode_steps_total;
+  e.rows_per_step = per(static_cast<double>(m.decode_rows_total), m.decode_steps_total);
+  e.forward_ms = 1e3 * per(m.decode_step_seconds_total, m.decode_steps_total);
+  e.interval_ms = 1e3 * per(m.decode_interval_seconds_total, m.decode_intervals_total);
+  return e;
+}
+
+json to_json(const EngineStepMeans& e) {
+  return json{{"decode_steps", e.decode_steps},
+              {"decode_rows_per_step", e.rows_per_step},
+              {"decode_step_ms", e.forward_ms},
+              {"decode_interval_ms", e.interval_ms}};
+}
+
+std::string format_text(const EngineStepMeans& e) {
+  return fmt::format(
+      "engine: {} decode steps of {:.2f} rows (means: forward {:.2f} ms, start to next start "
+      "{:.2f} ms)\n",
+      e.decode_steps, e.rows_per_step, e.forward_ms, e.interval_ms);
 }
 
 }  // namespace berth::server

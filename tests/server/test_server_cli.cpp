@@ -3,6 +3,7 @@
 // package `openai` installed by scripts/setup.sh into tests/server/openai-client), and
 // `berth bench serve`.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -242,6 +243,15 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   CHECK(j["ttft_ms"]["p99"].get<double>() >= j["ttft_ms"]["p50"].get<double>());
   CHECK(j["itl_ms"]["p50"].get<double>() > 0);
   CHECK(j["server"]["n_slots"] == 2);
+  // The engine's means: the same numbers in the JSON and the printed line.
+  CHECK(j["engine"]["decode_steps"].get<int64_t>() > 0);
+  CHECK(r.out.find(fmt::format("engine: {} decode steps of {:.2f} rows (means: forward {:.2f} ms, "
+                               "start to next start {:.2f} ms)\n",
+                               j["engine"]["decode_steps"].get<int64_t>(),
+                               j["engine"]["decode_rows_per_step"].get<double>(),
+                               j["engine"]["decode_step_ms"].get<double>(),
+                               j["engine"]["decode_interval_ms"].get<double>())) !=
+        std::string::npos);
   // Against a server that is not there: a clear error.
   r = run_command(berth_bin() + " bench serve --url http://127.0.0.1:1 -n 4");
   CHECK(r.exit_code == 1);

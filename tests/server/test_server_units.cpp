@@ -1,6 +1,6 @@
 // The server's parts without HTTP: the text filter (UTF-8 hold-back, stop strings across
 // tokens), the prefix cache over a state that cannot truncate (checkpoints), request parsing
-// (every refusal names its field), and the Generation queue.
+// (every refusal names its field), the Generation queue, and bench serve's statistics.
 #include <doctest/doctest.h>
 
 #include <map>
@@ -11,6 +11,7 @@
 #include "berth/core/error.h"
 #include "berth/models/utf8.h"
 #include "berth/server/api.h"
+#include "berth/server/bench_serve.h"
 #include "berth/server/engine.h"
 #include "berth/server/sequence_state.h"
 #include "berth/server/text_output.h"
@@ -395,4 +396,31 @@ TEST_CASE("Generation hands tokens over once and wakes a waiting consumer") {
   CHECK_FALSE(g.cancelled());
   g.cancel();
   CHECK(g.cancelled());
+}
+
+TEST_CASE("bench serve's engine means: one computation for the printed line and the JSON") {
+  EngineMetrics m;
+  m.decode_steps_total = 4;
+  m.decode_rows_total = 10;
+  m.decode_step_seconds_total = 0.01;
+  m.decode_intervals_total = 3;
+  m.decode_interval_seconds_total = 0.009;
+  const EngineStepMeans e = engine_step_means(m);
+  CHECK(e.decode_steps == 4);
+  CHECK(e.rows_per_step == 2.5);
+  CHECK(e.forward_ms == doctest::Approx(2.5));
+  CHECK(e.interval_ms == doctest::Approx(3.0));
+  CHECK(format_text(e) ==
+        "engine: 4 decode steps of 2.50 rows (means: forward 2.50 ms, start to next start "
+        "3.00 ms)\n");
+  CHECK(to_json(e) == json{{"decode_steps", 4},
+                           {"decode_rows_per_step", 2.5},
+                           {"decode_step_ms", e.forward_ms},
+                           {"decode_interval_ms", e.interval_ms}});
+  // No decode step yet: zeros, not NaN.
+  const EngineStepMeans none = engine_step_means(EngineMetrics{});
+  CHECK(format_text(none) ==
+        "engine: 0 decode steps of 0.00 rows (means: forward 0.00 ms, start to next start "
+        "0.00 ms)\n");
+  CHECK(to_json(none)["decode_interval_ms"] == 0.0);
 }

@@ -26,6 +26,8 @@
 
 namespace berth::server {
 
+struct EngineMetrics;  // berth/server/engine.h
+
 struct ServeBenchOptions {
   std::string host = "127.0.0.1";
   int port = 8080;
@@ -57,5 +59,20 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& options);
 
 nlohmann::json to_json(const ServeBenchResult& r);
 std::string format_text(const ServeBenchResult& r);
+
+/// The engine's decode-only steps in means, from its counters (EngineMetrics, the decode_* lines
+/// of GET /metrics); 0 where a count is 0. `bench serve` prints them beside the clients' ITL and
+/// writes them as its JSON's "engine".
+struct EngineStepMeans {
+  int64_t decode_steps = 0;
+  double rows_per_step = 0;  ///< decode rows / decode steps
+  double forward_ms = 0;     ///< forward time / decode steps
+  double interval_ms = 0;    ///< start of a decode step to the next start / such intervals
+};
+
+EngineStepMeans engine_step_means(const EngineMetrics& m);
+nlohmann::json to_json(const EngineStepMeans& e);
+/// "engine: N decode steps of R rows (means: forward F ms, start to next start I ms)\n"
+std::string format_text(const EngineStepMeans& e);
 
 }  // namespace berth::server
