@@ -33,23 +33,14 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, rank > 0 ? rank - 1 : 0)];
 }
 
-struct RequestSamples {
-  bool ok = false;
-  std::string error;
-  int64_t n_tokens = 0;
-  double ttft_ms = 0;
-  std::vector<double> itl_ms;
-  double decode_tok_s = 0;
-};
-
 httplib::Headers auth(const ServeBenchOptions& o) {
   httplib::Headers h;
   if (!o.api_key.empty()) h.emplace("Authorization", "Bearer " + o.api_key);
   return h;
 }
 
-RequestSamples one_request(const ServeBenchOptions& o, const std::vector<int32_t>& prompt) {
-  RequestSamples s;
+ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<int32_t>& prompt) {
+  ServeRequestSamples s;
   httplib::Client cli(o.host, o.port);
   cli.set_read_timeout(600, 0);
   cli.set_connection_timeout(10, 0);
@@ -146,7 +137,7 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   }
   if (n_vocab < 2) throw Error(ErrorCategory::invalid_argument, "bench serve: n_vocab below 2");
 
-  std::vector<std::vector<RequestSamples>> per_client(static_cast<size_t>(o.n_clients));
+  std::vector<std::vector<ServeRequestSamples>> per_client(static_cast<size_t>(o.n_clients));
   std::mutex progress_mu;
   int done = 0;
   const Clock::time_point t0 = Clock::now();
@@ -169,13 +160,17 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
       }
     });
   for (std::thread& t : threads) t.join();
+  return summarize_serve_bench(per_client, ms(Clock::now() - t0) / 1e3);
+}
 
+ServeBenchResult summarize_serve_bench(
+    const std::vector<std::vector<ServeRequestSamples>>& per_client, double wall_s) {
   ServeBenchResult r;
-  r.wall_s = ms(Clock::now() - t0) / 1e3;
-  r.n_clients = o.n_clients;
+  r.wall_s = wall_s;
+  r.n_clients = static_cast<int>(per_client.size());
   std::vector<double> ttft, itl, rates;
   for (const auto& reqs : per_client)
-    for (const RequestSamples& s : reqs) {
+    for (const ServeRequestSamples& s : reqs) {
       ++r.n_requests;
       r.n_tokens += s.n_tokens;
       if (!s.ok) {
@@ -193,6 +188,9 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   r.itl_p50_ms = percentile(itl, 50);
   r.itl_p99_ms = percentile(itl, 99);
   r.per_request_tok_s = percentile(rates, 50);
+  double sum = 0;
+  for (double x : rates) sum += x;
+  r.per_request_tok_s_mean = rates.empty() ? 0 : sum / static_cast<double>(rates.size());
   return r;
 }
 
@@ -206,16 +204,18 @@ json to_json(const ServeBenchResult& r) {
               {"ttft_ms", {{"p50", r.ttft_p50_ms}, {"p99", r.ttft_p99_ms}}},
               {"itl_ms", {{"p50", r.itl_p50_ms}, {"p99", r.itl_p99_ms}}},
               {"per_request_tok_s", r.per_request_tok_s},
+              {"per_request_tok_s_mean", r.per_request_tok_s_mean},
               {"first_error", r.first_error}};
 }
 
 std::string format_text(const ServeBenchResult& r) {
   std::string s = fmt::format(
       "clients {} | requests {} ({} failed) | tokens {} in {:.2f} s\n"
-      "aggregate {:.1f} tok/s | per request {:.1f} tok/s (median)\n"
+      "aggregate {:.1f} tok/s | per request {:.1f} tok/s (median), {:.1f} (mean)\n"
       "TTFT p50 {:.1f} ms, p99 {:.1f} ms | ITL p50 {:.2f} ms, p99 {:.2f} ms\n",
       r.n_clients, r.n_requests, r.n_failed, r.n_tokens, r.wall_s, r.aggregate_tok_s,
-      r.per_request_tok_s, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms, r.itl_p99_ms);
+      r.per_request_tok_s, r.per_request_tok_s_mean, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms,
+      r.itl_p99_ms);
   if (!r.first_error.empty()) s += "first error: " + r.first_error + "\n";
   return s;
 }

@@ -243,6 +243,12 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   CHECK(j["ttft_ms"]["p99"].get<double>() >= j["ttft_ms"]["p50"].get<double>());
   CHECK(j["itl_ms"]["p50"].get<double>() > 0);
   CHECK(j["server"]["n_slots"] == 2);
+  // Per request: the median rate and the mean beside it, in the JSON and the printed line.
+  CHECK(j["per_request_tok_s"].get<double>() > 0);
+  CHECK(j["per_request_tok_s_mean"].get<double>() > 0);
+  CHECK(r.out.find(fmt::format("| per request {:.1f} tok/s (median), {:.1f} (mean)\n",
+                               j["per_request_tok_s"].get<double>(),
+                               j["per_request_tok_s_mean"].get<double>())) != std::string::npos);
   // The engine's means: the same numbers in the JSON and the printed line.
   CHECK(j["engine"]["decode_steps"].get<int64_t>() > 0);
   CHECK(r.out.find(fmt::format("engine: {} decode steps of {:.2f} rows (means: forward {:.2f} ms, "

@@ -424,3 +424,44 @@ TEST_CASE("bench serve's engine means: one computation for the printed line and 
         "0.00 ms)\n");
   CHECK(to_json(none)["decode_interval_ms"] == 0.0);
 }
+
+TEST_CASE("bench serve's per-request rates: the nearest-rank median and the mean beside it") {
+  auto request = [](double rate, double ttft_ms, int64_t n_tokens) {
+    ServeRequestSamples s;
+    s.ok = true;
+    s.n_tokens = n_tokens;
+    s.ttft_ms = ttft_ms;
+    if (rate > 0) s.itl_ms.assign(static_cast<size_t>(n_tokens - 1), 1000.0 / rate);
+    s.decode_tok_s = rate;
+    return s;
+  };
+  std::vector<std::vector<ServeRequestSamples>> per_client(2);
+  per_client[0] = {request(10, 5, 4), request(20, 6, 4)};
+  per_client[1] = {request(30, 7, 4), request(100, 8, 4)};
+  ServeRequestSamples failed = request(50, 1, 3);  // in the counts, in no statistic
+  failed.ok = false;
+  failed.error = "HTTP 503: busy";
+  per_client[1].push_back(failed);
+  ServeRequestSamples one = request(0, 9, 1);  // one token: no rate
+  per_client[0].push_back(one);
+  const ServeBenchResult r = summarize_serve_bench(per_client, 2.0);
+  CHECK(r.n_clients == 2);
+  CHECK(r.n_requests == 6);
+  CHECK(r.n_failed == 1);
+  CHECK(r.n_tokens == 4 * 4 + 3 + 1);
+  CHECK(r.first_error == "HTTP 503: busy");
+  CHECK(r.aggregate_tok_s == 10.0);
+  CHECK(r.per_request_tok_s == 20.0);       // rates 10, 20, 30, 100: the lower middle one
+  CHECK(r.per_request_tok_s_mean == 40.0);  // (10 + 20 + 30 + 100) / 4
+  CHECK(r.ttft_p50_ms == 7.0);              // 5, 6, 7, 8, 9: the middle one
+  CHECK(r.itl_p50_ms == doctest::Approx(1000.0 / 30));  // 3 gaps each of 100, 50, 33.3, 10 ms
+  const json j = to_json(r);
+  CHECK(j["per_request_tok_s"] == 20.0);
+  CHECK(j["per_request_tok_s_mean"] == 40.0);
+  CHECK(format_text(r).find("aggregate 10.0 tok/s | per request 20.0 tok/s (median), 40.0 "
+                            "(mean)\n") != std::string::npos);
+  // No request with a rate: zeros.
+  const ServeBenchResult none = summarize_serve_bench({{one}}, 1.0);
+  CHECK(none.per_request_tok_s == 0.0);
+  CHECK(none.per_request_tok_s_mean == 0.0);
+}

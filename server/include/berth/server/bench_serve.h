@@ -15,7 +15,9 @@
 // so the N prompts are prefilled in the same steps and the N sequences then decode together, as
 // the batching loop's `bench model --parallel N` does; without it each client sends its next
 // request as soon as its last one ended, so prompts are prefilled in steps that others decode in.
-// Percentiles: nearest-rank (p50, p99) over every request's samples.
+// Percentiles: nearest-rank (p50, p99) over every request's samples; each request's decode rate
+// (tokens after the first over the time from the first to the last) gives a median (the
+// nearest-rank p50) and a mean.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace berth::server {
 
@@ -49,13 +52,32 @@ struct ServeBenchResult {
   double aggregate_tok_s = 0;  ///< n_tokens / wall_s
   double ttft_p50_ms = 0, ttft_p99_ms = 0;
   double itl_p50_ms = 0, itl_p99_ms = 0;
-  double per_request_tok_s = 0;  ///< median over requests of (n_predict - 1) / (last - first token)
-  std::string first_error;       ///< of a failed request, "" when none failed
+  /// Median over requests of (n_predict - 1) / (last - first token): the nearest-rank p50, so
+  /// the lower of the two middle rates for an even count.
+  double per_request_tok_s = 0;
+  double per_request_tok_s_mean = 0;  ///< the mean of the same per-request rates
+  std::string first_error;            ///< of a failed request, "" when none failed
+};
+
+/// What a client measured of one request.
+struct ServeRequestSamples {
+  bool ok = false;
+  std::string error;
+  int64_t n_tokens = 0;
+  double ttft_ms = 0;
+  std::vector<double> itl_ms;
+  double decode_tok_s = 0;  ///< (n_tokens - 1) / (last - first token); 0 below 2 tokens
 };
 
 /// Runs the benchmark. Throws Error(invalid_argument) for counts < 1, Error(io) when the server
 /// cannot be reached (GET /health) or n_vocab cannot be read.
 ServeBenchResult run_serve_bench(const ServeBenchOptions& options);
+
+/// The result of `per_client`'s requests over `wall_s` seconds (run_serve_bench's statistics):
+/// every request counts in n_requests and n_tokens; a failed one (not ok) in n_failed and, the
+/// first, first_error, and in no statistic; a decode rate of 0 in no per-request statistic.
+ServeBenchResult summarize_serve_bench(
+    const std::vector<std::vector<ServeRequestSamples>>& per_client, double wall_s);
 
 nlohmann::json to_json(const ServeBenchResult& r);
 std::string format_text(const ServeBenchResult& r);
