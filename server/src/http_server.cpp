@@ -31,6 +31,9 @@ void send_error(httplib::Response& res, const ApiError& e) {
 
 bool read_body(const httplib::Request& req, httplib::Response& res,
                const httplib::ContentReader& reader, size_t max, std::string& body) {
+  // A request with neither Content-Length nor Transfer-Encoding has no body (RFC 9112, 6.3);
+  // reading one would wait for the client to close or the read timeout.
+  if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) return true;
   bool too_big = false;
   const bool ok = reader([&](const char* data, size_t n) {
     if (body.size() + n > max) {

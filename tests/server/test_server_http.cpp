@@ -170,6 +170,27 @@ TEST_CASE("a route asked with a method it does not answer is 405 with Allow; oth
       if (method != "HEAD") check_error(r, 404, "not_found_error");
     }
   }
+  // A POST with neither Content-Length nor Transfer-Encoding has no body (RFC 9112, 6.3): the
+  // answer comes at once, not after the server waited for a body until its read timeout (which
+  // then answered 400 "the request body could not be read").
+  {
+    RawConn raw(srv.port);
+    REQUIRE(raw.ok());
+    REQUIRE(raw.send("POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+    const std::string got = raw.read_until("}}");
+    CHECK(raw.status() == 405);
+    CHECK(got.find("method POST is not allowed on /health (it answers GET, HEAD)") !=
+          std::string::npos);
+  }
+  {
+    RawConn raw(srv.port);
+    REQUIRE(raw.ok());
+    REQUIRE(raw.send("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+    const std::string got = raw.read_until("}}");
+    CHECK(raw.status() == 400);
+    CHECK(got.find("invalid_request_error") != std::string::npos);
+    CHECK(got.find("could not be read") == std::string::npos);
+  }
   // The connection and the routes go on as before.
   CHECK(send("GET", "/health", "").j == json{{"status", "ok"}});
   CHECK(send("POST", "/tokenize", "{\"content\": \"Once upon a time\"}").j["tokens"] ==
