@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "berth/backends/thread_pool.h"
+#include "berth/bench/kernel_bench.h"
 #include "berth/core/error.h"
 #include "berth/core/log.h"
 #include "berth/io/gguf.h"
@@ -309,8 +310,17 @@ int bench_serve(BenchServeOptions& o) {
     o.bench.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
+  // Host DRAM read rate before the clients start, as `bench model --parallel` measures it: host
+  // bandwidth moves between runs on shared hosts, and CPU-held experts decode at its pace.
+  double dram_gbps = 0;
+  if (srv) {
+    const int t = srv->engine().n_threads();
+    dram_gbps = bench::measure_dram_bandwidth(t, size_t{1} << 30, 3).gbps.median;
+    if (!o.quiet) std::fprintf(stderr, "DRAM   %.1f GB/s read with %d threads\n", dram_gbps, t);
+  }
   const server::ServeBenchResult r = server::run_serve_bench(o.bench);
   nlohmann::json j = server::to_json(r);
+  if (srv) j["dram_gbps"] = dram_gbps;
   std::string engine_line;
   if (srv) {
     j["server"] = {{"model", o.serve.model},

@@ -4,7 +4,8 @@
 # --parallel N -c 4096 --greedy (the server's tokens and slot contexts). Server: bench serve
 # --sync, N clients of REQUESTS greedy requests (-p 32 -n 128, -c 4096 -np N). Compared: the
 # loop's aggregate decode against the server engine's decode steps (rows per step over the mean
-# start-to-start interval, from /metrics) and against the clients' decode rates.
+# start-to-start interval, from /metrics) and against the clients' decode rates; the host DRAM
+# read rate each run measured before it began (loop / server).
 #   bash scripts/diag/serve-pairs.sh OUT_DIR [REPS] [REQUESTS] [N...]   (PLACE="-ngl 99 --cpu-moe")
 set -uo pipefail
 out=${1:-/tmp/serve-pairs}
@@ -36,6 +37,7 @@ python3 - "$out" <<'PY'
 import glob, json, os, re, statistics, sys
 d = sys.argv[1]
 rows = {}
+dram = {}
 for p in sorted(glob.glob(os.path.join(d, "loop-*-*.json"))):
     n, rep = re.match(r".*loop-(\d+)-(\d+)\.json", p).groups()
     sp = os.path.join(d, f"serve-{n}-{rep}.json")
@@ -46,11 +48,14 @@ for p in sorted(glob.glob(os.path.join(d, "loop-*-*.json"))):
     e = s["engine"]
     eng = e["decode_rows_per_step"] / e["decode_interval_ms"] * 1e3
     cli = int(n) * s["per_request_tok_s"]
+    ld = json.load(open(p)).get("dram_gbps", 0)
     rows.setdefault(int(n), []).append((loop, eng, cli))
-print("| N | pairs | loop tok/s | server engine tok/s | engine / loop (median, range) | clients' decode tok/s | clients / loop (median, range) |")
-print("|---:|---:|---|---|---|---|---|")
+    dram.setdefault(int(n), []).append((ld, s.get("dram_gbps", 0)))
+print("| N | pairs | loop tok/s | server engine tok/s | engine / loop (median, range) | clients' decode tok/s | clients / loop (median, range) | DRAM GB/s, loop/server |")
+print("|---:|---:|---|---|---|---|---|---|")
 for n, v in sorted(rows.items()):
     fmt = lambda xs: f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
     print(f"| {n} | {len(v)} | {', '.join(f'{a:.1f}' for a, _, _ in v)} | {', '.join(f'{b:.1f}' for _, b, _ in v)} "
-          f"| {fmt([b / a for a, b, _ in v])} | {', '.join(f'{c:.1f}' for _, _, c in v)} | {fmt([c / a for a, _, c in v])} |")
+          f"| {fmt([b / a for a, b, _ in v])} | {', '.join(f'{c:.1f}' for _, _, c in v)} | {fmt([c / a for a, _, c in v])} "
+          f"| {', '.join(f'{x:.0f}/{y:.0f}' for x, y in dram[n])} |")
 PY

@@ -243,6 +243,8 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   CHECK(j["ttft_ms"]["p99"].get<double>() >= j["ttft_ms"]["p50"].get<double>());
   CHECK(j["itl_ms"]["p50"].get<double>() > 0);
   CHECK(j["server"]["n_slots"] == 2);
+  // The host's DRAM read rate, measured before the clients start (a server of its own only).
+  CHECK(j["dram_gbps"].get<double>() > 0);
   // Per request: the median rate and the mean beside it, in the JSON and the printed line.
   CHECK(j["per_request_tok_s"].get<double>() > 0);
   CHECK(j["per_request_tok_s_mean"].get<double>() > 0);
