@@ -6,8 +6,10 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -207,13 +209,32 @@ int serve(ServeOptions& o) {
   std::fprintf(stderr, "berth: shutting down: finishing %lld requests (at most %.0f s)\n",
                static_cast<long long>(srv.engine().n_in_flight()), o.shutdown_grace_s);
   std::atomic<bool> drained{false};
-  // A second signal cancels what is still running.
+  // A second signal cancels what is still running. A connection whose request is still being
+  // read (a client that sends a byte every few seconds never meets the read timeout) holds its
+  // HTTP thread, and stopping the listener waits for every thread: past the grace and
+  // kShutdownHardS more (1 s after a second signal), with every request finished or cancelled, the
+  // process exits without waiting for such connections.
+  constexpr double kShutdownHardS = 3;
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point deadline =
+      Clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>((o.shutdown_grace_s + kShutdownHardS) * 1e3));
   std::thread second([&] {
-    while (!drained.load())
+    while (!drained.load()) {
       if (wait_signal(100)) {
         std::fprintf(stderr, "berth: second signal: cancelling the requests in flight\n");
         srv.engine().cancel_all();
+        deadline = std::min(deadline, Clock::now() + std::chrono::seconds(1));
       }
+      if (!drained.load() && Clock::now() > deadline) {
+        srv.engine().cancel_all();
+        std::fprintf(stderr,
+                     "berth: stopped (connections still open were not waited for: a client "
+                     "still sending its request)\n");
+        std::fflush(stderr);
+        std::_Exit(0);
+      }
+    }
   });
   srv.http().shutdown(std::chrono::milliseconds(static_cast<int64_t>(o.shutdown_grace_s * 1e3)));
   drained.store(true);

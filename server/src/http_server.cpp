@@ -2,8 +2,14 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <ctime>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <random>
+#include <thread>
+#include <vector>
 
 #include "berth/core/error.h"
 #include "berth/core/log.h"
@@ -111,6 +117,66 @@ json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
   return arr;
 }
 
+// cpp-httplib's task queue with threads added while every thread is busy, up to `max`: a
+// connection holds its thread until it closes or stays silent past the read timeout, so a fixed
+// pool lets a few clients that send their requests slowly (a byte every few seconds) leave none
+// for /health or anyone else. Threads are never retired (at most `max` of them).
+class GrowingPool : public httplib::TaskQueue {
+ public:
+  GrowingPool(size_t base, size_t max) : max_(std::max(base, max)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < std::max<size_t>(base, 1); ++i) spawn();
+  }
+  ~GrowingPool() override = default;
+
+  void enqueue(std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(fn));
+      if (idle_ < jobs_.size() && threads_.size() < max_) spawn();
+    }
+    cv_.notify_one();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_ = true;
+    }
+    cv_.notify_all();
+    // No thread is added after shutdown_ (enqueue runs on the listener, which has stopped).
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  void spawn() {  // mu_ held
+    threads_.emplace_back([this] { work(); });
+  }
+  void work() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++idle_;
+        cv_.wait(lock, [&] { return !jobs_.empty() || shutdown_; });
+        --idle_;
+        if (jobs_.empty()) return;  // shutdown_ and nothing left
+        fn = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  const size_t max_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<std::thread> threads_;
+  size_t idle_ = 0;
+  bool shutdown_ = false;
+};
+
 }  // namespace
 
 void HttpServer::Impl::routes() {
@@ -126,8 +192,9 @@ void HttpServer::Impl::routes() {
   const int n_threads = opt.n_http_threads > 0
                             ? opt.n_http_threads
                             : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
-  s.new_task_queue = [n_threads] {
-    return new httplib::ThreadPool(static_cast<size_t>(n_threads));
+  const int max_threads = std::max(n_threads, opt.max_http_threads);
+  s.new_task_queue = [n_threads, max_threads] {
+    return new GrowingPool(static_cast<size_t>(n_threads), static_cast<size_t>(max_threads));
   };
 
   s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {

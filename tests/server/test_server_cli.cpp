@@ -8,6 +8,7 @@
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <fstream>
 #include <regex>
 
@@ -184,6 +185,31 @@ TEST_CASE("SIGTERM: the request in flight finishes, new ones are refused, exit c
   REQUIRE(q.ready() > 0);
   q.signal(SIGTERM);
   CHECK(q.wait_exit(20) == 0);
+}
+
+TEST_CASE("SIGTERM with a client still sending its request: exit 0 soon after the grace") {
+  // The client sends its request line a byte per 0.5 s: never silent for the read timeout, so its
+  // HTTP thread waits on it for as long as it keeps sending.
+  ServeProcess p({"-m", stories260k().string(), "--port", "0", "-t", "1", "--shutdown-grace", "1"});
+  const int port = p.ready();
+  REQUIRE_MESSAGE(port > 0, p.stderr_text());
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    RawConn c(port);
+    const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    for (size_t i = 0; !stop.load(); i = (i + 1) % req.size()) {
+      if (!c.send(req.substr(i, 1))) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  p.signal(SIGTERM);
+  // The grace (1 s) and the 3 s the server waits beyond it for connections.
+  const int code = p.wait_exit(15);
+  stop.store(true);
+  trickle.join();
+  CHECK(code == 0);
+  CHECK(p.stderr_text().find("berth: stopped") != std::string::npos);
 }
 
 TEST_CASE("the official OpenAI client library (npm openai) round-trips through berth serve") {

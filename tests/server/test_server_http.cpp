@@ -788,3 +788,23 @@ TEST_CASE("a port another server listens on is refused") {
     CHECK(std::string(e.what()).find(std::to_string(port)) != std::string::npos);
   }
 }
+
+TEST_CASE("clients that send their requests slowly do not leave /health without a thread") {
+  // -np 1 and no queue: the server starts with 1 + 0 + 8 HTTP threads. Twelve connections hold
+  // one each while their request headers trickle in (each stays open, silent, until the read
+  // timeout of 5 s); /health must still answer at once on a thirteenth.
+  TestServer srv(stories(), ServerConfig{.n_slots = 1, .queue = 0});
+  std::vector<std::unique_ptr<RawConn>> holders;
+  for (int i = 0; i < 12; ++i) {
+    holders.push_back(std::make_unique<RawConn>(srv.port));
+    REQUIRE(holders.back()->ok());
+    REQUIRE(holders.back()->send("GET /health HTTP/1.1\r\nHo"));
+  }
+  httplib::Client c("127.0.0.1", srv.port);
+  c.set_connection_timeout(2, 0);
+  c.set_read_timeout(2, 0);  // well under the holders' 5 s: a pool of 9 answers only after them
+  auto r = c.Get("/health");
+  REQUIRE(r);
+  CHECK(r->status == 200);
+  CHECK(json::parse(r->body) == json{{"status", "ok"}});
+}

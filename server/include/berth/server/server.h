@@ -38,10 +38,13 @@ struct ServerOptions {
   std::string api_key;                       ///< --api-key; empty: no authentication
   bool metrics = false;                      ///< --metrics: serve GET /metrics
   size_t max_body_bytes = size_t{16} << 20;  ///< larger request bodies get 413
-  /// HTTP worker threads (one per live connection). 0: n_slots + queue + 8 (at most 512), so
-  /// every request the engine can hold has a thread and a few more answer /health, refusals and
-  /// the like; connections beyond the threads wait, unanswered, until one is free.
+  /// HTTP worker threads started with the server (one per live connection). 0: n_slots + queue
+  /// + 8 (at most 512), so every request the engine can hold has a thread and a few more answer
+  /// /health, refusals and the like. While every thread is busy (slow or idle keep-alive
+  /// clients hold theirs until the read timeout) a connection gets a new thread, up to
+  /// max_http_threads in all; beyond that it waits, unanswered, until one is free.
   int n_http_threads = 0;
+  int max_http_threads = 1024;
   int n_slots_hint = 1, queue_hint = 64;  ///< for the automatic n_http_threads
   /// Seconds between SSE comments (": ping") on a stream that has nothing else to send; they
   /// keep proxies from timing out and let a vanished client be noticed.
