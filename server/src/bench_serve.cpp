@@ -98,7 +98,14 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
     return s;
   }
   if (res.status != 200) {
-    s.error = fmt::format("HTTP {}: {}", res.status, res.body.substr(0, 200));
+    // With a content receiver the body of an error answer arrives there, not in res.body.
+    const std::string body = res.body.empty() ? buf : res.body;
+    const json j = json::parse(body, nullptr, false);
+    std::string msg = body.substr(0, 200);
+    if (j.is_object() && j.contains("error") && j["error"].is_object() &&
+        j["error"].contains("message") && j["error"]["message"].is_string())
+      msg = j["error"]["message"].get<std::string>();
+    s.error = fmt::format("HTTP {}: {}", res.status, msg);
     return s;
   }
   s.ok = finished && s.error.empty();

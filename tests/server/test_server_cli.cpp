@@ -286,6 +286,12 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
                                j["engine"]["decode_step_ms"].get<double>(),
                                j["engine"]["decode_interval_ms"].get<double>())) !=
         std::string::npos);
+  // Requests the server refuses: the server's message, not an empty one; exit 1.
+  r = run_command(berth_bin() + " bench serve -q -m " + shell_quote(stories260k().string()) +
+                  " -np 1 -c 16 -t 1 --clients 1 --requests 1 -p 32 -n 4");
+  CHECK(r.exit_code == 1);
+  CHECK(r.out.find("first error: HTTP 400: the request exceeds the available context size") !=
+        std::string::npos);
   // Against a server that is not there: a clear error.
   r = run_command(berth_bin() + " bench serve --url http://127.0.0.1:1 -n 4");
   CHECK(r.exit_code == 1);
