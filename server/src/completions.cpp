@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <deque>
 #include <optional>
 
 #include "berth/core/log.h"
@@ -55,6 +56,20 @@ json bytes_of(const std::string& s) {
   return b;
 }
 
+/// What Output::take released: text, the ids of the tokens taken (every generated token up to
+/// the one that completes a stop string: the native endpoint's "tokens") and the tokens whose
+/// log-probabilities go out with it (only those whose text is released whole: TextFilter).
+struct Released {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::vector<GeneratedToken> probs;
+  void clear() {
+    text.clear();
+    ids.clear();
+    probs.clear();
+  }
+};
+
 /// The consumer side of one completion: turns the engine's tokens into response text (UTF-8,
 /// stop strings) and counts them. Shared by the streaming and the whole-response paths.
 struct Output {
@@ -82,27 +97,32 @@ struct Output {
   int32_t slot = -1;
   int64_t n_cached = 0;
   int64_t n_tokens = 0;  // tokens whose text is part of the output (up to a stop string)
+  std::deque<GeneratedToken> unreleased;  // with logprobs: taken, text not all released yet
+  size_t n_probs_released = 0;            // tokens moved out of `unreleased` (released whole)
   bool done = false, word_stop = false;
   FinishReason finish = FinishReason::length;
   std::optional<ApiError> error;
   GenerationTimings timings;
 
-  /// Takes an update: returns the text it releases and appends the tokens it covers to `toks`.
-  std::string take(GenerationUpdate& u, std::vector<GeneratedToken>& toks) {
+  /// Takes an update: appends the text it releases, the ids of its tokens and the
+  /// log-probability entries of the tokens whose text is now released whole to `rel`.
+  void take(GenerationUpdate& u, Released& rel) {
     if (u.started) {
       slot = u.slot;
       n_cached = u.timings.n_cached;
     }
-    std::string text;
+    std::string& text = rel.text;
     for (GeneratedToken& t : u.tokens) {
       if (filter.stopped()) break;  // tokens the engine made before it saw the cancel
       ++n_tokens;
       text += filter.push(srv.model.tok->token_to_piece(t.id));
-      toks.push_back(std::move(t));
+      rel.ids.push_back(t.id);
+      if (req.logprobs) unreleased.push_back(std::move(t));
       if (filter.stopped()) {
         word_stop = true;
         gen->cancel();
       }
+      move_released(rel.probs);
     }
     if (u.done) {
       done = true;
@@ -114,9 +134,21 @@ struct Output {
         error = kShuttingDown;
       } else {
         text += filter.flush();
+        move_released(rel.probs);
       }
     }
-    return text;
+  }
+
+  /// Moves the tokens whose text the filter released whole to `probs`. After a stop string
+  /// the rest (the stop string's tokens) are dropped.
+  void move_released(std::vector<GeneratedToken>& probs) {
+    if (!req.logprobs) return;
+    while (n_probs_released < filter.n_released_pieces()) {
+      probs.push_back(std::move(unreleased.front()));
+      unreleased.pop_front();
+      ++n_probs_released;
+    }
+    if (filter.stopped()) unreleased.clear();
   }
 
   std::string finish_reason() const {
@@ -189,12 +221,6 @@ struct Output {
     return e;
   }
 
-  json ids_of(const std::vector<GeneratedToken>& toks) const {
-    json a = json::array();
-    for (const GeneratedToken& t : toks) a.push_back(t.id);
-    return a;
-  }
-
   // --- OpenAI objects ---
   json base(const char* object) const {
     return json{{"id", id},
@@ -205,8 +231,8 @@ struct Output {
   }
 
   /// A streamed chunk: `delta` (chat) or `text` (completions), finish_reason or null.
-  json chunk(const std::string& text, const std::vector<GeneratedToken>& toks,
-             const json& finish) const {
+  json chunk(const Released& rel, const json& finish) const {
+    const std::string& text = rel.text;
     if (req.endpoint == Endpoint::native) {
       json j = {{"index", 0},
                 {"content", text},
@@ -214,11 +240,11 @@ struct Output {
                 {"id_slot", slot},
                 {"tokens_predicted", n_tokens},
                 {"tokens_evaluated", static_cast<int64_t>(req.gen.prompt.size())}};
-      j["tokens"] = req.return_tokens ? ids_of(toks) : json::array();
-      if (req.logprobs) j["completion_probabilities"] = logprobs(toks)["content"];
+      j["tokens"] = req.return_tokens ? json(rel.ids) : json::array();
+      if (req.logprobs) j["completion_probabilities"] = logprobs(rel.probs)["content"];
       return j;
     }
-    json choice = {{"index", 0}, {"logprobs", logprobs(toks)}, {"finish_reason", finish}};
+    json choice = {{"index", 0}, {"logprobs", logprobs(rel.probs)}, {"finish_reason", finish}};
     if (req.endpoint == Endpoint::chat) {
       choice["delta"] = finish.is_null() ? json{{"content", text}} : json::object();
       json j = base("chat.completion.chunk");
@@ -232,11 +258,12 @@ struct Output {
   }
 
   /// The native endpoint's final object (whole response, or the last event of a stream).
-  json native_final(const std::string& content, const std::vector<GeneratedToken>& toks) const {
+  json native_final(const Released& rel) const {
+    const std::string& content = rel.text;
     const SamplerParams& sp = req.gen.sampling.sampler;
     json j = {{"index", 0},
               {"content", content},
-              {"tokens", req.return_tokens ? ids_of(toks) : json::array()},
+              {"tokens", req.return_tokens ? json(rel.ids) : json::array()},
               {"id_slot", slot},
               {"stop", true},
               {"model", srv.model.alias},
@@ -261,14 +288,16 @@ struct Output {
               {"stopping_word", filter.stop_word()},
               {"tokens_cached", n_cached},
               {"timings", timings_json()}};
-    if (req.logprobs) j["completion_probabilities"] = logprobs(toks)["content"];
+    if (req.logprobs) j["completion_probabilities"] = logprobs(rel.probs)["content"];
     return j;
   }
 
   /// The whole (non-stream) response.
-  json whole(const std::string& content, const std::vector<GeneratedToken>& toks) const {
-    if (req.endpoint == Endpoint::native) return native_final(content, toks);
-    json choice = {{"index", 0}, {"logprobs", logprobs(toks)}, {"finish_reason", finish_reason()}};
+  json whole(const Released& rel) const {
+    if (req.endpoint == Endpoint::native) return native_final(rel);
+    const std::string& content = rel.text;
+    json choice = {
+        {"index", 0}, {"logprobs", logprobs(rel.probs)}, {"finish_reason", finish_reason()}};
     json j;
     if (req.endpoint == Endpoint::chat) {
       choice["message"] = {{"role", "assistant"}, {"content", content}};
@@ -288,10 +317,10 @@ struct Output {
 /// on the connection's thread.
 class EventStream {
  public:
-  /// `text` and `toks`: what Output::take released and covered up to the first token (the
-  /// handler waits for it before committing the status).
-  EventStream(std::unique_ptr<Output> out, std::string text, std::vector<GeneratedToken> toks)
-      : out_(std::move(out)), first_text_(std::move(text)), first_toks_(std::move(toks)) {}
+  /// `first`: what Output::take released up to the first token (the handler waits for it
+  /// before committing the status).
+  EventStream(std::unique_ptr<Output> out, Released first)
+      : out_(std::move(out)), first_(std::move(first)) {}
 
   /// Writes the whole stream; false when the client went away (the generation is cancelled).
   bool run(httplib::DataSink& sink) {
@@ -306,21 +335,22 @@ class EventStream {
       if (!write(sse(j))) return false;
     }
     const bool native_tokens = o.req.endpoint == Endpoint::native && o.req.return_tokens;
-    std::vector<GeneratedToken> toks = std::move(first_toks_);  // tokens whose text is unsent
-    std::string text = std::move(first_text_);
+    // Not yet sent: text, token ids and log-probability entries (an entry goes out with its
+    // token's text or after it, never before).
+    Released rel = std::move(first_);
     while (true) {
-      if (!text.empty() || (native_tokens && !toks.empty())) {
-        if (!write(sse(o.chunk(text, toks, nullptr)))) return false;
-        toks.clear();
+      if (!rel.text.empty() || (native_tokens && !rel.ids.empty())) {
+        if (!write(sse(o.chunk(rel, nullptr)))) return false;
+        rel.clear();
       }
-      if (o.done) return finish(toks);
+      if (o.done) return finish(rel);
       if (o.srv.stopping.load()) return end_with_error(kShuttingDown);
       GenerationUpdate u = o.gen->wait(kPoll);
       if (o.watch.gone()) {
         o.gen->cancel();
         return false;
       }
-      text = o.take(u, toks);
+      o.take(u, rel);
       if (Clock::now() - last_write_ > std::chrono::duration<double>(o.srv.opt.ping_interval_s) &&
           !write(": ping\n\n"))
         return false;
@@ -343,15 +373,16 @@ class EventStream {
     return true;
   }
 
-  bool finish(std::vector<GeneratedToken>& toks) {
+  bool finish(Released& rel) {
     Output& o = *out_;
     if (o.error) return end_with_error(*o.error);
+    rel.text.clear();  // sent already
     if (o.req.endpoint == Endpoint::native) {
-      if (!write(sse(o.native_final("", toks)))) return false;
+      if (!write(sse(o.native_final(rel)))) return false;
       sink_->done();
       return true;
     }
-    json last = o.chunk("", toks, o.finish_reason());
+    json last = o.chunk(rel, o.finish_reason());
     last["timings"] = o.timings_json();
     if (!write(sse(last))) return false;
     if (o.req.include_usage) {
@@ -367,18 +398,15 @@ class EventStream {
   }
 
   std::unique_ptr<Output> out_;
-  std::string first_text_;
-  std::vector<GeneratedToken> first_toks_;
+  Released first_;
   httplib::DataSink* sink_ = nullptr;
   Clock::time_point last_write_ = Clock::now();
 };
 
 /// Waits for `o`'s end (or, with `first_token`, its first token), watching the client and the
-/// server's stop, appending the text released to `text` and the tokens to `toks`. False when it
-/// answered `res` itself: 503 at a stop, or nothing (499) for a client that went away; the
-/// generation is cancelled then.
-bool await(Output& o, httplib::Response& res, std::string& text, std::vector<GeneratedToken>& toks,
-           bool first_token) {
+/// server's stop, appending what it releases to `rel`. False when it answered `res` itself: 503
+/// at a stop, or nothing (499) for a client that went away; the generation is cancelled then.
+bool await(Output& o, httplib::Response& res, Released& rel, bool first_token) {
   while (!o.done && !(first_token && o.n_tokens > 0)) {
     if (o.srv.stopping.load()) {
       o.gen->cancel();
@@ -392,7 +420,7 @@ bool await(Output& o, httplib::Response& res, std::string& text, std::vector<Gen
       res.status = 499;  // never reaches anyone
       return false;
     }
-    text += o.take(u, toks);
+    o.take(u, rel);
   }
   return true;
 }
@@ -429,14 +457,13 @@ void HttpServer::Impl::completion(const httplib::Request& http, httplib::Respons
     // prefills) gets a real HTTP status, as without streaming. The client is watched meanwhile
     // (PeerWatch): one that hangs up while queued or in prefill frees its slot.
     Output& o = *out;
-    std::string text;
-    std::vector<GeneratedToken> toks;
-    if (!await(o, res, text, toks, /*first_token=*/true)) return;
+    Released first;
+    if (!await(o, res, first, /*first_token=*/true)) return;
     if (o.error && o.n_tokens == 0) {
       send_error(res, *o.error);
       return;
     }
-    auto stream = std::make_shared<EventStream>(std::move(out), std::move(text), std::move(toks));
+    auto stream = std::make_shared<EventStream>(std::move(out), std::move(first));
     res.status = 200;
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");
@@ -448,14 +475,13 @@ void HttpServer::Impl::completion(const httplib::Request& http, httplib::Respons
 
   // Whole response: wait for the end, watching the client.
   Output& o = *out;
-  std::string content;
-  std::vector<GeneratedToken> toks;
-  if (!await(o, res, content, toks, /*first_token=*/false)) return;
+  Released all;
+  if (!await(o, res, all, /*first_token=*/false)) return;
   if (o.error) {
     send_error(res, *o.error);
     return;
   }
-  send_json(res, o.whole(content, toks));
+  send_json(res, o.whole(all));
 }
 
 }  // namespace berth::server

@@ -12,9 +12,31 @@ TextFilter::TextFilter(std::vector<std::string> stops) : stops_(std::move(stops)
   for (const std::string& s : stops_) max_stop_ = std::max(max_stop_, s.size());
 }
 
+std::string TextFilter::release(size_t n) {
+  std::string out = waiting_.substr(0, n);
+  waiting_.erase(0, n);
+  released_ += n;
+  while (!decoded_.empty() && decoded_.front() <= released_) {
+    decoded_.pop_front();
+    ++n_released_pieces_;
+  }
+  return out;
+}
+
 std::string TextFilter::push(std::string_view piece) {
   if (stopped_) return {};
   raw_.append(piece);
+  raw_in_ += piece.size();
+  open_.push_back(raw_in_);
+  // A piece is decoded whole once the unit holding its last byte is (its decoded end: that
+  // unit's end).
+  auto settle = [&] {
+    while (!open_.empty() && open_.front() <= raw_decoded_) {
+      open_.pop_front();
+      decoded_.push_back(released_ + waiting_.size());
+    }
+  };
+  settle();
   // Decode every complete unit; keep an incomplete character for later.
   size_t pos = 0;
   while (pos < raw_.size()) {
@@ -25,9 +47,11 @@ std::string TextFilter::push(std::string_view piece) {
     else
       waiting_.append(utf8::kReplacement);
     pos += u.length;
+    raw_decoded_ += u.length;
+    settle();
   }
   raw_.erase(0, pos);
-  if (stops_.empty()) return std::exchange(waiting_, {});
+  if (stops_.empty()) return release(waiting_.size());
 
   // The earliest complete stop string (the longest one at that position) ends the text.
   size_t best = std::string::npos;
@@ -40,11 +64,15 @@ std::string TextFilter::push(std::string_view piece) {
     }
   }
   if (word) {
-    std::string out = waiting_.substr(0, best);
+    // The pieces wholly before the stop string are released; the rest (a piece that straddles
+    // its start included) are dropped with it.
+    std::string out = release(best);
     stopped_ = true;
     stop_word_ = *word;
     waiting_.clear();
     raw_.clear();
+    open_.clear();
+    decoded_.clear();
     return out;
   }
   // Hold back the longest suffix that is a proper prefix of a stop string. Stop strings are
@@ -59,9 +87,7 @@ std::string TextFilter::push(std::string_view piece) {
         break;
       }
   }
-  std::string out = waiting_.substr(0, waiting_.size() - hold);
-  waiting_.erase(0, waiting_.size() - hold);
-  return out;
+  return release(waiting_.size() - hold);
 }
 
 std::string TextFilter::flush() {
@@ -69,6 +95,10 @@ std::string TextFilter::flush() {
   std::string out = std::exchange(waiting_, {});
   out += utf8::sanitize(raw_);
   raw_.clear();
+  released_ += out.size();
+  n_released_pieces_ += decoded_.size() + open_.size();
+  decoded_.clear();
+  open_.clear();
   return out;
 }
 

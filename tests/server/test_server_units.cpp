@@ -104,6 +104,46 @@ TEST_CASE("TextFilter: a multi-byte stop string split inside a character") {
   CHECK(f.stopped());
 }
 
+// Pushes `pieces` one by one; returns n_released_pieces() after each (and after the flush, last).
+std::vector<size_t> released_counts(TextFilter& f, const std::vector<std::string>& pieces) {
+  std::vector<size_t> out;
+  for (const std::string& p : pieces) {
+    f.push(p);
+    out.push_back(f.n_released_pieces());
+  }
+  f.flush();
+  out.push_back(f.n_released_pieces());
+  return out;
+}
+
+TEST_CASE("TextFilter counts the pieces whose text is released whole; a stop drops its pieces") {
+  // The piece that straddles the stop string's start (" Lily": " Lil" before "y. She") is
+  // dropped with the stop string's own pieces, as are those after it.
+  TextFilter a({"y. She"});
+  CHECK(released_counts(a, {", there", " named", " Lily", ".", " She", " more"}) ==
+        std::vector<size_t>{1, 2, 2, 2, 2, 2, 2});
+  // " Lily" starts with text before the stop string ("Lily"): still dropped.
+  TextFilter b({"Lily"});
+  CHECK(released_counts(b, {" girl", " named", " Lily", "."}) ==
+        std::vector<size_t>{1, 2, 2, 2, 2});
+  // A piece that ends where the stop string starts is released.
+  TextFilter c({"ab"});
+  CHECK(released_counts(c, {"x", "ab"}) == std::vector<size_t>{1, 1, 1});
+  // Held-back text: " Lily" counts once "Lily" is known not to start "Lily's dog".
+  TextFilter d({"Lily's dog"});
+  CHECK(released_counts(d, {"named", " Lily", ". She", "Lily"}) ==
+        std::vector<size_t>{1, 1, 3, 3, 4});
+  // A character split across pieces: both count once it is complete; a truncated one at the
+  // flush; ill-formed bytes (U+FFFD) count like text; an empty piece once what precedes is out.
+  TextFilter e({});
+  CHECK(released_counts(e, {"ab\xC3", "\xA9 c", "", "\xC3", "A", "x\xE2\x82"}) ==
+        std::vector<size_t>{0, 2, 3, 3, 5, 5, 6});
+  // A stop string inside a character's pieces: the pieces before it only.
+  TextFilter f({"\xC3\xA9t\xC3\xA9"});
+  CHECK(released_counts(f, {"l'", "\xC3", "\xA9t", "\xC3", "\xA9 chaud"}) ==
+        std::vector<size_t>{1, 1, 1, 1, 1, 1});
+}
+
 namespace {
 
 // A recurrent-like state: cannot truncate; save() snapshots (the position), restore() returns.

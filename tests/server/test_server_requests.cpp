@@ -1,0 +1,148 @@
+// Request fields over HTTP against the real stories260K model (greedy, exact values): the
+// log-probability entries cover exactly the tokens whose text is returned (stop strings), on
+// every endpoint, streamed or not.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "server_harness.h"
+
+using namespace berth;
+using namespace berth::test;
+
+namespace {
+
+const LoadedModel& stories() {
+  static LoadedModel m(stories260k().string());
+  return m;
+}
+
+const std::string kOnce = "Once upon a time";
+
+// The log-probability entries of a whole response or of one streamed event, one JSON object
+// per token ({"token", "logprob", "top"}), by endpoint; and the text the response or event
+// carries.
+struct Entries {
+  std::vector<json> list;
+  std::string text;
+};
+
+Entries entries_of(const json& j, const std::string& path) {
+  Entries e;
+  if (path == "/completion") {
+    if (j.contains("content")) e.text = j["content"];
+    if (j.contains("completion_probabilities"))
+      for (const json& t : j["completion_probabilities"])
+        e.list.push_back(
+            {{"token", t["token"]}, {"logprob", t["logprob"]}, {"top", t["top_logprobs"]}});
+    return e;
+  }
+  if (!j.contains("choices") || j["choices"].empty()) return e;
+  const json& c = j["choices"][0];
+  if (c.contains("text")) e.text = c["text"];
+  if (c.contains("message")) e.text = c["message"]["content"];
+  if (c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string())
+    e.text = c["delta"]["content"];
+  const json& lp = c["logprobs"];
+  if (lp.is_null()) return e;
+  if (path == "/v1/completions") {
+    for (size_t i = 0; i < lp["tokens"].size(); ++i)
+      e.list.push_back({{"token", lp["tokens"][i]},
+                        {"logprob", lp["token_logprobs"][i]},
+                        {"top", lp["top_logprobs"][i]}});
+  } else {
+    for (const json& t : lp["content"])
+      e.list.push_back(
+          {{"token", t["token"]}, {"logprob", t["logprob"]}, {"top", t["top_logprobs"]}});
+  }
+  return e;
+}
+
+std::vector<std::string> tokens_of(const std::vector<json>& list) {
+  std::vector<std::string> out;
+  for (const json& t : list) out.push_back(t["token"]);
+  return out;
+}
+
+std::string concat(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += x;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("logprobs cover exactly the tokens whose text is returned: stop strings, streaming") {
+  TestServer srv(stories(), ServerConfig{.n_slots = 2});
+  struct Case {
+    std::string path;
+    json body;
+    std::string text;                 // the returned text
+    std::vector<std::string> tokens;  // its logprob entries
+  };
+  const json chat_msgs = {{{"role", "user"}, {"content", "Tell me a story."}}};
+  const std::vector<std::string> girl_named = {",",  " there", " was", " a",    " little",
+                                               " g", "ir",     "l",    " named"};
+  const std::vector<Case> cases = {
+      // " Lily" straddles the stop string's start (" Lil" before "y. She"): dropped with " ."
+      // and " She".
+      {"/v1/completions",
+       {{"prompt", kOnce}, {"max_tokens", 20}, {"logprobs", 1}, {"stop", "y. She"}},
+       ", there was a little girl named Lil",
+       girl_named},
+      // " Lily" holds the space before the stop string "Lily": dropped too.
+      {"/completion",
+       {{"prompt", kOnce}, {"n_predict", 20}, {"n_probs", 1}, {"stop", {"Lily"}}},
+       ", there was a little girl named ",
+       girl_named},
+      // "re" straddles 'e," r' ("r" before it).
+      {"/v1/chat/completions",
+       {{"messages", chat_msgs}, {"max_tokens", 20}, {"logprobs", true}, {"stop", "e,\" r"}},
+       "\"Her",
+       {"\"", "H", "e"}},
+      // A stop string that starts right after a token: every token before it is kept.
+      {"/v1/chat/completions",
+       {{"messages", chat_msgs},
+        {"max_tokens", 20},
+        {"logprobs", true},
+        {"top_logprobs", 2},
+        {"stop", ",\" re"}},
+       "\"Here",
+       {"\"", "H", "e", "re"}},
+      // No stop string: every token.
+      {"/v1/completions",
+       {{"prompt", kOnce}, {"max_tokens", 6}, {"logprobs", 2}},
+       ", there was a little g",
+       {",", " there", " was", " a", " little", " g"}},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.path);
+    CAPTURE(c.body.dump());
+    json b = c.body;
+    b["temperature"] = 0;
+    b["cache_prompt"] = false;  // every request evaluates the same prompt the same way
+    Reply whole = post(srv.port, c.path, b);
+    REQUIRE(whole.status == 200);
+    const Entries w = entries_of(whole.j, c.path);
+    CHECK(w.text == c.text);
+    CHECK(tokens_of(w.list) == c.tokens);
+    CHECK(c.text.rfind(concat(tokens_of(w.list)), 0) == 0);
+
+    // Streamed: the entries of all events are the whole response's, and none arrives before
+    // its token's text.
+    b["stream"] = true;
+    Stream s = post_stream(srv.port, c.path, b);
+    REQUIRE(s.status == 200);
+    std::string sent;
+    std::vector<json> streamed;
+    for (const json& ev : s.events()) {
+      const Entries e = entries_of(ev, c.path);
+      sent += e.text;
+      streamed.insert(streamed.end(), e.list.begin(), e.list.end());
+      CHECK(sent.rfind(concat(tokens_of(streamed)), 0) == 0);
+    }
+    CHECK(sent == c.text);
+    CHECK(streamed == w.list);
+  }
+}
