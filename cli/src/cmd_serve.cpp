@@ -245,7 +245,14 @@ int serve(ServeOptions& o) {
 
 // The flags of `serve` (also those of `bench serve`, whose server they configure).
 void add_serve_flags(CLI::App* sub, ServeOptions& o) {
-  sub->add_option("--host", o.http.host, "address to listen on")->capture_default_str();
+  sub->add_option("--host", o.http.host, "address to listen on")
+      ->capture_default_str()
+      ->check([](const std::string& h) {
+        return h.empty() ? std::string(
+                               "an empty address (127.0.0.1: this machine only; 0.0.0.0: "
+                               "every interface)")
+                         : std::string();
+      });
   sub->add_option("--port", o.http.port, "port to listen on (0: any free port)")
       ->capture_default_str()
       ->check(range(0, 65535));

@@ -2,6 +2,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cctype>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -216,9 +217,15 @@ void HttpServer::Impl::routes() {
     if (!opt.api_key.empty() && !is_public(req.path)) {
       std::string key = req.get_header_value("X-Api-Key");
       const std::string auth = req.get_header_value("Authorization");
-      if (key.empty() && auth.rfind("Bearer ", 0) == 0) key = auth.substr(7);
+      // The scheme is case-insensitive (RFC 9110, 11.1).
+      if (key.empty() && auth.size() > 7 &&
+          std::equal(auth.begin(), auth.begin() + 7, "bearer ", [](char a, char b) {
+            return std::tolower(static_cast<unsigned char>(a)) == b;
+          }))
+        key = auth.substr(7);
       if (!same_secret(key, opt.api_key)) {
-        res.set_header("Connection", "close");  // the body, if any, stays unread
+        res.set_header("Connection", "close");         // the body, if any, stays unread
+        res.set_header("WWW-Authenticate", "Bearer");  // a 401 names its scheme (RFC 9110, 11.6.1)
         send_error(res, ApiError{401, "authentication_error", "Invalid API Key"});
         return httplib::Server::HandlerResponse::Handled;
       }

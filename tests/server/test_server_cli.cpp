@@ -103,6 +103,10 @@ TEST_CASE("berth serve refuses a bad model or bad flags before listening, exit c
   const std::string model = shell_quote(stories260k().string());
   r = run_command(berth_bin() + " serve --port 0 -np 0 -m " + model);
   CHECK(r.exit_code == 2);
+  r = run_command(berth_bin() + " serve --port 0 --host '' -m " + model);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--host") != std::string::npos);
+  CHECK(r.err.find("listening") == std::string::npos);
   // -c / -np below a one-token prompt and one generated token per slot: exit 1 (invalid_argument,
   // as bench model --parallel's -c check), naming -c, -np and the tokens per slot.
   for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{

@@ -580,6 +580,13 @@ TEST_CASE("--api-key: 401 without it (Bearer or X-Api-Key); /health and /v1/mode
   CHECK(post(srv.port, "/v1/completions", completion_body("a", 2), {{"X-Api-Key", "s3cret"}})
             .status == 200);
   CHECK(get(srv.port, "/props", {{"X-Api-Key", "s3cret"}}).status == 200);
+  // The scheme's name is case-insensitive; a 401 names the scheme it wants.
+  CHECK(get(srv.port, "/props", {{"Authorization", "bearer s3cret"}}).status == 200);
+  CHECK(get(srv.port, "/props", {{"Authorization", "BEARER s3cret"}}).status == 200);
+  const Reply denied = get(srv.port, "/props");
+  CHECK(denied.status == 401);
+  CHECK(httplib::detail::get_header_value(denied.headers, "WWW-Authenticate", 0, "") ==
+        std::string("Bearer"));
 }
 
 TEST_CASE("413 for a body over the limit, whatever its framing; the server answers on") {
