@@ -4,8 +4,10 @@
 // and where); 2 bad command-line usage: CLI11's parse errors and berth::Error of category usage
 // (a bad value of an environment variable the CLI reads, such as BERTH_SIM_DEVICE).
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <new>
 #include <set>
@@ -48,6 +50,17 @@ int fail(std::string_view message, int code) {
   return code;
 }
 
+// --help and --version print to stdout: a write that failed (a full disk, a closed pipe) is an
+// error (exit 1), as every command's output is (write_stdout).
+int help_exit(int code) {
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "berth: error: cannot write to stdout: %s\n",
+                 std::strerror(errno ? errno : EIO));
+    return 1;
+  }
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,11 +90,11 @@ int main(int argc, char** argv) {
     std::vector<std::string> args = normalise_args(argc, argv);
     app.parse(args);
   } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
+    return help_exit(app.exit(e));
   } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
+    return help_exit(app.exit(e));
   } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
+    return help_exit(app.exit(e));
   } catch (const CLI::ParseError& e) {
     std::string what = e.what();
     // "A subcommand is required" after an unknown word: name the word and the choices.

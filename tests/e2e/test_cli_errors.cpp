@@ -394,3 +394,15 @@ TEST_CASE("unexpected arguments are named in the order they were typed") {
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("not expected: -x 3 extra") != std::string::npos);
 }
+
+TEST_CASE("--help and --version to a stdout that cannot be written: exit 1 and the reason") {
+  const std::string bin = berth::test::berth_bin();
+  for (const std::string args : {"--help", "--version", "serve --help", "bench model --help"}) {
+    CAPTURE(args);
+    const CommandResult r = run_command(bin + " " + args + " > /dev/full");
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("berth: error: cannot write to stdout: No space left on device") !=
+          std::string::npos);
+    CHECK(run_command(bin + " " + args).exit_code == 0);
+  }
+}
