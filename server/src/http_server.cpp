@@ -214,6 +214,33 @@ void HttpServer::Impl::routes() {
                                "multipart bodies are not accepted: send a JSON object"});
       return httplib::Server::HandlerResponse::Handled;
     }
+    // Content-Length, judged before any of the body is read: values that disagree make the
+    // body's end ambiguous (RFC 9112, 6.3: a request smuggling risk), and a length over the limit
+    // is refused at once (cpp-httplib would first read and discard that many bytes, waiting for
+    // a client that never sends them until its read timeout).
+    if (const size_t n_len = req.get_header_value_count("Content-Length"); n_len > 0) {
+      const std::string len = req.get_header_value("Content-Length", 0);
+      bool bad = len.empty() || len.size() > 19 ||
+                 !std::all_of(len.begin(), len.end(), [](char c) { return c >= '0' && c <= '9'; });
+      for (size_t i = 1; i < n_len; ++i)
+        bad = bad || req.get_header_value("Content-Length", i) != len;
+      if (bad) {
+        res.set_header("Connection", "close");
+        send_error(res, ApiError{400, "invalid_request_error",
+                                 n_len > 1 ? "the request has Content-Length values that disagree"
+                                           : fmt::format("Content-Length '{}' is not a length",
+                                                         printable(len, 40))});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (std::stoull(len) > opt.max_body_bytes) {
+        res.set_header("Connection", "close");
+        send_error(res, ApiError{413, "invalid_request_error",
+                                 fmt::format("the request body of {} bytes is over the limit of {} "
+                                             "bytes",
+                                             len, opt.max_body_bytes)});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (!opt.api_key.empty() && !is_public(req.path)) {
       std::string key = req.get_header_value("X-Api-Key");
       const std::string auth = req.get_header_value("Authorization");

@@ -612,6 +612,26 @@ TEST_CASE("413 for a body over the limit, whatever its framing; the server answe
     c.read_until("\r\n\r\n");
     CHECK(c.status() == 413);
   }
+  {  // ... and when the client sends none of it: refused from the header alone, before the
+     // server's 5 s read timeout (it used to wait for the body to discard it).
+    RawConn c(srv.port);
+    const auto t0 = std::chrono::steady_clock::now();
+    c.send(http_post_head("/v1/completions", size_t{17} << 20));
+    const std::string got = c.read_until("}}");
+    CHECK(c.status() == 413);
+    CHECK(got.find("the request body of 17825792 bytes is over the limit of 65536 bytes") !=
+          std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
+  }
+  {  // Content-Length values that disagree: 400, whichever the body matches.
+    RawConn c(srv.port);
+    c.send(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 2\r\nContent-Length: 30\r\n\r\n{\"prompt\": \"a\", \"max_tokens\": 1}");
+    const std::string got = c.read_until("}}");
+    CHECK(c.status() == 400);
+    CHECK(got.find("the request has Content-Length values that disagree") != std::string::npos);
+  }
   CHECK(post(srv.port, "/v1/completions", completion_body(kOnce, 2)).status == 200);
 }
 
