@@ -118,6 +118,63 @@ std::vector<int32_t> get_ids(const json& arr, const std::string& where, int64_t 
   return ids;
 }
 
+// A logit_bias entry's bias: a number in [-100, 100] (OpenAI's range), or false: the token is
+// banned (-inf, llama-server's form).
+float get_bias(const json& v, const std::string& where) {
+  if (v.is_boolean() && !v.get<bool>()) return -INFINITY;
+  if (!v.is_number() || !(v.get<double>() >= -100.0 && v.get<double>() <= 100.0))
+    bad(fmt::format("'{}' must be a number in [-100, 100] or false, got {}", where, shown(v)));
+  return static_cast<float>(v.get<double>());
+}
+
+// `logit_bias`: OpenAI's object of token ids (as strings) to biases, {"378": -100}, or
+// llama-server's array of [token id, bias] pairs, [[378, -100], [13, false]]. Token ids only: a
+// key or id that is text (llama-server tokenizes it) is refused, as is an id outside the
+// vocabulary. An id given twice gets the sum of its biases (llama.cpp's sampler adds each).
+std::vector<std::pair<int32_t, float>> get_logit_bias(const json& j, int64_t n_vocab) {
+  const json* v = field(j, "logit_bias");
+  std::vector<std::pair<int32_t, float>> out;
+  if (!v) return out;
+  const auto outside = [&](const std::string& what) {
+    bad(fmt::format("{} is outside the vocabulary of {} tokens", what, n_vocab));
+  };
+  if (v->is_object()) {
+    for (const auto& [key, bias] : v->items()) {
+      const std::string k = shown(json(key));
+      // A decimal integer: digits, after a minus sign at most (outside the vocabulary then).
+      const size_t start = !key.empty() && key[0] == '-' ? 1 : 0;
+      if (key.size() == start || key.find_first_not_of("0123456789", start) != std::string::npos)
+        bad(fmt::format("'logit_bias' key {} is not a token id (an integer)", k));
+      int64_t id = 0;
+      for (size_t i = start; i < key.size() && id < n_vocab; ++i) id = id * 10 + (key[i] - '0');
+      if (start == 1 && id != 0) id = -1;  // "-0" is 0
+      if (id < 0 || id >= n_vocab) outside("'logit_bias' key " + k);
+      out.emplace_back(static_cast<int32_t>(id), get_bias(bias, "logit_bias[" + k + "]"));
+    }
+  } else if (v->is_array()) {
+    for (size_t i = 0; i < v->size(); ++i) {
+      const json& e = (*v)[i];
+      if (!e.is_array() || e.size() != 2)
+        bad(fmt::format("'logit_bias[{}]' must be a [token id, bias] pair, got {}", i, shown(e)));
+      const json& t = e[0];
+      if (!t.is_number_integer())
+        bad(fmt::format("'logit_bias[{}][0]' must be a token id (an integer), got {}", i,
+                        shown(t)));
+      if (t.is_number_unsigned() ? t.get<uint64_t>() >= static_cast<uint64_t>(n_vocab)
+                                 : (t.get<int64_t>() < 0 || t.get<int64_t>() >= n_vocab))
+        outside(fmt::format("'logit_bias[{}][0]' = {}", i, shown(t)));
+      out.emplace_back(static_cast<int32_t>(t.get<int64_t>()),
+                       get_bias(e[1], fmt::format("logit_bias[{}][1]", i)));
+    }
+  } else {
+    bad(
+        fmt::format("'logit_bias' must be an object of token ids to biases or an array of "
+                    "[token id, bias] pairs, got {}",
+                    shown(*v)));
+  }
+  return out;
+}
+
 // `prompt` of /v1/completions and /completion: a string, an array of token ids, or an array
 // holding one of those.
 std::vector<int32_t> get_prompt(const json& j, const ModelContext& m, std::string& text) {
@@ -287,6 +344,7 @@ CompletionRequest parse_completion(const json& j, Endpoint endpoint, const Model
   r.gen.cache_prompt = get_bool(j, "cache_prompt", true);
   r.gen.ignore_eos = get_bool(j, "ignore_eos", false);
   r.gen.slot = static_cast<int32_t>(get_int(j, "id_slot", -1, 1 << 20, -1));
+  r.gen.sampling.logit_bias = get_logit_bias(j, m.n_vocab);
 
   // Log-probabilities: chat {logprobs: bool, top_logprobs: 0..20}; completions {logprobs:
   // 0..5} (the number of top tokens); native {n_probs: 0..20}.

@@ -138,6 +138,16 @@ std::shared_ptr<Generation> BatchEngine::submit(GenerationRequest req) {
                    fmt::format("top_logprobs must be in 0..20, got {}", ss.n_top_logprobs));
   if (!std::isfinite(ss.presence_penalty) || !std::isfinite(ss.frequency_penalty))
     throw Rejected(R::invalid, "presence_penalty and frequency_penalty must be finite");
+  for (const auto& [id, bias] : ss.logit_bias) {
+    if (id < 0 || id >= n_vocab)
+      throw Rejected(R::invalid, fmt::format("logit_bias token {} is outside the vocabulary of {} "
+                                             "tokens",
+                                             id, n_vocab));
+    if (std::isnan(bias) || bias == INFINITY)
+      throw Rejected(
+          R::invalid,
+          fmt::format("logit_bias of token {} must be a number or -inf, got {}", id, bias));
+  }
   std::optional<Sampler> sampler;
   try {
     sampler.emplace(ss.sampler, static_cast<int32_t>(n_vocab));
@@ -330,17 +340,16 @@ void BatchEngine::step() {
   }
   packer_.pack(inputs_, options_.session.n_ubatch);
 
-  // A step whose output rows all belong to slots that sample greedily without penalties or
-  // logprobs: the device picks each row's token and only the ids come back, instead of n_vocab
-  // logits per row to the host and a pass over each (the same choice: ties to the lower id).
+  // A step whose output rows all belong to slots that sample greedily without penalties,
+  // logprobs or a logit bias (device_pickable): the device picks each row's token and only the
+  // ids come back, instead of n_vocab logits per row to the host and a pass over each (the same
+  // choice: ties to the lower id).
   std::span<const int32_t> picked;
   int64_t n_rows = 0;  // output rows the slots take
   bool device_pick = session_->device() != nullptr;
   for (size_t i = 0; i < busy_.size() && device_pick; ++i)
     if (packer_.taken(i) > 0 && packer_.out_row(i) >= 0) {
-      const SamplingSettings& ss = busy_[i]->req.sampling;
-      device_pick = ss.sampler.temp <= 0.0f && ss.sampler.repeat_penalty == 1.0f &&
-                    ss.presence_penalty == 0.0f && ss.frequency_penalty == 0.0f && !ss.logprobs;
+      device_pick = device_pickable(busy_[i]->req.sampling);
       ++n_rows;
     }
   device_pick = device_pick && n_rows > 0;
@@ -419,11 +428,20 @@ void BatchEngine::step() {
   }
 }
 
+bool BatchEngine::device_pickable(const SamplingSettings& s) {
+  return s.sampler.temp <= 0.0f && s.sampler.repeat_penalty == 1.0f && s.presence_penalty == 0.0f &&
+         s.frequency_penalty == 0.0f && !s.logprobs && s.logit_bias.empty();
+}
+
 void BatchEngine::sample(Slot& s, std::span<const float> logits, int32_t picked) {
   const SamplingSettings& ss = s.req.sampling;
   std::span<const float> use = logits;
-  if (picked < 0 && (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f)) {
+  if (picked < 0 &&
+      (ss.presence_penalty != 0.0f || ss.frequency_penalty != 0.0f || !ss.logit_bias.empty())) {
     s.scratch.assign(logits.begin(), logits.end());
+    // The bias first (llama.cpp's chain), then the penalties (all additive here; the repetition
+    // penalty, which is not, comes after, in the Sampler).
+    for (const auto& [t, bias] : ss.logit_bias) s.scratch[static_cast<size_t>(t)] += bias;
     std::unordered_map<int32_t, int32_t> counts;
     for (int32_t t : s.recent) ++counts[t];
     for (const auto& [t, c] : counts)

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "berth/backends/device.h"
@@ -381,5 +383,56 @@ TEST_CASE(
     const Result r5 = drain(*e->submit(ids_request(branch, kReply)));
     CHECK(r5.timings.n_cached == static_cast<int64_t>(edited.size()));
     CHECK(r5.ids() == run_alone(m, ids_request(branch, kReply)).ids());
+  }
+}
+
+TEST_CASE("BatchEngine: logit_bias moves greedy's argmax, on the host and on a device") {
+  // stories260K continues "Once upon a" with " time" (378), then "re" (276) is the most likely;
+  // a bias of -100 or -inf on 378 makes "re" the first token. On a device, a slot with a bias
+  // takes its logits to the host (the device's pick would not see the bias).
+  const LoadedModel& m = stories();
+  REQUIRE(m.tok->token_to_piece(378) == " time");
+  REQUIRE(m.tok->token_to_piece(276) == "re");
+  std::unique_ptr<Device> dev = make_sim_device(size_t{1} << 30);
+  for (Device* d : {static_cast<Device*>(nullptr), dev.get()}) {
+    CAPTURE(d != nullptr);
+    auto e = make_engine(m, 1, 512, 512, 64, d);
+    CHECK(drain(*e->submit(greedy(m, "Once upon a", 3))).ids() ==
+          std::vector<int32_t>{378, 432, 383});
+    const int64_t picked = e->metrics().tokens_device_picked_total;
+    CHECK(picked == (d ? 3 : 0));
+    for (const float bias : {-100.0f, -INFINITY}) {
+      GenerationRequest r = greedy(m, "Once upon a", 3);
+      r.sampling.logit_bias = {{378, bias}};
+      CHECK(drain(*e->submit(r)).ids() == std::vector<int32_t>{276, 364, 334});
+    }
+    // A positive bias makes its token win everywhere; a bias summed with another cancels.
+    GenerationRequest r = greedy(m, "Once upon a", 3);
+    r.sampling.logit_bias = {{13, 100.0f}};
+    CHECK(drain(*e->submit(r)).ids() == std::vector<int32_t>{13, 13, 13});
+    r.sampling.logit_bias = {{13, 100.0f}, {13, -100.0f}};
+    CHECK(drain(*e->submit(r)).ids() == std::vector<int32_t>{378, 432, 383});
+    CHECK(e->metrics().tokens_device_picked_total == picked);  // none of the biased ones
+  }
+  CHECK_FALSE(BatchEngine::device_pickable(
+      server::SamplingSettings{.sampler = {.temp = 0}, .logit_bias = {{378, -1.0f}}}));
+  CHECK(BatchEngine::device_pickable(server::SamplingSettings{.sampler = {.temp = 0}}));
+
+  // Checked at submit: an id outside the vocabulary, a NaN or +inf bias.
+  auto e = make_engine(m, 1, 512);
+  for (const auto& [id, bias, msg] : std::vector<std::tuple<int32_t, float, std::string>>{
+           {512, 1.0f, "logit_bias token 512 is outside the vocabulary of 512 tokens"},
+           {-1, 1.0f, "logit_bias token -1 is outside the vocabulary of 512 tokens"},
+           {5, NAN, "logit_bias of token 5 must be a number or -inf, got nan"},
+           {5, INFINITY, "logit_bias of token 5 must be a number or -inf, got inf"}}) {
+    GenerationRequest r = greedy(m, "Once upon a", 3);
+    r.sampling.logit_bias = {{id, bias}};
+    try {
+      e->submit(r);
+      FAIL("accepted");
+    } catch (const server::Rejected& err) {
+      CHECK(err.reason() == server::Rejected::Reason::invalid);
+      CHECK(std::string(err.what()) == msg);
+    }
   }
 }

@@ -146,3 +146,79 @@ TEST_CASE("logprobs cover exactly the tokens whose text is returned: stop string
     CHECK(streamed == w.list);
   }
 }
+
+TEST_CASE("logit_bias over HTTP: greedy's first token moves; malformed values are 400") {
+  TestServer srv(stories(), ServerConfig{.n_slots = 2});
+  // "Once upon a" continues with " time" (378); "re" (276) is next most likely.
+  auto first = [&](const std::string& path, const json& bias) {
+    json b = {{"prompt", "Once upon a"}, {"temperature", 0}};
+    if (path == "/completion") {
+      b["n_predict"] = 3;
+      b["return_tokens"] = true;
+    } else {
+      b["max_tokens"] = 3;
+    }
+    if (!bias.is_null()) b["logit_bias"] = bias;
+    Reply r = post(srv.port, path, b);
+    REQUIRE(r.status == 200);
+    return path == "/completion" ? r.j["content"].get<std::string>()
+                                 : r.j["choices"][0]["text"].get<std::string>();
+  };
+  for (const std::string path : {"/completion", "/v1/completions"}) {
+    CAPTURE(path);
+    CHECK(first(path, nullptr) == " time, there");
+    CHECK(first(path, {{"378", -100}}) == "re you o");
+    CHECK(first(path, json::array({json::array({378, false})})) == "re you o");
+    CHECK(first(path, json::array({json::array({378, -100})})) == "re you o");
+    CHECK(first(path, {{"378", -5}}) == " time, there");  // not enough to move it
+    CHECK(first(path, {{"13", 100}}) == "\n\n\n");
+  }
+  // Chat: a bias against what the model says first changes it.
+  json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me a story."}}}},
+               {"max_tokens", 4},
+               {"temperature", 0}};
+  Reply plain = post(srv.port, "/v1/chat/completions", chat);
+  REQUIRE(plain.status == 200);
+  CHECK(plain.j["choices"][0]["message"]["content"] == "\"Here");
+  const int32_t quote = stories().tok->find_token("\"");
+  REQUIRE(quote >= 0);
+  chat["logit_bias"] = {{std::to_string(quote), -100}};
+  Reply biased = post(srv.port, "/v1/chat/completions", chat);
+  REQUIRE(biased.status == 200);
+  CHECK(biased.j["choices"][0]["message"]["content"] == "Then,");
+
+  struct Bad {
+    json bias;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {{{"x378", 1}}, "'logit_bias' key \"x378\" is not a token id (an integer)"},
+      {{{"512", 1}}, "'logit_bias' key \"512\" is outside the vocabulary of 512 tokens"},
+      {{{"378", "-100"}},
+       "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got \"-100\""},
+      {{{"378", -1000}},
+       "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got -1000"},
+      {json::array({json::array({378, true})}),
+       "'logit_bias[0][1]' must be a number in [-100, 100] or false, got true"},
+      {json::array({json::array({100000, 1})}),
+       "'logit_bias[0][0]' = 100000 is outside the vocabulary of 512 tokens"},
+      {json::array({378}), "'logit_bias[0]' must be a [token id, bias] pair, got 378"},
+      {true,
+       "'logit_bias' must be an object of token ids to biases or an array of [token id, bias] "
+       "pairs, got true"},
+  };
+  for (const Bad& x : bad)
+    for (const std::string path : {"/completion", "/v1/completions", "/v1/chat/completions"}) {
+      CAPTURE(path);
+      CAPTURE(x.bias.dump());
+      json b = path == "/v1/chat/completions"
+                   ? json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}}
+                   : json{{"prompt", "Once upon a"}};
+      b["logit_bias"] = x.bias;
+      b["max_tokens"] = 2;
+      Reply r = post(srv.port, path, b);
+      CHECK(r.status == 400);
+      CHECK(r.j["error"] ==
+            json{{"code", 400}, {"type", "invalid_request_error"}, {"message", x.message}});
+    }
+}

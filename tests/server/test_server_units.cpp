@@ -505,3 +505,51 @@ TEST_CASE("bench serve's per-request rates: the nearest-rank median and the mean
   CHECK(none.per_request_tok_s == 0.0);
   CHECK(none.per_request_tok_s_mean == 0.0);
 }
+
+TEST_CASE_FIXTURE(ParseFixture, "parse_completion: logit_bias as an object or [id, bias] pairs") {
+  using Bias = std::vector<std::pair<int32_t, float>>;
+  CHECK(parse({{"prompt", "a"}}).gen.sampling.logit_bias.empty());
+  CHECK(parse({{"prompt", "a"}, {"logit_bias", nullptr}}).gen.sampling.logit_bias.empty());
+  CHECK(parse({{"prompt", "a"}, {"logit_bias", json::object()}}).gen.sampling.logit_bias.empty());
+  CHECK(parse({{"prompt", "a"}, {"logit_bias", {{"378", -100}, {"13", 2.5}, {"0", 100}}}})
+            .gen.sampling.logit_bias == Bias{{0, 100.0f}, {13, 2.5f}, {378, -100.0f}});
+  CHECK(parse({{"prompt", "a"}, {"logit_bias", {{378, false}, {13, -1}, {378, 3}}}})
+            .gen.sampling.logit_bias == Bias{{378, -INFINITY}, {13, -1.0f}, {378, 3.0f}});
+  CHECK(parse({{"prompt", "a"}, {"logit_bias", {{"511", 0}}}}, Endpoint::native)
+            .gen.sampling.logit_bias == Bias{{511, 0.0f}});
+  CHECK(parse({{"messages", {{{"role", "user"}, {"content", "a"}}}}, {"logit_bias", {{"7", 1}}}},
+              Endpoint::chat)
+            .gen.sampling.logit_bias == Bias{{7, 1.0f}});
+
+  auto why = [&](const json& bias) { return refusal({{"prompt", "a"}, {"logit_bias", bias}}); };
+  CHECK(why({{"abc", 1}}) == "'logit_bias' key \"abc\" is not a token id (an integer)");
+  CHECK(why({{"37.5", 1}}) == "'logit_bias' key \"37.5\" is not a token id (an integer)");
+  CHECK(why({{"", 1}}) == "'logit_bias' key \"\" is not a token id (an integer)");
+  CHECK(why({{"512", 1}}) == "'logit_bias' key \"512\" is outside the vocabulary of 512 tokens");
+  CHECK(why({{"-1", 1}}) == "'logit_bias' key \"-1\" is outside the vocabulary of 512 tokens");
+  CHECK(why({{"99999999999999999999999", 1}}) ==
+        "'logit_bias' key \"99999999999999999999999\" is outside the vocabulary of 512 tokens");
+  CHECK(why({{"378", "x"}}) ==
+        "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got \"x\"");
+  CHECK(why({{"378", 100.5}}) ==
+        "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got 100.5");
+  CHECK(why({{"378", true}}) ==
+        "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got true");
+  CHECK(why({{"378", nullptr}}) ==
+        "'logit_bias[\"378\"]' must be a number in [-100, 100] or false, got null");
+  CHECK(why(json::array({378})) == "'logit_bias[0]' must be a [token id, bias] pair, got 378");
+  CHECK(why({{1, 2, 3}}) == "'logit_bias[0]' must be a [token id, bias] pair, got an array of 3");
+  CHECK(why(json::array({json::array({"a", 1})})) ==
+        "'logit_bias[0][0]' must be a token id (an integer), got \"a\"");
+  CHECK(why(json::array({json::array({1.5, 1})})) ==
+        "'logit_bias[0][0]' must be a token id (an integer), got 1.5");
+  CHECK(why(json::array({json::array({5, 1}), json::array({512, 1})})) ==
+        "'logit_bias[1][0]' = 512 is outside the vocabulary of 512 tokens");
+  CHECK(why(json::array({json::array({-3, 1})})) ==
+        "'logit_bias[0][0]' = -3 is outside the vocabulary of 512 tokens");
+  CHECK(why(json::array({json::array({5, -101})})) ==
+        "'logit_bias[0][1]' must be a number in [-100, 100] or false, got -101");
+  CHECK(why("378") ==
+        "'logit_bias' must be an object of token ids to biases or an array of [token id, bias] "
+        "pairs, got \"378\"");
+}

@@ -2,7 +2,8 @@
 // llama-server's /completion turned into a GenerationRequest, every field checked. Field names
 // and meanings are OpenAI's (https://platform.openai.com/docs/api-reference/chat/create) with
 // llama-server's extras (tools/server/README.md in llama.cpp): n_predict, cache_prompt, id_slot,
-// n_probs, repeat_penalty, repeat_last_n, min_p, top_k, ignore_eos, return_tokens.
+// n_probs, repeat_penalty, repeat_last_n, min_p, top_k, ignore_eos, return_tokens, and
+// logit_bias as [[id, bias], ...] pairs (bias false: the token is banned) beside OpenAI's object.
 #pragma once
 
 #include <cstdint>

@@ -73,6 +73,11 @@ class BatchEngine : public Engine {
   /// same step.
   void hold_queue(bool on);
 
+  /// Whether a slot sampling with `s` may take the device's pick (greedy on the device, only
+  /// the id comes back): greedy, without penalties, logprobs or a logit bias. Other slots need
+  /// their logits on the host.
+  static bool device_pickable(const SamplingSettings& s);
+
   /// Worker threads of the Session's pool.
   int n_threads() const { return session_->pool().n_threads(); }
 

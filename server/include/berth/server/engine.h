@@ -39,6 +39,11 @@ struct SamplingSettings {
   /// logits, before penalties and temperature).
   bool logprobs = false;
   int32_t n_top_logprobs = 0;  ///< 0..20
+  /// (token id, bias) added to that token's logit before anything else (OpenAI's logit_bias,
+  /// llama.cpp's logit-bias sampler, first in its chain); -inf bans the token, and an id listed
+  /// twice gets the sum. Greedy requests see the biased logits too; log-probabilities stay the
+  /// model's (above).
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 /// One generation request: `prompt` is evaluated after whatever prefix of it a slot's cache
@@ -194,9 +199,10 @@ class Engine {
 
   /// Queues `request`. Checks it first and throws Rejected: invalid (empty prompt, a token id
   /// outside the vocabulary, max_tokens < -1, slot outside 0..n_slots()-1, bad sampler
-  /// settings), context_exceeded (prompt.size() >= n_ctx_per_slot(), with both numbers),
-  /// queue_full (n_slots() requests run and queue_limit() wait), shutting_down. Once it returns,
-  /// the request runs and its Generation ends with done (finish or error).
+  /// settings, a logit_bias id outside the vocabulary or bias NaN or +inf), context_exceeded
+  /// (prompt.size() >= n_ctx_per_slot(), with both numbers), queue_full (n_slots() requests run and
+  /// queue_limit() wait), shutting_down. Once it returns, the request runs and its Generation ends
+  /// with done (finish or error).
   virtual std::shared_ptr<Generation> submit(GenerationRequest request) = 0;
 
   virtual int32_t n_slots() const = 0;
