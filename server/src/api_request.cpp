@@ -211,6 +211,13 @@ void refuse_unsupported(const json& j, Endpoint e) {
       bad("'response_format' other than {\"type\": \"text\"} is not supported (no grammar "
           "constraints)");
   }
+  // Constrained decoding: llama-server's GBNF `grammar` and `json_schema` (which it turns into
+  // one). Unconstrained text in their place would pass for conforming output. An empty grammar
+  // is none (llama-server's default).
+  if (const json* g = field(j, "grammar"); g && !(g->is_string() && g->get<std::string>().empty()))
+    bad("'grammar' is not supported: berth has no constrained decoding");
+  if (field(j, "json_schema"))
+    bad("'json_schema' is not supported: berth has no constrained decoding");
   if (e == Endpoint::completions && get_bool(j, "echo", false)) bad("'echo' is not supported");
   if (const json* s = field(j, "suffix"); s && !(s->is_string() && s->get<std::string>().empty()))
     bad("'suffix' is not supported");

@@ -222,3 +222,43 @@ TEST_CASE("logit_bias over HTTP: greedy's first token moves; malformed values ar
             json{{"code", 400}, {"type", "invalid_request_error"}, {"message", x.message}});
     }
 }
+
+TEST_CASE("grammar and json_schema are 400 on every endpoint, streaming or not; null is absent") {
+  TestServer srv(stories(), ServerConfig{});
+  const std::vector<std::pair<std::string, json>> endpoints = {
+      {"/completion", {{"prompt", kOnce}, {"n_predict", 4}}},
+      {"/v1/completions", {{"prompt", kOnce}, {"max_tokens", 4}}},
+      {"/v1/chat/completions",
+       {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"max_tokens", 4}}}};
+  for (const auto& [path, base] : endpoints)
+    for (const bool stream : {false, true}) {
+      CAPTURE(path);
+      CAPTURE(stream);
+      json b = base;
+      b["stream"] = stream;
+      b["grammar"] = "root ::= \"yes\" | \"no\"";
+      Reply r = post(srv.port, path, b);
+      CHECK(r.status == 400);
+      CHECK(r.j ==
+            json{{"error",
+                  {{"code", 400},
+                   {"type", "invalid_request_error"},
+                   {"message", "'grammar' is not supported: berth has no constrained decoding"}}}});
+      b.erase("grammar");
+      b["json_schema"] = {{"type", "object"}, {"properties", {{"a", {{"type", "string"}}}}}};
+      r = post(srv.port, path, b);
+      CHECK(r.status == 400);
+      CHECK(r.j == json{{"error",
+                         {{"code", 400},
+                          {"type", "invalid_request_error"},
+                          {"message",
+                           "'json_schema' is not supported: berth has no constrained decoding"}}}});
+      b["json_schema"] = nullptr;
+      b["grammar"] = nullptr;
+      if (stream) {
+        CHECK(post_stream(srv.port, path, b).status == 200);
+      } else {
+        CHECK(post(srv.port, path, b).status == 200);
+      }
+    }
+}

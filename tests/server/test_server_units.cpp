@@ -553,3 +553,27 @@ TEST_CASE_FIXTURE(ParseFixture, "parse_completion: logit_bias as an object or [i
         "'logit_bias' must be an object of token ids to biases or an array of [token id, bias] "
         "pairs, got \"378\"");
 }
+
+TEST_CASE_FIXTURE(ParseFixture,
+                  "parse_completion refuses grammar and json_schema on every endpoint") {
+  const json chat_msgs = {{{"role", "user"}, {"content", "a"}}};
+  for (const Endpoint e : {Endpoint::chat, Endpoint::completions, Endpoint::native}) {
+    CAPTURE(static_cast<int>(e));
+    const json base = e == Endpoint::chat ? json{{"messages", chat_msgs}} : json{{"prompt", "a"}};
+    auto with = [&](const char* key, const json& v) {
+      json b = base;
+      b[key] = v;
+      return b;
+    };
+    const std::string grammar = "'grammar' is not supported: berth has no constrained decoding";
+    const std::string schema = "'json_schema' is not supported: berth has no constrained decoding";
+    CHECK(refusal(with("grammar", "root ::= \"yes\" | \"no\""), e) == grammar);
+    CHECK(refusal(with("grammar", 3), e) == grammar);
+    CHECK(refusal(with("json_schema", {{"type", "object"}}), e) == schema);
+    CHECK(refusal(with("json_schema", json::object()), e) == schema);
+    // Null is absent; an empty grammar is none (llama-server's default).
+    CHECK(refusal(with("grammar", nullptr), e).empty());
+    CHECK(refusal(with("grammar", ""), e).empty());
+    CHECK(refusal(with("json_schema", nullptr), e).empty());
+  }
+}

@@ -63,11 +63,12 @@ struct CompletionRequest {
 /// top_p 0.95, min_p 0.05, repeat_penalty 1, repeat_last_n 64, no token limit, a random seed,
 /// cache_prompt true. Null values count as absent; unknown fields are ignored (clients send
 /// many), except ones berth cannot honour, which are refused: n != 1, tools, a
-/// response_format other than text, echo, multiple prompts. Chat messages are rendered in
-/// `m.chat_format` (content never becomes control tokens; "developer" counts as "system");
-/// text prompts (completions, native) are tokenized with the vocabulary's BOS and with control
-/// tokens recognised, as llama-server does. Throws ApiError (400 invalid_request_error) whose
-/// message names the field, e.g. "'temperature' must be a number >= 0, got \"hot\"".
+/// response_format other than text, grammar (but ""), json_schema, echo, multiple prompts. Chat
+/// messages are rendered in `m.chat_format` (content never becomes control tokens; "developer"
+/// counts as "system"); text prompts (completions, native) are tokenized with the vocabulary's BOS
+/// and with control tokens recognised, as llama-server does. Throws ApiError (400
+/// invalid_request_error) whose message names the field, e.g. "'temperature' must be a number >= 0,
+/// got \"hot\"".
 CompletionRequest parse_completion(const nlohmann::json& body, Endpoint endpoint,
                                    const ModelContext& m);
 
