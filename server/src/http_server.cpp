@@ -218,6 +218,28 @@ void HttpServer::Impl::routes() {
     // body's end ambiguous (RFC 9112, 6.3: a request smuggling risk), and a length over the limit
     // is refused at once (cpp-httplib would first read and discard that many bytes, waiting for
     // a client that never sends them until its read timeout).
+    // Transfer codings: chunked alone is read (cpp-httplib); any other coding is 501 (RFC 9112,
+    // 6.1), and a message with both Transfer-Encoding and Content-Length is refused (6.3: the
+    // body's end would be ambiguous between hops) rather than read by one and kept alive.
+    if (req.has_header("Transfer-Encoding")) {
+      std::string te = req.get_header_value("Transfer-Encoding");
+      std::transform(te.begin(), te.end(), te.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      if (req.get_header_value_count("Transfer-Encoding") > 1 || te != "chunked") {
+        res.set_header("Connection", "close");
+        send_error(res,
+                   ApiError{501, "not_supported_error",
+                            fmt::format("Transfer-Encoding '{}' is not supported (chunked is)",
+                                        printable(req.get_header_value("Transfer-Encoding"), 60))});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (req.has_header("Content-Length")) {
+        res.set_header("Connection", "close");
+        send_error(res, ApiError{400, "invalid_request_error",
+                                 "the request has both Transfer-Encoding and Content-Length"});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (const size_t n_len = req.get_header_value_count("Content-Length"); n_len > 0) {
       const std::string len = req.get_header_value("Content-Length", 0);
       bool bad = len.empty() || len.size() > 19 ||

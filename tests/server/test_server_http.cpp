@@ -623,6 +623,26 @@ TEST_CASE("413 for a body over the limit, whatever its framing; the server answe
           std::string::npos);
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
   }
+  {  // A transfer coding other than chunked: 501 at once (it used to wait 10 s, then 400).
+    RawConn c(srv.port);
+    c.send(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: gzip\r\n\r\nxyz");
+    const std::string got = c.read_until("}}");
+    CHECK(c.status() == 501);
+    CHECK(got.find("Transfer-Encoding 'gzip' is not supported (chunked is)") != std::string::npos);
+  }
+  {  // Transfer-Encoding and Content-Length together: 400 and the connection closes.
+    RawConn c(srv.port);
+    c.send(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n");
+    const std::string got = c.read_all();
+    CHECK(c.status() == 400);
+    CHECK(got.find("the request has both Transfer-Encoding and Content-Length") !=
+          std::string::npos);
+    CHECK(got.find("Connection: close") != std::string::npos);
+  }
   {  // Content-Length values that disagree: 400, whichever the body matches.
     RawConn c(srv.port);
     c.send(
