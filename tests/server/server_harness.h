@@ -53,6 +53,15 @@ struct LoadedModel {
   server::ModelContext ctx;
 };
 
+/// stories260K loaded once for the whole test binary (the suites share it: nothing mutates it).
+inline const LoadedModel& stories() {
+  static LoadedModel m(stories260k().string());
+  return m;
+}
+
+/// The prompt the stories260K goldens continue.
+inline const std::string kOnce = "Once upon a time";
+
 struct ServerConfig {
   int32_t n_slots = 1;
   int64_t n_ctx = 1024;  ///< total
@@ -249,6 +258,16 @@ class RawConn {
   int fd_ = -1;
   std::string got_;
 };
+
+/// Sends `request` on a new raw connection and reads until `until` (the end of an error body by
+/// default); returns the status and everything read.
+inline std::pair<int, std::string> raw_exchange(int port, const std::string& request,
+                                                const std::string& until = "}}") {
+  RawConn c(port);
+  if (!c.ok() || !c.send(request)) return {0, ""};
+  std::string got = c.read_until(until);
+  return {c.status(), std::move(got)};
+}
 
 inline std::string http_post_head(const std::string& path, size_t content_length,
                                   const std::string& extra = "") {

@@ -24,11 +24,6 @@ using server::GenerationRequest;
 
 namespace {
 
-const LoadedModel& stories() {
-  static LoadedModel m(stories260k().string());
-  return m;
-}
-
 std::unique_ptr<BatchEngine> make_engine(const LoadedModel& m, int32_t n_slots, int64_t n_ctx,
                                          int32_t n_ubatch = 512, int32_t queue = 64,
                                          Device* device = nullptr, int32_t n_state_spare = 0) {

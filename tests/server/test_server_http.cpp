@@ -19,13 +19,6 @@ using namespace berth::test;
 
 namespace {
 
-const LoadedModel& stories() {
-  static LoadedModel m(stories260k().string());
-  return m;
-}
-
-const std::string kOnce = "Once upon a time";
-
 json completion_body(const std::string& prompt, int max_tokens, bool stream = false) {
   return json{
       {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", stream}};
@@ -174,20 +167,16 @@ TEST_CASE("a route asked with a method it does not answer is 405 with Allow; oth
   // answer comes at once, not after the server waited for a body until its read timeout (which
   // then answered 400 "the request body could not be read").
   {
-    RawConn raw(srv.port);
-    REQUIRE(raw.ok());
-    REQUIRE(raw.send("POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
-    const std::string got = raw.read_until("}}");
-    CHECK(raw.status() == 405);
+    const auto [status, got] =
+        raw_exchange(srv.port, "POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    CHECK(status == 405);
     CHECK(got.find("method POST is not allowed on /health (it answers GET, HEAD)") !=
           std::string::npos);
   }
   {
-    RawConn raw(srv.port);
-    REQUIRE(raw.ok());
-    REQUIRE(raw.send("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
-    const std::string got = raw.read_until("}}");
-    CHECK(raw.status() == 400);
+    const auto [status, got] =
+        raw_exchange(srv.port, "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    CHECK(status == 400);
     CHECK(got.find("invalid_request_error") != std::string::npos);
     CHECK(got.find("could not be read") == std::string::npos);
   }
@@ -624,12 +613,11 @@ TEST_CASE("413 for a body over the limit, whatever its framing; the server answe
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
   }
   {  // A transfer coding other than chunked: 501 at once (it used to wait 10 s, then 400).
-    RawConn c(srv.port);
-    c.send(
+    const auto [status, got] = raw_exchange(
+        srv.port,
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         "Transfer-Encoding: gzip\r\n\r\nxyz");
-    const std::string got = c.read_until("}}");
-    CHECK(c.status() == 501);
+    CHECK(status == 501);
     CHECK(got.find("Transfer-Encoding 'gzip' is not supported (chunked is)") != std::string::npos);
   }
   {  // Transfer-Encoding and Content-Length together: 400 and the connection closes.
@@ -644,12 +632,11 @@ TEST_CASE("413 for a body over the limit, whatever its framing; the server answe
     CHECK(got.find("Connection: close") != std::string::npos);
   }
   {  // Content-Length values that disagree: 400, whichever the body matches.
-    RawConn c(srv.port);
-    c.send(
+    const auto [status, got] = raw_exchange(
+        srv.port,
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         "Content-Length: 2\r\nContent-Length: 30\r\n\r\n{\"prompt\": \"a\", \"max_tokens\": 1}");
-    const std::string got = c.read_until("}}");
-    CHECK(c.status() == 400);
+    CHECK(status == 400);
     CHECK(got.find("the request has Content-Length values that disagree") != std::string::npos);
   }
   CHECK(post(srv.port, "/v1/completions", completion_body(kOnce, 2)).status == 200);

@@ -13,13 +13,6 @@ using namespace berth::test;
 
 namespace {
 
-const LoadedModel& stories() {
-  static LoadedModel m(stories260k().string());
-  return m;
-}
-
-const std::string kOnce = "Once upon a time";
-
 // The log-probability entries of a whole response or of one streamed event, one JSON object
 // per token ({"token", "logprob", "top"}), by endpoint; and the text the response or event
 // carries.
