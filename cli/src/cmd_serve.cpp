@@ -346,6 +346,9 @@ int bench_serve(BenchServeOptions& o) {
     dram_gbps = bench::measure_dram_bandwidth(t, size_t{1} << 30, 3).gbps.median;
     if (!o.quiet) std::fprintf(stderr, "DRAM   %.1f GB/s read with %d threads\n", dram_gbps, t);
   }
+  // The engine's counters when the measured requests start: its means cover only their steps.
+  server::EngineMetrics before;
+  if (srv) o.bench.on_measure_start = [&] { before = srv->engine().metrics(); };
   const server::ServeBenchResult r = server::run_serve_bench(o.bench);
   nlohmann::json j = server::to_json(r);
   if (srv) j["dram_gbps"] = dram_gbps;
@@ -356,11 +359,12 @@ int bench_serve(BenchServeOptions& o) {
                    {"n_ctx_per_slot", srv->engine().n_ctx_per_slot()},
                    {"n_threads", srv->engine().n_threads()}};
     // The engine's own view of its decode steps, beside the clients' ITL.
-    const server::EngineStepMeans e = server::engine_step_means(srv->engine().metrics());
+    const server::EngineStepMeans e = server::engine_step_means(srv->engine().metrics(), before);
     j["engine"] = server::to_json(e);
     engine_line = server::format_text(e);
     srv->http().shutdown(std::chrono::milliseconds(1000));
   }
+  j["warmup"] = o.bench.n_warmup;
   j["n_prompt"] = o.bench.n_prompt;
   j["n_predict"] = o.bench.n_predict;
   if (!o.json_path.empty()) {
@@ -386,6 +390,7 @@ Runner add_serve(CLI::App& app) {
 Runner add_bench_serve(CLI::App& bench) {
   auto o = std::make_shared<BenchServeOptions>();
   o->serve.http.port = 0;
+  o->bench.n_warmup = 1;
   CLI::App* sub = bench.add_subcommand(
       "serve",
       "the HTTP server under N concurrent streaming clients: aggregate tok/s, time to first "
@@ -400,6 +405,11 @@ Runner add_bench_serve(CLI::App& bench) {
   sub->add_option("--requests", o->bench.n_requests, "requests per client, one after another")
       ->capture_default_str()
       ->check(range(1, 100000));
+  sub->add_option("--warmup", o->bench.n_warmup,
+                  "requests per client before the measured ones (not in any statistic, nor in "
+                  "the engine's means)")
+      ->capture_default_str()
+      ->check(range(0, 100000));
   sub->add_option("-p,--n-prompt", o->bench.n_prompt, "prompt tokens per request")
       ->capture_default_str()
       ->check(range(1, 1 << 20));

@@ -144,30 +144,54 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   }
   if (n_vocab < 2) throw Error(ErrorCategory::invalid_argument, "bench serve: n_vocab below 2");
 
+  if (o.n_warmup < 0)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("bench serve: --warmup must be at least 0 (got {})", o.n_warmup));
   std::vector<std::vector<ServeRequestSamples>> per_client(static_cast<size_t>(o.n_clients));
+  std::vector<std::vector<ServeRequestSamples>> warm(static_cast<size_t>(o.n_clients));
   std::mutex progress_mu;
   int done = 0;
-  const Clock::time_point t0 = Clock::now();
+  Clock::time_point t0 = Clock::now();
+  // The completion step runs once, on one thread, when the last client ends its warm-up.
+  auto measure = [&]() noexcept {
+    if (o.on_measure_start) o.on_measure_start();
+    t0 = Clock::now();
+  };
+  std::barrier warmed(o.n_clients, measure);
   std::barrier<> round(o.n_clients);
   std::vector<std::thread> threads;
   for (int c = 0; c < o.n_clients; ++c)
     threads.emplace_back([&, c] {
       std::mt19937_64 rng(o.seed * 1000003u + static_cast<uint64_t>(c));
       std::uniform_int_distribution<int32_t> id(1, static_cast<int32_t>(n_vocab - 1));
-      for (int r = 0; r < o.n_requests; ++r) {
+      for (int r = 0; r < o.n_warmup + o.n_requests; ++r) {
         std::vector<int32_t> prompt(static_cast<size_t>(o.n_prompt));
         for (int32_t& t : prompt) t = id(rng);
+        const bool warming = r < o.n_warmup;
+        if (r == o.n_warmup) warmed.arrive_and_wait();
         if (o.sync) round.arrive_and_wait();
-        per_client[static_cast<size_t>(c)].push_back(one_request(o, prompt));
+        (warming ? warm : per_client)[static_cast<size_t>(c)].push_back(one_request(o, prompt));
         if (o.progress) {
           std::lock_guard<std::mutex> lock(progress_mu);
-          ++done;
-          o.progress(fmt::format("bench serve: {}/{} requests", done, o.n_clients * o.n_requests));
+          if (warming) {
+            o.progress(fmt::format("bench serve: warm-up request of client {} ended", c));
+          } else {
+            ++done;
+            o.progress(
+                fmt::format("bench serve: {}/{} requests", done, o.n_clients * o.n_requests));
+          }
         }
       }
     });
   for (std::thread& t : threads) t.join();
-  return summarize_serve_bench(per_client, ms(Clock::now() - t0) / 1e3);
+  ServeBenchResult r = summarize_serve_bench(per_client, ms(Clock::now() - t0) / 1e3);
+  for (const auto& reqs : warm)
+    for (const ServeRequestSamples& s : reqs)
+      if (!s.ok) {
+        ++r.n_failed;
+        if (r.first_error.empty()) r.first_error = "warm-up: " + s.error;
+      }
+  return r;
 }
 
 ServeBenchResult summarize_serve_bench(
@@ -225,6 +249,17 @@ std::string format_text(const ServeBenchResult& r) {
       r.itl_p99_ms);
   if (!r.first_error.empty()) s += "first error: " + r.first_error + "\n";
   return s;
+}
+
+EngineStepMeans engine_step_means(const EngineMetrics& now, const EngineMetrics& before) {
+  EngineMetrics d;
+  d.decode_steps_total = now.decode_steps_total - before.decode_steps_total;
+  d.decode_rows_total = now.decode_rows_total - before.decode_rows_total;
+  d.decode_step_seconds_total = now.decode_step_seconds_total - before.decode_step_seconds_total;
+  d.decode_intervals_total = now.decode_intervals_total - before.decode_intervals_total;
+  d.decode_interval_seconds_total =
+      now.decode_interval_seconds_total - before.decode_interval_seconds_total;
+  return engine_step_means(d);
 }
 
 EngineStepMeans engine_step_means(const EngineMetrics& m) {

@@ -290,6 +290,21 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
                                j["engine"]["decode_step_ms"].get<double>(),
                                j["engine"]["decode_interval_ms"].get<double>())) !=
         std::string::npos);
+  // Warm-up requests (default 1 per client) count in no statistic and not in the engine's
+  // means: with one client and one slot, the measured request's first token comes from its
+  // prompt's step and the 7 others from 7 decode steps of one row (21 with the two warm-ups).
+  const fs::path out2 = out.parent_path() / "warm.json";
+  r = run_command(berth_bin() + " bench serve -q -m " + shell_quote(stories260k().string()) +
+                  " -np 1 -c 256 -t 1 --clients 1 --requests 1 --warmup 2 -p 8 -n 8 --json " +
+                  shell_quote(out2.string()));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const json w = json::parse(read_file(out2));
+  CHECK(w["warmup"] == 2);
+  CHECK(w["requests"] == 1);
+  CHECK(w["tokens"] == 8);
+  CHECK(w["engine"]["decode_steps"] == 7);
+  CHECK(w["engine"]["decode_rows_per_step"] == 1.0);
+  CHECK(j["warmup"] == 1);
   // Requests the server refuses: the server's message, not an empty one; exit 1.
   r = run_command(berth_bin() + " bench serve -q -m " + shell_quote(stories260k().string()) +
                   " -np 1 -c 16 -t 1 --clients 1 --requests 1 -p 32 -n 4");

@@ -457,6 +457,18 @@ TEST_CASE("bench serve's engine means: one computation for the printed line and 
                            {"decode_rows_per_step", 2.5},
                            {"decode_step_ms", e.forward_ms},
                            {"decode_interval_ms", e.interval_ms}});
+  // Between two reads of the counters: only the steps counted in between.
+  EngineMetrics later = m;
+  later.decode_steps_total += 2;
+  later.decode_rows_total += 8;
+  later.decode_step_seconds_total += 0.006;
+  later.decode_intervals_total += 2;
+  later.decode_interval_seconds_total += 0.007;
+  const EngineStepMeans d = engine_step_means(later, m);
+  CHECK(d.decode_steps == 2);
+  CHECK(d.rows_per_step == 4.0);
+  CHECK(d.forward_ms == doctest::Approx(3.0));
+  CHECK(d.interval_ms == doctest::Approx(3.5));
   // No decode step yet: zeros, not NaN.
   const EngineStepMeans none = engine_step_means(EngineMetrics{});
   CHECK(format_text(none) ==

@@ -15,6 +15,7 @@
 // so the N prompts are prefilled in the same steps and the N sequences then decode together, as
 // the batching loop's `bench model --parallel N` does; without it each client sends its next
 // request as soon as its last one ended, so prompts are prefilled in steps that others decode in.
+// With `n_warmup`, each client first sends that many requests that are not measured.
 // Percentiles: nearest-rank (p50, p99) over every request's samples; each request's decode rate
 // (tokens after the first over the time from the first to the last) gives a median (the
 // nearest-rank p50) and a mean.
@@ -42,6 +43,14 @@ struct ServeBenchOptions {
   int64_t n_vocab = 0;  ///< prompt ids are drawn from [1, n_vocab); 0: ask GET /v1/models
   uint64_t seed = 1;
   bool sync = false;  ///< a barrier before each round's requests (see above)
+  /// Requests per client before the measured ones (as `bench model` runs a warm-up pass): each
+  /// client draws their prompts first from its generator, so with `sync` and one warm-up request
+  /// the measured prompts are those of `bench model --parallel N --greedy`'s measured runs. Their
+  /// samples count in no statistic; a failed one counts in n_failed ("warm-up: " + its error).
+  int n_warmup = 0;
+  /// Called once, after every client's warm-up requests ended and before the measured ones
+  /// start (e.g. to read the engine's counters, so that its means cover the measured steps).
+  std::function<void()> on_measure_start;
   std::function<void(std::string_view)> progress;
 };
 
@@ -93,6 +102,9 @@ struct EngineStepMeans {
 };
 
 EngineStepMeans engine_step_means(const EngineMetrics& m);
+/// The means of the decode-only steps counted between `before` and `now` (two reads of one
+/// engine's counters, `before` the earlier).
+EngineStepMeans engine_step_means(const EngineMetrics& now, const EngineMetrics& before);
 nlohmann::json to_json(const EngineStepMeans& e);
 /// "engine: N decode steps of R rows (means: forward F ms, start to next start I ms)\n"
 std::string format_text(const EngineStepMeans& e);
