@@ -162,7 +162,7 @@ class RunningServer {
     port_ = http_->bind();
     http_->start();
     std::fprintf(stderr, "berth: listening on http://%s:%d (loading the model)\n",
-                 o.http.host.c_str(), port_);
+                 server::url_host(o.http.host).c_str(), port_);
     try {
       server::BatchEngineOptions eo;
       eo.n_slots = o.n_slots;
@@ -178,9 +178,9 @@ class RunningServer {
     std::fprintf(stderr,
                  "berth: ready: %s on http://%s:%d, %d slot%s of %lld tokens batched in each step, "
                  "%d thread%s, chat format %s\n",
-                 mc.alias.c_str(), o.http.host.c_str(), port_, o.n_slots, o.n_slots == 1 ? "" : "s",
-                 static_cast<long long>(engine_->n_ctx_per_slot()), engine_->n_threads(),
-                 engine_->n_threads() == 1 ? "" : "s",
+                 mc.alias.c_str(), server::url_host(o.http.host).c_str(), port_, o.n_slots,
+                 o.n_slots == 1 ? "" : "s", static_cast<long long>(engine_->n_ctx_per_slot()),
+                 engine_->n_threads(), engine_->n_threads() == 1 ? "" : "s",
                  std::string(chat_format_name(mc.chat_format)).c_str());
   }
   ~RunningServer() { http_.reset(); }  // the server goes before the engine it calls
@@ -310,23 +310,31 @@ struct BenchServeOptions {
 
 int bench_serve(BenchServeOptions& o) {
   std::unique_ptr<RunningServer> srv;
+  if (!o.url.empty() && !o.serve.model.empty())
+    throw Error(ErrorCategory::usage,
+                "bench serve takes -m MODEL (a server of its own) or --url URL (a running "
+                "server), not both");
   if (!o.url.empty()) {
-    // http://HOST:PORT (no path)
+    // http://HOST:PORT (no path); an IPv6 address in brackets, http://[::1]:8080
     std::string u = o.url;
+    if (u.find("://") != std::string::npos && u.rfind("http://", 0) != 0)
+      throw Error(ErrorCategory::usage, fmt::format("--url {}: only http:// is supported", o.url));
     if (u.rfind("http://", 0) == 0) u = u.substr(7);
     while (!u.empty() && u.back() == '/') u.pop_back();
     const size_t colon = u.rfind(':');
     int port = 0;
-    if (colon == std::string::npos || colon == 0 ||
-        !CLI::detail::lexical_cast(u.substr(colon + 1), port) || port < 1 || port > 65535)
-      throw Error(ErrorCategory::invalid_argument,
-                  fmt::format("--url {}: expected http://HOST:PORT", o.url));
-    o.bench.host = u.substr(0, colon);
+    std::string host = colon == std::string::npos ? "" : u.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+      host = host.substr(1, host.size() - 2);
+    if (host.empty() || !CLI::detail::lexical_cast(u.substr(colon + 1), port) || port < 1 ||
+        port > 65535)
+      throw Error(ErrorCategory::usage, fmt::format("--url {}: expected http://HOST:PORT", o.url));
+    o.bench.host = host;
     o.bench.port = port;
     if (o.bench.api_key.empty()) o.bench.api_key = o.serve.http.api_key;
   } else {
     if (o.serve.model.empty())
-      throw Error(ErrorCategory::invalid_argument, "bench serve needs -m MODEL or --url URL");
+      throw Error(ErrorCategory::usage, "bench serve needs -m MODEL or --url URL");
     o.serve.http.host = "127.0.0.1";
     srv = std::make_unique<RunningServer>(o.serve);
     o.bench.host = "127.0.0.1";
@@ -373,7 +381,7 @@ int bench_serve(BenchServeOptions& o) {
     if (!out) throw Error(ErrorCategory::io, fmt::format("cannot write '{}'", o.json_path));
   }
   (void)write_stdout(server::format_text(r) + engine_line);
-  return r.n_failed == 0 ? 0 : 1;
+  return r.n_failed == 0 && r.n_warmup_failed == 0 ? 0 : 1;
 }
 
 }  // namespace

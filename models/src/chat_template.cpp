@@ -267,7 +267,11 @@ ChatFormat chat_format_for(const gguf::File& file, std::string_view override_nam
 
 std::vector<ChatPiece> render_chat(ChatFormat format, std::span<const ChatMessage> messages,
                                    bool add_generation_prompt, const ChatOptions& options) {
-  for (size_t i = 1; i < messages.size(); ++i)
+  // chatml, qwen3 and llama3 render a system message anywhere as a block of its own (Qwen3's
+  // template: `message.role == "system" and not loop.first`); mistral folds the system prompt
+  // into the first user turn and deepseek3 puts it before the first, so there it must come first.
+  const bool system_first_only = format == ChatFormat::mistral || format == ChatFormat::deepseek3;
+  for (size_t i = 1; i < messages.size() && system_first_only; ++i)
     if (messages[i].role == ChatRole::system)
       throw Error(ErrorCategory::invalid_argument,
                   fmt::format("chat message {} is a system message; only the first message may "

@@ -131,6 +131,7 @@ float get_bias(const json& v, const std::string& where) {
 // llama-server's array of [token id, bias] pairs, [[378, -100], [13, false]]. Token ids only: a
 // key or id that is text (llama-server tokenizes it) is refused, as is an id outside the
 // vocabulary. An id given twice gets the sum of its biases (llama.cpp's sampler adds each).
+// Banning every id of the vocabulary is refused.
 std::vector<std::pair<int32_t, float>> get_logit_bias(const json& j, int64_t n_vocab) {
   const json* v = field(j, "logit_bias");
   std::vector<std::pair<int32_t, float>> out;
@@ -171,6 +172,21 @@ std::vector<std::pair<int32_t, float>> get_logit_bias(const json& j, int64_t n_v
         fmt::format("'logit_bias' must be an object of token ids to biases or an array of "
                     "[token id, bias] pairs, got {}",
                     shown(*v)));
+  }
+  // Every token banned: nothing can be sampled (a sampler would have to pick a banned one).
+  if (static_cast<int64_t>(out.size()) >= n_vocab) {
+    std::vector<bool> banned(static_cast<size_t>(n_vocab), false);
+    int64_t n_banned = 0;
+    for (const auto& [id, bias] : out)
+      if (bias == -INFINITY && !banned[static_cast<size_t>(id)]) {
+        banned[static_cast<size_t>(id)] = true;
+        ++n_banned;
+      }
+    if (n_banned == n_vocab)
+      bad(
+          fmt::format("'logit_bias' bans every token of the vocabulary ({}): nothing can be "
+                      "sampled",
+                      n_vocab));
   }
   return out;
 }

@@ -108,14 +108,26 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
     s.error = fmt::format("HTTP {}: {}", res.status, msg);
     return s;
   }
-  s.ok = finished && s.error.empty();
   if (!finished && s.error.empty()) s.error = "the stream ended without its final event";
+  // ignore_eos: only the slot's context ends a request early, and then the rates and the token
+  // count would not be those asked for.
+  if (finished && s.error.empty() && s.n_tokens != o.n_predict)
+    s.error = fmt::format(
+        "the request ended after {} of {} tokens (the slot's context, -c / -np, is too short for "
+        "-p + -n?)",
+        s.n_tokens, o.n_predict);
+  s.ok = finished && s.error.empty();
   if (s.n_tokens > 1 && last > first)
     s.decode_tok_s = static_cast<double>(s.n_tokens - 1) / (ms(last - first) / 1e3);
   return s;
 }
 
 }  // namespace
+
+std::string url_host(std::string_view host) {
+  return host.find(':') == std::string_view::npos ? std::string(host)
+                                                  : "[" + std::string(host) + "]";
+}
 
 ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   if (o.n_clients < 1 || o.n_requests < 1 || o.n_prompt < 1 || o.n_predict < 1)
@@ -129,9 +141,10 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
     cli.set_connection_timeout(10, 0);
     auto health = cli.Get("/health");
     if (!health || health->status != 200)
-      throw Error(ErrorCategory::io,
-                  fmt::format("bench serve: http://{}:{}/health did not answer 200 ({})", o.host,
-                              o.port, health ? std::to_string(health->status) : "no answer"));
+      throw Error(
+          ErrorCategory::io,
+          fmt::format("bench serve: http://{}:{}/health did not answer 200 ({})", url_host(o.host),
+                      o.port, health ? std::to_string(health->status) : "no answer"));
     if (n_vocab <= 0) {
       auto models = cli.Get("/v1/models", auth(o));
       json j = models ? json::parse(models->body, nullptr, false) : json();
@@ -188,7 +201,7 @@ ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {
   for (const auto& reqs : warm)
     for (const ServeRequestSamples& s : reqs)
       if (!s.ok) {
-        ++r.n_failed;
+        ++r.n_warmup_failed;
         if (r.first_error.empty()) r.first_error = "warm-up: " + s.error;
       }
   return r;
@@ -229,6 +242,7 @@ json to_json(const ServeBenchResult& r) {
   return json{{"clients", r.n_clients},
               {"requests", r.n_requests},
               {"failed", r.n_failed},
+              {"warmup_failed", r.n_warmup_failed},
               {"tokens", r.n_tokens},
               {"wall_s", r.wall_s},
               {"aggregate_tok_s", r.aggregate_tok_s},
@@ -240,11 +254,13 @@ json to_json(const ServeBenchResult& r) {
 }
 
 std::string format_text(const ServeBenchResult& r) {
+  const std::string warm =
+      r.n_warmup_failed > 0 ? fmt::format("; {} warm-up requests failed", r.n_warmup_failed) : "";
   std::string s = fmt::format(
-      "clients {} | requests {} ({} failed) | tokens {} in {:.2f} s\n"
+      "clients {} | requests {} ({} failed{}) | tokens {} in {:.2f} s\n"
       "aggregate {:.1f} tok/s | per request {:.1f} tok/s (median), {:.1f} (mean)\n"
       "TTFT p50 {:.1f} ms, p99 {:.1f} ms | ITL p50 {:.2f} ms, p99 {:.2f} ms\n",
-      r.n_clients, r.n_requests, r.n_failed, r.n_tokens, r.wall_s, r.aggregate_tok_s,
+      r.n_clients, r.n_requests, r.n_failed, warm, r.n_tokens, r.wall_s, r.aggregate_tok_s,
       r.per_request_tok_s, r.per_request_tok_s_mean, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms,
       r.itl_p99_ms);
   if (!r.first_error.empty()) s += "first error: " + r.first_error + "\n";

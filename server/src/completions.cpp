@@ -185,19 +185,34 @@ struct Output {
 
   std::string piece_text(int32_t t) const { return srv.model.tok->token_to_piece(t); }
 
-  // Log-probabilities of `toks` in the endpoint's format (null when not asked for).
+  // /v1/completions' text_offset of the next token with log-probabilities: characters of the
+  // generated text before it. The tokens of a response come in order, each once (the whole
+  // response's list, or a stream's chunks one after another), so the count carries over.
+  mutable int64_t text_offset = 0;
+
+  // Log-probabilities of `toks` in the endpoint's format (null when not asked for); for
+  // /v1/completions OpenAI's legacy object, with text_offset (characters, from the start of the
+  // generated text).
   json logprobs(const std::vector<GeneratedToken>& toks) const {
     if (!req.logprobs) return nullptr;
     if (req.endpoint == Endpoint::completions) {
-      json tokens = json::array(), lps = json::array(), tops = json::array();
+      json tokens = json::array(), lps = json::array(), tops = json::array(),
+           offsets = json::array();
       for (const GeneratedToken& t : toks) {
-        tokens.push_back(utf8::sanitize(piece_text(t.id)));
+        const std::string p = piece_text(t.id);
+        offsets.push_back(text_offset);
+        // Characters (UTF-8 lead bytes) of the generated text before the next token.
+        for (const char c : p) text_offset += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+        tokens.push_back(utf8::sanitize(p));
         lps.push_back(t.logprob);
         json top = json::object();
         for (const auto& [id, lp] : t.top) top[utf8::sanitize(piece_text(id))] = lp;
         tops.push_back(top);
       }
-      return json{{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}};
+      return json{{"tokens", tokens},
+                  {"token_logprobs", lps},
+                  {"top_logprobs", tops},
+                  {"text_offset", offsets}};
     }
     json content = json::array();
     for (const GeneratedToken& t : toks) content.push_back(token_json(t));

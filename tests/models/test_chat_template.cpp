@@ -200,12 +200,21 @@ TEST_CASE("format names round-trip; unknown names are invalid_argument naming th
   CHECK(msg.find("chatml, llama3, mistral, deepseek3") != std::string::npos);
 }
 
-TEST_CASE("a system message after the first is invalid_argument naming its index") {
+TEST_CASE("a system message after the first: its own block, or invalid_argument naming its index") {
   const std::vector<ChatMessage> m = {{ChatRole::user, "a"}, {ChatRole::system, "b"}};
-  std::string msg;
-  CHECK(category_of([&] { render_chat(ChatFormat::chatml, m, true); }, &msg) ==
-        ErrorCategory::invalid_argument);
-  CHECK(msg.find("message 1") != std::string::npos);
+  for (ChatFormat f : {ChatFormat::mistral, ChatFormat::deepseek3}) {
+    std::string msg;
+    CHECK(category_of([&] { render_chat(f, m, true); }, &msg) == ErrorCategory::invalid_argument);
+    CHECK(msg.find("message 1") != std::string::npos);
+  }
+  // Qwen3's template: `message.role == "system" and not loop.first` renders like a user turn.
+  CHECK(chat_text(render_chat(ChatFormat::chatml, m, true)) ==
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>system\nb<|im_end|>\n<|im_start|>assistant\n");
+  CHECK(chat_text(render_chat(ChatFormat::qwen3, m, true)) ==
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>system\nb<|im_end|>\n<|im_start|>assistant\n");
+  CHECK(chat_text(render_chat(ChatFormat::llama3, m, true)) ==
+        "<|start_header_id|>user<|end_header_id|>\n\na<|eot_id|><|start_header_id|>system"
+        "<|end_header_id|>\n\nb<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
 TEST_CASE("detection from template text") {

@@ -311,7 +311,30 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   CHECK(r.exit_code == 1);
   CHECK(r.out.find("first error: HTTP 400: the request exceeds the available context size") !=
         std::string::npos);
-  // Against a server that is not there: a clear error.
+  CHECK(r.out.find("requests 1 (1 failed; 1 warm-up requests failed)") != std::string::npos);
+  // A request that the slot's context cuts short (ignore_eos: nothing else ends it early) fails:
+  // its tokens and rates are not those asked for.
+  r = run_command(berth_bin() + " bench serve -q -m " + shell_quote(stories260k().string()) +
+                  " -np 1 -c 48 -t 1 --clients 1 --requests 1 --warmup 0 -p 32 -n 32");
+  CHECK(r.exit_code == 1);
+  CHECK(r.out.find("requests 1 (1 failed) |") != std::string::npos);
+  CHECK(r.out.find("first error: the request ended after ") != std::string::npos);
+  CHECK(r.out.find(" of 32 tokens") != std::string::npos);
+  // Usage errors exit 2: both -m and --url, neither, a scheme other than http.
+  r = run_command(berth_bin() + " bench serve -m " + shell_quote(stories260k().string()) +
+                  " --url http://127.0.0.1:1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("not both") != std::string::npos);
+  r = run_command(berth_bin() + " bench serve -n 4");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("needs -m MODEL or --url URL") != std::string::npos);
+  r = run_command(berth_bin() + " bench serve --url https://127.0.0.1:8080");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("only http:// is supported") != std::string::npos);
+  // Against a server that is not there: a clear error; an IPv6 address in brackets.
+  r = run_command(berth_bin() + " bench serve --url http://[::1]:1 -n 4");
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("http://[::1]:1/health") != std::string::npos);
   r = run_command(berth_bin() + " bench serve --url http://127.0.0.1:1 -n 4");
   CHECK(r.exit_code == 1);
   CHECK(r.err.find("/health") != std::string::npos);

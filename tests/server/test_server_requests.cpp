@@ -43,7 +43,8 @@ Entries entries_of(const json& j, const std::string& path) {
     for (size_t i = 0; i < lp["tokens"].size(); ++i)
       e.list.push_back({{"token", lp["tokens"][i]},
                         {"logprob", lp["token_logprobs"][i]},
-                        {"top", lp["top_logprobs"][i]}});
+                        {"top", lp["top_logprobs"][i]},
+                        {"offset", lp["text_offset"][i]}});
   } else {
     for (const json& t : lp["content"])
       e.list.push_back(
@@ -121,6 +122,13 @@ TEST_CASE("logprobs cover exactly the tokens whose text is returned: stop string
     CHECK(w.text == c.text);
     CHECK(tokens_of(w.list) == c.tokens);
     CHECK(c.text.rfind(concat(tokens_of(w.list)), 0) == 0);
+    if (c.path == "/v1/completions") {  // text_offset: the characters (here bytes) before each
+      size_t at = 0;
+      for (const json& t : w.list) {
+        CHECK(t["offset"] == at);
+        at += t["token"].get<std::string>().size();
+      }
+    }
 
     // Streamed: the entries of all events are the whole response's, and none arrives before
     // its token's text.

@@ -374,10 +374,14 @@ TEST_CASE_FIXTURE(ParseFixture, "chat messages: roles, content parts, refusals b
                 {{{"role", "user"}, {"content", {{{"type", "image_url"}, {"image_url", "x"}}}}}}}},
               chat)
           .find("'messages[0].content[0]'") != std::string::npos);
-  CHECK(refusal({{"messages",
-                  {{{"role", "user"}, {"content", "a"}}, {{"role", "system"}, {"content", "b"}}}}},
-                chat)
-            .find("'messages'") != std::string::npos);
+  // A system message after the first: its own turn in chatml, a refusal where the format folds
+  // the system prompt into the first turn (mistral).
+  const json late_system = {
+      {"messages", {{{"role", "user"}, {"content", "a"}}, {{"role", "system"}, {"content", "b"}}}}};
+  CHECK(refusal(late_system, chat).empty());
+  m.ctx.chat_format = ChatFormat::mistral;
+  CHECK(refusal(late_system, chat).find("'messages'") != std::string::npos);
+  m.ctx.chat_format = ChatFormat::chatml;
   CHECK(refusal({{"messages", {{{"role", "user"}, {"content", "a"}}}},
                  {"tools", {{{"type", "function"}}}}},
                 chat)
@@ -564,6 +568,27 @@ TEST_CASE_FIXTURE(ParseFixture, "parse_completion: logit_bias as an object or [i
   CHECK(why("378") ==
         "'logit_bias' must be an object of token ids to biases or an array of [token id, bias] "
         "pairs, got \"378\"");
+  // Every token banned (the last one twice, in both forms): nothing could be sampled. One left
+  // open, or every one pushed down by a number, is fine.
+  json all = json::array(), all_but_one = json::array(), all_low = json::object();
+  for (int id = 0; id < 512; ++id) {
+    all.push_back(json::array({id, false}));
+    if (id != 77) all_but_one.push_back(json::array({id, false}));
+    all_low[std::to_string(id)] = -100;
+  }
+  all.push_back(json::array({511, false}));
+  CHECK(why(all) ==
+        "'logit_bias' bans every token of the vocabulary (512): nothing can be sampled");
+  all_but_one.push_back(json::array({5, false}));
+  CHECK(why(all_but_one).empty());
+  CHECK(why(all_low).empty());
+}
+
+TEST_CASE("url_host: an IPv6 address in brackets") {
+  CHECK(url_host("127.0.0.1") == "127.0.0.1");
+  CHECK(url_host("localhost") == "localhost");
+  CHECK(url_host("::1") == "[::1]");
+  CHECK(url_host("fe80::1%eth0") == "[fe80::1%eth0]");
 }
 
 TEST_CASE_FIXTURE(ParseFixture,

@@ -111,7 +111,9 @@ struct ChatOptions {
 /// Renders `messages` in `format`. With `add_generation_prompt`, ends with the markup that
 /// opens an assistant reply (for chatml and qwen3 "<|im_start|>assistant\n" with no thinking
 /// block: Qwen3 then decides itself whether to think, as its template does when
-/// enable_thinking is not set). A system message is allowed only as the first message. Each
+/// enable_thinking is not set). In mistral and deepseek3 a system message is allowed only as the
+/// first message (elsewhere: invalid_argument naming its index); chatml, qwen3 and llama3 render
+/// one anywhere as its own block. Each
 /// message's content is exactly one piece (possibly empty) with `message` set to its index,
 /// except a system prompt in mistral, which shares the first user message's piece; in qwen3
 /// an assistant's thinking block is part of its content piece (so a caller that swaps the

@@ -46,7 +46,8 @@ struct ServeBenchOptions {
   /// Requests per client before the measured ones (as `bench model` runs a warm-up pass): each
   /// client draws their prompts first from its generator, so with `sync` and one warm-up request
   /// the measured prompts are those of `bench model --parallel N --greedy`'s measured runs. Their
-  /// samples count in no statistic; a failed one counts in n_failed ("warm-up: " + its error).
+  /// samples count in no statistic; a failed one counts in n_warmup_failed (first_error
+  /// "warm-up: " + its error when no measured one failed before).
   int n_warmup = 0;
   /// Called once, after every client's warm-up requests ended and before the measured ones
   /// start (e.g. to read the engine's counters, so that its means cover the measured steps).
@@ -56,6 +57,7 @@ struct ServeBenchOptions {
 
 struct ServeBenchResult {
   int n_clients = 0, n_requests = 0, n_failed = 0;
+  int n_warmup_failed = 0;     ///< warm-up requests that failed (not in n_requests nor n_failed)
   int64_t n_tokens = 0;        ///< generated, over all requests
   double wall_s = 0;           ///< seconds
   double aggregate_tok_s = 0;  ///< n_tokens / wall_s
@@ -81,6 +83,10 @@ struct ServeRequestSamples {
 /// Runs the benchmark. Throws Error(invalid_argument) for counts < 1, Error(io) when the server
 /// cannot be reached (GET /health) or n_vocab cannot be read.
 ServeBenchResult run_serve_bench(const ServeBenchOptions& options);
+
+/// `host` as the host part of an http:// URL: an IPv6 address (one holding ':') in brackets
+/// (RFC 3986 3.2.2), anything else as given.
+std::string url_host(std::string_view host);
 
 /// The result of `per_client`'s requests over `wall_s` seconds (run_serve_bench's statistics):
 /// every request counts in n_requests and n_tokens; a failed one (not ok) in n_failed and, the
