@@ -316,6 +316,21 @@ std::vector<ChatMessage> parse_messages(const json& body) {
   return out;
 }
 
+ChatOptions parse_chat_options(const json& body) {
+  ChatOptions o;
+  const json* kw = field(body, "chat_template_kwargs");
+  if (!kw || kw->is_null()) return o;
+  if (!kw->is_object())
+    bad(fmt::format("'chat_template_kwargs' must be an object, got {}", shown(*kw)));
+  if (const json* t = field(*kw, "enable_thinking"); t && !t->is_null()) {
+    if (!t->is_boolean())
+      bad(fmt::format("'chat_template_kwargs.enable_thinking' must be true or false, got {}",
+                      shown(*t)));
+    o.enable_thinking = t->get<bool>();
+  }
+  return o;
+}
+
 CompletionRequest parse_completion(const json& j, Endpoint endpoint, const ModelContext& m) {
   CompletionRequest r;
   r.endpoint = endpoint;
@@ -330,9 +345,10 @@ CompletionRequest parse_completion(const json& j, Endpoint endpoint, const Model
   // Prompt.
   if (endpoint == Endpoint::chat) {
     const std::vector<ChatMessage> msgs = parse_messages(j);
+    const ChatOptions options = parse_chat_options(j);
     std::vector<ChatPiece> pieces;
     try {
-      pieces = render_chat(m.chat_format, msgs, true);
+      pieces = render_chat(m.chat_format, msgs, true, options);
     } catch (const Error& e) {
       bad(fmt::format("'messages': {}", e.what()));
     }

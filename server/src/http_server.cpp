@@ -511,9 +511,10 @@ void HttpServer::Impl::routes() {
   });
   simple("/apply-template", [this](const json& j) {
     const std::vector<ChatMessage> msgs = parse_messages(j);
+    const ChatOptions options = parse_chat_options(j);
     std::vector<ChatPiece> pieces;
     try {
-      pieces = render_chat(model.chat_format, msgs, true);
+      pieces = render_chat(model.chat_format, msgs, true, options);
     } catch (const Error& e) {
       throw ApiError{400, "invalid_request_error", fmt::format("'messages': {}", e.what())};
     }

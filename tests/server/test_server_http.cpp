@@ -104,6 +104,44 @@ TEST_CASE("endpoints answer in llama-server's and OpenAI's shapes") {
   check_error(post_raw(port, "/v1/completions", "\"just a string\""), 400, "invalid_request_error");
 }
 
+TEST_CASE("chat_template_kwargs.enable_thinking: an empty thinking block in the qwen3 format") {
+  LoadedModel q(stories260k().string());
+  q.ctx.chat_format = ChatFormat::qwen3;
+  TestServer srv(q, ServerConfig{});
+  const json msgs = {{{"role", "user"}, {"content", "hi"}}};
+  const std::string plain = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+  auto templ = [&](const json& kwargs) {
+    json b = {{"messages", msgs}};
+    if (!kwargs.is_discarded()) b["chat_template_kwargs"] = kwargs;
+    return post(srv.port, "/apply-template", b);
+  };
+  CHECK(templ(json(json::value_t::discarded)).j["prompt"] == plain);
+  CHECK(templ(nullptr).j["prompt"] == plain);
+  CHECK(templ({{"enable_thinking", true}}).j["prompt"] == plain);
+  CHECK(templ({{"enable_thinking", false}}).j["prompt"] == plain + "<think>\n\n</think>\n\n");
+  CHECK(templ({{"enable_thinking", false}, {"other", 1}}).j["prompt"] ==
+        plain + "<think>\n\n</think>\n\n");
+  Reply r = templ({{"enable_thinking", "no"}});
+  check_error(r, 400, "invalid_request_error");
+  CHECK(r.j["error"]["message"] ==
+        "'chat_template_kwargs.enable_thinking' must be true or false, got \"no\"");
+  r = templ(3);
+  check_error(r, 400, "invalid_request_error");
+  CHECK(r.j["error"]["message"] == "'chat_template_kwargs' must be an object, got 3");
+  // The chat endpoint renders the same prompt: the empty block adds prompt tokens.
+  auto prompt_tokens = [&](const json& kwargs) {
+    json b = {{"messages", msgs}, {"max_tokens", 1}};
+    if (!kwargs.is_null()) b["chat_template_kwargs"] = kwargs;
+    Reply c = post(srv.port, "/v1/chat/completions", b);
+    REQUIRE(c.status == 200);
+    return c.j["usage"]["prompt_tokens"].get<int64_t>();
+  };
+  CHECK(prompt_tokens({{"enable_thinking", false}}) > prompt_tokens(nullptr));
+  check_error(post(srv.port, "/v1/chat/completions",
+                   {{"messages", msgs}, {"chat_template_kwargs", {{"enable_thinking", 0}}}}),
+              400, "invalid_request_error");
+}
+
 TEST_CASE("a route asked with a method it does not answer is 405 with Allow; others stay 404") {
   TestServer srv(stories(), ServerConfig{});
   auto c = client(srv.port);

@@ -77,6 +77,12 @@ CompletionRequest parse_completion(const nlohmann::json& body, Endpoint endpoint
 /// message index and field.
 std::vector<ChatMessage> parse_messages(const nlohmann::json& body);
 
+/// The template options of a chat request, llama-server's `chat_template_kwargs` (an object;
+/// absent or null: none): `enable_thinking` (true or false; the qwen3 format renders an empty
+/// thinking block after the generation prompt for false, other formats ignore it). Other keys are
+/// ignored. Throws ApiError naming the field for a non-object or a non-boolean enable_thinking.
+ChatOptions parse_chat_options(const nlohmann::json& body);
+
 /// Parses a request body as JSON (must be an object). Throws ApiError naming the byte offset of
 /// a syntax error.
 nlohmann::json parse_body(const std::string& body);
