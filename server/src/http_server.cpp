@@ -190,6 +190,7 @@ void HttpServer::Impl::routes() {
     ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
   s.set_payload_max_length(opt.max_body_bytes);
+  s.set_default_headers({{"Access-Control-Allow-Origin", "*"}});
   const int n_threads = opt.n_http_threads > 0
                             ? opt.n_http_threads
                             : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
@@ -260,6 +261,23 @@ void HttpServer::Impl::routes() {
                                  fmt::format("the request body of {} bytes is over the limit of {} "
                                              "bytes",
                                              len, opt.max_body_bytes)});
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    // A CORS preflight (OPTIONS with Access-Control-Request-Method) of a route: 204 naming the
+    // methods it answers, before the API key check (browsers send a preflight without
+    // credentials). Every response carries Access-Control-Allow-Origin: * (as llama-server's),
+    // so a page of another origin can call the server; the API key still guards the routes.
+    if (req.method == "OPTIONS" && req.has_header("Access-Control-Request-Method")) {
+      if (const auto it = allow.find(req.path); it != allow.end()) {
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", it->second + ", OPTIONS");
+        const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+        res.set_header("Access-Control-Allow-Headers",
+                       asked.empty() || asked.size() > 1000
+                           ? std::string("Authorization, Content-Type, X-Api-Key")
+                           : asked);
+        res.set_header("Access-Control-Max-Age", "86400");
         return httplib::Server::HandlerResponse::Handled;
       }
     }

@@ -185,6 +185,39 @@ TEST_CASE("a route asked with a method it does not answer is 405 with Allow; oth
                                         " (it answers " + k.allow + ")"},
                         {"type", "invalid_request_error"}}}});
   }
+  // A CORS preflight of a route: 204 with the route's methods, before the API key (browsers send
+  // it without credentials); of no route: no preflight answer, the key check as for any request.
+  // Every answer, errors included, carries Access-Control-Allow-Origin.
+  {
+    TestServer keyed(stories(), ServerConfig{.api_key = "k"});
+    auto c = client(keyed.port);
+    httplib::Headers pre = {{"Origin", "http://example.org"},
+                            {"Access-Control-Request-Method", "POST"},
+                            {"Access-Control-Request-Headers", "authorization, content-type"}};
+    auto res = c.Options("/v1/chat/completions", pre);
+    REQUIRE(res);
+    CHECK(res->status == 204);
+    CHECK(res->get_header_value("Access-Control-Allow-Origin") == "*");
+    CHECK(res->get_header_value("Access-Control-Allow-Methods") == "POST, OPTIONS");
+    CHECK(res->get_header_value("Access-Control-Allow-Headers") == "authorization, content-type");
+    res = c.Options("/health", {{"Access-Control-Request-Method", "GET"}});
+    REQUIRE(res);
+    CHECK(res->status == 204);
+    CHECK(res->get_header_value("Access-Control-Allow-Methods") == "GET, HEAD, OPTIONS");
+    CHECK(res->get_header_value("Access-Control-Allow-Headers") ==
+          "Authorization, Content-Type, X-Api-Key");
+    res = c.Options("/nope", pre);
+    REQUIRE(res);
+    CHECK(res->status == 401);
+    res = c.Post("/v1/completions", {{"Origin", "http://example.org"}}, "{}", "application/json");
+    REQUIRE(res);
+    CHECK(res->status == 401);
+    CHECK(res->get_header_value("Access-Control-Allow-Origin") == "*");
+    res = c.Get("/health");
+    REQUIRE(res);
+    CHECK(res->status == 200);
+    CHECK(res->get_header_value("Access-Control-Allow-Origin") == "*");
+  }
   // HEAD has no body; the Allow of a GET route is true of HEAD.
   Reply r = send("HEAD", "/v1/completions", "");
   CHECK(r.status == 405);
