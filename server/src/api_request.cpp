@@ -199,7 +199,9 @@ std::vector<int32_t> get_prompt(const json& j, const ModelContext& m, std::strin
   const json* p = v;
   if (v->is_array() && v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) {
     p = &(*v)[0];
-  } else if (v->is_array() && !v->empty() && !(*v)[0].is_number()) {
+  } else if (v->is_array() && v->size() > 1 && std::all_of(v->begin(), v->end(), [](const json& e) {
+               return e.is_string() || e.is_array();
+             })) {
     bad("'prompt' holds several prompts; berth answers one prompt per request");
   }
   if (p->is_string()) {

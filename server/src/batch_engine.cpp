@@ -161,8 +161,10 @@ std::shared_ptr<Generation> BatchEngine::submit(GenerationRequest req) {
     if (n_busy_ + static_cast<int64_t>(waiting_.size()) >=
         static_cast<int64_t>(n_slots()) + options_.queue_limit)
       throw Rejected(R::queue_full,
-                     fmt::format("all {} slots are busy and {} requests are waiting (--queue {})",
-                                 n_slots(), waiting_.size(), options_.queue_limit));
+                     fmt::format("the server holds {} requests, its limit ({} slots and --queue "
+                                 "{} waiting)",
+                                 n_busy_ + static_cast<int64_t>(waiting_.size()), n_slots(),
+                                 options_.queue_limit));
     gen = std::make_shared<Generation>(next_id_++);
     waiting_.push_back(Waiting{gen, std::move(req), std::move(*sampler), Clock::now()});
     metrics_.requests_deferred = static_cast<int64_t>(waiting_.size());

@@ -266,6 +266,9 @@ TEST_CASE("BatchEngine: queue_full beyond the slots and --queue; a cancelled wai
     FAIL("a fourth request was accepted by 2 slots and a queue of 1");
   } catch (const server::Rejected& r) {
     CHECK(r.reason() == server::Rejected::Reason::queue_full);
+    // Held in the queue, none has a slot yet: the count is of every request the server holds.
+    CHECK(std::string(r.what()) ==
+          "the server holds 3 requests, its limit (2 slots and --queue 1 waiting)");
   }
   c->cancel();  // leaves the queue without taking a slot
   e->hold_queue(false);

@@ -320,6 +320,10 @@ TEST_CASE_FIXTURE(ParseFixture, "parse_completion refuses bad fields, naming the
   CHECK(refusal({{"prompt", 5}}).find("'prompt'") != std::string::npos);
   CHECK(refusal({{"prompt", json::array({"a", "b"})}}).find("several prompts") !=
         std::string::npos);
+  CHECK(refusal({{"prompt", json::array({nullptr})}}) ==
+        "'prompt[0]' must be a token id (an integer), got null");
+  CHECK(refusal({{"prompt", json::array({3, nullptr})}}) ==
+        "'prompt[1]' must be a token id (an integer), got null");
   CHECK(refusal({{"prompt", {1, 99999}}}).find("'prompt[1]' = 99999") != std::string::npos);
   CHECK(refusal({{"prompt", {1, -3}}}).find("'prompt[1]'") != std::string::npos);
   CHECK(refusal({{"prompt", {1, 2.5}}}).find("'prompt[1]'") != std::string::npos);
