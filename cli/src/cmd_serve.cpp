@@ -406,7 +406,25 @@ Runner add_bench_serve(CLI::App& bench) {
       "or a running one with --url)");
   sub->add_option("-m,--model", o->serve.model, "GGUF model file (a server of its own)");
   sub->add_option("--url", o->url, "benchmark a running server, http://HOST:PORT");
+  const size_t n_before = sub->get_options().size();
   add_serve_flags(sub, o->serve);
+  // The serve flags configure bench serve's own server (-m): none of them applies to a running
+  // one (--url) but --api-key, which the clients then send; its server listens on 127.0.0.1.
+  std::vector<const CLI::Option*> server_flags;
+  for (size_t i = n_before; i < sub->get_options().size(); ++i)
+    if (sub->get_options()[i]->get_name() != "--api-key")
+      server_flags.push_back(sub->get_options()[i]);
+  const CLI::Option* host = sub->get_option("--host");
+  sub->callback([o, server_flags, host] {
+    for (const CLI::Option* f : server_flags)
+      if (!o->url.empty() && f->count() > 0)
+        throw CLI::ValidationError(
+            f->get_name(), "configures bench serve's own server (-m), not the one at --url");
+    if (o->url.empty() && host->count() > 0)
+      throw CLI::ValidationError("--host",
+                                 "bench serve's own server listens on 127.0.0.1 (use --url to "
+                                 "benchmark a server elsewhere)");
+  });
   sub->add_option("--clients", o->bench.n_clients, "concurrent streaming clients")
       ->capture_default_str()
       ->check(range(1, 1024));

@@ -328,6 +328,15 @@ TEST_CASE("berth bench serve: concurrent streaming clients, every token counted"
   r = run_command(berth_bin() + " bench serve -n 4");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("needs -m MODEL or --url URL") != std::string::npos);
+  // The serve flags configure the server of its own: with --url they would be ignored.
+  r = run_command(berth_bin() + " bench serve --url http://127.0.0.1:1 -np 4");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--parallel: configures bench serve's own server (-m), not the one at --url") !=
+        std::string::npos);
+  r = run_command(berth_bin() + " bench serve -m " + shell_quote(stories260k().string()) +
+                  " --host ::1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--host: bench serve's own server listens on 127.0.0.1") != std::string::npos);
   r = run_command(berth_bin() + " bench serve --url https://127.0.0.1:8080");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("only http:// is supported") != std::string::npos);
