@@ -57,6 +57,7 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
   Clock::time_point last{};
   const Clock::time_point t0 = Clock::now();
   Clock::time_point first{};
+  int64_t n_first = 0;  // tokens of the first read that carried any
   bool finished = false;
   // Events that arrive in one read share its time: the inter-token latency of a read's tokens
   // is the gap since the previous read that carried tokens, divided by their number.
@@ -82,6 +83,7 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
       if (s.n_tokens == 0) {
         s.ttft_ms = ms(now - t0);
         first = now;
+        n_first = k;
       } else {
         const double gap = ms(now - last) / static_cast<double>(k);
         for (int64_t i = 0; i < k; ++i) s.itl_ms.push_back(gap);
@@ -117,8 +119,10 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
         "-p + -n?)",
         s.n_tokens, o.n_predict);
   s.ok = finished && s.error.empty();
-  if (s.n_tokens > 1 && last > first)
-    s.decode_tok_s = static_cast<double>(s.n_tokens - 1) / (ms(last - first) / 1e3);
+  // Tokens that arrived after the first read over the time since it: the first read's tokens
+  // (one, unless the client fell behind) arrived at its time.
+  if (s.n_tokens > n_first && last > first)
+    s.decode_tok_s = static_cast<double>(s.n_tokens - n_first) / (ms(last - first) / 1e3);
   return s;
 }
 

@@ -17,8 +17,8 @@
 // request as soon as its last one ended, so prompts are prefilled in steps that others decode in.
 // With `n_warmup`, each client first sends that many requests that are not measured.
 // Percentiles: nearest-rank (p50, p99) over every request's samples; each request's decode rate
-// (tokens after the first over the time from the first to the last) gives a median (the
-// nearest-rank p50) and a mean.
+// (tokens after the first read that carried any over the time from it to the last) gives a
+// median (the nearest-rank p50) and a mean.
 #pragma once
 
 #include <cstdint>
@@ -63,7 +63,7 @@ struct ServeBenchResult {
   double aggregate_tok_s = 0;  ///< n_tokens / wall_s
   double ttft_p50_ms = 0, ttft_p99_ms = 0;
   double itl_p50_ms = 0, itl_p99_ms = 0;
-  /// Median over requests of (n_predict - 1) / (last - first token): the nearest-rank p50, so
+  /// Median over requests of ServeRequestSamples::decode_tok_s: the nearest-rank p50, so
   /// the lower of the two middle rates for an even count.
   double per_request_tok_s = 0;
   double per_request_tok_s_mean = 0;  ///< the mean of the same per-request rates
@@ -77,7 +77,9 @@ struct ServeRequestSamples {
   int64_t n_tokens = 0;
   double ttft_ms = 0;
   std::vector<double> itl_ms;
-  double decode_tok_s = 0;  ///< (n_tokens - 1) / (last - first token); 0 below 2 tokens
+  /// Tokens after the first read that carried any over the time from that read to the last
+  /// (n_tokens - 1 of them when the first read held one token); 0 when no later read held one.
+  double decode_tok_s = 0;
 };
 
 /// Runs the benchmark. Throws Error(invalid_argument) for counts < 1, Error(io) when the server
