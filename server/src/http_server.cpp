@@ -125,12 +125,8 @@ json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
 // `retire_after` for a connection ends.
 class GrowingPool : public httplib::TaskQueue {
  public:
-  GrowingPool(size_t base, size_t max, std::chrono::milliseconds retire_after,
-              std::atomic<int64_t>* n_live)
-      : base_(std::max<size_t>(base, 1)),
-        max_(std::max(base_, max)),
-        retire_after_(retire_after),
-        n_live_(n_live) {
+  GrowingPool(size_t base, size_t max, std::chrono::milliseconds retire_after)
+      : base_(std::max<size_t>(base, 1)), max_(std::max(base_, max)), retire_after_(retire_after) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < base_; ++i) spawn();
   }
@@ -157,7 +153,7 @@ class GrowingPool : public httplib::TaskQueue {
 
  private:
   void spawn() {  // mu_ held
-    n_live_->store(static_cast<int64_t>(++live_));
+    ++live_;
     std::thread([this] { work(); }).detach();
   }
   void work() {
@@ -171,8 +167,7 @@ class GrowingPool : public httplib::TaskQueue {
         // Shut down with nothing left, or idle too long beyond the base threads: end. The last
         // touch of the pool is here, under mu_ (shutdown() returns only after this unlocks).
         if (shutdown_ || (!woken && live_ > base_)) {
-          n_live_->store(static_cast<int64_t>(--live_));
-          if (live_ == 0) ended_.notify_all();
+          if (--live_ == 0) ended_.notify_all();
           return;
         }
         continue;
@@ -188,7 +183,6 @@ class GrowingPool : public httplib::TaskQueue {
 
   const size_t base_, max_;
   const std::chrono::milliseconds retire_after_;
-  std::atomic<int64_t>* const n_live_;  // the server's count (it outlives the pool)
   std::mutex mu_;
   std::condition_variable cv_, ended_;
   std::deque<std::function<void()>> jobs_;
@@ -214,9 +208,9 @@ void HttpServer::Impl::routes() {
                             : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
   const int max_threads = std::max(n_threads, opt.max_http_threads);
   const std::chrono::milliseconds retire(std::max(opt.http_thread_retire_ms, 1));
-  s.new_task_queue = [this, n_threads, max_threads, retire] {
-    return new GrowingPool(static_cast<size_t>(n_threads), static_cast<size_t>(max_threads), retire,
-                           &http_threads);
+  s.new_task_queue = [n_threads, max_threads, retire] {
+    return new GrowingPool(static_cast<size_t>(n_threads), static_cast<size_t>(max_threads),
+                           retire);
   };
 
   s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
@@ -484,8 +478,6 @@ void HttpServer::Impl::routes() {
            static_cast<double>(n_requests.load()));
     metric("http_errors_total", "counter", "HTTP responses with a status of 400 or more.",
            static_cast<double>(n_errors.load()));
-    metric("http_threads", "gauge", "HTTP worker threads alive.",
-           static_cast<double>(http_threads.load()));
     res.status = 200;
     res.set_content(out, "text/plain; version=0.0.4");
   });
@@ -584,8 +576,6 @@ void HttpServer::Impl::routes() {
 HttpServer::HttpServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
   impl_->routes();
 }
-
-int64_t HttpServer::http_threads() const { return impl_->http_threads.load(); }
 
 HttpServer::~HttpServer() {
   stop();

@@ -90,8 +90,6 @@ class HttpServer {
   void wait();
 
   int port() const { return port_; }
-  /// The HTTP worker threads alive now (0 before start() has made the pool).
-  int64_t http_threads() const;
 
   struct Impl;
 
