@@ -75,6 +75,7 @@ struct HttpServer::Impl {
   std::atomic<uint64_t> counter{0};
   std::string id_seed;  // random, per process: response ids are id_seed + counter
   std::atomic<int64_t> n_requests{0}, n_errors{0};
+  std::atomic<int64_t> http_threads{0};  ///< the HTTP task pool's live threads
   /// The methods each route answers, by path ("GET, HEAD" or "POST"): written by routes().
   std::map<std::string, std::string> allow;
 

@@ -121,12 +121,18 @@ json tokens_with_pieces(const Tokenizer& tok, const std::vector<int32_t>& ids) {
 // cpp-httplib's task queue with threads added while every thread is busy, up to `max`: a
 // connection holds its thread until it closes or stays silent past the read timeout, so a fixed
 // pool lets a few clients that send their requests slowly (a byte every few seconds) leave none
-// for /health or anyone else. Threads are never retired (at most `max` of them).
+// for /health or anyone else. At most `max` threads; one beyond the `base` ones that has waited
+// `retire_after` for a connection ends.
 class GrowingPool : public httplib::TaskQueue {
  public:
-  GrowingPool(size_t base, size_t max) : max_(std::max(base, max)) {
+  GrowingPool(size_t base, size_t max, std::chrono::milliseconds retire_after,
+              std::atomic<int64_t>* n_live)
+      : base_(std::max<size_t>(base, 1)),
+        max_(std::max(base_, max)),
+        retire_after_(retire_after),
+        n_live_(n_live) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < std::max<size_t>(base, 1); ++i) spawn();
+    for (size_t i = 0; i < base_; ++i) spawn();
   }
   ~GrowingPool() override = default;
 
@@ -134,47 +140,63 @@ class GrowingPool : public httplib::TaskQueue {
     {
       std::lock_guard<std::mutex> lock(mu_);
       jobs_.push_back(std::move(fn));
-      if (idle_ < jobs_.size() && threads_.size() < max_) spawn();
+      if (idle_ < jobs_.size() && live_ < max_) spawn();
     }
     cv_.notify_one();
   }
 
+  // Runs what is queued, then waits until every thread has ended (they are detached: a thread
+  // past its idle time ends on its own, so none is left to join).
   void shutdown() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      shutdown_ = true;
-    }
+    std::unique_lock<std::mutex> lock(mu_);
+    shutdown_ = true;
     cv_.notify_all();
     // No thread is added after shutdown_ (enqueue runs on the listener, which has stopped).
-    for (std::thread& t : threads_) t.join();
+    ended_.wait(lock, [&] { return live_ == 0; });
   }
 
  private:
+  // A new thread counts as idle from here, before it first waits: a job enqueued while it starts
+  // is its job, so the pool does not add another for it.
   void spawn() {  // mu_ held
-    threads_.emplace_back([this] { work(); });
+    ++idle_;
+    n_live_->store(static_cast<int64_t>(++live_));
+    std::thread([this] { work(); }).detach();
   }
   void work() {
-    for (;;) {
-      std::function<void()> fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        ++idle_;
-        cv_.wait(lock, [&] { return !jobs_.empty() || shutdown_; });
-        --idle_;
-        if (jobs_.empty()) return;  // shutdown_ and nothing left
-        fn = std::move(jobs_.front());
-        jobs_.pop_front();
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {  // idle_ counts this thread here
+      const bool woken =
+          cv_.wait_for(lock, retire_after_, [&] { return !jobs_.empty() || shutdown_; });
+      if (jobs_.empty()) {
+        // Shut down with nothing left, or idle too long beyond the base threads: end. The last
+        // touch of the pool is here, under mu_ (shutdown() returns only after this unlocks).
+        if (shutdown_ || (!woken && live_ > base_)) {
+          --idle_;
+          n_live_->store(static_cast<int64_t>(--live_));
+          if (live_ == 0) ended_.notify_all();
+          return;
+        }
+        continue;
       }
+      --idle_;
+      std::function<void()> fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
       fn();
+      fn = nullptr;  // the task's captures go before the lock is taken again
+      lock.lock();
+      ++idle_;
     }
   }
 
-  const size_t max_;
+  const size_t base_, max_;
+  const std::chrono::milliseconds retire_after_;
+  std::atomic<int64_t>* const n_live_;  // the server's count (it outlives the pool)
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_, ended_;
   std::deque<std::function<void()>> jobs_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
+  size_t live_ = 0, idle_ = 0;
   bool shutdown_ = false;
 };
 
@@ -195,8 +217,10 @@ void HttpServer::Impl::routes() {
                             ? opt.n_http_threads
                             : std::min(std::max(opt.n_slots_hint, 1) + opt.queue_hint + 8, 512);
   const int max_threads = std::max(n_threads, opt.max_http_threads);
-  s.new_task_queue = [n_threads, max_threads] {
-    return new GrowingPool(static_cast<size_t>(n_threads), static_cast<size_t>(max_threads));
+  const std::chrono::milliseconds retire(std::max(opt.http_thread_retire_ms, 1));
+  s.new_task_queue = [this, n_threads, max_threads, retire] {
+    return new GrowingPool(static_cast<size_t>(n_threads), static_cast<size_t>(max_threads), retire,
+                           &http_threads);
   };
 
   s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
@@ -464,6 +488,8 @@ void HttpServer::Impl::routes() {
            static_cast<double>(n_requests.load()));
     metric("http_errors_total", "counter", "HTTP responses with a status of 400 or more.",
            static_cast<double>(n_errors.load()));
+    metric("http_threads", "gauge", "HTTP worker threads alive.",
+           static_cast<double>(http_threads.load()));
     res.status = 200;
     res.set_content(out, "text/plain; version=0.0.4");
   });
@@ -562,6 +588,8 @@ void HttpServer::Impl::routes() {
 HttpServer::HttpServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
   impl_->routes();
 }
+
+int64_t HttpServer::http_threads() const { return impl_->http_threads.load(); }
 
 HttpServer::~HttpServer() {
   stop();

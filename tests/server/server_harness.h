@@ -70,6 +70,7 @@ struct ServerConfig {
   std::string api_key;
   bool metrics = false;
   size_t max_body_bytes = size_t{16} << 20;
+  int http_thread_retire_ms = 30000;
 };
 
 /// A server over `m` on 127.0.0.1 and an ephemeral port, ready when constructed.
@@ -89,6 +90,7 @@ class TestServer {
     so.api_key = c.api_key;
     so.metrics = c.metrics;
     so.max_body_bytes = c.max_body_bytes;
+    so.http_thread_retire_ms = c.http_thread_retire_ms;
     so.n_slots_hint = c.n_slots;
     so.queue_hint = c.queue;
     http = std::make_unique<server::HttpServer>(so);

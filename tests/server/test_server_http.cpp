@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <set>
 #include <string>
@@ -743,6 +744,9 @@ TEST_CASE("/health is 503 while loading, then 200; --metrics serves Prometheus t
   CHECK(r.body.find("berth:decode_rows_total 5\n") != std::string::npos);
   CHECK(r.body.find("berth:decode_intervals_total 4\n") != std::string::npos);
   CHECK(r.body.find("berth:requests_processing 0\n") != std::string::npos);
+  // The HTTP pool's base: 1 slot + a queue of 64 + 8.
+  CHECK(r.body.find("# TYPE berth:http_threads gauge\nberth:http_threads 73\n") !=
+        std::string::npos);
   http.stop();
 }
 
@@ -898,18 +902,34 @@ TEST_CASE("clients that send their requests slowly do not leave /health without 
   // -np 1 and no queue: the server starts with 1 + 0 + 8 HTTP threads. Twelve connections hold
   // one each while their request headers trickle in (each stays open, silent, until the read
   // timeout of 5 s); /health must still answer at once on a thirteenth.
-  TestServer srv(stories(), ServerConfig{.n_slots = 1, .queue = 0});
+  TestServer srv(stories(), ServerConfig{.n_slots = 1, .queue = 0, .http_thread_retire_ms = 300});
+  // The pool grows by the holders' threads and, once they are gone and idle for 300 ms, shrinks
+  // back to its base.
+  auto n_threads = [&] { return srv.http->http_threads(); };
+  httplib::Client c("127.0.0.1", srv.port);
+  c.set_connection_timeout(2, 0);
+  c.set_read_timeout(2, 0);   // well under the holders' 5 s: a pool of 9 answers only after them
+  REQUIRE(c.Get("/health"));  // the pool's base threads have started (the listener makes them)
+  const int64_t before = n_threads();
+  CHECK(before == 9);
   std::vector<std::unique_ptr<RawConn>> holders;
   for (int i = 0; i < 12; ++i) {
     holders.push_back(std::make_unique<RawConn>(srv.port));
     REQUIRE(holders.back()->ok());
     REQUIRE(holders.back()->send("GET /health HTTP/1.1\r\nHo"));
   }
-  httplib::Client c("127.0.0.1", srv.port);
-  c.set_connection_timeout(2, 0);
-  c.set_read_timeout(2, 0);  // well under the holders' 5 s: a pool of 9 answers only after them
   auto r = c.Get("/health");
   REQUIRE(r);
   CHECK(r->status == 200);
   CHECK(json::parse(r->body) == json{{"status", "ok"}});
+  CHECK(n_threads() >= 13);  // 13 connections at once on 9 base threads
+  holders.clear();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (n_threads() > before && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(n_threads() == before);
+  // The base threads stay and answer.
+  r = c.Get("/health");
+  REQUIRE(r);
+  CHECK(r->status == 200);
 }

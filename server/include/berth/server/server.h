@@ -45,6 +45,9 @@ struct ServerOptions {
   /// max_http_threads in all; beyond that it waits, unanswered, until one is free.
   int n_http_threads = 0;
   int max_http_threads = 1024;
+  /// A thread beyond n_http_threads that has had no connection for this long ends, so a burst
+  /// of connections does not keep its threads for the server's life; milliseconds.
+  int http_thread_retire_ms = 30000;
   int n_slots_hint = 1, queue_hint = 64;  ///< for the automatic n_http_threads
   /// Seconds between SSE comments (": ping") on a stream that has nothing else to send; they
   /// keep proxies from timing out and let a vanished client be noticed.
@@ -87,6 +90,8 @@ class HttpServer {
   void wait();
 
   int port() const { return port_; }
+  /// The HTTP worker threads alive now (0 before start() has made the pool).
+  int64_t http_threads() const;
 
   struct Impl;
 
