@@ -52,7 +52,7 @@ void StepPacker::pack(std::span<const StepInput> in, int64_t budget) {
     ++n_seqs_;
     (s.decode ? n_decode_ : n_prompt_) += static_cast<int32_t>(k);
     // A decode token, or a chunk that reaches the prompt's end, has its last row among outputs.
-    const bool wanted = s.decode || k == static_cast<int64_t>(s.tokens.size());
+    const bool wanted = s.decode || (!s.stops_short && k == static_cast<int64_t>(s.tokens.size()));
     const int64_t body = wanted ? k - 1 : k;
     for (int64_t j = 0; j < body; ++j) {
       tokens_.push_back(s.tokens[static_cast<size_t>(j)]);

@@ -338,6 +338,14 @@ void BatchEngine::step() {
     in.tokens = in.decode ? std::span<const int32_t>(&s->pending, 1)
                           : std::span<const int32_t>(s->req.prompt)
                                 .subspan(static_cast<size_t>(s->n_prompt_done));
+    // A state kept by checkpoints (Qwen3.5's recurrent layers cannot be cut back): the prompt's
+    // last token waits for a step of its own, so that a checkpoint can be taken just before it
+    // (step's results below). The same prompt again then evaluates only that token; a
+    // checkpoint at the prompt's end could not serve it (its last token's logits are needed).
+    if (!in.decode && in.tokens.size() > 1 && s->cache->keeps_checkpoints()) {
+      in.tokens = in.tokens.first(in.tokens.size() - 1);
+      in.stops_short = true;
+    }
     inputs_.push_back(in);
   }
   packer_.pack(inputs_, options_.session.n_ubatch);
@@ -415,8 +423,12 @@ void BatchEngine::step() {
         metrics_.prompt_seconds_total += ms / 1e3;
       }
       s.gen->progress(s.n_prompt_done);
-      if (r < 0) continue;  // more of the prompt to come
-      s.cache->checkpoint();
+      if (r < 0) {  // more of the prompt to come
+        if (inputs_[i].stops_short &&
+            s.n_prompt_done + 1 == static_cast<int64_t>(s.req.prompt.size()))
+          s.cache->checkpoint();  // all of the prompt but its last token, held back for this
+        continue;
+      }
       if (s.req.max_tokens == 0) {
         end(s, FinishReason::length);
         continue;

@@ -678,6 +678,16 @@ TEST_CASE("batch: the packer puts the decode tokens last, the wanted prompt rows
   CHECK(pk.out_row(0) == -1);
   CHECK(pk.out_row(1) == 0);
   CHECK(pk.out_row(3) == 1);
+  // A prompt offered short of its end (stops_short): all of it taken, no output row for it.
+  StepInput held[] = {{0, 0, p0, false}, {1, 4, d1, true}};
+  held[0].stops_short = true;
+  pk.pack(held, 16);
+  CHECK(pk.n_prompt() == 5);
+  CHECK(std::vector<int32_t>(pk.tokens().begin(), pk.tokens().end()) ==
+        std::vector<int32_t>{1, 2, 3, 4, 5, 9});
+  CHECK(pk.out_row(0) == -1);
+  CHECK(pk.out_row(1) == 0);
+  CHECK(pk.n_out() == 1);
 }
 
 TEST_CASE("batch: more generating sequences than -ub take turns") {

@@ -316,11 +316,12 @@ TEST_CASE("BatchEngine: a prompt sharing a prefix reuses the slot's cache, with 
 }
 
 TEST_CASE(
-    "BatchEngine: a Qwen3.5 slot keeps a checkpoint at the end of each reply, so a next turn "
-    "branching off the chat re-evaluates none of the reply, with the same tokens") {
+    "BatchEngine: a Qwen3.5 slot keeps a checkpoint a token before the end of each prompt and at "
+    "the end of each reply, so the same prompt again evaluates one token and a next turn "
+    "branching off the chat none of the reply, with the same tokens") {
   // tiny-qwen35: Gated DeltaNet layers whose state cannot be cut back; the prefix cache reaches
-  // earlier positions only through SlotCache's checkpoints (the end of each prompt and of each
-  // reply). Token-id prompts: nothing is retokenized.
+  // earlier positions only through SlotCache's checkpoints (one token before the end of each
+  // prompt, and the end of each reply). Token-id prompts: nothing is retokenized.
   // Checkpoints as host copies (no spare state rows), on the slot's two spare rows on the CPU,
   // and on them on the (simulated) device, where they are device-to-device copies; with two rows
   // the older checkpoints move to the host as newer ones come (the reply's end at 17 among them).
@@ -343,6 +344,11 @@ TEST_CASE(
     const Result r1 = drain(*e->submit(ids_request(p, kReply)));
     REQUIRE(r1.ids().size() == static_cast<size_t>(kReply));
     CHECK(r1.timings.n_cached == 0);
+    // The same prompt again (a retry): from the checkpoint at 11, only the last token.
+    const Result r0 = drain(*e->submit(ids_request(p, kReply)));
+    CHECK(r0.timings.n_cached == static_cast<int64_t>(p.size()) - 1);
+    CHECK(r0.timings.n_evaluated == 1);
+    CHECK(r0.ids() == r1.ids());
     // The slot holds the prompt and the reply but its last token (sampled, never evaluated).
     const auto n_state = static_cast<int64_t>(p.size()) + kReply - 1;  // 17
     CHECK(e->slots()[0].n_cached == n_state);
@@ -355,18 +361,19 @@ TEST_CASE(
     CHECK(r2.timings.n_cached == n_state);
     CHECK(r2.timings.n_evaluated == static_cast<int64_t>(next.size()) - n_state);
 
-    // That turn regenerated: the same prompt again. Its last token must be evaluated again, so
-    // the nearest checkpoint at or before 22 is the first reply's end (17); without it, the first
-    // prompt's end (12), and the whole reply would be evaluated again.
+    // That turn regenerated: the same prompt again. Its last token must be evaluated again: from
+    // the checkpoint one token before that prompt's end (22).
     const Result r3 = drain(*e->submit(ids_request(next, kReply)));
-    CHECK(r3.timings.n_cached == n_state);
-    CHECK(r3.timings.n_evaluated == 6);  // the reply's last token and the 5 of the user message
-    // That turn's user message edited: the same.
+    CHECK(r3.timings.n_cached == static_cast<int64_t>(next.size()) - 1);
+    CHECK(r3.timings.n_evaluated == 1);
+    // That turn's user message edited: the nearest checkpoint at or before the edit is the first
+    // reply's end (17); without it, the first prompt's (11), and the whole reply would be
+    // evaluated again.
     std::vector<int32_t> edited(next.begin(), next.begin() + n_state + 1);
     for (int32_t id : {800, 801, 802}) edited.push_back(id);
     const Result r4 = drain(*e->submit(ids_request(edited, kReply)));
     CHECK(r4.timings.n_cached == n_state);
-    CHECK(r4.timings.n_evaluated == 4);
+    CHECK(r4.timings.n_evaluated == 4);  // the reply's last token and the 3 of the user message
 
     // Bit-identical tokens to an engine without a cache (a fresh slot, the prompt from position 0).
     const std::vector<int32_t> fresh = run_alone(m, ids_request(next, kReply)).ids();
@@ -374,12 +381,13 @@ TEST_CASE(
     CHECK(r2.ids() == fresh);
     CHECK(r3.ids() == fresh);
     CHECK(r4.ids() == run_alone(m, ids_request(edited, kReply)).ids());
-    // Branching off right after that prompt: the checkpoint at its end (21), among the newest
-    // (on a spare row where the slot has them).
+    // Branching off right after that prompt: the checkpoint a token before its end (20), among
+    // the newest (on a spare row where the slot has them).
     std::vector<int32_t> branch = edited;
     for (int32_t id : {900, 901}) branch.push_back(id);
     const Result r5 = drain(*e->submit(ids_request(branch, kReply)));
-    CHECK(r5.timings.n_cached == static_cast<int64_t>(edited.size()));
+    CHECK(r5.timings.n_cached == static_cast<int64_t>(edited.size()) - 1);
+    CHECK(r5.timings.n_evaluated == 3);
     CHECK(r5.ids() == run_alone(m, ids_request(branch, kReply)).ids());
   }
 }

@@ -32,6 +32,10 @@ struct StepInput {
   int64_t n_past = 0;
   std::span<const int32_t> tokens;  ///< at least one
   bool decode = false;              ///< a generating sequence's token (exactly one)
+  /// A prompt input whose `tokens` stop short of its prompt's end: no output row even when the
+  /// step takes all of them (the server's engine holds a prompt's last token back for a step
+  /// of its own, to checkpoint a recurrent state just before it).
+  bool stops_short = false;
 };
 
 /// Packs one step of several sequences (continuous batching with chunked prefill): the decode

@@ -116,7 +116,8 @@ class RecurrentSequenceState : public KvSequenceState {
 /// longest common prefix of the two, reached by truncation when the state allows it, else by
 /// the latest checkpoint at or before it. Keeps at most `max_checkpoints` checkpoints (the
 /// oldest are dropped), taken by checkpoint() and only for states that cannot truncate.
-/// BatchEngine takes one at the end of each prompt and one at the end of each request (the
+/// BatchEngine takes one a token before the end of each prompt (the same prompt again, a retry,
+/// evaluates only its last token, whose logits it needs) and one at the end of each request (the
 /// reply), so the default 4 hold the latest two turns: dropping the oldest first keeps the
 /// latest turn's pair and the previous reply's end, which a prompt branching off the chat
 /// (a regenerated reply, an edited user message) restores.
@@ -142,6 +143,8 @@ class SlotCache {
   void append(std::span<const int32_t> evaluated);
   /// Saves a checkpoint at the current end when the state cannot truncate (no-op otherwise).
   void checkpoint();
+  /// Whether checkpoint() saves anything: a state that cannot truncate, and room for one.
+  bool keeps_checkpoints() const { return !state_.can_truncate() && max_checkpoints_ > 0; }
   /// Forgets everything (after a failed step, when the state's content is unknown).
   void clear();
 
