@@ -56,7 +56,14 @@ std::unique_ptr<Model> make_qwen35_family(const gguf::File& file, bool moe) {
   auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* key) {
     if (v < lo || v > hi) bad(fmt::format("{}.{} = {} must be in {}..{}", a, key, v, lo, hi));
   };
-  range(hp.full_attention_interval, 1, hp.n_layer, "full_attention_interval");
+  if (hp.full_attention_interval < 1 || hp.full_attention_interval > hp.n_layer)
+    bad(hp.n_layer_skipped > 0
+            ? fmt::format("{}.full_attention_interval = {} must be in 1..{} (the layers left of "
+                          "{}.block_count {} after {}.nextn_predict_layers {})",
+                          a, hp.full_attention_interval, hp.n_layer, a, block_count, a,
+                          hp.n_layer_skipped)
+            : fmt::format("{}.full_attention_interval = {} must be in 1..{} ({}.block_count)", a,
+                          hp.full_attention_interval, hp.n_layer, a));
   range(hp.ssm_conv_kernel, 2, 8, "ssm.conv_kernel");
   range(hp.ssm_d_state, 1, 4096, "ssm.state_size");
   range(hp.ssm_n_group, 1, 4096, "ssm.group_count");

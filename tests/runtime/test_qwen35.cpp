@@ -747,6 +747,41 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
       CHECK(std::string(e.what()).find(key) != std::string::npos);
     }
   }
+  // An interval beyond the layers names the count it is checked against: block_count, or what
+  // is left of it after the MTP layers (nextn_predict_layers).
+  auto with_u32 = [&](const std::map<std::string, uint32_t>& set) {
+    gguf::Writer w;
+    for (const gguf::KeyValue& kv : src.kvs())
+      if (!set.contains(kv.key)) w.set(kv.key, kv.value);
+    for (const auto& [k, v] : set) w.set_u32(k, v);
+    for (const gguf::TensorInfo& t : src.tensors())
+      w.add_tensor(
+          t.name, t.type,
+          std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
+          std::span<const uint8_t>(t.data, t.n_bytes));
+    const auto path = test::temp_dir("qwen35") / fmt::format("set-{}.gguf", set.size());
+    w.write(path.string());
+    return path.string();
+  };
+  const auto n_layer = src.get_int("qwen35.block_count");
+  REQUIRE(n_layer == 4);
+  for (const auto& [set, want] :
+       {std::pair{std::map<std::string, uint32_t>{{"qwen35.full_attention_interval", 5}},
+                  std::string("full_attention_interval = 5 must be in 1..4 (qwen35.block_count)")},
+        std::pair{std::map<std::string, uint32_t>{{"qwen35.full_attention_interval", 4},
+                                                  {"qwen35.nextn_predict_layers", 2}},
+                  std::string("full_attention_interval = 4 must be in 1..2 (the layers left of "
+                              "qwen35.block_count 4 after qwen35.nextn_predict_layers 2)")}}) {
+    CAPTURE(want);
+    gguf::File f = gguf::File::open(with_u32(set));
+    try {
+      load_model(f);
+      FAIL("an interval beyond the layers must not load");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::format);
+      CHECK(std::string(e.what()).find(want) != std::string::npos);
+    }
+  }
   // head_count_kv per layer: 0 on the GDN layers (0, 1, 2), 2 on layer 3, loads and runs as the
   // scalar does; a non-zero entry on a GDN layer is refused.
   gguf::File ok = gguf::File::open(copy("", {0, 0, 0, 2}));
