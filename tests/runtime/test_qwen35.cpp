@@ -714,26 +714,30 @@ TEST_CASE("qwen35: truncation goes back to 0 only; a reset session repeats its f
 
 TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   const gguf::File src = gguf::File::open(tiny_file("tiny-qwen35"));
-  // Copies src without key `drop` (and with `set_kv_array` as a per-layer head_count_kv).
-  auto copy = [&](const std::string& drop, const std::vector<int32_t>& kv_array) {
+  // Writes src's tensors under the metadata `kvs` writes, as temp file `name`.
+  auto write = [&](const std::string& name, const std::function<void(gguf::Writer&)>& kvs) {
     gguf::Writer w;
-    for (const gguf::KeyValue& kv : src.kvs()) {
-      if (kv.key == drop) continue;
-      if (!kv_array.empty() && kv.key == "qwen35.attention.head_count_kv") {
-        w.set_i32_array(kv.key, kv_array);
-        continue;
-      }
-      w.set(kv.key, kv.value);
-    }
+    kvs(w);
     for (const gguf::TensorInfo& t : src.tensors())
       w.add_tensor(
           t.name, t.type,
           std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
           std::span<const uint8_t>(t.data, t.n_bytes));
-    const auto path =
-        test::temp_dir("qwen35") / fmt::format("edit-{}-{}.gguf", drop, kv_array.size());
+    const auto path = test::temp_dir("qwen35") / name;
     w.write(path.string());
     return path.string();
+  };
+  // Copies src without key `drop` (and with `kv_array` as a per-layer head_count_kv).
+  auto copy = [&](const std::string& drop, const std::vector<int32_t>& kv_array) {
+    return write(fmt::format("edit-{}-{}.gguf", drop, kv_array.size()), [&](gguf::Writer& w) {
+      for (const gguf::KeyValue& kv : src.kvs()) {
+        if (kv.key == drop) continue;
+        if (!kv_array.empty() && kv.key == "qwen35.attention.head_count_kv")
+          w.set_i32_array(kv.key, kv_array);
+        else
+          w.set(kv.key, kv.value);
+      }
+    });
   };
   for (const char* key : {"qwen35.ssm.state_size", "qwen35.ssm.conv_kernel",
                           "qwen35.ssm.group_count", "qwen35.ssm.time_step_rank"}) {
@@ -750,18 +754,11 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   // An interval beyond the layers names the count it is checked against: block_count, or what
   // is left of it after the MTP layers (nextn_predict_layers).
   auto with_u32 = [&](const std::map<std::string, uint32_t>& set) {
-    gguf::Writer w;
-    for (const gguf::KeyValue& kv : src.kvs())
-      if (!set.contains(kv.key)) w.set(kv.key, kv.value);
-    for (const auto& [k, v] : set) w.set_u32(k, v);
-    for (const gguf::TensorInfo& t : src.tensors())
-      w.add_tensor(
-          t.name, t.type,
-          std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
-          std::span<const uint8_t>(t.data, t.n_bytes));
-    const auto path = test::temp_dir("qwen35") / fmt::format("set-{}.gguf", set.size());
-    w.write(path.string());
-    return path.string();
+    return write(fmt::format("set-{}.gguf", set.size()), [&](gguf::Writer& w) {
+      for (const gguf::KeyValue& kv : src.kvs())
+        if (!set.contains(kv.key)) w.set(kv.key, kv.value);
+      for (const auto& [k, v] : set) w.set_u32(k, v);
+    });
   };
   const auto n_layer = src.get_int("qwen35.block_count");
   REQUIRE(n_layer == 4);
