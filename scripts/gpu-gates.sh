@@ -13,7 +13,7 @@
 #   3. berth run on stories260K with -ngl 99 / 3 / 0 and -ngl 99 --unified on: the golden 64
 #      tokens (md5).
 #   4. compute-sanitizer memcheck on hybrid steps and on the attention decode kernels (their
-#      split over clusters and its workspace), racecheck on the kernels.
+#      split over clusters and its workspace), racecheck on the kernels (the GDN ones among them).
 # Each step is killed (timeout -k) past its limit, so a hang costs minutes, not the lease.
 # GATES="test_gpu hybrid_cuda golden" (names of the steps) runs only those, to split the gates
 # over two device calls of at most 10 minutes; the default runs them all.
@@ -40,5 +40,5 @@ want golden && for flags in "-ngl 99" "-ngl 3" "-ngl 0" "-ngl 99 --unified on"; 
 done
 step memcheck env BERTH_TEST_DEVICE=cuda timeout -k 10 240 compute-sanitizer --tool memcheck --error-exitcode 3 test_runtime -tc='hybrid: replaying*,hybrid: prefill streams*,batch: a sequence*,hybrid: the values only*,hybrid: a split step*,expert slots: swaps forced every step*,stream split: every*,unified: without pageable*,qwen35: on the device*'
 step memcheck_attn timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 3 test_gpu -tc='*attention decode*,*captured decode graph*,*8-bit blocks left by the attention*'
-step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*' -tce='*timing*,*long caches*'
+step racecheck timeout -k 10 300 compute-sanitizer --tool racecheck --error-exitcode 3 test_gpu -tc='*attention decode*,*router*,*moe*,*add_rms_norm*,*matmul_group*,*norm_rope*,*hand-off*,*rms_norm*,*head_slice*,*sigmoid_mul*,*ssm_conv*,*gated_delta*' -tce='*timing*,*long caches*'
 exit $status
