@@ -246,22 +246,36 @@ void BatchEngine::assign_locked() {
       it = waiting_.erase(it);
       continue;
     }
-    Slot* best = nullptr;  // by shared prefix
-    Slot* lru = nullptr;
-    int64_t best_lcp = 0;
+    // The free slot that brings back the most of the prompt (at least kMinSimilarity of it),
+    // else the least recently used. What a slot brings back is SlotCache::reusable: for a
+    // recurrent state (Qwen3.5) only up to a checkpoint, which can be far less than the shared
+    // prefix. A slot sharing more with the prompt than it can bring back (a recurrent state past
+    // the point of divergence, no checkpoint before it) is taken last: the prompt would gain
+    // nothing there and would end a state that a request continuing it could still use.
+    Slot* best = nullptr;
+    Slot* fallback = nullptr;
+    bool fallback_loses = false;
+    int64_t best_reuse = 0;
     for (Slot& s : slots_) {
       if (s.gen || (w.req.slot >= 0 && s.id != w.req.slot)) continue;
-      if (!lru || s.last_used < lru->last_used) lru = &s;
-      const int64_t lcp =
-          w.req.cache_prompt ? SlotCache::common_prefix(s.cache->tokens(), w.req.prompt) : 0;
-      if (static_cast<double>(lcp) < kMinSimilarity * static_cast<double>(w.req.prompt.size()))
+      const int64_t reuse = w.req.cache_prompt ? s.cache->reusable(w.req.prompt) : 0;
+      // The prefix it shares but cannot bring back (never for a state that can truncate).
+      const bool loses = w.req.cache_prompt &&
+                         reuse < std::min(SlotCache::common_prefix(s.cache->tokens(), w.req.prompt),
+                                          static_cast<int64_t>(w.req.prompt.size()) - 1);
+      if (!fallback || (fallback_loses && !loses) ||
+          (fallback_loses == loses && s.last_used < fallback->last_used)) {
+        fallback = &s;
+        fallback_loses = loses;
+      }
+      if (static_cast<double>(reuse) < kMinSimilarity * static_cast<double>(w.req.prompt.size()))
         continue;
-      if (!best || lcp > best_lcp || (lcp == best_lcp && s.last_used < best->last_used)) {
+      if (!best || reuse > best_reuse || (reuse == best_reuse && s.last_used < best->last_used)) {
         best = &s;
-        best_lcp = lcp;
+        best_reuse = reuse;
       }
     }
-    if (!best) best = lru;
+    if (!best) best = fallback;
     if (!best) {
       ++it;
       continue;

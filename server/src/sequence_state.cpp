@@ -109,31 +109,32 @@ int64_t SlotCache::common_prefix(std::span<const int32_t> a, std::span<const int
   return static_cast<int64_t>(i);
 }
 
+int64_t SlotCache::reusable(std::span<const int32_t> prompt) const {
+  if (prompt.empty()) return 0;
+  const int64_t want =
+      std::min(common_prefix(tokens_, prompt), static_cast<int64_t>(prompt.size()) - 1);
+  if (want == static_cast<int64_t>(tokens_.size()) || state_.can_truncate()) return want;
+  // The latest checkpoint at or before `want`, else nothing.
+  int64_t n = 0;
+  for (const Checkpoint& cp : checkpoints_)
+    if (cp.n_past <= want) n = cp.n_past;
+  return n;
+}
+
 int64_t SlotCache::prepare(std::span<const int32_t> prompt, bool reuse) {
   BERTH_CHECK(!prompt.empty(), "SlotCache::prepare: empty prompt");
   BERTH_CHECK(static_cast<int64_t>(tokens_.size()) == state_.n_past(),
               "SlotCache: the state holds a different number of tokens than recorded");
-  int64_t want = 0;
-  if (reuse)
-    want = std::min(common_prefix(tokens_, prompt), static_cast<int64_t>(prompt.size()) - 1);
-  int64_t n = 0;
-  if (want == state_.n_past()) {
-    n = want;  // the prompt continues exactly what the state holds
-  } else if (state_.can_truncate()) {
-    state_.truncate_to(want);
-    n = want;
+  const int64_t n = reuse ? reusable(prompt) : 0;
+  if (n == state_.n_past()) {
+    // The prompt continues exactly what the state holds.
+  } else if (n == 0 || state_.can_truncate()) {
+    state_.truncate_to(n);
   } else {
-    // The latest checkpoint at or before `want`, else from scratch.
-    const Checkpoint* best = nullptr;
-    for (const Checkpoint& cp : checkpoints_)
-      if (cp.n_past <= want) best = &cp;
-    if (best) {
-      state_.restore(*best);
-      n = best->n_past;
-    } else {
-      state_.truncate_to(0);
-      n = 0;
-    }
+    const auto cp = std::find_if(checkpoints_.begin(), checkpoints_.end(),
+                                 [&](const Checkpoint& c) { return c.n_past == n; });
+    BERTH_CHECK(cp != checkpoints_.end(), "SlotCache::prepare: no checkpoint at the reused length");
+    state_.restore(*cp);
   }
   // Checkpoints past n describe tokens about to be overwritten.
   while (!checkpoints_.empty() && checkpoints_.back().n_past > n) {

@@ -392,6 +392,45 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "BatchEngine: a Qwen3.5 prompt takes the slot that can bring back most of it, not one whose "
+    "state it shares but could only start over") {
+  // Two slots of tiny-qwen35. A's slot shares A's first 8 tokens with the prompt Ap below but
+  // holds checkpoints only at 11 and 17: it could bring back none of Ap, so Ap goes to B's slot
+  // (the more recently used one) and A's state survives for A's repeat.
+  static LoadedModel m(synth_model("tiny-qwen35"));
+  auto e = make_engine(m, 2, 256, 8);
+  auto ids_request = [](std::vector<int32_t> prompt) {
+    GenerationRequest r;
+    r.prompt = std::move(prompt);
+    r.sampling.sampler.temp = 0;
+    r.max_tokens = 6;
+    r.ignore_eos = true;
+    return r;
+  };
+  const std::vector<int32_t> a = {5, 17, 300, 42, 9, 77, 8, 600, 123, 31, 64, 999};
+  const std::vector<int32_t> b = {400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411};
+  std::vector<int32_t> ap(a.begin(), a.begin() + 8);
+  ap.insert(ap.end(), {700, 701});
+  const Result ra = drain(*e->submit(ids_request(a)));
+  const Result rb = drain(*e->submit(ids_request(b)));
+  REQUIRE(ra.slot != rb.slot);
+  const Result rap = drain(*e->submit(ids_request(ap)));
+  CHECK(rap.slot == rb.slot);
+  CHECK(rap.timings.n_cached == 0);
+  const Result ra2 = drain(*e->submit(ids_request(a)));
+  CHECK(ra2.slot == ra.slot);
+  CHECK(ra2.timings.n_cached == static_cast<int64_t>(a.size()) - 1);
+  CHECK(ra2.ids() == ra.ids());
+  CHECK(rap.ids() == run_alone(m, ids_request(ap)).ids());
+  // B again: its slot now holds Ap (nothing shared), A's slot holds A: B starts over in the least
+  // recently used of the two, Ap's.
+  const Result rb2 = drain(*e->submit(ids_request(b)));
+  CHECK(rb2.slot == rb.slot);
+  CHECK(rb2.timings.n_cached == 0);
+  CHECK(rb2.ids() == rb.ids());
+}
+
 TEST_CASE("BatchEngine: logit_bias moves greedy's argmax, on the host and on a device") {
   // stories260K continues "Once upon a" with " time" (378), then "re" (276) is the most likely;
   // a bias of -100 or -inf on 378 makes "re" the first token. On a device, a slot with a bias

@@ -139,6 +139,11 @@ class SlotCache {
   /// most prompt.size() - 1 (the last prompt token is always evaluated: its logits are needed)
   /// and 0 when `reuse` is false.
   int64_t prepare(std::span<const int32_t> prompt, bool reuse);
+  /// What prepare(prompt, true) would return, changing nothing: the tokens of `prompt` this
+  /// state can bring back (for a state that cannot truncate, the latest checkpoint at or before
+  /// the common prefix, or all it holds when the prompt continues it). 0 for an empty prompt.
+  /// BatchEngine ranks free slots by it.
+  int64_t reusable(std::span<const int32_t> prompt) const;
   /// Records tokens the state has just evaluated after tokens().
   void append(std::span<const int32_t> evaluated);
   /// Saves a checkpoint at the current end when the state cannot truncate (no-op otherwise).
