@@ -371,9 +371,18 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
   std::mt19937_64 depth_rng(o.seed ^ 0x9e3779b97f4a7c15ull);
   std::vector<int32_t> depth_tokens;
   int64_t filled = 0;
+  // A model with recurrent layers (Qwen3.5) cannot cut its state back to `filled`
+  // (Session::truncate): the state there is saved once the depth is filled and written back
+  // before each run (Session::rewind); a shallower depth than the one filled starts from 0.
+  const bool recurrent = !session.can_truncate();
+  std::vector<float> depth_state;
   auto to_depth = [&](const BenchTest& t) {
+    if (recurrent && t.n_depth < filled) filled = 0;
     filled = std::min<int64_t>(filled, t.n_depth);
-    session.truncate(filled);
+    if (recurrent && filled > 0)
+      session.rewind(filled, depth_state);
+    else
+      session.truncate(filled);
     if (filled == t.n_depth) return;
     while (static_cast<int64_t>(depth_tokens.size()) < t.n_depth)
       depth_tokens.push_back(static_cast<int32_t>(depth_rng() % static_cast<uint64_t>(hp.n_vocab)));
@@ -383,6 +392,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& options) {
                t, nullptr);
     say(fmt::format("d{}  context filled in {:.2f} s", t.n_depth, seconds_since(t0)));
     filled = t.n_depth;
+    if (recurrent) depth_state = session.kv().save_state(0);
   };
   // One run of a test after its depth: returns its seconds, adds CPU segment seconds to cpu_s.
   // windows: where the decode steps' residency windows go (null: not recorded).

@@ -220,6 +220,23 @@ void Session::truncate(int64_t n) {
   n_past_ = n;
 }
 
+void Session::rewind(int64_t n, std::span<const float> state) {
+  if (n < 0 || n > n_past_)
+    throw Error(ErrorCategory::invalid_argument,
+                fmt::format("rewind({}) outside 0..{}", n, n_past_));
+  if (!kv_.recurrent()) {
+    if (!state.empty())
+      throw Error(ErrorCategory::invalid_argument,
+                  fmt::format("rewind({}): a state of {} floats for a model without recurrent "
+                              "layers",
+                              n, state.size()));
+    truncate(n);
+    return;
+  }
+  kv_.restore_state(0, state);
+  n_past_ = n;
+}
+
 GenerateStats generate(Session& session, const Tokenizer& tok, Sampler& sampler,
                        std::span<const int32_t> prompt, int32_t n_predict,
                        const TokenCallback& on_token) {

@@ -156,6 +156,34 @@ TEST_CASE("bench model: a run that fails leaves the --json file as it was") {
   CHECK_FALSE(std::filesystem::exists(fresh));
 }
 
+TEST_CASE("bench model: depths on a Qwen3.5 file, whose recurrent state is written back per run") {
+  // The state cannot be cut back to the depth (Session::truncate): bench saves it there and
+  // writes it back before each run; a shallower depth after a deeper one fills again from 0.
+  const auto dir = berth::test::temp_dir("bench_model_qwen35");
+  const std::string model = (dir / "q35.gguf").string();
+  const CommandResult s =
+      run_command(berth::test::berth_bin() + " synth --preset tiny-qwen35 --type q8_0 -o " +
+                  shell_quote(model));
+  REQUIRE(s.exit_code == 0);
+  const CommandResult r =
+      run_command(berth::test::berth_bin() + " bench model -m " + shell_quote(model) +
+                  " -t 2 -q -p 8 -n 4 -pg 8,4 -d 0,16,8 -r 2 -o json");
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  REQUIRE(j.is_array());
+  REQUIRE(j.size() == 9);
+  const char* names[] = {"pp8",           "tg4",      "pp8+tg4",  "pp8 @ d16",   "tg4 @ d16",
+                         "pp8+tg4 @ d16", "pp8 @ d8", "tg4 @ d8", "pp8+tg4 @ d8"};
+  for (size_t i = 0; i < 9; ++i) {
+    CAPTURE(i);
+    CHECK(j[i]["test"] == names[i]);
+    CHECK(j[i]["n_depth"] == (i < 3 ? 0 : i < 6 ? 16 : 8));
+    CHECK(j[i]["samples_ns"].size() == 2);
+    CHECK(j[i]["model_type"].get<std::string>().rfind("qwen35 ", 0) == 0);
+  }
+}
+
 TEST_CASE("bench model: llama-bench's lists, depth and output formats") {
   const std::string bin = berth::test::berth_bin() + " bench model -m " +
                           shell_quote(berth::test::stories260k().string()) +

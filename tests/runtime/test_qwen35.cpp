@@ -682,7 +682,9 @@ TEST_CASE("qwen35: fork copies the recurrent state; save/restore is bit-exact") 
   }
 }
 
-TEST_CASE("qwen35: truncation goes back to 0 only; a reset session repeats its first run") {
+TEST_CASE(
+    "qwen35: truncation goes back to 0 only; a reset session repeats its first run; rewind "
+    "writes a saved state back") {
   gguf::File f = gguf::File::open(tiny_file("tiny-qwen35"));
   std::unique_ptr<Model> m = load_model(f);
   const std::vector<int32_t> prompt = prompt_of(10, 7, static_cast<int32_t>(m->hparams().n_vocab));
@@ -709,6 +711,33 @@ TEST_CASE("qwen35: truncation goes back to 0 only; a reset session repeats its f
     s.truncate(s.n_past());  // staying where it is works
     s.reset();
     CHECK(same_bits(greedy(s, prompt, 5), first));
+
+    // rewind(): back to a depth whose state was saved there (what bench model -d does); the
+    // same tokens after it give the same logits, bit for bit.
+    s.reset();
+    (void)s.eval(prompt);
+    const std::vector<float> at_depth = s.kv().save_state(0);
+    const std::vector<int32_t> more = prompt_of(4, 9, static_cast<int32_t>(m->hparams().n_vocab));
+    const std::span<const float> l1 = s.eval(more);
+    const std::vector<float> once(l1.begin(), l1.end());
+    s.rewind(static_cast<int64_t>(prompt.size()), at_depth);
+    CHECK(s.n_past() == static_cast<int64_t>(prompt.size()));
+    const std::span<const float> l2 = s.eval(more);
+    CHECK(std::vector<float>(l2.begin(), l2.end()) == once);
+    for (const int64_t bad : {int64_t{-1}, s.n_past() + 1}) {
+      try {
+        s.rewind(bad, at_depth);
+        FAIL("rewind outside 0..n_past() must throw");
+      } catch (const Error& e) {
+        CHECK(e.category() == ErrorCategory::invalid_argument);
+      }
+    }
+    try {
+      s.rewind(2, std::vector<float>(3));  // a state of another size
+      FAIL("rewind with a state of another size must throw");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::invalid_argument);
+    }
   }
 }
 
@@ -796,5 +825,41 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   } catch (const Error& e) {
     CHECK(e.category() == ErrorCategory::format);
     CHECK(std::string(e.what()).find("head_count_kv[0]") != std::string::npos);
+  }
+}
+
+TEST_CASE("qwen35moe: shared-expert tensors without their size name the key") {
+  // Without expert_shared_feed_forward_length (or with 0) a file has no shared expert; one whose
+  // tensors say otherwise is refused naming the key, not only the first unused tensor.
+  const gguf::File src = gguf::File::open(tiny_file("tiny-qwen35moe"));
+  const std::string key = "qwen35moe.expert_shared_feed_forward_length";
+  REQUIRE(src.has(key));
+  for (const bool zero : {false, true}) {
+    CAPTURE(zero);
+    gguf::Writer w;
+    for (const gguf::KeyValue& kv : src.kvs()) {
+      if (kv.key != key)
+        w.set(kv.key, kv.value);
+      else if (zero)
+        w.set_u32(kv.key, 0);
+    }
+    for (const gguf::TensorInfo& t : src.tensors())
+      w.add_tensor(
+          t.name, t.type,
+          std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
+          std::span<const uint8_t>(t.data, t.n_bytes));
+    const auto path = test::temp_dir("qwen35") / fmt::format("no-shexp-size-{}.gguf", zero);
+    w.write(path.string());
+    gguf::File f = gguf::File::open(path.string());
+    try {
+      load_model(f);
+      FAIL("a file with shared-expert tensors but no size must not load");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::format);
+      CHECK_MESSAGE(std::string(e.what()).find(
+                        fmt::format("{} is {} but the file has the shared expert's tensors (blk.0.",
+                                    key, zero ? "0" : "missing")) != std::string::npos,
+                    e.what());
+    }
   }
 }

@@ -126,6 +126,13 @@ class Session {
   void reset() { truncate(0); }
   /// Whether truncate() reaches every 0 <= n <= n_past() (false with recurrent layers).
   bool can_truncate() const { return !kv_.recurrent(); }
+  /// Goes back to position n (0 <= n <= n_past()) where truncate() cannot: `state` is sequence
+  /// 0's recurrent state saved when n_past() was n (kv().save_state(0)), and the tokens before n
+  /// were not replaced since, so the attention layers' KV rows before n still hold them. It is
+  /// written back bit for bit (on the device where the state lives there). Without recurrent
+  /// layers `state` is empty and this is truncate(n). Throws Error(invalid_argument) for n
+  /// outside 0..n_past(), and KvCache::restore_state's for a state of another size.
+  void rewind(int64_t n, std::span<const float> state);
 
   /// Tokens evaluated so far in steps of more than one token (prefill) and one token (decode).
   int64_t n_prefill_tokens() const { return n_prefill_tokens_; }
