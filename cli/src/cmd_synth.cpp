@@ -53,7 +53,13 @@ int synth(const SynthOptions& o) {
     need(o.n_layer.has_value(), "--n-layer");
     need(o.n_embd.has_value(), "--n-embd");
     need(o.n_head.has_value(), "--n-head");
-    need(o.n_ff.has_value(), "--n-ff");
+    // qwen35moe has no dense FFN (its feed_forward_length is optional).
+    need(o.n_ff.has_value() || o.arch == "qwen35moe", "--n-ff");
+    if (o.arch == "qwen35" || o.arch == "qwen35moe") {  // the GDN layers' shape
+      need(o.ssm_d_state.has_value(), "--ssm-d-state");
+      need(o.ssm_n_group.has_value(), "--ssm-n-group");
+      need(o.ssm_dt_rank.has_value(), "--ssm-dt-rank");
+    }
     need(o.n_vocab.has_value() || !o.vocab.empty(), "--n-vocab");
     if (!missing.empty()) {
       std::fprintf(stderr,

@@ -81,6 +81,13 @@ std::unique_ptr<Model> make_qwen35_family(const gguf::File& file, bool moe) {
     // Absent or 0: no shared expert (the released models all have one).
     hp.n_ff_shexp = file.get_int_opt(a + ".expert_shared_feed_forward_length").value_or(0);
     range(hp.n_ff_shexp, 0, int64_t{1} << 24, "expert_shared_feed_forward_length");
+    if (hp.n_ff_shexp == 0)
+      for (const char* t : {"ffn_up_shexp", "ffn_gate_inp_shexp"})
+        if (const std::string n = fmt::format("blk.0.{}.weight", t); file.find_tensor(n))
+          bad(fmt::format(
+              "{}.expert_shared_feed_forward_length is {} but the file has the shared "
+              "expert's tensors ({})",
+              a, file.has(a + ".expert_shared_feed_forward_length") ? "0" : "missing", n));
   }
   std::vector<LayerSpec> layers;
   for (int64_t l = 0; l < hp.n_layer; ++l) {

@@ -129,8 +129,14 @@ ServeRequestSamples one_request(const ServeBenchOptions& o, const std::vector<in
 }  // namespace
 
 std::string url_host(std::string_view host) {
-  return host.find(':') == std::string_view::npos ? std::string(host)
-                                                  : "[" + std::string(host) + "]";
+  if (host.find(':') == std::string_view::npos) return std::string(host);
+  // An IPv6 literal in brackets (built by appends: GCC 12 warns -Wrestrict on "[" + s + "]").
+  std::string s;
+  s.reserve(host.size() + 2);
+  s += '[';
+  s += host;
+  s += ']';
+  return s;
 }
 
 ServeBenchResult run_serve_bench(const ServeBenchOptions& o) {

@@ -123,6 +123,15 @@ TEST_CASE("bad flags are usage errors with exit code 2") {
   r = run_command(berth::test::berth_bin() + " run -m " + model + " -p hi -n -2");
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--n-predict: -2 is outside -1..2147483647") != std::string::npos);
+  // synth's shape flags: the GDN layers' three are needed for a Qwen3.5 file and named together;
+  // qwen35moe has no dense FFN, so no --n-ff (nothing is written: the check comes first).
+  r = run_command(
+      berth::test::berth_bin() +
+      " synth --arch qwen35moe --type f32 --n-layer 4 --n-embd 64 --n-head 2 --n-vocab 512 -o "
+      "/nonexistent/x.gguf");
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("missing: --ssm-d-state, --ssm-n-group, --ssm-dt-rank (") != std::string::npos);
+  CHECK(r.err.find("--n-ff") == std::string::npos);
 }
 
 TEST_CASE("an empty model path and an unwritable JSON path are named") {
