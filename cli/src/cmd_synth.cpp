@@ -101,6 +101,13 @@ int synth(const SynthOptions& o) {
   s.vocab_path = o.vocab;
   s.sparse = o.sparse;
   validate_synth_spec(s);  // before any file work
+  if ((s.arch == "qwen35" || s.arch == "qwen35moe") && s.full_attention_interval > s.n_layer)
+    std::fprintf(stderr,
+                 "berth: warning: --full-attention-interval %lld is beyond --n-layer %lld: every "
+                 "layer is Gated DeltaNet; berth run and serve refuse such a file (it is for the "
+                 "oracle and kernel tests)\n",
+                 static_cast<long long>(s.full_attention_interval),
+                 static_cast<long long>(s.n_layer));
 
   const bool tty = isatty(STDERR_FILENO) != 0;
   const auto t0 = std::chrono::steady_clock::now();
