@@ -247,7 +247,7 @@ void BatchEngine::assign_locked() {
       continue;
     }
     // The free slot that brings back the most of the prompt (at least kMinSimilarity of it),
-    // else the least recently used. What a slot brings back is SlotCache::reusable: for a
+    // else the least recently used. What a slot brings back is SlotCache::reuse: for a
     // recurrent state (Qwen3.5) only up to a checkpoint, which can be far less than the shared
     // prefix. A slot sharing more with the prompt than it can bring back (a recurrent state past
     // the point of divergence, no checkpoint before it) is taken last: the prompt would gain
@@ -258,11 +258,11 @@ void BatchEngine::assign_locked() {
     int64_t best_reuse = 0;
     for (Slot& s : slots_) {
       if (s.gen || (w.req.slot >= 0 && s.id != w.req.slot)) continue;
-      const int64_t reuse = w.req.cache_prompt ? s.cache->reusable(w.req.prompt) : 0;
-      // The prefix it shares but cannot bring back (never for a state that can truncate).
-      const bool loses = w.req.cache_prompt &&
-                         reuse < std::min(SlotCache::common_prefix(s.cache->tokens(), w.req.prompt),
-                                          static_cast<int64_t>(w.req.prompt.size()) - 1);
+      const SlotCache::PrefixReuse r =
+          w.req.cache_prompt ? s.cache->reuse(w.req.prompt) : SlotCache::PrefixReuse{};
+      const int64_t reuse = r.restorable;
+      // A shared prefix it cannot bring back (never for a state that can truncate).
+      const bool loses = r.restorable < r.shared;
       if (!fallback || (fallback_loses && !loses) ||
           (fallback_loses == loses && s.last_used < fallback->last_used)) {
         fallback = &s;

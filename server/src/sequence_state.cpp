@@ -109,23 +109,25 @@ int64_t SlotCache::common_prefix(std::span<const int32_t> a, std::span<const int
   return static_cast<int64_t>(i);
 }
 
-int64_t SlotCache::reusable(std::span<const int32_t> prompt) const {
-  if (prompt.empty()) return 0;
-  const int64_t want =
-      std::min(common_prefix(tokens_, prompt), static_cast<int64_t>(prompt.size()) - 1);
-  if (want == static_cast<int64_t>(tokens_.size()) || state_.can_truncate()) return want;
-  // The latest checkpoint at or before `want`, else nothing.
-  int64_t n = 0;
+SlotCache::PrefixReuse SlotCache::reuse(std::span<const int32_t> prompt) const {
+  if (prompt.empty()) return {};
+  PrefixReuse r;
+  r.shared = std::min(common_prefix(tokens_, prompt), static_cast<int64_t>(prompt.size()) - 1);
+  if (r.shared == static_cast<int64_t>(tokens_.size()) || state_.can_truncate()) {
+    r.restorable = r.shared;
+    return r;
+  }
+  // The latest checkpoint at or before `shared`, else nothing.
   for (const Checkpoint& cp : checkpoints_)
-    if (cp.n_past <= want) n = cp.n_past;
-  return n;
+    if (cp.n_past <= r.shared) r.restorable = cp.n_past;
+  return r;
 }
 
 int64_t SlotCache::prepare(std::span<const int32_t> prompt, bool reuse) {
   BERTH_CHECK(!prompt.empty(), "SlotCache::prepare: empty prompt");
   BERTH_CHECK(static_cast<int64_t>(tokens_.size()) == state_.n_past(),
               "SlotCache: the state holds a different number of tokens than recorded");
-  const int64_t n = reuse ? reusable(prompt) : 0;
+  const int64_t n = reuse ? this->reuse(prompt).restorable : 0;
   if (n == state_.n_past()) {
     // The prompt continues exactly what the state holds.
   } else if (n == 0 || state_.can_truncate()) {

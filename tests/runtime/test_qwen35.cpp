@@ -82,6 +82,33 @@ SessionParams cpu_params(int64_t n_ctx = 128, int32_t n_ubatch = 512, int32_t n_
   return sp;
 }
 
+/// Writes `src`'s tensors under the metadata `kvs` writes, as temp file `name`; returns its path.
+std::string write_copy(const gguf::File& src, const std::string& name,
+                       const std::function<void(gguf::Writer&)>& kvs) {
+  gguf::Writer w;
+  kvs(w);
+  for (const gguf::TensorInfo& t : src.tensors())
+    w.add_tensor(t.name, t.type,
+                 std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
+                 std::span<const uint8_t>(t.data, t.n_bytes));
+  const auto path = test::temp_dir("qwen35") / name;
+  w.write(path.string());
+  return path.string();
+}
+
+/// Loading the file at `path` fails with a format error whose message contains `want`.
+void check_refused(const std::string& path, const std::string& want) {
+  CAPTURE(want);
+  gguf::File f = gguf::File::open(path);
+  try {
+    load_model(f);
+    FAIL("the file must not load");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::format);
+    CHECK_MESSAGE(std::string(e.what()).find(want) != std::string::npos, e.what());
+  }
+}
+
 /// max |got - want| / max |want|.
 double rel_err(std::span<const float> got, const std::vector<double>& want) {
   REQUIRE(got.size() == want.size());
@@ -743,18 +770,8 @@ TEST_CASE(
 
 TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   const gguf::File src = gguf::File::open(tiny_file("tiny-qwen35"));
-  // Writes src's tensors under the metadata `kvs` writes, as temp file `name`.
   auto write = [&](const std::string& name, const std::function<void(gguf::Writer&)>& kvs) {
-    gguf::Writer w;
-    kvs(w);
-    for (const gguf::TensorInfo& t : src.tensors())
-      w.add_tensor(
-          t.name, t.type,
-          std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
-          std::span<const uint8_t>(t.data, t.n_bytes));
-    const auto path = test::temp_dir("qwen35") / name;
-    w.write(path.string());
-    return path.string();
+    return write_copy(src, name, kvs);
   };
   // Copies src without key `drop` (and with `kv_array` as a per-layer head_count_kv).
   auto copy = [&](const std::string& drop, const std::vector<int32_t>& kv_array) {
@@ -770,15 +787,7 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   };
   for (const char* key : {"qwen35.ssm.state_size", "qwen35.ssm.conv_kernel",
                           "qwen35.ssm.group_count", "qwen35.ssm.time_step_rank"}) {
-    CAPTURE(key);
-    gguf::File f = gguf::File::open(copy(key, {}));
-    try {
-      load_model(f);
-      FAIL("a file without the key must not load");
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::format);
-      CHECK(std::string(e.what()).find(key) != std::string::npos);
-    }
+    check_refused(copy(key, {}), key);
   }
   // An interval beyond the layers names the count it is checked against: block_count, or what
   // is left of it after the MTP layers (nextn_predict_layers).
@@ -798,15 +807,7 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
                                                   {"qwen35.nextn_predict_layers", 2}},
                   std::string("full_attention_interval = 4 must be in 1..2 (the layers left of "
                               "qwen35.block_count 4 after qwen35.nextn_predict_layers 2)")}}) {
-    CAPTURE(want);
-    gguf::File f = gguf::File::open(with_u32(set));
-    try {
-      load_model(f);
-      FAIL("an interval beyond the layers must not load");
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::format);
-      CHECK(std::string(e.what()).find(want) != std::string::npos);
-    }
+    check_refused(with_u32(set), want);
   }
   // head_count_kv per layer: 0 on the GDN layers (0, 1, 2), 2 on layer 3, loads and runs as the
   // scalar does; a non-zero entry on a GDN layer is refused.
@@ -818,14 +819,7 @@ TEST_CASE("qwen35: missing or inconsistent metadata names the key") {
   const std::vector<int32_t> prompt = prompt_of(6, 8, static_cast<int32_t>(m->hparams().n_vocab));
   Session s1(*m, cpu_params()), s2(*ms, cpu_params());
   CHECK(same_bits(greedy(s1, prompt, 4), greedy(s2, prompt, 4)));
-  gguf::File bad = gguf::File::open(copy("", {2, 0, 0, 2}));
-  try {
-    load_model(bad);
-    FAIL("a per-layer head count on a GDN layer must not load");
-  } catch (const Error& e) {
-    CHECK(e.category() == ErrorCategory::format);
-    CHECK(std::string(e.what()).find("head_count_kv[0]") != std::string::npos);
-  }
+  check_refused(copy("", {2, 0, 0, 2}), "head_count_kv[0]");
 }
 
 TEST_CASE("qwen35moe: shared-expert tensors without their size name the key") {
@@ -836,30 +830,16 @@ TEST_CASE("qwen35moe: shared-expert tensors without their size name the key") {
   REQUIRE(src.has(key));
   for (const bool zero : {false, true}) {
     CAPTURE(zero);
-    gguf::Writer w;
-    for (const gguf::KeyValue& kv : src.kvs()) {
-      if (kv.key != key)
-        w.set(kv.key, kv.value);
-      else if (zero)
-        w.set_u32(kv.key, 0);
-    }
-    for (const gguf::TensorInfo& t : src.tensors())
-      w.add_tensor(
-          t.name, t.type,
-          std::vector<int64_t>(t.ne.begin(), t.ne.begin() + std::max<uint32_t>(1, t.n_dims)),
-          std::span<const uint8_t>(t.data, t.n_bytes));
-    const auto path = test::temp_dir("qwen35") / fmt::format("no-shexp-size-{}.gguf", zero);
-    w.write(path.string());
-    gguf::File f = gguf::File::open(path.string());
-    try {
-      load_model(f);
-      FAIL("a file with shared-expert tensors but no size must not load");
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::format);
-      CHECK_MESSAGE(std::string(e.what()).find(
-                        fmt::format("{} is {} but the file has the shared expert's tensors (blk.0.",
-                                    key, zero ? "0" : "missing")) != std::string::npos,
-                    e.what());
-    }
+    const std::string path =
+        write_copy(src, fmt::format("no-shexp-size-{}.gguf", zero), [&](gguf::Writer& w) {
+          for (const gguf::KeyValue& kv : src.kvs()) {
+            if (kv.key != key)
+              w.set(kv.key, kv.value);
+            else if (zero)
+              w.set_u32(kv.key, 0);
+          }
+        });
+    check_refused(path, fmt::format("{} is {} but the file has the shared expert's tensors (blk.0.",
+                                    key, zero ? "0" : "missing"));
   }
 }

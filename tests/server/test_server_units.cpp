@@ -200,7 +200,7 @@ TEST_CASE("SlotCache reuses a non-truncatable state through its checkpoints") {
 
   // A prompt continuing exactly what the state holds needs nothing restored.
   std::vector<int32_t> turn2 = {1, 10, 11, 12, 13, 20, 21, 22, 30, 31};
-  CHECK(cache.reusable(turn2) == 8);
+  CHECK(cache.reuse(turn2).restorable == 8);
   CHECK(cache.prepare(turn2, true) == 8);
   CHECK(st.restores == 0);
   eval(st, cache, turn2, 8);
@@ -208,12 +208,19 @@ TEST_CASE("SlotCache reuses a non-truncatable state through its checkpoints") {
 
   // A prompt that diverges after the first turn's prompt: back to that checkpoint (5 tokens).
   const std::vector<int32_t> retry = {1, 10, 11, 12, 13, 40, 41};
-  // reusable() says so before and changes nothing (checkpoints at 5 and 10): a prompt sharing 7
+  // reuse() says so before and changes nothing (checkpoints at 5 and 10): a prompt sharing 7
   // tokens brings back 5 too, the latest checkpoint at or before 7; one diverging at 4, nothing.
-  CHECK(cache.reusable(retry) == 5);
-  CHECK(cache.reusable(std::vector<int32_t>{1, 10, 11, 12, 13, 20, 21, 50}) == 5);
-  CHECK(cache.reusable(std::vector<int32_t>{1, 10, 11, 12, 50, 51}) == 0);
-  CHECK(cache.reusable(std::vector<int32_t>{}) == 0);
+  CHECK(cache.reuse(retry).shared == 5);
+  CHECK(cache.reuse(retry).restorable == 5);
+  const SlotCache::PrefixReuse seven =
+      cache.reuse(std::vector<int32_t>{1, 10, 11, 12, 13, 20, 21, 50});
+  CHECK(seven.shared == 7);
+  CHECK(seven.restorable == 5);
+  const SlotCache::PrefixReuse four = cache.reuse(std::vector<int32_t>{1, 10, 11, 12, 50, 51});
+  CHECK(four.shared == 4);
+  CHECK(four.restorable == 0);
+  CHECK(cache.reuse(std::vector<int32_t>{}).shared == 0);
+  CHECK(cache.reuse(std::vector<int32_t>{}).restorable == 0);
   CHECK(st.restores == 0);
   CHECK(st.n_past() == 10);
   CHECK(cache.prepare(retry, true) == 5);

@@ -139,11 +139,18 @@ class SlotCache {
   /// most prompt.size() - 1 (the last prompt token is always evaluated: its logits are needed)
   /// and 0 when `reuse` is false.
   int64_t prepare(std::span<const int32_t> prompt, bool reuse);
-  /// What prepare(prompt, true) would return, changing nothing: the tokens of `prompt` this
-  /// state can bring back (for a state that cannot truncate, the latest checkpoint at or before
-  /// the common prefix, or all it holds when the prompt continues it). 0 for an empty prompt.
-  /// BatchEngine ranks free slots by it.
-  int64_t reusable(std::span<const int32_t> prompt) const;
+  /// How much of a prompt the state shares and can bring back.
+  struct PrefixReuse {
+    /// The common prefix of tokens() and the prompt, at most prompt.size() - 1.
+    int64_t shared = 0;
+    /// What prepare(prompt, true) would return: `shared` for a state that can truncate or when
+    /// the prompt continues all it holds, else the latest checkpoint at or before `shared` (0
+    /// without one). restorable < shared: the slot would lose the rest of the shared prefix.
+    int64_t restorable = 0;
+  };
+  /// The prompt's PrefixReuse, changing nothing (both 0 for an empty prompt). BatchEngine ranks
+  /// free slots by it.
+  PrefixReuse reuse(std::span<const int32_t> prompt) const;
   /// Records tokens the state has just evaluated after tokens().
   void append(std::span<const int32_t> evaluated);
   /// Saves a checkpoint at the current end when the state cannot truncate (no-op otherwise).
